@@ -1,0 +1,337 @@
+//! llm.c's binary files: the model file (magic 20240326, v3 fp32 / v5 bf16), the debug-state file
+//! (magic 20240327) and the training-state file (magic 20240527).
+//!
+//! Every file starts with a header of 256 little-endian int32. Writes go to a temporary file in
+//! the same directory, are fsynced and then renamed, so a crash never leaves a half-written file
+//! under the final name.
+
+use crate::config::GPT2Config;
+use crate::model::GPT2;
+use anyhow::{bail, Context, Result};
+use std::fs::File;
+use std::io::{BufWriter, Read, Write};
+use std::path::Path;
+
+pub const MODEL_MAGIC: i32 = 20240326;
+pub const DEBUG_STATE_MAGIC: i32 = 20240327;
+pub const HEADER_INTS: usize = 256;
+pub const HEADER_BYTES: usize = HEADER_INTS * 4;
+
+/// Storage precision of a model file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    F32,
+    BF16,
+}
+
+impl Dtype {
+    pub fn version(self) -> i32 {
+        match self {
+            Dtype::F32 => 3,
+            Dtype::BF16 => 5,
+        }
+    }
+    fn bytes(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::BF16 => 2,
+        }
+    }
+}
+
+/// Read a whole file, with an error that names it.
+pub fn read_file(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+/// Parse the 256-int header at the start of `bytes`.
+pub fn parse_header(bytes: &[u8], path: &Path, what: &str) -> Result<[i32; HEADER_INTS]> {
+    if bytes.len() < HEADER_BYTES {
+        bail!(
+            "{} is too short to be an llm.c {what} file ({} bytes, the header alone is {HEADER_BYTES}): it is truncated or not such a file",
+            path.display(),
+            bytes.len()
+        );
+    }
+    Ok(std::array::from_fn(|i| {
+        i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap())
+    }))
+}
+
+pub fn f32s_from_le(bytes: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *o = f32::from_le_bytes(b.try_into().unwrap());
+    }
+}
+
+pub fn f32s_to_le(vals: &[f32], out: &mut Vec<u8>) {
+    out.reserve(vals.len() * 4);
+    for v in vals {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Write `chunks` to `path` atomically: temp file in the same directory, fsync, rename.
+pub fn write_atomic(path: &Path, chunks: &[&[u8]]) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create directory {}", dir.display()))?;
+    let name = path
+        .file_name()
+        .context("output path has no file name")?
+        .to_string_lossy();
+    let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
+    let result = (|| -> Result<()> {
+        let mut f = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        for c in chunks {
+            f.write_all(c)?;
+        }
+        let f = f.into_inner().map_err(|e| e.into_error())?;
+        f.sync_all()?;
+        Ok(())
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e.context(format!(
+            "cannot write {} (is the disk full?)",
+            path.display()
+        )));
+    }
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
+    Ok(())
+}
+
+/// The model-file header for `cfg`.
+fn model_header(cfg: &GPT2Config, dtype: Dtype) -> Vec<u8> {
+    let mut h = [0i32; HEADER_INTS];
+    h[0] = MODEL_MAGIC;
+    h[1] = dtype.version();
+    h[2] = cfg.max_seq_len as i32;
+    h[3] = cfg.vocab_size as i32;
+    h[4] = cfg.num_layers as i32;
+    h[5] = cfg.num_heads as i32;
+    h[6] = cfg.channels as i32;
+    h[7] = cfg.padded_vocab_size as i32;
+    h.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Parse a model-file header into a shape and dtype.
+fn parse_model_header(h: &[i32; HEADER_INTS], path: &Path) -> Result<(GPT2Config, Dtype)> {
+    if h[0] != MODEL_MAGIC {
+        bail!(
+            "{} is not an llm.c model file (magic {} instead of {MODEL_MAGIC}); pass a model .bin written by llm.c or llmrs",
+            path.display(),
+            h[0]
+        );
+    }
+    let dtype = match h[1] {
+        3 => Dtype::F32,
+        5 => Dtype::BF16,
+        v => bail!(
+            "{}: model file version {v} is not supported (3 = fp32, 5 = bf16); re-export it with llm.c's train_gpt2.py or llmrs",
+            path.display()
+        ),
+    };
+    let dim = |i: usize, name: &str| -> Result<usize> {
+        usize::try_from(h[i])
+            .ok()
+            .filter(|&x| x > 0)
+            .with_context(|| {
+                format!(
+                    "{}: header field {name} = {} is invalid",
+                    path.display(),
+                    h[i]
+                )
+            })
+    };
+    let cfg = GPT2Config {
+        max_seq_len: dim(2, "max_seq_len")?,
+        vocab_size: dim(3, "vocab_size")?,
+        num_layers: dim(4, "num_layers")?,
+        num_heads: dim(5, "num_heads")?,
+        channels: dim(6, "channels")?,
+        padded_vocab_size: dim(7, "padded_vocab_size")?,
+    };
+    cfg.validate()
+        .with_context(|| format!("{}: bad model header", path.display()))?;
+    Ok((cfg, dtype))
+}
+
+/// Load an llm.c model file (fp32 or bf16).
+pub fn load_model(path: &Path) -> Result<GPT2> {
+    let bytes = read_file(path)?;
+    let h = parse_header(&bytes, path, "model")?;
+    let (cfg, dtype) = parse_model_header(&h, path)?;
+    let mut model = GPT2::zeros(cfg)?;
+    let n = model.num_parameters();
+    let want = HEADER_BYTES + n * dtype.bytes();
+    if bytes.len() != want {
+        bail!(
+            "{}: file is {} bytes but a {:?} model of this shape needs {want}: the file is truncated or corrupt",
+            path.display(),
+            bytes.len(),
+            dtype
+        );
+    }
+    let body = &bytes[HEADER_BYTES..];
+    match dtype {
+        Dtype::F32 => f32s_from_le(body, &mut model.params),
+        Dtype::BF16 => {
+            for (o, b) in model.params.iter_mut().zip(body.chunks_exact(2)) {
+                *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+    }
+    Ok(model)
+}
+
+/// Write the model's parameters as an llm.c model file (bf16 rounds to nearest even).
+pub fn save_model(model: &GPT2, path: &Path, dtype: Dtype) -> Result<()> {
+    let header = model_header(&model.config, dtype);
+    let mut body = Vec::with_capacity(model.params.len() * dtype.bytes());
+    match dtype {
+        Dtype::F32 => f32s_to_le(&model.params, &mut body),
+        Dtype::BF16 => {
+            for p in &model.params {
+                body.extend_from_slice(&half::bf16::from_f32(*p).to_le_bytes());
+            }
+        }
+    }
+    write_atomic(path, &[&header, &body])
+}
+
+/// llm.c's debug-state file (`gpt2_124M_debug_state.bin`): one batch with the reference logits,
+/// loss and parameter gradients computed by PyTorch.
+pub struct DebugState {
+    pub b: usize,
+    pub t: usize,
+    pub inputs: Vec<u32>,  // (B, T)
+    pub targets: Vec<u32>, // (B, T)
+    pub logits: Vec<f32>,  // (B, T, V)
+    pub loss: f32,
+    pub grads: Vec<f32>, // (num_parameters)
+}
+
+/// Read a debug-state file for a model of shape `cfg`.
+pub fn load_debug_state(path: &Path, cfg: &GPT2Config) -> Result<DebugState> {
+    let mut bytes = Vec::new();
+    File::open(path)
+        .with_context(|| format!("cannot open {}", path.display()))?
+        .read_to_end(&mut bytes)?;
+    let h = parse_header(&bytes, path, "debug-state")?;
+    if h[0] != DEBUG_STATE_MAGIC {
+        bail!(
+            "{} is not an llm.c debug-state file (magic {})",
+            path.display(),
+            h[0]
+        );
+    }
+    if h[1] != 2 {
+        bail!(
+            "{}: debug-state version {} is not supported (expected 2); re-run train_gpt2.py",
+            path.display(),
+            h[1]
+        );
+    }
+    let (b, t) = (h[2].max(0) as usize, h[3].max(0) as usize);
+    let n = crate::params::ParamLayout::new(cfg).num_parameters;
+    let bt = b * t;
+    let want = HEADER_BYTES + 8 * bt + 4 * bt * cfg.vocab_size + 4 + 4 * n;
+    if b == 0 || t == 0 || bytes.len() != want {
+        bail!("{}: {} bytes, expected {want} for B={b} T={t} and this model: truncated, or for another model", path.display(), bytes.len());
+    }
+    let mut off = HEADER_BYTES;
+    let mut ints = |k: usize| {
+        let v: Vec<u32> = bytes[off..off + 4 * k]
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect();
+        off += 4 * k;
+        v
+    };
+    let inputs = ints(bt);
+    let targets = ints(bt);
+    let mut floats = |k: usize| {
+        let mut v = vec![0f32; k];
+        f32s_from_le(&bytes[off..off + 4 * k], &mut v);
+        off += 4 * k;
+        v
+    };
+    let logits = floats(bt * cfg.vocab_size);
+    let loss = floats(1)[0];
+    let grads = floats(n);
+    Ok(DebugState {
+        b,
+        t,
+        inputs,
+        targets,
+        logits,
+        loss,
+        grads,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_round_trip_fp32_and_bf16() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = GPT2Config::from_descriptor("2x16:2:8").unwrap();
+        let model = GPT2::random(cfg, 3).unwrap();
+        let p = dir.path().join("m.bin");
+        save_model(&model, &p, Dtype::F32).unwrap();
+        let back = load_model(&p).unwrap();
+        assert_eq!(back.config, cfg);
+        assert_eq!(back.params, model.params);
+        save_model(&model, &p, Dtype::BF16).unwrap();
+        let back = load_model(&p).unwrap();
+        for (a, b) in back.params.iter().zip(&model.params) {
+            assert!(
+                (a - b).abs() <= b.abs() / 128.0,
+                "bf16 keeps 8 bits of mantissa"
+            );
+        }
+        // Writing bf16 again from the bf16-loaded model is lossless.
+        let p2 = dir.path().join("m2.bin");
+        save_model(&back, &p2, Dtype::BF16).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), std::fs::read(&p2).unwrap());
+    }
+
+    #[test]
+    fn bad_model_files_give_clear_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = GPT2Config::from_descriptor("1x8:2:4").unwrap();
+        let p = dir.path().join("m.bin");
+        save_model(&GPT2::random(cfg, 1).unwrap(), &p, Dtype::F32).unwrap();
+        let good = std::fs::read(&p).unwrap();
+        let err = |bytes: &[u8]| {
+            std::fs::write(&p, bytes).unwrap();
+            format!("{:#}", load_model(&p).err().expect("must fail"))
+        };
+        assert!(err(&good[..good.len() - 1]).contains("truncated"));
+        assert!(err(&good[..100]).contains("too short"));
+        let mut foreign = good.clone();
+        foreign[0] = 0x7f;
+        assert!(err(&foreign).contains("not an llm.c model file"));
+        let mut v = good.clone();
+        v[4] = 4;
+        assert!(err(&v).contains("version 4"));
+        let mut shape = good.clone();
+        shape[6 * 4..6 * 4 + 4].copy_from_slice(&7i32.to_le_bytes()); // C=7 not divisible by NH=2
+        assert!(err(&shape).contains("bad model header"));
+        let mut huge = good;
+        huge[4 * 4..4 * 4 + 4].copy_from_slice(&i32::MAX.to_le_bytes()); // L = 2^31-1
+        assert!(err(&huge).contains("implausibly large"));
+        assert!(format!(
+            "{:#}",
+            load_model(&dir.path().join("missing.bin")).err().unwrap()
+        )
+        .contains("cannot read"));
+    }
+}

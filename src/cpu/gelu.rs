@@ -1,0 +1,78 @@
+//! GELU, tanh approximation (`nn.GELU(approximate='tanh')`, as GPT-2 and llm.c).
+
+use rayon::prelude::*;
+
+const SCALE: f32 = 0.797_884_6; // sqrt(2 / pi)
+const CHUNK: usize = 4096;
+
+#[inline]
+fn gelu(x: f32) -> f32 {
+    let cube = 0.044715 * x * x * x;
+    0.5 * x * (1.0 + (SCALE * (x + cube)).tanh())
+}
+
+#[inline]
+fn gelu_grad(x: f32) -> f32 {
+    let cube = 0.044715 * x * x * x;
+    let arg = SCALE * (x + cube);
+    let th = arg.tanh();
+    let sech2 = 1.0 - th * th;
+    0.5 * (1.0 + th) + x * 0.5 * sech2 * SCALE * (1.0 + 3.0 * 0.044715 * x * x)
+}
+
+/// out (N) = gelu(inp (N)).
+pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
+    out.par_chunks_mut(CHUNK)
+        .zip(inp.par_chunks(CHUNK))
+        .for_each(|(o, x)| {
+            for (o, x) in o.iter_mut().zip(x) {
+                *o = gelu(*x);
+            }
+        });
+}
+
+/// In place: `d (N) *= gelu'(inp (N))`, turning d(out) into d(inp).
+pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
+    d.par_chunks_mut(CHUNK)
+        .zip(inp.par_chunks(CHUNK))
+        .for_each(|(d, x)| {
+            for (d, x) in d.iter_mut().zip(x) {
+                *d *= gelu_grad(*x);
+            }
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::*;
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        for n in [1usize, 3, 7, 4099] {
+            let mut r = TestRng(n as u64);
+            let x: Vec<f32> = r.vec(n).iter().map(|v| v * 4.0).collect();
+            let proj = r.vec(n);
+            let fwd = |x: &[f32]| {
+                let mut o = vec![0f32; x.len()];
+                gelu_forward(&mut o, x);
+                dot(&o, &proj)
+            };
+            let mut d = proj.clone();
+            gelu_backward_inplace(&mut d, &x);
+            check_grad(
+                &x[..n.min(64)],
+                &d[..n.min(64)],
+                |xs| {
+                    let mut full = x.clone();
+                    full[..xs.len()].copy_from_slice(xs);
+                    fwd(&full)
+                },
+                "gelu",
+            );
+        }
+        // Known values of the tanh approximation.
+        assert!((gelu(1.0) - 0.841_192).abs() < 1e-5);
+        assert!((gelu(-2.0) - -0.045_402_3).abs() < 1e-5);
+    }
+}

@@ -1,0 +1,248 @@
+//! Matmul with bias: `out = inp @ W^T + b`, the layer behind every Linear in GPT-2.
+//!
+//! Backed by the `gemm` crate (packed, cache-blocked, SIMD, threaded on rayon). Transposes are
+//! expressed with strides, so no operand is ever copied.
+
+use gemm::{gemm, Parallelism};
+
+/// Thread the GEMM only when there is enough work for it to pay (m*n*k multiply-adds).
+fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
+    if m * n * k >= 1 << 18 && rayon::current_num_threads() > 1 {
+        Parallelism::Rayon(rayon::current_num_threads())
+    } else {
+        Parallelism::None
+    }
+}
+
+/// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n)` with arbitrary strides (row stride, column stride).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    (dst_rs, dst_cs): (isize, isize),
+    accumulate: bool,
+    lhs: &[f32],
+    (lhs_rs, lhs_cs): (isize, isize),
+    rhs: &[f32],
+    (rhs_rs, rhs_cs): (isize, isize),
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    // The largest element index each operand's strides can reach must be in bounds; this is
+    // what makes the raw-pointer call below sound.
+    let last = |rows: usize, cols: usize, rs: isize, cs: isize| {
+        (rows - 1) as isize * rs + (cols - 1) as isize * cs
+    };
+    assert!(dst_rs >= 0 && dst_cs >= 0 && lhs_rs >= 0 && lhs_cs >= 0 && rhs_rs >= 0 && rhs_cs >= 0);
+    assert!((last(m, n, dst_rs, dst_cs) as usize) < dst.len());
+    if k > 0 {
+        assert!((last(m, k, lhs_rs, lhs_cs) as usize) < lhs.len());
+        assert!((last(k, n, rhs_rs, rhs_cs) as usize) < rhs.len());
+    }
+    // SAFETY: all three operands are valid slices and the asserts above show every index the
+    // strides address lies inside them; `dst` is a unique borrow, so it cannot alias lhs/rhs.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            dst_cs,
+            dst_rs,
+            accumulate,
+            lhs.as_ptr(),
+            lhs_cs,
+            lhs_rs,
+            rhs.as_ptr(),
+            rhs_cs,
+            rhs_rs,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(m, n, k),
+        )
+    }
+}
+
+/// out (N, OC) = inp (N, C) @ weight (OC, C)^T + bias (OC).
+pub fn matmul_forward(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    let out = &mut out[..n * oc];
+    if let Some(bias) = bias {
+        for row in out.chunks_exact_mut(oc) {
+            row.copy_from_slice(&bias[..oc]);
+        }
+    }
+    let (c_, oc_) = (c as isize, oc as isize);
+    gemm_strided(
+        n,
+        oc,
+        c,
+        out,
+        (oc_, 1),
+        bias.is_some(),
+        inp,
+        (c_, 1),
+        weight,
+        (1, c_),
+    );
+}
+
+/// Backward of [`matmul_forward`].
+/// - `dinp (N, C)` is overwritten with `dout @ weight` (it is a per-layer scratch buffer);
+/// - `dweight (OC, C) += dout^T @ inp` and `dbias (OC) += sum over rows of dout` accumulate.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward(
+    dinp: Option<&mut [f32]>,
+    dweight: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    let (c_, oc_) = (c as isize, oc as isize);
+    if let Some(dinp) = dinp {
+        gemm_strided(
+            n,
+            c,
+            oc,
+            &mut dinp[..n * c],
+            (c_, 1),
+            false,
+            dout,
+            (oc_, 1),
+            weight,
+            (c_, 1),
+        );
+    }
+    gemm_strided(
+        oc,
+        c,
+        n,
+        &mut dweight[..oc * c],
+        (c_, 1),
+        true,
+        dout,
+        (1, oc_),
+        inp,
+        (c_, 1),
+    );
+    if let Some(dbias) = dbias {
+        bias_backward(dbias, dout, n, oc);
+    }
+}
+
+/// dbias (OC) += column sums of dout (N, OC). Split over columns so every thread sums its
+/// columns over all rows in the same order: the result does not depend on scheduling.
+fn bias_backward(dbias: &mut [f32], dout: &[f32], n: usize, oc: usize) {
+    use rayon::prelude::*;
+    const COLS: usize = 64;
+    dbias[..oc]
+        .par_chunks_mut(COLS)
+        .enumerate()
+        .for_each(|(ci, db)| {
+            let (c0, w) = (ci * COLS, db.len());
+            for row in dout[..n * oc].chunks_exact(oc) {
+                for (d, g) in db.iter_mut().zip(&row[c0..c0 + w]) {
+                    *d += g;
+                }
+            }
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::*;
+
+    fn naive(inp: &[f32], w: &[f32], b: Option<&[f32]>, n: usize, c: usize, oc: usize) -> Vec<f32> {
+        let mut out = vec![0f32; n * oc];
+        for i in 0..n {
+            for o in 0..oc {
+                let mut s = b.map_or(0.0, |b| b[o] as f64);
+                for k in 0..c {
+                    s += inp[i * c + k] as f64 * w[o * c + k] as f64;
+                }
+                out[i * oc + o] = s as f32;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn forward_matches_naive_on_odd_shapes() {
+        for &(n, c, oc) in &[(1, 1, 1), (3, 7, 5), (7, 3, 1), (13, 17, 67), (65, 33, 129)] {
+            let mut r = TestRng(n as u64 * 31 + c as u64);
+            let inp = r.vec(n * c);
+            let w = r.vec(oc * c);
+            let b = r.vec(oc);
+            let mut out = vec![0f32; n * oc];
+            matmul_forward(&mut out, &inp, &w, Some(&b), n, c, oc);
+            assert_close(
+                &out,
+                &naive(&inp, &w, Some(&b), n, c, oc),
+                1e-5,
+                1e-5,
+                "matmul fwd",
+            );
+            matmul_forward(&mut out, &inp, &w, None, n, c, oc);
+            assert_close(
+                &out,
+                &naive(&inp, &w, None, n, c, oc),
+                1e-5,
+                1e-5,
+                "matmul fwd nobias",
+            );
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        for &(n, c, oc) in &[(1, 1, 1), (3, 7, 5), (7, 3, 1)] {
+            let mut r = TestRng(7 + n as u64);
+            let inp = r.vec(n * c);
+            let w = r.vec(oc * c);
+            let b = r.vec(oc);
+            let proj = r.vec(n * oc);
+            // loss = sum(out * proj)  =>  dout = proj
+            let loss = |inp: &[f32], w: &[f32], b: &[f32]| -> f64 {
+                dot(&naive(inp, w, Some(b), n, c, oc), &proj)
+            };
+            let mut dinp = vec![9f32; n * c];
+            let mut dw = vec![0.5f32; oc * c];
+            let mut db = vec![0.25f32; oc];
+            matmul_backward(
+                Some(&mut dinp),
+                &mut dw,
+                Some(&mut db),
+                &proj,
+                &inp,
+                &w,
+                n,
+                c,
+                oc,
+            );
+            // dw and db accumulate onto their previous contents.
+            dw.iter_mut().for_each(|x| *x -= 0.5);
+            db.iter_mut().for_each(|x| *x -= 0.25);
+            check_grad(&inp, &dinp, |x| loss(x, &w, &b), "dinp");
+            check_grad(&w, &dw, |x| loss(&inp, x, &b), "dweight");
+            check_grad(&b, &db, |x| loss(&inp, &w, x), "dbias");
+        }
+    }
+}

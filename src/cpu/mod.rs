@@ -1,0 +1,14 @@
+//! The CPU backend: one file per layer, forward and backward side by side (fp32, all cores
+//! through rayon). A CUDA backend mirrors these file names.
+
+pub mod adamw;
+pub mod attention;
+pub mod classifier;
+pub mod encoder;
+pub mod gelu;
+pub mod layernorm;
+pub mod matmul;
+pub mod residual;
+
+#[cfg(test)]
+pub mod testutil;

@@ -1,0 +1,12 @@
+//! llm.rs: GPT-2 training from scratch in pure Rust, in the spirit of llm.c.
+//!
+//! Dimension names (B, T, C, NH, HS, L, V, Vp, maxT) are defined in [`config`].
+
+pub mod checkpoint;
+pub mod config;
+pub mod cpu;
+pub mod model;
+pub mod optim;
+pub mod params;
+pub mod rng;
+pub mod schedule;
