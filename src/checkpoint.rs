@@ -275,6 +275,150 @@ pub fn load_debug_state(path: &Path, cfg: &GPT2Config) -> Result<DebugState> {
     })
 }
 
+pub const STATE_MAGIC: i32 = 20240527;
+
+/// Everything besides the weights that a resumed run needs.
+pub struct TrainState {
+    pub step: usize,
+    pub loader: crate::data::LoaderState,
+    pub should_shuffle: bool,
+}
+
+/// Write llm.c's training-state file: header (step, data position), AdamW m and v, and with
+/// shuffling the loader's permutations and RNG.
+pub fn save_state(path: &Path, model: &GPT2, st: &TrainState) -> Result<()> {
+    let mut h = [0i32; HEADER_INTS];
+    h[0] = STATE_MAGIC;
+    h[1] = 1; // version
+    h[2] = 1; // num_processes
+    h[3] = 0; // process rank
+    h[4] = 0; // use_master_weights: fp32 parameters are their own master copy
+    h[5] = st.should_shuffle as i32;
+    h[10] = st.step as i32;
+    // h[20..24]: llm.c's stochastic-rounding RNG state; unused in fp32, left 0.
+    let put64 = |h: &mut [i32; HEADER_INTS], i: usize, v: u64| {
+        h[i] = v as u32 as i32;
+        h[i + 1] = (v >> 32) as u32 as i32;
+    };
+    put64(&mut h, 30, st.loader.current_shard_idx as u64);
+    put64(&mut h, 32, st.loader.current_sample_idx as u64);
+    let header: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut m = Vec::new();
+    f32s_to_le(&model.m, &mut m);
+    let mut v = Vec::new();
+    f32s_to_le(&model.v, &mut v);
+    let mut tail = Vec::new();
+    if st.should_shuffle {
+        let l = &st.loader;
+        tail.extend_from_slice(&(l.shard_indices.len() as u64).to_le_bytes());
+        l.shard_indices
+            .iter()
+            .for_each(|x| tail.extend_from_slice(&x.to_le_bytes()));
+        tail.extend_from_slice(&(l.shard_num_samples as u64).to_le_bytes());
+        l.intra_shard_indices
+            .iter()
+            .for_each(|x| tail.extend_from_slice(&x.to_le_bytes()));
+        tail.extend_from_slice(
+            &l.rng
+                .as_ref()
+                .context("shuffling loader without RNG")?
+                .to_bytes(),
+        );
+    }
+    write_atomic(path, &[&header, &m, &v, &tail])
+}
+
+/// Read a training-state file into `model.m`/`model.v` (which must be allocated) and return
+/// the step and data position.
+pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
+    let bytes = read_file(path)?;
+    let h = parse_header(&bytes, path, "training-state")?;
+    if h[0] != STATE_MAGIC {
+        bail!(
+            "{} is not an llm.c training-state file (magic {})",
+            path.display(),
+            h[0]
+        );
+    }
+    if h[1] != 1 {
+        bail!(
+            "{}: training-state version {} is not supported (expected 1)",
+            path.display(),
+            h[1]
+        );
+    }
+    if h[2] != 1 || h[3] != 0 {
+        bail!(
+            "{}: state of a {}-process run; llmrs resumes single-process runs only",
+            path.display(),
+            h[2]
+        );
+    }
+    let n = model.num_parameters();
+    let mut off = HEADER_BYTES;
+    let mut take = |k: usize| -> Result<&[u8]> {
+        let s = bytes
+            .get(off..off + k)
+            .with_context(|| format!("{}: truncated training-state file", path.display()))?;
+        off += k;
+        Ok(s)
+    };
+    f32s_from_le(take(4 * n)?, &mut model.m);
+    f32s_from_le(take(4 * n)?, &mut model.v);
+    if h[4] == 1 {
+        // fp32 master weights from a mixed-precision llm.c run: they are the exact parameters.
+        f32s_from_le(take(4 * n)?, &mut model.params);
+    }
+    let get64 = |i: usize| (h[i] as u32 as u64) | ((h[i + 1] as u32 as u64) << 32);
+    let should_shuffle = h[5] == 1;
+    let mut loader = crate::data::LoaderState {
+        current_shard_idx: get64(30) as usize,
+        current_sample_idx: get64(32) as usize,
+        shard_indices: vec![],
+        shard_num_samples: 0,
+        intra_shard_indices: vec![],
+        rng: None,
+    };
+    let u64_at = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap()) as usize;
+    let i32s = |b: &[u8]| {
+        b.chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect::<Vec<_>>()
+    };
+    if should_shuffle {
+        let nshards = u64_at(take(8)?);
+        if nshards > 1 << 24 {
+            bail!("{}: implausible shard count {nshards}", path.display());
+        }
+        loader.shard_indices = i32s(take(4 * nshards)?);
+        loader.shard_num_samples = u64_at(take(8)?);
+        if loader.shard_num_samples > bytes.len() {
+            bail!(
+                "{}: implausible sample count {}",
+                path.display(),
+                loader.shard_num_samples
+            );
+        }
+        loader.intra_shard_indices = i32s(take(4 * loader.shard_num_samples)?);
+        loader.rng = Some(
+            crate::rng::Mt19937::from_bytes(take(crate::rng::MT_STATE_BYTES)?)
+                .context("bad RNG state")?,
+        );
+    }
+    if off != bytes.len() {
+        bail!(
+            "{}: {} unexpected trailing bytes: the state belongs to a model of another size",
+            path.display(),
+            bytes.len() - off
+        );
+    }
+    Ok(TrainState {
+        step: usize::try_from(h[10]).context("negative step")?,
+        loader,
+        should_shuffle,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -51,7 +51,8 @@ impl GPT2Config {
 
     /// Parse a model descriptor as llm.c's `-e` does for non-file arguments:
     /// `d6 d12 d24 d36 d48` (llm.c's depth presets), `gpt2:dN`, the four GPT-2
-    /// names (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`), and the explicit
+    /// names (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`), `tiny` (L=4, C=256, NH=4, maxT=256,
+    /// the default run's model), and the explicit
     /// form `LxC:NH[:maxT]` (e.g. `2x64:4:256`) for small experiments.
     pub fn from_descriptor(desc: &str) -> Result<Self> {
         let by_depth = |d: usize| -> Result<Self> {
@@ -71,6 +72,13 @@ impl GPT2Config {
             "gpt2-medium" | "350M" => return by_depth(24),
             "gpt2-large" | "774M" => return by_depth(36),
             "gpt2-xl" | "1558M" => return by_depth(48),
+            // llmrs's small model for the default run: trains on 2 CPU cores in minutes.
+            "tiny" => {
+                return Ok(GPT2Config {
+                    max_seq_len: 256,
+                    ..Self::gpt2(4, 4, 256)
+                })
+            }
             _ => {}
         }
         if let Some(rest) = d.strip_prefix("gpt2:d").or_else(|| d.strip_prefix('d')) {

@@ -5,8 +5,16 @@
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
+pub mod data;
+pub mod download;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod prepare;
+pub mod progress;
 pub mod rng;
 pub mod schedule;
+#[doc(hidden)]
+pub mod testdata;
+pub mod tokenizer;
+pub mod train;

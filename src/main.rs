@@ -1,1 +1,293 @@
-fn main() {}
+//! The `llmrs` command line.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use llmrs::checkpoint::Dtype;
+use llmrs::optim::OptimConfig;
+use llmrs::prepare::{prepare_text, prepare_tinyshakespeare, Source};
+use llmrs::train::{run, TrainConfig};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "llmrs",
+    version,
+    about = "GPT-2 training from scratch in pure Rust (llm.c compatible)"
+)]
+struct Cli {
+    /// Worker threads (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once
+enum Cmd {
+    /// Train GPT-2 (llm.c train_gpt2.cu flags). With no arguments: a small model on Tiny
+    /// Shakespeare, preparing the data first if needed.
+    Train(TrainArgs),
+    /// Turn text into llm.c token shards.
+    #[command(subcommand)]
+    Prepare(PrepareCmd),
+}
+
+#[derive(Subcommand)]
+enum PrepareCmd {
+    /// Tiny Shakespeare as llm.c's dev/data/tinyshakespeare.py (from --input, $LLMRS_DATA_DIR, or
+    /// downloaded from its public home).
+    Tinyshakespeare {
+        /// A local copy of input.txt.
+        #[arg(long)]
+        input: Option<PathBuf>,
+        #[arg(short, long, default_value = "data/tinyshakespeare")]
+        out: PathBuf,
+    },
+    /// UTF-8 text files, one document each, into train/val shards.
+    Text {
+        files: Vec<PathBuf>,
+        #[arg(short, long, default_value = "data/text")]
+        out: PathBuf,
+        /// Tokens for the validation shard.
+        #[arg(long, default_value_t = 32768)]
+        val_tokens: usize,
+    },
+}
+
+thread_local! {
+    /// The one place defaults live is `TrainConfig::default()`; the flags read them from here.
+    static D: TrainConfig = TrainConfig::default();
+}
+
+/// Flags follow llm.c's train_gpt2.cu; defaults differ only where the default run needs a
+/// smaller setup (marked "default run").
+#[derive(Args)]
+#[command(disable_help_flag = true)]
+struct TrainArgs {
+    /// Print help.
+    #[arg(long, action = clap::ArgAction::Help)]
+    help: Option<bool>,
+    /// Train data: shard file or glob pattern.
+    #[arg(short = 'i', long = "train-data", default_value_t = D.with(|d| d.train_data.clone()))]
+    train_data: String,
+    /// Val data: shard file or glob pattern.
+    #[arg(short = 'j', long = "val-data", default_value_t = D.with(|d| d.val_data.clone()))]
+    val_data: String,
+    /// Model .bin to start from, or a descriptor for random init (d6 d12 d24 d36 d48, gpt2,
+    /// gpt2-medium, gpt2-large, gpt2-xl, tiny, LxC:NH[:maxT]). Default run: tiny (llm.c: gpt2_124M_bf16.bin).
+    #[arg(short = 'e', long = "model", default_value_t = D.with(|d| d.model.clone()))]
+    model: String,
+    /// Output directory for the log and checkpoints ("" for none). Default run: out (llm.c: none).
+    #[arg(short = 'o', long = "output-dir", default_value_t = D.with(|d| d.output_dir.as_ref().map_or(String::new(), |p| p.display().to_string())))]
+    output_dir: String,
+    /// Write a checkpoint every N steps (0 = never).
+    #[arg(short = 'n', long = "checkpoint-every", default_value_t = D.with(|d| d.checkpoint_every))]
+    checkpoint_every: usize,
+    /// Keep only the last N checkpoints (0 = all). llm.c: -nk.
+    #[arg(long = "checkpoints-keep", default_value_t = D.with(|d| d.checkpoints_keep))]
+    checkpoints_keep: usize,
+    /// Checkpoints at multiples of N are never deleted. llm.c: -nm.
+    #[arg(long = "major-checkpoint-every", default_value_t = D.with(|d| d.major_checkpoint_every))]
+    major_checkpoint_every: usize,
+    /// 1 = resume from the latest checkpoint in the output directory.
+    #[arg(short = 'y', long = "resume", default_value_t = 0)]
+    resume: u8,
+    /// Micro-batch size B.
+    #[arg(short = 'b', long = "batch-size", default_value_t = D.with(|d| d.batch_size))]
+    batch_size: usize,
+    /// Sequence length T. Default run: 64 (llm.c: 1024).
+    #[arg(short = 't', long = "seq-len", default_value_t = D.with(|d| d.seq_len))]
+    seq_len: usize,
+    /// Total batch size in tokens per step (gradient accumulation); default B*T.
+    #[arg(short = 'd', long = "total-batch-size", default_value_t = -1)]
+    total_batch_size: i64,
+    /// Learning rate. Default run: 1e-3 (llm.c: 3e-4).
+    #[arg(short = 'l', long = "lr", default_value_t = D.with(|d| d.learning_rate))]
+    learning_rate: f32,
+    /// Warmup steps. Default run: 20 (llm.c: 0).
+    #[arg(short = 'u', long = "warmup", default_value_t = D.with(|d| d.warmup))]
+    warmup: usize,
+    /// Final learning-rate fraction. Default run: 0.1 (llm.c: 1.0).
+    #[arg(short = 'q', long = "final-lr-frac", default_value_t = D.with(|d| d.final_lr_frac))]
+    final_lr_frac: f32,
+    /// Learning-rate schedule: cosine, linear, constant, wsd.
+    #[arg(short = 'k', long = "schedule", default_value = "cosine")]
+    // ScheduleKind::Cosine, as TrainConfig
+    schedule: String,
+    /// Weight decay (2-D weights only).
+    #[arg(short = 'c', long = "weight-decay", default_value_t = D.with(|d| d.optim.weight_decay))]
+    weight_decay: f32,
+    /// Steps to train (-1 = one epoch). Default run: 500 (llm.c: -1).
+    #[arg(short = 'x', long = "max-steps", default_value_t = D.with(|d| d.max_steps.map_or(-1, |x| x as i64)), allow_negative_numbers = true)]
+    max_steps: i64,
+    /// Validate every N steps. Default run: 50 (llm.c: 20).
+    #[arg(short = 'v', long = "val-every", default_value_t = D.with(|d| d.val_every))]
+    val_every: usize,
+    /// Validation batches (-1 = the whole val split).
+    #[arg(short = 'm', long = "val-max-steps", default_value_t = D.with(|d| d.val_max_steps.map_or(-1, |x| x as i64)), allow_negative_numbers = true)]
+    val_max_steps: i64,
+    /// Sample text every N steps (0 = never). Default run: 100 (llm.c: 20).
+    #[arg(short = 's', long = "sample-every", default_value_t = D.with(|d| d.sample_every))]
+    sample_every: usize,
+    /// Tokens to generate per sample.
+    #[arg(short = 'g', long = "gen-tokens", default_value_t = D.with(|d| d.gen_tokens))]
+    gen_tokens: usize,
+    /// 1 = overfit a single batch (debugging).
+    #[arg(short = 'a', long = "overfit-single-batch", default_value_t = 0)]
+    overfit: u8,
+    /// Seed for random init.
+    #[arg(long, default_value_t = D.with(|d| d.seed))]
+    seed: u32,
+    /// Clip the global gradient norm to this (0 disables).
+    #[arg(long = "grad-clip", default_value_t = D.with(|d| d.optim.grad_clip))]
+    grad_clip: f32,
+    #[arg(long, default_value_t = D.with(|d| d.optim.beta1))]
+    beta1: f32,
+    #[arg(long, default_value_t = D.with(|d| d.optim.beta2))]
+    beta2: f32,
+    #[arg(long, default_value_t = D.with(|d| d.optim.eps))]
+    eps: f32,
+    /// Read training batches in order instead of llm.c's shuffled order.
+    #[arg(long = "no-shuffle")]
+    no_shuffle: bool,
+    /// Checkpoint model dtype: fp32 or bf16.
+    #[arg(long = "save-dtype", default_value = "fp32")]
+    save_dtype: String,
+    /// HellaSwag eval during training (llm.c -h); not available yet.
+    #[arg(short = 'h', long = "hellaswag", default_value_t = 0)]
+    hellaswag: u8,
+}
+
+/// llm.c spells some flags with two letters after one dash (-nk, -nm); map them to long names.
+/// GPU-only llm.c flags are accepted and ignored on the CPU, with a note.
+fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
+    const GPU_ONLY: [&str; 12] = [
+        "-f", "-w", "-z", "-r", "-ge", "-lg", "-pn", "-pr", "-pg", "-pi", "-pf", "-ps",
+    ];
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-nk" => out.push("--checkpoints-keep".into()),
+            "-nm" => out.push("--major-checkpoint-every".into()),
+            "-sl" | "-sg" => {
+                let v = it.next().unwrap_or_default();
+                if !v.parse::<f32>().is_ok_and(|x| x == 0.0) {
+                    eprintln!(
+                        "note: {a} (outlier skipping) is not supported by llmrs yet; ignored"
+                    );
+                }
+            }
+            g if GPU_ONLY.contains(&g) => {
+                let v = it.next().unwrap_or_default();
+                eprintln!("note: {g} {v} is a GPU setting of llm.c; ignored on the CPU");
+            }
+            _ => out.push(a),
+        }
+    }
+    out
+}
+
+fn train_config(a: TrainArgs) -> Result<TrainConfig> {
+    if a.hellaswag != 0 {
+        bail!("HellaSwag evaluation during training (-h 1) is not available yet; run with -h 0");
+    }
+    Ok(TrainConfig {
+        train_data: a.train_data,
+        val_data: a.val_data,
+        model: a.model,
+        output_dir: (!a.output_dir.is_empty()).then(|| PathBuf::from(a.output_dir)),
+        checkpoint_every: a.checkpoint_every,
+        checkpoints_keep: a.checkpoints_keep,
+        major_checkpoint_every: a.major_checkpoint_every,
+        resume: a.resume == 1,
+        batch_size: a.batch_size,
+        seq_len: a.seq_len,
+        total_batch_size: (a.total_batch_size > 0).then_some(a.total_batch_size as usize),
+        learning_rate: a.learning_rate,
+        warmup: a.warmup,
+        final_lr_frac: a.final_lr_frac,
+        schedule: a.schedule.parse()?,
+        max_steps: (a.max_steps >= 0).then_some(a.max_steps as usize),
+        val_every: a.val_every,
+        val_max_steps: (a.val_max_steps >= 0).then_some(a.val_max_steps as usize),
+        sample_every: a.sample_every,
+        gen_tokens: a.gen_tokens,
+        overfit_single_batch: a.overfit == 1,
+        optim: OptimConfig {
+            beta1: a.beta1,
+            beta2: a.beta2,
+            eps: a.eps,
+            weight_decay: a.weight_decay,
+            grad_clip: a.grad_clip,
+        },
+        seed: a.seed,
+        shuffle: !a.no_shuffle,
+        save_dtype: match a.save_dtype.as_str() {
+            "fp32" | "f32" => Dtype::F32,
+            "bf16" => Dtype::BF16,
+            d => bail!("unknown --save-dtype '{d}': use fp32 or bf16"),
+        },
+        quiet: false,
+    })
+}
+
+/// The default run's data: prepare Tiny Shakespeare if the default shards are missing.
+fn ensure_default_data(cfg: &TrainConfig) -> Result<()> {
+    let def = TrainConfig::default();
+    let missing = |p: &str| !std::path::Path::new(p).exists();
+    if (cfg.train_data == def.train_data && missing(&cfg.train_data))
+        || (cfg.val_data == def.val_data && missing(&cfg.val_data))
+    {
+        eprintln!("preparing Tiny Shakespeare into data/tinyshakespeare (first run)");
+        prepare_tinyshakespeare(
+            &Source::from_env(None),
+            std::path::Path::new("data/tinyshakespeare"),
+        )?;
+    }
+    Ok(())
+}
+
+fn main() {
+    let args = translate_llmc_args(std::env::args().collect());
+    let cli = Cli::parse_from(args);
+    if let Err(e) = real_main(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn real_main(cli: Cli) -> Result<()> {
+    if let Some(n) = cli.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("cannot set the thread count")?;
+    }
+    match cli.cmd {
+        None => {
+            let cfg = TrainConfig::default();
+            ensure_default_data(&cfg)?;
+            run(&cfg).map(|_| ())
+        }
+        Some(Cmd::Train(a)) => {
+            let cfg = train_config(a)?;
+            ensure_default_data(&cfg)?;
+            run(&cfg).map(|_| ())
+        }
+        Some(Cmd::Prepare(PrepareCmd::Tinyshakespeare { input, out })) => {
+            prepare_tinyshakespeare(&Source::from_env(input.as_deref()), &out).map(|_| ())
+        }
+        Some(Cmd::Prepare(PrepareCmd::Text {
+            files,
+            out,
+            val_tokens,
+        })) => {
+            if files.is_empty() {
+                bail!("give one or more UTF-8 text files");
+            }
+            prepare_text(&files, &out, val_tokens).map(|_| ())
+        }
+    }
+}

@@ -202,6 +202,7 @@ pub fn random_f32(state: &mut u64) -> f32 {
 }
 
 #[cfg(test)]
+#[allow(clippy::excessive_precision)]
 mod tests {
     use super::*;
 

@@ -122,7 +122,7 @@ mod tests {
             .collect();
         let mut parts = vec![0f64; global_norm_partials(g.len())];
         let n = global_norm(&g, &mut parts);
-        let want = ((20000.0 * 9e-4 + 20000.0 * 16e-4) as f64).sqrt() as f32;
+        let want = (20000.0f64 * 9e-4 + 20000.0 * 16e-4).sqrt() as f32;
         assert!((n - want).abs() < 1e-5 * want);
     }
 }

@@ -1,0 +1,433 @@
+//! llm.c token shards and the data loader that serves (B, T) batches from them.
+//!
+//! Shard format: a header of 256 int32 (magic 20240520, version 1, token count), then the
+//! tokens as uint16. The loader reproduces llm.c's `DataLoader` exactly, including its shuffled
+//! order (shards and samples permuted by a Mersenne Twister seeded with 42), so llmrs sees the
+//! same batches as llm.c, batch for batch.
+
+use crate::checkpoint::{parse_header, write_atomic, HEADER_BYTES};
+use crate::rng::Mt19937;
+use anyhow::{bail, Context, Result};
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+pub const SHARD_MAGIC: i32 = 20240520;
+pub const SHARD_VERSION: i32 = 1;
+
+/// Write `tokens` as an llm.c shard (atomically).
+pub fn write_shard(path: &Path, tokens: &[u32]) -> Result<()> {
+    if tokens.len() >= i32::MAX as usize {
+        bail!(
+            "{} tokens do not fit in one shard (the header stores an int32 count)",
+            tokens.len()
+        );
+    }
+    if let Some(t) = tokens.iter().find(|&&t| t > u16::MAX as u32) {
+        bail!("token id {t} does not fit in a uint16 shard");
+    }
+    let mut header = [0i32; 256];
+    header[0] = SHARD_MAGIC;
+    header[1] = SHARD_VERSION;
+    header[2] = tokens.len() as i32;
+    let h: Vec<u8> = header.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let body: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&t| (t as u16).to_le_bytes())
+        .collect();
+    write_atomic(path, &[&h, &body])
+}
+
+/// Read a whole shard into memory (for tools and tests; training streams batches instead).
+pub fn read_shard(path: &Path) -> Result<Vec<u16>> {
+    let bytes = crate::checkpoint::read_file(path)?;
+    let ntok = check_shard_header(
+        &bytes[..bytes.len().min(HEADER_BYTES)],
+        bytes.len() as u64,
+        path,
+    )?;
+    Ok(bytes[HEADER_BYTES..HEADER_BYTES + 2 * ntok]
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect())
+}
+
+/// Validate a shard header against the file size; returns the token count.
+fn check_shard_header(header: &[u8], file_len: u64, path: &Path) -> Result<usize> {
+    let h = parse_header(header, path, "token shard")?;
+    if h[0] != SHARD_MAGIC {
+        bail!(
+            "{}: bad magic {} in token shard (expected {SHARD_MAGIC}); is this an llm.c .bin token file? Re-run `llmrs prepare`",
+            path.display(),
+            h[0]
+        );
+    }
+    if h[1] != SHARD_VERSION {
+        bail!("{}: token shard version {} is not supported (expected {SHARD_VERSION}); re-run `llmrs prepare`", path.display(), h[1]);
+    }
+    let ntok = usize::try_from(h[2])
+        .ok()
+        .filter(|&n| n > 0)
+        .with_context(|| format!("{}: token count {} is invalid", path.display(), h[2]))?;
+    let want = (HEADER_BYTES + 2 * ntok) as u64;
+    if file_len != want {
+        bail!(
+            "{}: file is {file_len} bytes but its header promises {ntok} tokens ({want} bytes): the shard is truncated or corrupt",
+            path.display()
+        );
+    }
+    Ok(ntok)
+}
+
+/// Expand a file name or glob pattern into a sorted list of shards (as C's glob does).
+pub fn expand_pattern(pattern: &str) -> Result<Vec<PathBuf>> {
+    let paths: Vec<PathBuf> = glob::glob(pattern)
+        .with_context(|| format!("bad file pattern '{pattern}'"))?
+        .filter_map(|p| p.ok())
+        .filter(|p| p.is_file())
+        .collect();
+    if paths.is_empty() {
+        bail!("no token files match '{pattern}': run `llmrs prepare tinyshakespeare` or pass -i/-j with your shards");
+    }
+    Ok(paths)
+}
+
+/// The position of a loader in its data, as saved in llm.c's training-state file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoaderState {
+    pub current_shard_idx: usize,
+    pub current_sample_idx: usize,
+    /// Only with shuffling:
+    pub shard_indices: Vec<i32>,
+    pub shard_num_samples: usize,
+    pub intra_shard_indices: Vec<i32>,
+    pub rng: Option<Mt19937>,
+}
+
+/// Serves (B, T) batches of inputs and next-token targets, as llm.c's `DataLoader`.
+pub struct DataLoader {
+    pub b: usize,
+    pub t: usize,
+    files: Vec<PathBuf>,
+    vocab_size: usize,
+    pub num_tokens: usize,
+    should_shuffle: bool,
+    rng: Mt19937,
+    shard_indices: Vec<i32>,
+    intra_shard_indices: Vec<i32>,
+    current_shard_idx: usize,
+    current_sample_idx: usize,
+    shard_num_samples: usize,
+    file: Option<(File, PathBuf)>,
+    buffer: Vec<u8>,       // (B*T + 1) uint16
+    pub inputs: Vec<u32>,  // (B, T)
+    pub targets: Vec<u32>, // (B, T)
+}
+
+impl DataLoader {
+    /// Open every shard matching `pattern`, validate them all, and position at the start.
+    /// Token ids must be below `vocab_size`.
+    pub fn new(
+        pattern: &str,
+        b: usize,
+        t: usize,
+        vocab_size: usize,
+        should_shuffle: bool,
+    ) -> Result<Self> {
+        let files = expand_pattern(pattern)?;
+        if b == 0 || t == 0 {
+            bail!("batch size and sequence length must be positive (got B={b}, T={t})");
+        }
+        let n = files.len();
+        let mut dl = DataLoader {
+            b,
+            t,
+            files,
+            vocab_size,
+            num_tokens: 0,
+            should_shuffle,
+            rng: Mt19937::new(42), // llm.c: 42 + process_rank
+            shard_indices: (0..n as i32).collect(),
+            intra_shard_indices: vec![],
+            current_shard_idx: 0,
+            current_sample_idx: 0,
+            shard_num_samples: 0,
+            file: None,
+            buffer: vec![0u8; 2 * (b * t + 1)],
+            inputs: vec![0; b * t],
+            targets: vec![0; b * t],
+        };
+        for i in 0..n {
+            let ntok = dl.load_shard(i)?;
+            if ntok < b * t + 1 {
+                bail!(
+                    "{} holds {ntok} tokens, fewer than one batch needs (B*T+1 = {}): use a smaller -b/-t or more data",
+                    dl.file_name(),
+                    b * t + 1
+                );
+            }
+            dl.num_tokens += ntok;
+        }
+        dl.reset()?;
+        Ok(dl)
+    }
+
+    fn file_name(&self) -> String {
+        self.file
+            .as_ref()
+            .map_or_else(String::new, |f| f.1.display().to_string())
+    }
+
+    pub fn num_shards(&self) -> usize {
+        self.files.len()
+    }
+
+    fn load_shard(&mut self, shard: usize) -> Result<usize> {
+        let idx = if self.should_shuffle {
+            self.shard_indices[shard] as usize
+        } else {
+            shard
+        };
+        let path = self
+            .files
+            .get(idx)
+            .context("shard index out of range")?
+            .clone();
+        let mut f = File::open(&path)
+            .with_context(|| format!("cannot open token shard {}", path.display()))?;
+        let len = f.metadata()?.len();
+        let mut header = vec![0u8; HEADER_BYTES.min(len as usize)];
+        f.read_exact(&mut header)?;
+        let ntok = check_shard_header(&header, len, &path)?;
+        // One sample is B*T tokens; the last needs one extra token for its final target.
+        self.shard_num_samples = (ntok - 1) / (self.b * self.t);
+        self.file = Some((f, path));
+        Ok(ntok)
+    }
+
+    fn prepare_intra_shard_indices(&mut self) {
+        self.intra_shard_indices = (0..self.shard_num_samples as i32).collect();
+        self.rng.permute(&mut self.intra_shard_indices);
+    }
+
+    /// Back to the first batch of the (next) epoch; with shuffling this draws a new order.
+    pub fn reset(&mut self) -> Result<()> {
+        self.current_shard_idx = 0;
+        self.current_sample_idx = 0;
+        if self.should_shuffle {
+            self.rng.permute(&mut self.shard_indices);
+        }
+        self.load_shard(0)?;
+        if self.should_shuffle {
+            self.prepare_intra_shard_indices();
+        }
+        Ok(())
+    }
+
+    fn advance(&mut self) -> Result<()> {
+        if self.current_shard_idx == self.files.len() - 1 {
+            return self.reset(); // end of epoch
+        }
+        self.current_shard_idx += 1;
+        self.current_sample_idx = 0;
+        self.load_shard(self.current_shard_idx)?;
+        if self.should_shuffle {
+            self.prepare_intra_shard_indices();
+        }
+        Ok(())
+    }
+
+    /// Load the next batch into `inputs` and `targets`.
+    pub fn next_batch(&mut self) -> Result<()> {
+        if self.current_sample_idx >= self.shard_num_samples {
+            self.advance()?;
+        }
+        let idx = if self.should_shuffle {
+            self.intra_shard_indices[self.current_sample_idx] as usize
+        } else {
+            self.current_sample_idx
+        };
+        let bt = self.b * self.t;
+        let offset = HEADER_BYTES + idx * bt * 2;
+        let (f, path) = self
+            .file
+            .as_mut()
+            .context("data loader has no open shard")?;
+        f.seek(SeekFrom::Start(offset as u64))?;
+        f.read_exact(&mut self.buffer)
+            .with_context(|| format!("cannot read a batch from {}", path.display()))?;
+        for i in 0..bt {
+            self.inputs[i] =
+                u16::from_le_bytes([self.buffer[2 * i], self.buffer[2 * i + 1]]) as u32;
+            self.targets[i] =
+                u16::from_le_bytes([self.buffer[2 * i + 2], self.buffer[2 * i + 3]]) as u32;
+        }
+        if let Some(&bad) = self
+            .inputs
+            .iter()
+            .chain(&self.targets)
+            .find(|&&x| x as usize >= self.vocab_size)
+        {
+            bail!(
+                "{}: token id {bad} is out of range for the model's vocab size {}: the data was tokenized for another vocabulary",
+                path.display(),
+                self.vocab_size
+            );
+        }
+        self.current_sample_idx += 1;
+        Ok(())
+    }
+
+    pub fn state(&self) -> LoaderState {
+        LoaderState {
+            current_shard_idx: self.current_shard_idx,
+            current_sample_idx: self.current_sample_idx,
+            shard_indices: if self.should_shuffle {
+                self.shard_indices.clone()
+            } else {
+                vec![]
+            },
+            shard_num_samples: self.shard_num_samples,
+            intra_shard_indices: if self.should_shuffle {
+                self.intra_shard_indices.clone()
+            } else {
+                vec![]
+            },
+            rng: self.should_shuffle.then(|| self.rng.clone()),
+        }
+    }
+
+    /// Continue from a saved position (llm.c's `dataloader_resume` plus the shuffle state).
+    pub fn restore(&mut self, s: &LoaderState) -> Result<()> {
+        if s.current_shard_idx >= self.files.len() {
+            bail!("saved data position is in shard {} but only {} shards match: pass the same -i as the run being resumed", s.current_shard_idx, self.files.len());
+        }
+        if self.should_shuffle {
+            if s.shard_indices.len() != self.files.len() {
+                bail!("saved shuffle state covers {} shards but {} match now: pass the same -i as the run being resumed", s.shard_indices.len(), self.files.len());
+            }
+            self.shard_indices = s.shard_indices.clone();
+            self.rng = s.rng.clone().context("saved state has no shuffle RNG")?;
+        }
+        self.current_shard_idx = s.current_shard_idx;
+        self.load_shard(s.current_shard_idx)?;
+        if self.should_shuffle {
+            if s.shard_num_samples != self.shard_num_samples
+                || s.intra_shard_indices.len() != self.shard_num_samples
+            {
+                bail!("saved shuffle state does not fit the current shard (different data or -b/-t than the run being resumed)");
+            }
+            self.intra_shard_indices = s.intra_shard_indices.clone();
+        }
+        self.current_sample_idx = s.current_sample_idx;
+        Ok(())
+    }
+
+    pub fn should_shuffle(&self) -> bool {
+        self.should_shuffle
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shard(dir: &Path, name: &str, tokens: &[u32]) -> PathBuf {
+        let p = dir.join(name);
+        write_shard(&p, tokens).unwrap();
+        p
+    }
+
+    #[test]
+    fn sequential_batches_and_epochs() {
+        let dir = tempfile::tempdir().unwrap();
+        let toks: Vec<u32> = (0..25).collect();
+        shard(dir.path(), "a.bin", &toks);
+        let mut dl =
+            DataLoader::new(dir.path().join("a.bin").to_str().unwrap(), 2, 3, 100, false).unwrap();
+        // (25 - 1) / 6 = 4 samples per epoch.
+        for epoch in 0..2 {
+            for s in 0..4u32 {
+                dl.next_batch().unwrap();
+                assert_eq!(
+                    dl.inputs,
+                    (6 * s..6 * s + 6).collect::<Vec<_>>(),
+                    "epoch {epoch}"
+                );
+                assert_eq!(dl.targets, (6 * s + 1..6 * s + 7).collect::<Vec<_>>());
+            }
+        }
+        assert_eq!(read_shard(&dir.path().join("a.bin")).unwrap().len(), 25);
+    }
+
+    #[test]
+    fn shuffled_order_visits_every_sample_once_per_epoch_and_resumes() {
+        let dir = tempfile::tempdir().unwrap();
+        shard(dir.path(), "s0.bin", &(0..41).collect::<Vec<_>>());
+        shard(dir.path(), "s1.bin", &(1000..1033).collect::<Vec<_>>());
+        let pat = dir.path().join("s*.bin");
+        let mut dl = DataLoader::new(pat.to_str().unwrap(), 1, 4, 5000, true).unwrap();
+        assert_eq!((dl.num_shards(), dl.num_tokens), (2, 74));
+        let mut firsts = vec![];
+        for _ in 0..18 {
+            dl.next_batch().unwrap();
+            firsts.push(dl.inputs[0]);
+        }
+        let mut epoch: Vec<u32> = firsts[..18].to_vec();
+        epoch.sort();
+        // 10 samples from s0 ((41-1)/4) and 8 from s1 ((33-1)/4), each exactly once.
+        let want: Vec<u32> = (0..10)
+            .map(|i| 4 * i)
+            .chain((0..8).map(|i| 1000 + 4 * i))
+            .collect();
+        assert_eq!(epoch, want);
+        assert_ne!(firsts[..10], want[..10], "the order is shuffled");
+        // Save mid-epoch, continue, then restore into a fresh loader: same batches.
+        let mut dl = DataLoader::new(pat.to_str().unwrap(), 1, 4, 5000, true).unwrap();
+        for _ in 0..7 {
+            dl.next_batch().unwrap();
+        }
+        let st = dl.state();
+        let mut a = vec![];
+        for _ in 0..25 {
+            dl.next_batch().unwrap();
+            a.push(dl.inputs.clone());
+        }
+        let mut dl2 = DataLoader::new(pat.to_str().unwrap(), 1, 4, 5000, true).unwrap();
+        dl2.restore(&st).unwrap();
+        for x in &a {
+            dl2.next_batch().unwrap();
+            assert_eq!(&dl2.inputs, x);
+        }
+    }
+
+    #[test]
+    fn bad_shards_give_clear_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = shard(dir.path(), "x.bin", &(0..100).collect::<Vec<_>>());
+        let good = std::fs::read(&p).unwrap();
+        let err = |bytes: &[u8], b: usize, v: usize| {
+            std::fs::write(&p, bytes).unwrap();
+            let r = DataLoader::new(p.to_str().unwrap(), b, 4, v, false)
+                .and_then(|mut d| d.next_batch());
+            format!("{:#}", r.expect_err("must fail"))
+        };
+        assert!(err(&good[..good.len() - 2], 1, 1000).contains("truncated"));
+        assert!(err(&good[..10], 1, 1000).contains("too short"));
+        let mut m = good.clone();
+        m[0] ^= 1;
+        assert!(err(&m, 1, 1000).contains("bad magic"));
+        let mut v = good.clone();
+        v[4] = 2;
+        assert!(err(&v, 1, 1000).contains("version 2"));
+        assert!(err(&good, 30, 1000).contains("fewer than one batch"));
+        assert!(err(&good, 1, 3).contains("out of range"));
+        assert!(format!(
+            "{:#}",
+            DataLoader::new("/nonexistent/*.bin", 1, 1, 1, false)
+                .err()
+                .unwrap()
+        )
+        .contains("no token files"));
+    }
+}

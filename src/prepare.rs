@@ -1,0 +1,218 @@
+//! Turn text into llm.c token shards.
+
+use crate::data::write_shard;
+use crate::download::{download, sha256_hex, TINY_SHAKESPEARE};
+use crate::tokenizer::Tokenizer;
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+/// Environment variable naming a directory laid out like the project's shared data
+/// (`tinyshakespeare/input.txt`, `gpt2_bpe/`, `hellaswag/`), used instead of downloading.
+pub const DATA_DIR_ENV: &str = "LLMRS_DATA_DIR";
+
+/// Tokenize Tiny Shakespeare exactly as llm.c's dev/data/tinyshakespeare.py: sections split on
+/// blank lines, each preceded by <|endoftext|> and followed by the "\n\n" it was split on
+/// (except the last); the first 32768 tokens are validation.
+pub fn tokenize_tinyshakespeare(text: &str, tok: &Tokenizer) -> Result<(Vec<u32>, Vec<u32>)> {
+    let sections: Vec<&str> = text.split("\n\n").collect();
+    let mut tokens = Vec::with_capacity(text.len() / 3);
+    for (i, s) in sections.iter().enumerate() {
+        tokens.push(tok.eot);
+        if i + 1 == sections.len() {
+            tokens.extend(tok.encode(s)?);
+        } else {
+            tokens.extend(tok.encode(&format!("{s}\n\n"))?);
+        }
+    }
+    if tokens.len() <= 32768 {
+        bail!("the text gives only {} tokens; Tiny Shakespeare needs more than the 32768 validation tokens", tokens.len());
+    }
+    let train = tokens.split_off(32768);
+    Ok((tokens, train))
+}
+
+/// Paths of the prepared Tiny Shakespeare shards in `out_dir`.
+pub fn tinyshakespeare_paths(out_dir: &Path) -> (PathBuf, PathBuf) {
+    (
+        out_dir.join("tiny_shakespeare_train.bin"),
+        out_dir.join("tiny_shakespeare_val.bin"),
+    )
+}
+
+/// Where to get Tiny Shakespeare's text from.
+pub struct Source<'a> {
+    /// An explicit text file (any text; not hash-checked).
+    pub file: Option<&'a Path>,
+    /// A data directory (`$LLMRS_DATA_DIR`) holding `tinyshakespeare/input.txt`.
+    pub data_dir: Option<PathBuf>,
+    /// Where to download from when neither is given and no cached copy exists.
+    pub url: &'a str,
+}
+
+impl Source<'_> {
+    /// The usual source: `$LLMRS_DATA_DIR` if set, else the public URL.
+    pub fn from_env(file: Option<&Path>) -> Source<'_> {
+        Source {
+            file,
+            data_dir: std::env::var_os(DATA_DIR_ENV).map(PathBuf::from),
+            url: TINY_SHAKESPEARE.url,
+        }
+    }
+}
+
+/// Find the Tiny Shakespeare text: an explicit file, the data directory's copy, a cached
+/// `out_dir/input.txt`, or else download it.
+pub fn tinyshakespeare_text(src: &Source, out_dir: &Path) -> Result<String> {
+    let (source, url) = (src.file, src.url);
+    let cached = out_dir.join("input.txt");
+    let path = if let Some(p) = source {
+        p.to_path_buf()
+    } else if let Some(dir) = &src.data_dir {
+        dir.join("tinyshakespeare/input.txt")
+    } else {
+        if !cached.exists() {
+            download(url, &cached, Some(TINY_SHAKESPEARE.sha256))?;
+        }
+        cached
+    };
+    let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    if source.is_none() && sha256_hex(&bytes) != TINY_SHAKESPEARE.sha256 {
+        bail!("{} is not the published Tiny Shakespeare (SHA-256 differs); delete it to download a fresh copy", path.display());
+    }
+    String::from_utf8(bytes).with_context(|| format!("{} is not UTF-8 text", path.display()))
+}
+
+/// `llmrs prepare tinyshakespeare`: write the train/val shards into `out_dir`.
+pub fn prepare_tinyshakespeare(src: &Source, out_dir: &Path) -> Result<(PathBuf, PathBuf)> {
+    let text = tinyshakespeare_text(src, out_dir)?;
+    let tok = Tokenizer::gpt2()?;
+    let (val, train) = tokenize_tinyshakespeare(&text, &tok)?;
+    let (train_path, val_path) = tinyshakespeare_paths(out_dir);
+    write_shard(&val_path, &val)?;
+    write_shard(&train_path, &train)?;
+    eprintln!("wrote {} val tokens to {}", val.len(), val_path.display());
+    eprintln!(
+        "wrote {} train tokens to {}",
+        train.len(),
+        train_path.display()
+    );
+    Ok((train_path, val_path))
+}
+
+/// `llmrs prepare text FILE... -o DIR`: UTF-8 documents, each preceded by <|endoftext|>, the
+/// first `val_tokens` tokens to `DIR/val_000000.bin`, the rest to `DIR/train_000000.bin`.
+pub fn prepare_text(
+    files: &[PathBuf],
+    out_dir: &Path,
+    val_tokens: usize,
+) -> Result<(PathBuf, PathBuf)> {
+    let tok = Tokenizer::gpt2()?;
+    let mut tokens = vec![];
+    for f in files {
+        let bytes = std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            anyhow::anyhow!(
+                "{} is not UTF-8 text (invalid byte at offset {})",
+                f.display(),
+                e.utf8_error().valid_up_to()
+            )
+        })?;
+        if text.is_empty() {
+            bail!("{} is empty", f.display());
+        }
+        tokens.push(tok.eot);
+        tokens.extend(tok.encode(&text)?);
+    }
+    if tokens.len() <= val_tokens + 1 {
+        bail!("the input gives {} tokens, not enough for {val_tokens} validation tokens plus training data", tokens.len());
+    }
+    let train = tokens.split_off(val_tokens);
+    let (train_path, val_path) = (
+        out_dir.join("train_000000.bin"),
+        out_dir.join("val_000000.bin"),
+    );
+    write_shard(&val_path, &tokens)?;
+    write_shard(&train_path, &train)?;
+    eprintln!(
+        "wrote {} val and {} train tokens to {}",
+        tokens.len(),
+        train.len(),
+        out_dir.display()
+    );
+    Ok((train_path, val_path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tinyshakespeare_split_matches_llmc_rules() {
+        let tok = Tokenizer::gpt2().unwrap();
+        let text = "A: hi\n\nB: there\n\nC: end".to_string() + &"x y\n\n".repeat(20000);
+        let (val, train) = tokenize_tinyshakespeare(&text, &tok).unwrap();
+        assert_eq!(val.len(), 32768);
+        assert_eq!(val[0], tok.eot);
+        // "A: hi\n\n" then EOT then "B: there\n\n" ...
+        let first_doc_end = val[1..].iter().position(|&t| t == tok.eot).unwrap() + 1;
+        assert_eq!(tok.decode(&val[1..first_doc_end]), "A: hi\n\n");
+        let all: Vec<u32> = val.iter().chain(&train).copied().collect();
+        assert_eq!(tok.decode(&all).replace("<|endoftext|>", ""), text);
+    }
+
+    #[test]
+    fn prepare_text_rejects_bad_input() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("bin.dat");
+        std::fs::write(&bin, [0xffu8, 0xfe, 0x00, 0x80]).unwrap();
+        let e = prepare_text(&[bin], dir.path(), 10).unwrap_err();
+        assert!(format!("{e:#}").contains("not UTF-8"));
+        let empty = dir.path().join("empty.txt");
+        std::fs::write(&empty, "").unwrap();
+        assert!(
+            format!("{:#}", prepare_text(&[empty], dir.path(), 10).unwrap_err()).contains("empty")
+        );
+        assert!(
+            !dir.path().join("train_000000.bin").exists(),
+            "no half-written shards"
+        );
+        let good = dir.path().join("good.txt");
+        std::fs::write(&good, "Now is the winter of our discontent ".repeat(20)).unwrap();
+        let (tr, va) = prepare_text(&[good], dir.path(), 10).unwrap();
+        assert_eq!(crate::data::read_shard(&va).unwrap().len(), 10);
+        assert!(crate::data::read_shard(&tr).unwrap().len() > 50);
+    }
+
+    #[test]
+    fn downloads_tinyshakespeare_when_no_copy_is_at_hand() {
+        // A local server stands in for the public URL and serves the real text (from the data
+        // directory, which tests require); the download is hash-checked and cached.
+        let real = crate::testdata::tinyshakespeare_text();
+        let url = crate::download::tests::serve(real.clone().into_bytes(), 1);
+        let dir = tempfile::tempdir().unwrap();
+        let src = Source {
+            file: None,
+            data_dir: None,
+            url: &format!("{url}/input.txt"),
+        };
+        assert_eq!(tinyshakespeare_text(&src, dir.path()).unwrap(), real);
+        assert!(dir.path().join("input.txt").exists());
+        // Second time: the cached copy is used (the server has stopped answering).
+        assert_eq!(
+            tinyshakespeare_text(&src, dir.path()).unwrap().len(),
+            real.len()
+        );
+        // A wrong file from the server is refused by its hash.
+        let bad = crate::download::tests::serve(b"not shakespeare".to_vec(), 1);
+        let dir2 = tempfile::tempdir().unwrap();
+        let src = Source {
+            file: None,
+            data_dir: None,
+            url: &format!("{bad}/input.txt"),
+        };
+        assert!(
+            format!("{:#}", tinyshakespeare_text(&src, dir2.path()).unwrap_err())
+                .contains("SHA-256")
+        );
+    }
+}

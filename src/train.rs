@@ -1,0 +1,395 @@
+//! The training loop, step for step as llm.c's train_gpt2.cu: validation every `val_every`
+//! steps, a text sample every `sample_every`, checkpoints every `checkpoint_every`, then one
+//! optimizer step over `grad_accum` micro-batches.
+
+use crate::checkpoint::{load_model, load_state, save_model, save_state, Dtype, TrainState};
+use crate::config::GPT2Config;
+use crate::data::DataLoader;
+use crate::model::GPT2;
+use crate::optim::{optimizer_step, OptimConfig};
+use crate::rng::random_f32;
+use crate::schedule::{LrSchedule, ScheduleKind};
+use crate::tokenizer::Tokenizer;
+use anyhow::{bail, Context, Result};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Everything a training run is told. Defaults are llm.c train_gpt2.cu's except where marked
+/// "default run": those make `llmrs train` with no arguments a ~5 minute run on 2 CPU cores.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub train_data: String,              // -i  glob of train shards
+    pub val_data: String,                // -j  glob of val shards
+    pub model: String, // -e  model .bin or descriptor (default run: "tiny"; llm.c: gpt2_124M_bf16.bin)
+    pub output_dir: Option<PathBuf>, // -o  logs and checkpoints (default run: "out"; llm.c: none)
+    pub checkpoint_every: usize, // -n  0 = never
+    pub checkpoints_keep: usize, // -nk 0 = keep all
+    pub major_checkpoint_every: usize, // -nm checkpoints at multiples of this are never deleted
+    pub resume: bool,  // -y  resume from the latest checkpoint in output_dir
+    pub batch_size: usize, // -b  micro-batch B (4)
+    pub seq_len: usize, // -t  T (default run: 64; llm.c: 1024)
+    pub total_batch_size: Option<usize>, // -d tokens per step (default B*T: no accumulation)
+    pub learning_rate: f32, // -l  (default run: 1e-3; llm.c: 3e-4)
+    pub warmup: usize, // -u  warmup steps (default run: 20; llm.c: 0)
+    pub final_lr_frac: f32, // -q  final LR fraction (default run: 0.1; llm.c: 1.0)
+    pub schedule: ScheduleKind, // -k  cosine
+    pub max_steps: Option<usize>, // -x  (default run: 500; llm.c: one epoch)
+    pub val_every: usize, // -v  (default run: 50; llm.c: 20)
+    pub val_max_steps: Option<usize>, // -m 20 batches (None = the whole val split)
+    pub sample_every: usize, // -s  (default run: 100; llm.c: 20) 0 = never
+    pub gen_tokens: usize, // -g  64
+    pub overfit_single_batch: bool, // -a
+    pub optim: OptimConfig, // -c weight decay, --beta1/2, --eps, --grad-clip
+    pub seed: u32,     // --seed for random init (llm.c: 42)
+    pub shuffle: bool, // --no-shuffle turns off llm.c's permuted train order
+    pub save_dtype: Dtype, // model files in checkpoints (fp32)
+    pub quiet: bool,   // no per-step lines (tests)
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            train_data: "data/tinyshakespeare/tiny_shakespeare_train.bin".into(),
+            val_data: "data/tinyshakespeare/tiny_shakespeare_val.bin".into(),
+            model: "tiny".into(),
+            output_dir: Some("out".into()),
+            checkpoint_every: 0,
+            checkpoints_keep: 0,
+            major_checkpoint_every: 0,
+            resume: false,
+            batch_size: 4,
+            seq_len: 64,
+            total_batch_size: None,
+            learning_rate: 1e-3,
+            warmup: 20,
+            final_lr_frac: 0.1,
+            schedule: ScheduleKind::Cosine,
+            max_steps: Some(500),
+            val_every: 50,
+            val_max_steps: Some(20),
+            sample_every: 100,
+            gen_tokens: 64,
+            overfit_single_batch: false,
+            optim: OptimConfig::default(),
+            seed: 42,
+            shuffle: true,
+            save_dtype: Dtype::F32,
+            quiet: false,
+        }
+    }
+}
+
+/// What a run produced, for callers and tests.
+#[derive(Debug, Default, Clone)]
+pub struct RunSummary {
+    /// (step, train loss) for every optimizer step taken in this process.
+    pub train_losses: Vec<(usize, f32)>,
+    /// (step, val loss) for every validation.
+    pub val_losses: Vec<(usize, f32)>,
+    pub samples: Vec<String>,
+}
+
+/// Build the model named by `-e`: a model file, or a descriptor for random init.
+pub fn build_model(desc: &str, seed: u32) -> Result<GPT2> {
+    if desc.ends_with(".bin") || Path::new(desc).is_file() {
+        return load_model(Path::new(desc));
+    }
+    GPT2::random(GPT2Config::from_descriptor(desc)?, seed)
+}
+
+/// Steps of the newest complete checkpoint (`DONE_%08d`) in `dir`.
+pub fn latest_checkpoint(dir: &Path) -> Option<usize> {
+    std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| {
+            e.ok()?
+                .file_name()
+                .to_str()?
+                .strip_prefix("DONE_")?
+                .parse()
+                .ok()
+        })
+        .max()
+}
+
+fn ckpt_paths(dir: &Path, step: usize) -> [PathBuf; 3] {
+    [
+        dir.join(format!("model_{step:08}.bin")),
+        dir.join(format!("state_{step:08}_00000.bin")),
+        dir.join(format!("DONE_{step:08}")),
+    ]
+}
+
+/// Sample `n` tokens after <|endoftext|> with llm.c's sampler (xorshift seeded 1337, softmax
+/// over the V real logits, inverse CDF).
+pub fn sample_tokens(model: &mut GPT2, n: usize, eot: u32) -> Result<Vec<u32>> {
+    let (v, vp) = (model.config.vocab_size, model.config.padded_vocab_size);
+    let n = n.min(model.config.max_seq_len);
+    let mut rng = 1337u64;
+    let mut toks = vec![eot; n];
+    for t in 1..n {
+        model.forward(&toks[..t], None, 1, t)?;
+        let logits = &model.acts.logits[(t - 1) * vp..(t - 1) * vp + v];
+        let maxv = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let norm: f64 = logits.iter().map(|&x| ((x - maxv) as f64).exp()).sum();
+        let coin = random_f32(&mut rng) as f64 * norm;
+        let mut cdf = 0f64;
+        let mut next = v - 1;
+        for (i, &x) in logits.iter().enumerate() {
+            cdf += ((x - maxv) as f64).exp();
+            if coin < cdf {
+                next = i;
+                break;
+            }
+        }
+        toks[t] = next as u32;
+    }
+    Ok(toks[1..].to_vec())
+}
+
+/// Where per-step output goes: a progress bar on a terminal, plain lines otherwise, plus the
+/// JSON-lines log in the output directory.
+struct Reporter {
+    bar: indicatif::ProgressBar,
+    log: Option<std::fs::File>,
+    quiet: bool,
+}
+
+impl Reporter {
+    fn line(&self, s: &str) {
+        if self.quiet {
+            return;
+        }
+        if self.bar.is_hidden() {
+            println!("{s}");
+        } else {
+            self.bar.println(s);
+        }
+    }
+    fn json(&mut self, v: serde_json::Value) -> Result<()> {
+        if let Some(f) = &mut self.log {
+            writeln!(f, "{v}").context("cannot write the training log")?;
+        }
+        Ok(())
+    }
+}
+
+/// Run training as configured. Returns the losses it saw.
+pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
+    let (b, t) = (cfg.batch_size, cfg.seq_len);
+    let tokens_per_micro = b * t;
+    let total = cfg.total_batch_size.unwrap_or(tokens_per_micro);
+    if tokens_per_micro == 0 || total % tokens_per_micro != 0 {
+        bail!("total batch size -d {total} must be a multiple of B*T = {tokens_per_micro}");
+    }
+    let grad_accum = total / tokens_per_micro;
+    let out = cfg.output_dir.as_deref();
+    if cfg.checkpoint_every > 0 && out.is_none() {
+        bail!("checkpoints (-n) need an output directory (-o)");
+    }
+    // Resume or start fresh.
+    let resume_step = if cfg.resume {
+        let dir = out.context("-y 1 needs the output directory (-o) of the run to resume")?;
+        latest_checkpoint(dir)
+    } else {
+        None
+    };
+    let mut model = match resume_step {
+        Some(s) => load_model(&ckpt_paths(out.unwrap(), s)[0])?,
+        None => build_model(&cfg.model, cfg.seed)?,
+    };
+    let mc = model.config;
+    if t > mc.max_seq_len {
+        bail!(
+            "sequence length -t {t} is longer than the model's max_seq_len {}",
+            mc.max_seq_len
+        );
+    }
+    model.alloc_training_state();
+    model.reserve(b, t);
+    let train_pattern = if cfg.overfit_single_batch {
+        &cfg.val_data
+    } else {
+        &cfg.train_data
+    };
+    let shuffle = cfg.shuffle && !cfg.overfit_single_batch;
+    let mut train =
+        DataLoader::new(train_pattern, b, t, mc.vocab_size, shuffle).context("train data (-i)")?;
+    let mut val =
+        DataLoader::new(&cfg.val_data, b, t, mc.vocab_size, false).context("val data (-j)")?;
+    let steps = cfg.max_steps.unwrap_or(train.num_tokens / total);
+    let val_batches = cfg
+        .val_max_steps
+        .unwrap_or(val.num_tokens / tokens_per_micro);
+    let mut step = 0;
+    if let Some(s) = resume_step {
+        let st: TrainState = load_state(&ckpt_paths(out.unwrap(), s)[1], &mut model)?;
+        if st.should_shuffle != shuffle {
+            bail!(
+                "the run being resumed {} its training data; pass the same --no-shuffle setting",
+                if st.should_shuffle {
+                    "shuffled"
+                } else {
+                    "did not shuffle"
+                }
+            );
+        }
+        train.restore(&st.loader)?;
+        step = st.step;
+    }
+    let sched = LrSchedule {
+        kind: cfg.schedule,
+        max_lr: cfg.learning_rate,
+        warmup: cfg.warmup,
+        total_steps: steps,
+        final_frac: cfg.final_lr_frac,
+    };
+    let tokenizer = Tokenizer::gpt2()?;
+    let log = match out {
+        Some(dir) => {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("cannot create output directory {}", dir.display()))?;
+            let p = dir.join("log.jsonl");
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(resume_step.is_some())
+                .write(true)
+                .truncate(resume_step.is_none())
+                .open(&p);
+            Some(f.with_context(|| format!("cannot open {}", p.display()))?)
+        }
+        None => None,
+    };
+    let bar = if cfg.quiet {
+        indicatif::ProgressBar::hidden()
+    } else {
+        crate::progress::bar(steps as u64, "train")
+    };
+    bar.set_position(step as u64);
+    let mut rep = Reporter {
+        bar,
+        log,
+        quiet: cfg.quiet,
+    };
+    if !cfg.quiet {
+        rep.line(&format!(
+            "model: L={} C={} NH={} maxT={} V={} ({} parameters){}",
+            mc.num_layers,
+            mc.channels,
+            mc.num_heads,
+            mc.max_seq_len,
+            mc.vocab_size,
+            model.num_parameters(),
+            resume_step.map_or(String::new(), |s| format!(", resumed at step {s}"))
+        ));
+        rep.line(&format!(
+            "data: {} train tokens in {} shard(s), {} val tokens; B={b} T={t} grad_accum={grad_accum}; {steps} steps; {} threads",
+            train.num_tokens,
+            train.num_shards(),
+            val.num_tokens,
+            rayon::current_num_threads()
+        ));
+    }
+    let mut summary = RunSummary::default();
+    let mut resuming = resume_step.is_some();
+    loop {
+        let last = step == steps;
+        if step % cfg.val_every.max(1) == 0 || last {
+            val.reset()?;
+            let mut loss = 0.0;
+            for _ in 0..val_batches {
+                val.next_batch()?;
+                loss += model
+                    .forward(&val.inputs, Some(&val.targets), b, t)?
+                    .unwrap_or(0.0);
+            }
+            loss /= val_batches.max(1) as f32;
+            rep.line(&format!("val loss {loss:.6}"));
+            rep.json(serde_json::json!({"step": step, "val_loss": loss}))?;
+            summary.val_losses.push((step, loss));
+        }
+        if cfg.sample_every > 0 && ((step > 0 && step % cfg.sample_every == 0) || last) {
+            let toks = sample_tokens(&mut model, cfg.gen_tokens, tokenizer.eot)?;
+            let text = tokenizer.decode(&toks);
+            rep.line(&format!("generating:\n---\n{text}\n---"));
+            summary.samples.push(text);
+        }
+        if let (Some(dir), true) = (
+            out,
+            cfg.checkpoint_every > 0
+                && !resuming
+                && ((step > 0 && step % cfg.checkpoint_every == 0) || last),
+        ) {
+            write_checkpoint(dir, step, &model, &train, cfg.save_dtype)?;
+            let keep = cfg.checkpoints_keep * cfg.checkpoint_every;
+            if cfg.checkpoints_keep > 0 && step > keep {
+                let old = step - keep;
+                if cfg.major_checkpoint_every == 0 || old % cfg.major_checkpoint_every != 0 {
+                    let [m, s, d] = ckpt_paths(dir, old);
+                    for p in [d, s, m] {
+                        let _ = std::fs::remove_file(p); // DONE first, so a half-deleted checkpoint is never "complete"
+                    }
+                }
+            }
+        }
+        resuming = false;
+        if last {
+            break;
+        }
+        let t0 = Instant::now();
+        if cfg.overfit_single_batch {
+            train.reset()?;
+        }
+        model.zero_grad();
+        let mut loss = 0.0f32;
+        for _ in 0..grad_accum {
+            train.next_batch()?;
+            loss += model
+                .forward(&train.inputs, Some(&train.targets), b, t)?
+                .unwrap_or(0.0)
+                / grad_accum as f32;
+            model.backward(1.0 / grad_accum as f32)?;
+        }
+        if !loss.is_finite() {
+            bail!(
+                "the training loss is {loss} at step {step}: training diverged. Lower the learning rate (-l), keep clipping on \
+                 (--grad-clip 1), or resume from the last good checkpoint with -y 1"
+            );
+        }
+        let lr = sched.lr(step);
+        let norm = optimizer_step(&mut model, &cfg.optim, lr, step);
+        if !norm.is_finite() {
+            bail!("the gradient norm is {norm} at step {step}; the parameters are no longer finite. Lower the learning rate (-l) and resume from the last checkpoint with -y 1");
+        }
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let tok_s = (total as f64) / (ms / 1e3);
+        rep.line(&format!("step {:4}/{steps} | loss {loss:.6} | norm {norm:.4} | lr {lr:.2e} | {ms:.2} ms | {tok_s:.0} tok/s", step + 1));
+        rep.json(serde_json::json!({"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "ms": ms, "tok_per_s": tok_s}))?;
+        rep.bar.inc(1);
+        summary.train_losses.push((step, loss));
+        step += 1;
+    }
+    rep.bar.finish_and_clear();
+    Ok(summary)
+}
+
+/// Model file, state file, then the DONE marker (so a checkpoint without DONE is ignored).
+fn write_checkpoint(
+    dir: &Path,
+    step: usize,
+    model: &GPT2,
+    train: &DataLoader,
+    dtype: Dtype,
+) -> Result<()> {
+    let [m, s, d] = ckpt_paths(dir, step);
+    save_model(model, &m, dtype)?;
+    let st = TrainState {
+        step,
+        loader: train.state(),
+        should_shuffle: train.should_shuffle(),
+    };
+    save_state(&s, model, &st)?;
+    crate::checkpoint::write_atomic(&d, &[])?;
+    Ok(())
+}

@@ -1,0 +1,91 @@
+//! The `llmrs` binary: llm.c-style flags, logs, errors and exit codes.
+
+use std::process::Command;
+
+fn llmrs() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_llmrs"))
+}
+
+#[test]
+fn trains_with_llmc_flags_and_writes_a_json_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let toks: Vec<u32> = (0..2000).map(|i| (i * 7 % 500) as u32).collect();
+    llmrs::data::write_shard(&dir.path().join("train.bin"), &toks).unwrap();
+    llmrs::data::write_shard(&dir.path().join("val.bin"), &toks[..300]).unwrap();
+    let out = dir.path().join("out");
+    let o = llmrs()
+        .current_dir(dir.path())
+        .args([
+            "train",
+            "-i",
+            "train.bin",
+            "-j",
+            "val.bin",
+            "-e",
+            "1x16:2:16",
+            "-b",
+            "2",
+            "-t",
+            "8",
+            "-x",
+            "4",
+            "-v",
+            "2",
+        ])
+        .args([
+            "-m", "1", "-s", "4", "-g", "5", "-n", "2", "-nk", "1", "-f", "1", "-z", "0", "-o",
+        ])
+        .arg(&out)
+        .args(["--threads", "1"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("step    4/4 | loss "), "{stdout}");
+    assert!(stdout.contains("generating:"), "{stdout}");
+    assert!(stderr.contains("-f 1 is a GPU setting"), "{stderr}");
+    let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|v| v.get("train_loss").is_some())
+            .count(),
+        4
+    );
+    assert_eq!(
+        lines.iter().filter(|v| v.get("val_loss").is_some()).count(),
+        3
+    );
+    assert!(lines.iter().all(|v| v["step"].is_u64()));
+    // -nk 1: only the newest checkpoint survives.
+    assert!(out.join("DONE_00000004").exists() && out.join("model_00000004.bin").exists());
+    assert!(!out.join("DONE_00000002").exists() && !out.join("state_00000002_00000.bin").exists());
+}
+
+#[test]
+fn bad_input_gives_a_one_line_error_and_exit_1() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("junk.bin"), b"this is not a model").unwrap();
+    let o = llmrs()
+        .current_dir(dir.path())
+        .args([
+            "train", "-e", "junk.bin", "-i", "junk.bin", "-j", "junk.bin",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.starts_with("error: ") && err.contains("junk.bin") && err.trim().lines().count() == 1,
+        "{err}"
+    );
+    let o = llmrs().args(["train", "-k", "bogus"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown learning rate schedule"));
+    let o = llmrs().args(["train", "--help"]).output().unwrap();
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("--grad-clip"));
+}
