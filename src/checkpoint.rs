@@ -102,6 +102,10 @@ pub fn write_atomic(path: &Path, chunks: &[&[u8]]) -> Result<()> {
     }
     std::fs::rename(&tmp, path)
         .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
+    // Make the rename itself durable (best effort: not every filesystem lets a directory be synced).
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
     Ok(())
 }
 
@@ -445,6 +449,76 @@ mod tests {
         let p2 = dir.path().join("m2.bin");
         save_model(&back, &p2, Dtype::BF16).unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), std::fs::read(&p2).unwrap());
+    }
+
+    #[test]
+    fn training_state_round_trip_and_truncation() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = GPT2Config::from_descriptor("1x8:2:4").unwrap();
+        let mut model = GPT2::random(cfg, 1).unwrap();
+        model.alloc_training_state();
+        model
+            .m
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = i as f32 * 0.5);
+        model
+            .v
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = i as f32 * 0.25);
+        let mut rng = crate::rng::Mt19937::new(42);
+        rng.next_u32();
+        let loader = crate::data::LoaderState {
+            current_shard_idx: 1,
+            current_sample_idx: 7,
+            shard_indices: vec![1, 0],
+            shard_num_samples: 3,
+            intra_shard_indices: vec![2, 0, 1],
+            rng: Some(rng),
+        };
+        let p = dir.path().join("state.bin");
+        save_state(
+            &p,
+            &model,
+            &TrainState {
+                step: 12,
+                loader: loader.clone(),
+                should_shuffle: true,
+            },
+        )
+        .unwrap();
+        let mut back = GPT2::random(cfg, 2).unwrap();
+        back.alloc_training_state();
+        let st = load_state(&p, &mut back).unwrap();
+        assert_eq!((st.step, st.should_shuffle), (12, true));
+        assert_eq!(st.loader, loader);
+        assert_eq!(
+            (back.m.clone(), back.v.clone()),
+            (model.m.clone(), model.v.clone())
+        );
+        let bytes = std::fs::read(&p).unwrap();
+        std::fs::write(&p, &bytes[..bytes.len() - 5]).unwrap();
+        assert!(format!("{:#}", load_state(&p, &mut back).err().unwrap()).contains("truncated"));
+        let mut bad = bytes.clone();
+        bad[0] ^= 1;
+        std::fs::write(&p, &bad).unwrap();
+        assert!(format!("{:#}", load_state(&p, &mut back).err().unwrap())
+            .contains("not an llm.c training-state"));
+        // A state for a bigger model does not load into a smaller one.
+        let mut big = GPT2::random(GPT2Config::from_descriptor("1x16:2:4").unwrap(), 1).unwrap();
+        big.alloc_training_state();
+        save_state(
+            &p,
+            &big,
+            &TrainState {
+                step: 1,
+                loader,
+                should_shuffle: true,
+            },
+        )
+        .unwrap();
+        assert!(load_state(&p, &mut back).is_err());
     }
 
     #[test]

@@ -245,7 +245,13 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
         total_steps: steps,
         final_frac: cfg.final_lr_frac,
     };
-    let tokenizer = Tokenizer::gpt2()?;
+    // Like llm.c, decode samples with ./gpt2_tokenizer.bin when it is there; else the built-in BPE.
+    let llmc_tokenizer = Path::new("gpt2_tokenizer.bin");
+    let tokenizer = if llmc_tokenizer.is_file() {
+        Tokenizer::load_llmc(llmc_tokenizer)?
+    } else {
+        Tokenizer::gpt2()?
+    };
     let log = match out {
         Some(dir) => {
             std::fs::create_dir_all(dir)
