@@ -170,8 +170,8 @@ pub fn load_model(path: &Path) -> Result<GPT2> {
     let bytes = read_file(path)?;
     let h = parse_header(&bytes, path, "model")?;
     let (cfg, dtype) = parse_model_header(&h, path)?;
-    let mut model = GPT2::zeros(cfg)?;
-    let n = model.num_parameters();
+    // Check the size before allocating anything the header asks for.
+    let n = cfg.num_parameters();
     let want = HEADER_BYTES + n * dtype.bytes();
     if bytes.len() != want {
         bail!(
@@ -181,6 +181,7 @@ pub fn load_model(path: &Path) -> Result<GPT2> {
             dtype
         );
     }
+    let mut model = GPT2::zeros(cfg)?;
     let body = &bytes[HEADER_BYTES..];
     match dtype {
         Dtype::F32 => f32s_from_le(body, &mut model.params),
@@ -242,10 +243,10 @@ pub fn load_debug_state(path: &Path, cfg: &GPT2Config) -> Result<DebugState> {
         );
     }
     let (b, t) = (h[2].max(0) as usize, h[3].max(0) as usize);
-    let n = crate::params::ParamLayout::new(cfg).num_parameters;
-    let bt = b * t;
-    let want = HEADER_BYTES + 8 * bt + 4 * bt * cfg.vocab_size + 4 + 4 * n;
-    if b == 0 || t == 0 || bytes.len() != want {
+    let n = cfg.num_parameters();
+    let bt = b * t; // both < 2^31
+    let want = (bt as u128) * (8 + 4 * cfg.vocab_size as u128) + (HEADER_BYTES + 4 + 4 * n) as u128;
+    if b == 0 || t == 0 || bytes.len() as u128 != want {
         bail!("{}: {} bytes, expected {want} for B={b} T={t} and this model: truncated, or for another model", path.display(), bytes.len());
     }
     let mut off = HEADER_BYTES;

@@ -129,13 +129,22 @@ impl GPT2Config {
         if channels % num_heads != 0 {
             bail!("channels {channels} is not a multiple of the number of heads {num_heads}");
         }
-        // Guard against absurd headers: 2^40 parameters is far beyond any GPT-2.
-        let n = (padded_vocab_size as u128 + max_seq_len as u128) * channels as u128
-            + (num_layers as u128) * 13 * (channels as u128) * (channels as u128);
-        if n > (1u128 << 40) || vocab_size > u32::MAX as usize {
+        // Guard against absurd headers before anything is allocated from them.
+        if num_layers > 4096
+            || channels > 1 << 16
+            || max_seq_len > 1 << 20
+            || padded_vocab_size > 1 << 24
+            || num_heads > channels
+        {
             bail!("model shape is implausibly large: {self:?}");
         }
         Ok(())
+    }
+
+    /// Number of parameters (llm.c's count, padded vocab included), from the shape alone.
+    pub fn num_parameters(&self) -> usize {
+        let (c, l) = (self.channels, self.num_layers);
+        (self.padded_vocab_size + self.max_seq_len) * c + l * (12 * c * c + 13 * c) + 2 * c
     }
 
     pub fn head_size(&self) -> usize {

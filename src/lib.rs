@@ -7,6 +7,8 @@ pub mod config;
 pub mod cpu;
 pub mod data;
 pub mod download;
+pub mod hf;
+pub mod hub;
 pub mod model;
 pub mod optim;
 pub mod params;
@@ -14,6 +16,7 @@ pub mod prepare;
 pub mod progress;
 pub mod rng;
 pub mod schedule;
+pub mod source;
 #[doc(hidden)]
 pub mod testdata;
 pub mod tokenizer;

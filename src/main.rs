@@ -31,6 +31,20 @@ enum Cmd {
     /// Turn text into llm.c token shards.
     #[command(subcommand)]
     Prepare(PrepareCmd),
+    /// Convert a model between llm.c .bin and Hugging Face safetensors. OUT ending in .bin is an
+    /// llm.c model file; anything else is a directory with model.safetensors + config.json.
+    Convert {
+        /// Input: llm.c .bin, HF directory or .safetensors (or use --hf).
+        #[arg(required_unless_present = "hf")]
+        input: Option<String>,
+        output: PathBuf,
+        /// Take the input from the Hugging Face Hub: owner/name[@revision].
+        #[arg(long)]
+        hf: Option<String>,
+        /// Output precision: fp32 or bf16.
+        #[arg(long, default_value = "fp32")]
+        dtype: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -154,6 +168,9 @@ struct TrainArgs {
     /// Checkpoint model dtype: fp32 or bf16.
     #[arg(long = "save-dtype", default_value = "fp32")]
     save_dtype: String,
+    /// Start from a model on the Hugging Face Hub (owner/name[@revision]) instead of -e.
+    #[arg(long)]
+    hf: Option<String>,
     /// HellaSwag eval during training (llm.c -h); not available yet.
     #[arg(short = 'h', long = "hellaswag", default_value_t = 0)]
     hellaswag: u8,
@@ -196,7 +213,10 @@ fn train_config(a: TrainArgs) -> Result<TrainConfig> {
     Ok(TrainConfig {
         train_data: a.train_data,
         val_data: a.val_data,
-        model: a.model,
+        model: match a.hf {
+            Some(h) => format!("hf:{h}"),
+            None => a.model,
+        },
         output_dir: (!a.output_dir.is_empty()).then(|| PathBuf::from(a.output_dir)),
         checkpoint_every: a.checkpoint_every,
         checkpoints_keep: a.checkpoints_keep,
@@ -224,12 +244,16 @@ fn train_config(a: TrainArgs) -> Result<TrainConfig> {
         },
         seed: a.seed,
         shuffle: !a.no_shuffle,
-        save_dtype: match a.save_dtype.as_str() {
-            "fp32" | "f32" => Dtype::F32,
-            "bf16" => Dtype::BF16,
-            d => bail!("unknown --save-dtype '{d}': use fp32 or bf16"),
-        },
+        save_dtype: parse_dtype(&a.save_dtype)?,
         quiet: false,
+    })
+}
+
+fn parse_dtype(d: &str) -> Result<Dtype> {
+    Ok(match d {
+        "fp32" | "f32" | "float32" => Dtype::F32,
+        "bf16" | "bfloat16" => Dtype::BF16,
+        _ => bail!("unknown dtype '{d}': use fp32 or bf16"),
     })
 }
 
@@ -278,6 +302,35 @@ fn real_main(cli: Cli) -> Result<()> {
         }
         Some(Cmd::Prepare(PrepareCmd::Tinyshakespeare { input, out })) => {
             prepare_tinyshakespeare(&Source::from_env(input.as_deref()), &out).map(|_| ())
+        }
+        Some(Cmd::Convert {
+            input,
+            output,
+            hf,
+            dtype,
+        }) => {
+            let dtype = parse_dtype(&dtype)?;
+            let spec = match (hf, input) {
+                (Some(h), None) => format!("hf:{h}"),
+                (None, Some(i)) => i,
+                _ => bail!("give either an input model or --hf, not both"),
+            };
+            if !spec.starts_with("hf:") && !std::path::Path::new(&spec).exists() {
+                bail!("{spec} does not exist");
+            }
+            let model = llmrs::source::load_any(&spec, 0)?;
+            if output.extension().is_some_and(|e| e == "bin") {
+                llmrs::checkpoint::save_model(&model, &output, dtype)?;
+            } else {
+                llmrs::hf::save_hf(&model, &output, dtype)?;
+            }
+            eprintln!(
+                "wrote {} ({} parameters, {:?})",
+                output.display(),
+                model.num_parameters(),
+                dtype
+            );
+            Ok(())
         }
         Some(Cmd::Prepare(PrepareCmd::Text {
             files,

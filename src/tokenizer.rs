@@ -53,7 +53,7 @@ impl Tokenizer {
             .ok()
             .filter(|&n| n > 0 && n <= 1 << 24)
             .with_context(|| format!("{}: bad vocab size {}", path.display(), h[2]))?;
-        let mut table = Vec::with_capacity(n);
+        let mut table = Vec::with_capacity(n.min(bytes.len())); // every token takes at least one byte
         let mut off = HEADER_BYTES;
         for i in 0..n {
             let len = *bytes

@@ -3,7 +3,6 @@
 //! optimizer step over `grad_accum` micro-batches.
 
 use crate::checkpoint::{load_model, load_state, save_model, save_state, Dtype, TrainState};
-use crate::config::GPT2Config;
 use crate::data::DataLoader;
 use crate::model::GPT2;
 use crate::optim::{optimizer_step, OptimConfig};
@@ -90,12 +89,9 @@ pub struct RunSummary {
     pub samples: Vec<String>,
 }
 
-/// Build the model named by `-e`: a model file, or a descriptor for random init.
+/// Build the model named by `-e` (see [`crate::source::load_any`]).
 pub fn build_model(desc: &str, seed: u32) -> Result<GPT2> {
-    if desc.ends_with(".bin") || Path::new(desc).is_file() {
-        return load_model(Path::new(desc));
-    }
-    GPT2::random(GPT2Config::from_descriptor(desc)?, seed)
+    crate::source::load_any(desc, seed)
 }
 
 /// Steps of the newest complete checkpoint (`DONE_%08d`) in `dir`.

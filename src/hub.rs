@@ -1,0 +1,373 @@
+//! Fetch a GPT-2 model from the Hugging Face Hub into a local cache.
+//!
+//! Files are requested as the Hub serves them, `{endpoint}/{owner}/{name}/resolve/{revision}/{file}`
+//! (the endpoint is `$HF_ENDPOINT`, default https://huggingface.co). A `HEAD` without following
+//! redirects gives the expected size (`X-Linked-Size` / `Content-Length`) and, for large files, the
+//! SHA-256 (`X-Linked-Etag`). Downloads go to `FILE.part` and resume from where they stopped with
+//! an HTTP `Range` request; the file gets its final name only once size and hash check out.
+
+use anyhow::{bail, Context, Result};
+use sha2::{Digest, Sha256};
+use std::fs::OpenOptions;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+/// The files of a GPT-2 model repository that llmrs needs.
+pub const MODEL_FILES: [&str; 2] = ["config.json", "model.safetensors"];
+
+/// `owner/name[@revision]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HubRef {
+    pub repo: String,
+    pub revision: String,
+}
+
+impl std::str::FromStr for HubRef {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let (repo, revision) = s.split_once('@').unwrap_or((s, "main"));
+        let ok = |x: &str| {
+            !x.is_empty()
+                && x.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                && !x.starts_with('.')
+        };
+        let parts: Vec<&str> = repo.split('/').collect();
+        if parts.len() > 2 || !parts.iter().all(|p| ok(p)) || !ok(revision) {
+            bail!("'{s}' is not a Hub model name: use owner/name or owner/name@revision (e.g. openai-community/gpt2)");
+        }
+        Ok(HubRef {
+            repo: repo.to_string(),
+            revision: revision.to_string(),
+        })
+    }
+}
+
+pub fn endpoint() -> String {
+    std::env::var("HF_ENDPOINT")
+        .unwrap_or_else(|_| "https://huggingface.co".into())
+        .trim_end_matches('/')
+        .to_string()
+}
+
+/// `$LLMRS_CACHE_DIR`, else `$XDG_CACHE_HOME/llmrs` or `~/.cache/llmrs`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("LLMRS_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from(".cache"));
+    base.join("llmrs")
+}
+
+/// Download the model's files (if not cached) and return the local directory.
+pub fn fetch_model(r: &HubRef, endpoint: &str, cache: &Path) -> Result<PathBuf> {
+    let dir = cache
+        .join("hub")
+        .join(r.repo.replace('/', "--"))
+        .join(&r.revision);
+    for f in MODEL_FILES {
+        let dest = dir.join(f);
+        if !dest.is_file() {
+            let url = format!("{endpoint}/{}/resolve/{}/{f}", r.repo, r.revision);
+            fetch_file(&url, &dest)
+                .with_context(|| format!("cannot fetch {f} of {}@{}", r.repo, r.revision))?;
+        }
+    }
+    Ok(dir)
+}
+
+/// What the Hub says about a file before we download it.
+struct Meta {
+    size: Option<u64>,
+    sha256: Option<String>,
+}
+
+fn head(url: &str) -> Result<Meta> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .max_redirects(0)
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let resp = agent
+        .head(url)
+        .call()
+        .with_context(|| format!("cannot reach {url}; check the network or set HF_ENDPOINT"))?;
+    let status = resp.status().as_u16();
+    if status == 401 || status == 403 || status == 404 {
+        bail!("{url}: HTTP {status}: no such model or file (or it needs a login)");
+    }
+    if status >= 400 {
+        bail!("{url}: HTTP {status}");
+    }
+    let h = |k: &str| {
+        resp.headers()
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .map(|s| {
+                s.trim_matches('"')
+                    .trim_start_matches("W/")
+                    .trim_matches('"')
+                    .to_string()
+            })
+    };
+    let size = h("x-linked-size")
+        .or_else(|| {
+            if status == 200 {
+                h("content-length")
+            } else {
+                None
+            }
+        })
+        .and_then(|s| s.parse().ok());
+    let etag = h("x-linked-etag").or_else(|| h("etag"));
+    let sha256 = etag
+        .filter(|e| e.len() == 64 && e.chars().all(|c| c.is_ascii_hexdigit()))
+        .map(|e| e.to_ascii_lowercase());
+    Ok(Meta { size, sha256 })
+}
+
+/// Download `url` to `dest`, resuming `dest.part` if an earlier attempt stopped.
+pub fn fetch_file(url: &str, dest: &Path) -> Result<()> {
+    let meta = head(url)?;
+    let dir = dest.parent().context("destination has no directory")?;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let part = dest.with_file_name(format!(
+        "{}.part",
+        dest.file_name().unwrap().to_string_lossy()
+    ));
+    let mut offset = std::fs::metadata(&part).map(|m| m.len()).unwrap_or(0);
+    if meta.size.is_some_and(|s| offset > s) {
+        offset = 0; // a stale partial from another version of the file
+    }
+    let mut req = ureq::get(url);
+    if offset > 0 {
+        req = req.header("Range", &format!("bytes={offset}-"));
+    }
+    let resp = req
+        .call()
+        .with_context(|| format!("cannot download {url}"))?;
+    if resp.status().as_u16() != 206 {
+        offset = 0; // the server sent the whole file
+    }
+    let total = meta
+        .size
+        .or_else(|| resp.body().content_length().map(|n| n + offset));
+    if offset > 0 {
+        eprintln!("resuming {url} at byte {offset}");
+    } else {
+        eprintln!("downloading {url}");
+    }
+    let mut file = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(offset > 0)
+        .truncate(offset == 0)
+        .open(&part)?;
+    let bar = crate::progress::bar(total.unwrap_or(0), "download");
+    bar.set_position(offset);
+    let mut reader = resp.into_body().into_reader();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        // On an error the partial file stays for the next attempt to resume.
+        let n = reader
+            .read(&mut buf)
+            .with_context(|| format!("download of {url} stopped; run again to resume"))?;
+        if n == 0 {
+            break;
+        }
+        file.write_all(&buf[..n])
+            .with_context(|| format!("cannot write {} (disk full?)", part.display()))?;
+        bar.inc(n as u64);
+    }
+    bar.finish_and_clear();
+    file.sync_all()?;
+    drop(file);
+    let got = std::fs::metadata(&part)?.len();
+    if let Some(t) = total {
+        if got != t {
+            bail!("{url}: got {got} of {t} bytes; run again to resume");
+        }
+    }
+    if let Some(want) = &meta.sha256 {
+        let mut h = Sha256::new();
+        let mut f = std::fs::File::open(&part)?;
+        loop {
+            let n = f.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        let got: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        if &got != want {
+            let _ = std::fs::remove_file(&part);
+            bail!("{url}: SHA-256 {got} does not match the Hub's {want}; the partial download was removed, run again");
+        }
+    }
+    std::fs::rename(&part, dest)
+        .with_context(|| format!("cannot move {} into place", part.display()))?;
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::io::BufRead;
+    use std::net::TcpListener;
+    use std::sync::{Arc, Mutex};
+
+    /// A loopback server with the Hub's URL layout for one repository. `cut_first_get` makes the
+    /// first GET of model.safetensors stop halfway (to test resuming). Serves `max_requests`.
+    pub fn hub_server(
+        repo: &str,
+        files: Vec<(String, Vec<u8>)>,
+        cut_first_get: bool,
+        max_requests: usize,
+    ) -> (String, Arc<Mutex<Vec<String>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let log = Arc::new(Mutex::new(vec![]));
+        let log2 = log.clone();
+        let prefix = format!("/{repo}/resolve/main/");
+        std::thread::spawn(move || {
+            let mut cut = cut_first_get;
+            for stream in listener.incoming().take(max_requests) {
+                let mut s = stream.unwrap();
+                let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+                let (mut first, mut range) = (String::new(), None::<u64>);
+                let mut line = String::new();
+                while r.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                    if first.is_empty() {
+                        first = line.trim().to_string();
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("range: bytes=") {
+                        range = v.trim().trim_end_matches('-').parse().ok();
+                    }
+                    line.clear();
+                }
+                log2.lock()
+                    .unwrap()
+                    .push(format!("{first} range={range:?}"));
+                let mut it = first.split_whitespace();
+                let (method, path) = (it.next().unwrap_or(""), it.next().unwrap_or(""));
+                let file = path
+                    .strip_prefix(&prefix)
+                    .and_then(|f| files.iter().find(|(n, _)| n == f));
+                let Some((name, body)) = file else {
+                    let _ = write!(
+                        s,
+                        "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    );
+                    continue;
+                };
+                let sha = crate::download::sha256_hex(body);
+                let etag = if name.ends_with(".safetensors") {
+                    format!(
+                        "X-Linked-Etag: \"{sha}\"\r\nX-Linked-Size: {}\r\n",
+                        body.len()
+                    )
+                } else {
+                    String::new()
+                };
+                if method == "HEAD" {
+                    let _ = write!(
+                        s,
+                        "HTTP/1.1 200 OK\r\n{etag}Content-Length: {}\r\nConnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    continue;
+                }
+                let start = range.unwrap_or(0) as usize;
+                let status = if start > 0 {
+                    "206 Partial Content"
+                } else {
+                    "200 OK"
+                };
+                let rest = &body[start..];
+                let _ = write!(
+                    s,
+                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    rest.len()
+                );
+                if cut && name.ends_with(".safetensors") {
+                    cut = false;
+                    let _ = s.write_all(&rest[..rest.len() / 2]);
+                    continue; // connection drops mid-body
+                }
+                let _ = s.write_all(rest);
+            }
+        });
+        (base, log)
+    }
+
+    fn model_files() -> (crate::model::GPT2, Vec<(String, Vec<u8>)>) {
+        let dir = tempfile::tempdir().unwrap();
+        let m = crate::model::GPT2::random(
+            crate::config::GPT2Config::from_descriptor("1x16:2:8").unwrap(),
+            3,
+        )
+        .unwrap();
+        crate::hf::save_hf(&m, dir.path(), crate::checkpoint::Dtype::F32).unwrap();
+        let files = MODEL_FILES
+            .iter()
+            .map(|f| (f.to_string(), std::fs::read(dir.path().join(f)).unwrap()))
+            .collect();
+        (m, files)
+    }
+
+    #[test]
+    fn fetches_a_model_in_the_hubs_layout_and_caches_it() {
+        let (m, files) = model_files();
+        let (base, log) = hub_server("someone/tiny-gpt2", files, false, 4);
+        let cache = tempfile::tempdir().unwrap();
+        let r: HubRef = "someone/tiny-gpt2".parse().unwrap();
+        let dir = fetch_model(&r, &base, cache.path()).unwrap();
+        let back = crate::hf::load_hf(&dir).unwrap();
+        assert_eq!(back.params, m.params);
+        assert_eq!(log.lock().unwrap().len(), 4, "HEAD + GET per file");
+        // Cached: no further requests (the server would not answer them).
+        fetch_model(&r, &base, cache.path()).unwrap();
+        let e = fetch_model(&"someone/other".parse().unwrap(), &base, cache.path()).unwrap_err();
+        assert!(format!("{e:#}").contains("cannot"), "{e:#}");
+    }
+
+    #[test]
+    fn an_interrupted_download_resumes_with_a_range_request() {
+        let (m, files) = model_files();
+        let (base, log) = hub_server("a/b", files, true, 8);
+        let cache = tempfile::tempdir().unwrap();
+        let r: HubRef = "a/b".parse().unwrap();
+        let e = fetch_model(&r, &base, cache.path()).unwrap_err();
+        assert!(format!("{e:#}").contains("resume"), "{e:#}");
+        let part = cache.path().join("hub/a--b/main/model.safetensors.part");
+        let half = std::fs::metadata(&part).unwrap().len();
+        assert!(half > 0);
+        let dir = fetch_model(&r, &base, cache.path()).unwrap();
+        assert_eq!(crate::hf::load_hf(&dir).unwrap().params, m.params);
+        assert!(!part.exists());
+        let log = log.lock().unwrap();
+        assert!(
+            log.iter()
+                .any(|l| l.starts_with("GET") && l.ends_with(&format!("range=Some({half})"))),
+            "{log:?}"
+        );
+    }
+
+    #[test]
+    fn hub_names() {
+        assert_eq!(
+            "openai-community/gpt2@v1.0".parse::<HubRef>().unwrap(),
+            HubRef {
+                repo: "openai-community/gpt2".into(),
+                revision: "v1.0".into()
+            }
+        );
+        assert_eq!("gpt2".parse::<HubRef>().unwrap().revision, "main");
+        for bad in ["", "a/b/c", "../x", "a/b@", "a b/c"] {
+            assert!(bad.parse::<HubRef>().is_err(), "{bad}");
+        }
+    }
+}
