@@ -53,9 +53,7 @@ pub fn parse_header(bytes: &[u8], path: &Path, what: &str) -> Result<[i32; HEADE
             bytes.len()
         );
     }
-    Ok(std::array::from_fn(|i| {
-        i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap())
-    }))
+    Ok(std::array::from_fn(|i| i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap())))
 }
 
 pub fn f32s_from_le(bytes: &[u8], out: &mut [f32]) {
@@ -73,16 +71,9 @@ pub fn f32s_to_le(vals: &[f32], out: &mut Vec<u8>) {
 
 /// Write `chunks` to `path` atomically: temp file in the same directory, fsync, rename.
 pub fn write_atomic(path: &Path, chunks: &[&[u8]]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("cannot create directory {}", dir.display()))?;
-    let name = path
-        .file_name()
-        .context("output path has no file name")?
-        .to_string_lossy();
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create directory {}", dir.display()))?;
+    let name = path.file_name().context("output path has no file name")?.to_string_lossy();
     let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
     let result = (|| -> Result<()> {
         let mut f = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
@@ -95,13 +86,9 @@ pub fn write_atomic(path: &Path, chunks: &[&[u8]]) -> Result<()> {
     })();
     if let Err(e) = result {
         let _ = std::fs::remove_file(&tmp);
-        return Err(e.context(format!(
-            "cannot write {} (is the disk full?)",
-            path.display()
-        )));
+        return Err(e.context(format!("cannot write {} (is the disk full?)", path.display())));
     }
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
     // Make the rename itself durable (best effort: not every filesystem lets a directory be synced).
     if let Ok(d) = File::open(dir) {
         let _ = d.sync_all();
@@ -144,13 +131,7 @@ fn parse_model_header(h: &[i32; HEADER_INTS], path: &Path) -> Result<(GPT2Config
         usize::try_from(h[i])
             .ok()
             .filter(|&x| x > 0)
-            .with_context(|| {
-                format!(
-                    "{}: header field {name} = {} is invalid",
-                    path.display(),
-                    h[i]
-                )
-            })
+            .with_context(|| format!("{}: header field {name} = {} is invalid", path.display(), h[i]))
     };
     let cfg = GPT2Config {
         max_seq_len: dim(2, "max_seq_len")?,
@@ -160,8 +141,7 @@ fn parse_model_header(h: &[i32; HEADER_INTS], path: &Path) -> Result<(GPT2Config
         channels: dim(6, "channels")?,
         padded_vocab_size: dim(7, "padded_vocab_size")?,
     };
-    cfg.validate()
-        .with_context(|| format!("{}: bad model header", path.display()))?;
+    cfg.validate().with_context(|| format!("{}: bad model header", path.display()))?;
     Ok((cfg, dtype))
 }
 
@@ -224,37 +204,29 @@ pub struct DebugState {
 /// Read a debug-state file for a model of shape `cfg`.
 pub fn load_debug_state(path: &Path, cfg: &GPT2Config) -> Result<DebugState> {
     let mut bytes = Vec::new();
-    File::open(path)
-        .with_context(|| format!("cannot open {}", path.display()))?
-        .read_to_end(&mut bytes)?;
+    File::open(path).with_context(|| format!("cannot open {}", path.display()))?.read_to_end(&mut bytes)?;
     let h = parse_header(&bytes, path, "debug-state")?;
     if h[0] != DEBUG_STATE_MAGIC {
-        bail!(
-            "{} is not an llm.c debug-state file (magic {})",
-            path.display(),
-            h[0]
-        );
+        bail!("{} is not an llm.c debug-state file (magic {})", path.display(), h[0]);
     }
     if h[1] != 2 {
-        bail!(
-            "{}: debug-state version {} is not supported (expected 2); re-run train_gpt2.py",
-            path.display(),
-            h[1]
-        );
+        bail!("{}: debug-state version {} is not supported (expected 2); re-run train_gpt2.py", path.display(), h[1]);
     }
     let (b, t) = (h[2].max(0) as usize, h[3].max(0) as usize);
     let n = cfg.num_parameters();
     let bt = b * t; // both < 2^31
     let want = (bt as u128) * (8 + 4 * cfg.vocab_size as u128) + (HEADER_BYTES + 4 + 4 * n) as u128;
     if b == 0 || t == 0 || bytes.len() as u128 != want {
-        bail!("{}: {} bytes, expected {want} for B={b} T={t} and this model: truncated, or for another model", path.display(), bytes.len());
+        bail!(
+            "{}: {} bytes, expected {want} for B={b} T={t} and this model: truncated, or for another model",
+            path.display(),
+            bytes.len()
+        );
     }
     let mut off = HEADER_BYTES;
     let mut ints = |k: usize| {
-        let v: Vec<u32> = bytes[off..off + 4 * k]
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect();
+        let v: Vec<u32> =
+            bytes[off..off + 4 * k].chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32).collect();
         off += 4 * k;
         v
     };
@@ -269,15 +241,7 @@ pub fn load_debug_state(path: &Path, cfg: &GPT2Config) -> Result<DebugState> {
     let logits = floats(bt * cfg.vocab_size);
     let loss = floats(1)[0];
     let grads = floats(n);
-    Ok(DebugState {
-        b,
-        t,
-        inputs,
-        targets,
-        logits,
-        loss,
-        grads,
-    })
+    Ok(DebugState { b, t, inputs, targets, logits, loss, grads })
 }
 
 pub const STATE_MAGIC: i32 = 20240527;
@@ -316,19 +280,10 @@ pub fn save_state(path: &Path, model: &GPT2, st: &TrainState) -> Result<()> {
     if st.should_shuffle {
         let l = &st.loader;
         tail.extend_from_slice(&(l.shard_indices.len() as u64).to_le_bytes());
-        l.shard_indices
-            .iter()
-            .for_each(|x| tail.extend_from_slice(&x.to_le_bytes()));
+        l.shard_indices.iter().for_each(|x| tail.extend_from_slice(&x.to_le_bytes()));
         tail.extend_from_slice(&(l.shard_num_samples as u64).to_le_bytes());
-        l.intra_shard_indices
-            .iter()
-            .for_each(|x| tail.extend_from_slice(&x.to_le_bytes()));
-        tail.extend_from_slice(
-            &l.rng
-                .as_ref()
-                .context("shuffling loader without RNG")?
-                .to_bytes(),
-        );
+        l.intra_shard_indices.iter().for_each(|x| tail.extend_from_slice(&x.to_le_bytes()));
+        tail.extend_from_slice(&l.rng.as_ref().context("shuffling loader without RNG")?.to_bytes());
     }
     write_atomic(path, &[&header, &m, &v, &tail])
 }
@@ -339,32 +294,19 @@ pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
     let bytes = read_file(path)?;
     let h = parse_header(&bytes, path, "training-state")?;
     if h[0] != STATE_MAGIC {
-        bail!(
-            "{} is not an llm.c training-state file (magic {})",
-            path.display(),
-            h[0]
-        );
+        bail!("{} is not an llm.c training-state file (magic {})", path.display(), h[0]);
     }
     if h[1] != 1 {
-        bail!(
-            "{}: training-state version {} is not supported (expected 1)",
-            path.display(),
-            h[1]
-        );
+        bail!("{}: training-state version {} is not supported (expected 1)", path.display(), h[1]);
     }
     if h[2] != 1 || h[3] != 0 {
-        bail!(
-            "{}: state of a {}-process run; llmrs resumes single-process runs only",
-            path.display(),
-            h[2]
-        );
+        bail!("{}: state of a {}-process run; llmrs resumes single-process runs only", path.display(), h[2]);
     }
     let n = model.num_parameters();
     let mut off = HEADER_BYTES;
     let mut take = |k: usize| -> Result<&[u8]> {
-        let s = bytes
-            .get(off..off + k)
-            .with_context(|| format!("{}: truncated training-state file", path.display()))?;
+        let s =
+            bytes.get(off..off + k).with_context(|| format!("{}: truncated training-state file", path.display()))?;
         off += k;
         Ok(s)
     };
@@ -385,11 +327,7 @@ pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
         rng: None,
     };
     let u64_at = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap()) as usize;
-    let i32s = |b: &[u8]| {
-        b.chunks_exact(4)
-            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
-            .collect::<Vec<_>>()
-    };
+    let i32s = |b: &[u8]| b.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>();
     if should_shuffle {
         let nshards = u64_at(take(8)?);
         if nshards > 1 << 24 {
@@ -398,17 +336,10 @@ pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
         loader.shard_indices = i32s(take(4 * nshards)?);
         loader.shard_num_samples = u64_at(take(8)?);
         if loader.shard_num_samples > bytes.len() {
-            bail!(
-                "{}: implausible sample count {}",
-                path.display(),
-                loader.shard_num_samples
-            );
+            bail!("{}: implausible sample count {}", path.display(), loader.shard_num_samples);
         }
         loader.intra_shard_indices = i32s(take(4 * loader.shard_num_samples)?);
-        loader.rng = Some(
-            crate::rng::Mt19937::from_bytes(take(crate::rng::MT_STATE_BYTES)?)
-                .context("bad RNG state")?,
-        );
+        loader.rng = Some(crate::rng::Mt19937::from_bytes(take(crate::rng::MT_STATE_BYTES)?).context("bad RNG state")?);
     }
     if off != bytes.len() {
         bail!(
@@ -417,11 +348,7 @@ pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
             bytes.len() - off
         );
     }
-    Ok(TrainState {
-        step: usize::try_from(h[10]).context("negative step")?,
-        loader,
-        should_shuffle,
-    })
+    Ok(TrainState { step: usize::try_from(h[10]).context("negative step")?, loader, should_shuffle })
 }
 
 #[cfg(test)]
@@ -441,10 +368,7 @@ mod tests {
         save_model(&model, &p, Dtype::BF16).unwrap();
         let back = load_model(&p).unwrap();
         for (a, b) in back.params.iter().zip(&model.params) {
-            assert!(
-                (a - b).abs() <= b.abs() / 128.0,
-                "bf16 keeps 8 bits of mantissa"
-            );
+            assert!((a - b).abs() <= b.abs() / 128.0, "bf16 keeps 8 bits of mantissa");
         }
         // Writing bf16 again from the bf16-loaded model is lossless.
         let p2 = dir.path().join("m2.bin");
@@ -458,16 +382,8 @@ mod tests {
         let cfg = GPT2Config::from_descriptor("1x8:2:4").unwrap();
         let mut model = GPT2::random(cfg, 1).unwrap();
         model.alloc_training_state();
-        model
-            .m
-            .iter_mut()
-            .enumerate()
-            .for_each(|(i, x)| *x = i as f32 * 0.5);
-        model
-            .v
-            .iter_mut()
-            .enumerate()
-            .for_each(|(i, x)| *x = i as f32 * 0.25);
+        model.m.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 0.5);
+        model.v.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 0.25);
         let mut rng = crate::rng::Mt19937::new(42);
         rng.next_u32();
         let loader = crate::data::LoaderState {
@@ -479,46 +395,24 @@ mod tests {
             rng: Some(rng),
         };
         let p = dir.path().join("state.bin");
-        save_state(
-            &p,
-            &model,
-            &TrainState {
-                step: 12,
-                loader: loader.clone(),
-                should_shuffle: true,
-            },
-        )
-        .unwrap();
+        save_state(&p, &model, &TrainState { step: 12, loader: loader.clone(), should_shuffle: true }).unwrap();
         let mut back = GPT2::random(cfg, 2).unwrap();
         back.alloc_training_state();
         let st = load_state(&p, &mut back).unwrap();
         assert_eq!((st.step, st.should_shuffle), (12, true));
         assert_eq!(st.loader, loader);
-        assert_eq!(
-            (back.m.clone(), back.v.clone()),
-            (model.m.clone(), model.v.clone())
-        );
+        assert_eq!((back.m.clone(), back.v.clone()), (model.m.clone(), model.v.clone()));
         let bytes = std::fs::read(&p).unwrap();
         std::fs::write(&p, &bytes[..bytes.len() - 5]).unwrap();
         assert!(format!("{:#}", load_state(&p, &mut back).err().unwrap()).contains("truncated"));
         let mut bad = bytes.clone();
         bad[0] ^= 1;
         std::fs::write(&p, &bad).unwrap();
-        assert!(format!("{:#}", load_state(&p, &mut back).err().unwrap())
-            .contains("not an llm.c training-state"));
+        assert!(format!("{:#}", load_state(&p, &mut back).err().unwrap()).contains("not an llm.c training-state"));
         // A state for a bigger model does not load into a smaller one.
         let mut big = GPT2::random(GPT2Config::from_descriptor("1x16:2:4").unwrap(), 1).unwrap();
         big.alloc_training_state();
-        save_state(
-            &p,
-            &big,
-            &TrainState {
-                step: 1,
-                loader,
-                should_shuffle: true,
-            },
-        )
-        .unwrap();
+        save_state(&p, &big, &TrainState { step: 1, loader, should_shuffle: true }).unwrap();
         assert!(load_state(&p, &mut back).is_err());
     }
 
@@ -547,10 +441,6 @@ mod tests {
         let mut huge = good;
         huge[4 * 4..4 * 4 + 4].copy_from_slice(&i32::MAX.to_le_bytes()); // L = 2^31-1
         assert!(err(&huge).contains("implausibly large"));
-        assert!(format!(
-            "{:#}",
-            load_model(&dir.path().join("missing.bin")).err().unwrap()
-        )
-        .contains("cannot read"));
+        assert!(format!("{:#}", load_model(&dir.path().join("missing.bin")).err().unwrap()).contains("cannot read"));
     }
 }

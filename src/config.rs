@@ -73,12 +73,7 @@ impl GPT2Config {
             "gpt2-large" | "774M" => return by_depth(36),
             "gpt2-xl" | "1558M" => return by_depth(48),
             // llmrs's small model for the default run: trains on 2 CPU cores in minutes.
-            "tiny" => {
-                return Ok(GPT2Config {
-                    max_seq_len: 256,
-                    ..Self::gpt2(4, 4, 256)
-                })
-            }
+            "tiny" => return Ok(GPT2Config { max_seq_len: 256, ..Self::gpt2(4, 4, 256) }),
             _ => {}
         }
         if let Some(rest) = d.strip_prefix("gpt2:d").or_else(|| d.strip_prefix('d')) {
@@ -111,16 +106,8 @@ impl GPT2Config {
 
     /// Check the invariants every kernel relies on.
     pub fn validate(&self) -> Result<()> {
-        let GPT2Config {
-            max_seq_len,
-            vocab_size,
-            padded_vocab_size,
-            num_layers,
-            num_heads,
-            channels,
-        } = *self;
-        if max_seq_len == 0 || vocab_size == 0 || num_layers == 0 || num_heads == 0 || channels == 0
-        {
+        let GPT2Config { max_seq_len, vocab_size, padded_vocab_size, num_layers, num_heads, channels } = *self;
+        if max_seq_len == 0 || vocab_size == 0 || num_layers == 0 || num_heads == 0 || channels == 0 {
             bail!("model shape has a zero dimension: {self:?}");
         }
         if padded_vocab_size < vocab_size {

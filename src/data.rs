@@ -18,10 +18,7 @@ pub const SHARD_VERSION: i32 = 1;
 /// Write `tokens` as an llm.c shard (atomically).
 pub fn write_shard(path: &Path, tokens: &[u32]) -> Result<()> {
     if tokens.len() >= i32::MAX as usize {
-        bail!(
-            "{} tokens do not fit in one shard (the header stores an int32 count)",
-            tokens.len()
-        );
+        bail!("{} tokens do not fit in one shard (the header stores an int32 count)", tokens.len());
     }
     if let Some(t) = tokens.iter().find(|&&t| t > u16::MAX as u32) {
         bail!("token id {t} does not fit in a uint16 shard");
@@ -31,25 +28,15 @@ pub fn write_shard(path: &Path, tokens: &[u32]) -> Result<()> {
     header[1] = SHARD_VERSION;
     header[2] = tokens.len() as i32;
     let h: Vec<u8> = header.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let body: Vec<u8> = tokens
-        .iter()
-        .flat_map(|&t| (t as u16).to_le_bytes())
-        .collect();
+    let body: Vec<u8> = tokens.iter().flat_map(|&t| (t as u16).to_le_bytes()).collect();
     write_atomic(path, &[&h, &body])
 }
 
 /// Read a whole shard into memory (for tools and tests; training streams batches instead).
 pub fn read_shard(path: &Path) -> Result<Vec<u16>> {
     let bytes = crate::checkpoint::read_file(path)?;
-    let ntok = check_shard_header(
-        &bytes[..bytes.len().min(HEADER_BYTES)],
-        bytes.len() as u64,
-        path,
-    )?;
-    Ok(bytes[HEADER_BYTES..HEADER_BYTES + 2 * ntok]
-        .chunks_exact(2)
-        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-        .collect())
+    let ntok = check_shard_header(&bytes[..bytes.len().min(HEADER_BYTES)], bytes.len() as u64, path)?;
+    Ok(bytes[HEADER_BYTES..HEADER_BYTES + 2 * ntok].chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
 }
 
 /// Validate a shard header against the file size; returns the token count.
@@ -63,7 +50,11 @@ fn check_shard_header(header: &[u8], file_len: u64, path: &Path) -> Result<usize
         );
     }
     if h[1] != SHARD_VERSION {
-        bail!("{}: token shard version {} is not supported (expected {SHARD_VERSION}); re-run `llmrs prepare`", path.display(), h[1]);
+        bail!(
+            "{}: token shard version {} is not supported (expected {SHARD_VERSION}); re-run `llmrs prepare`",
+            path.display(),
+            h[1]
+        );
     }
     let ntok = usize::try_from(h[2])
         .ok()
@@ -127,13 +118,7 @@ pub struct DataLoader {
 impl DataLoader {
     /// Open every shard matching `pattern`, validate them all, and position at the start.
     /// Token ids must be below `vocab_size`.
-    pub fn new(
-        pattern: &str,
-        b: usize,
-        t: usize,
-        vocab_size: usize,
-        should_shuffle: bool,
-    ) -> Result<Self> {
+    pub fn new(pattern: &str, b: usize, t: usize, vocab_size: usize, should_shuffle: bool) -> Result<Self> {
         let files = expand_pattern(pattern)?;
         if b == 0 || t == 0 {
             bail!("batch size and sequence length must be positive (got B={b}, T={t})");
@@ -173,9 +158,7 @@ impl DataLoader {
     }
 
     fn file_name(&self) -> String {
-        self.file
-            .as_ref()
-            .map_or_else(String::new, |f| f.1.display().to_string())
+        self.file.as_ref().map_or_else(String::new, |f| f.1.display().to_string())
     }
 
     pub fn num_shards(&self) -> usize {
@@ -183,18 +166,9 @@ impl DataLoader {
     }
 
     fn load_shard(&mut self, shard: usize) -> Result<usize> {
-        let idx = if self.should_shuffle {
-            self.shard_indices[shard] as usize
-        } else {
-            shard
-        };
-        let path = self
-            .files
-            .get(idx)
-            .context("shard index out of range")?
-            .clone();
-        let mut f = File::open(&path)
-            .with_context(|| format!("cannot open token shard {}", path.display()))?;
+        let idx = if self.should_shuffle { self.shard_indices[shard] as usize } else { shard };
+        let path = self.files.get(idx).context("shard index out of range")?.clone();
+        let mut f = File::open(&path).with_context(|| format!("cannot open token shard {}", path.display()))?;
         let len = f.metadata()?.len();
         let mut header = vec![0u8; HEADER_BYTES.min(len as usize)];
         f.read_exact(&mut header)?;
@@ -249,25 +223,14 @@ impl DataLoader {
         };
         let bt = self.b * self.t;
         let offset = HEADER_BYTES + idx * bt * 2;
-        let (f, path) = self
-            .file
-            .as_mut()
-            .context("data loader has no open shard")?;
+        let (f, path) = self.file.as_mut().context("data loader has no open shard")?;
         f.seek(SeekFrom::Start(offset as u64))?;
-        f.read_exact(&mut self.buffer)
-            .with_context(|| format!("cannot read a batch from {}", path.display()))?;
+        f.read_exact(&mut self.buffer).with_context(|| format!("cannot read a batch from {}", path.display()))?;
         for i in 0..bt {
-            self.inputs[i] =
-                u16::from_le_bytes([self.buffer[2 * i], self.buffer[2 * i + 1]]) as u32;
-            self.targets[i] =
-                u16::from_le_bytes([self.buffer[2 * i + 2], self.buffer[2 * i + 3]]) as u32;
+            self.inputs[i] = u16::from_le_bytes([self.buffer[2 * i], self.buffer[2 * i + 1]]) as u32;
+            self.targets[i] = u16::from_le_bytes([self.buffer[2 * i + 2], self.buffer[2 * i + 3]]) as u32;
         }
-        if let Some(&bad) = self
-            .inputs
-            .iter()
-            .chain(&self.targets)
-            .find(|&&x| x as usize >= self.vocab_size)
-        {
+        if let Some(&bad) = self.inputs.iter().chain(&self.targets).find(|&&x| x as usize >= self.vocab_size) {
             bail!(
                 "{}: token id {bad} is out of range for the model's vocab size {}: the data was tokenized for another vocabulary",
                 path.display(),
@@ -282,17 +245,9 @@ impl DataLoader {
         LoaderState {
             current_shard_idx: self.current_shard_idx,
             current_sample_idx: self.current_sample_idx,
-            shard_indices: if self.should_shuffle {
-                self.shard_indices.clone()
-            } else {
-                vec![]
-            },
+            shard_indices: if self.should_shuffle { self.shard_indices.clone() } else { vec![] },
             shard_num_samples: self.shard_num_samples,
-            intra_shard_indices: if self.should_shuffle {
-                self.intra_shard_indices.clone()
-            } else {
-                vec![]
-            },
+            intra_shard_indices: if self.should_shuffle { self.intra_shard_indices.clone() } else { vec![] },
             rng: self.should_shuffle.then(|| self.rng.clone()),
         }
     }
@@ -304,7 +259,11 @@ impl DataLoader {
         }
         if self.should_shuffle {
             if s.shard_indices.len() != self.files.len() {
-                bail!("saved shuffle state covers {} shards but {} match now: pass the same -i as the run being resumed", s.shard_indices.len(), self.files.len());
+                bail!(
+                    "saved shuffle state covers {} shards but {} match now: pass the same -i as the run being resumed",
+                    s.shard_indices.len(),
+                    self.files.len()
+                );
             }
             self.shard_indices = s.shard_indices.clone();
             self.rng = s.rng.clone().context("saved state has no shuffle RNG")?;
@@ -312,9 +271,7 @@ impl DataLoader {
         self.current_shard_idx = s.current_shard_idx;
         self.load_shard(s.current_shard_idx)?;
         if self.should_shuffle {
-            if s.shard_num_samples != self.shard_num_samples
-                || s.intra_shard_indices.len() != self.shard_num_samples
-            {
+            if s.shard_num_samples != self.shard_num_samples || s.intra_shard_indices.len() != self.shard_num_samples {
                 bail!("saved shuffle state does not fit the current shard (different data or -b/-t than the run being resumed)");
             }
             self.intra_shard_indices = s.intra_shard_indices.clone();
@@ -343,17 +300,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let toks: Vec<u32> = (0..25).collect();
         shard(dir.path(), "a.bin", &toks);
-        let mut dl =
-            DataLoader::new(dir.path().join("a.bin").to_str().unwrap(), 2, 3, 100, false).unwrap();
+        let mut dl = DataLoader::new(dir.path().join("a.bin").to_str().unwrap(), 2, 3, 100, false).unwrap();
         // (25 - 1) / 6 = 4 samples per epoch.
         for epoch in 0..2 {
             for s in 0..4u32 {
                 dl.next_batch().unwrap();
-                assert_eq!(
-                    dl.inputs,
-                    (6 * s..6 * s + 6).collect::<Vec<_>>(),
-                    "epoch {epoch}"
-                );
+                assert_eq!(dl.inputs, (6 * s..6 * s + 6).collect::<Vec<_>>(), "epoch {epoch}");
                 assert_eq!(dl.targets, (6 * s + 1..6 * s + 7).collect::<Vec<_>>());
             }
         }
@@ -376,10 +328,7 @@ mod tests {
         let mut epoch: Vec<u32> = firsts[..18].to_vec();
         epoch.sort();
         // 10 samples from s0 ((41-1)/4) and 8 from s1 ((33-1)/4), each exactly once.
-        let want: Vec<u32> = (0..10)
-            .map(|i| 4 * i)
-            .chain((0..8).map(|i| 1000 + 4 * i))
-            .collect();
+        let want: Vec<u32> = (0..10).map(|i| 4 * i).chain((0..8).map(|i| 1000 + 4 * i)).collect();
         assert_eq!(epoch, want);
         assert_ne!(firsts[..10], want[..10], "the order is shuffled");
         // Save mid-epoch, continue, then restore into a fresh loader: same batches.
@@ -408,8 +357,7 @@ mod tests {
         let good = std::fs::read(&p).unwrap();
         let err = |bytes: &[u8], b: usize, v: usize| {
             std::fs::write(&p, bytes).unwrap();
-            let r = DataLoader::new(p.to_str().unwrap(), b, 4, v, false)
-                .and_then(|mut d| d.next_batch());
+            let r = DataLoader::new(p.to_str().unwrap(), b, 4, v, false).and_then(|mut d| d.next_batch());
             format!("{:#}", r.expect_err("must fail"))
         };
         assert!(err(&good[..good.len() - 2], 1, 1000).contains("truncated"));
@@ -422,12 +370,7 @@ mod tests {
         assert!(err(&v, 1, 1000).contains("version 2"));
         assert!(err(&good, 30, 1000).contains("fewer than one batch"));
         assert!(err(&good, 1, 3).contains("out of range"));
-        assert!(format!(
-            "{:#}",
-            DataLoader::new("/nonexistent/*.bin", 1, 1, 1, false)
-                .err()
-                .unwrap()
-        )
-        .contains("no token files"));
+        assert!(format!("{:#}", DataLoader::new("/nonexistent/*.bin", 1, 1, 1, false).err().unwrap())
+            .contains("no token files"));
     }
 }

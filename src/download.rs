@@ -13,16 +13,12 @@ pub struct Remote {
 
 /// Tiny Shakespeare, from karpathy/char-rnn (the file llm.c's tinyshakespeare.py downloads).
 pub const TINY_SHAKESPEARE: Remote = Remote {
-    url:
-        "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+    url: "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
     sha256: "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
 };
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Download `url` to `dest`, checking `sha256` (hex) when given. Shows a progress bar on a
@@ -30,7 +26,10 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 pub fn download(url: &str, dest: &Path, sha256: Option<&str>) -> Result<()> {
     eprintln!("downloading {url}");
     let resp = ureq::get(url).call().with_context(|| {
-        format!("cannot download {url}; if this machine is offline, put the file at {} (or set LLMRS_DATA_DIR)", dest.display())
+        format!(
+            "cannot download {url}; if this machine is offline, put the file at {} (or set LLMRS_DATA_DIR)",
+            dest.display()
+        )
     })?;
     let total = resp.body().content_length();
     let mut reader = resp.into_body().into_reader();
@@ -38,9 +37,7 @@ pub fn download(url: &str, dest: &Path, sha256: Option<&str>) -> Result<()> {
     let mut bytes = Vec::with_capacity(total.unwrap_or(0).min(1 << 30) as usize);
     let mut buf = vec![0u8; 1 << 16];
     loop {
-        let n = reader
-            .read(&mut buf)
-            .with_context(|| format!("download of {url} was interrupted"))?;
+        let n = reader.read(&mut buf).with_context(|| format!("download of {url} was interrupted"))?;
         if n == 0 {
             break;
         }
@@ -84,17 +81,9 @@ pub(crate) mod tests {
                     }
                     line.clear();
                 }
-                let (status, b): (&str, &[u8]) = if path.contains("missing") {
-                    ("404 Not Found", b"")
-                } else {
-                    ("200 OK", &body)
-                };
-                write!(
-                    s,
-                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                    b.len()
-                )
-                .unwrap();
+                let (status, b): (&str, &[u8]) =
+                    if path.contains("missing") { ("404 Not Found", b"") } else { ("200 OK", &body) };
+                write!(s, "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", b.len()).unwrap();
                 s.write_all(b).unwrap();
             }
         });

@@ -45,38 +45,21 @@ fn default_true() -> bool {
 impl HfConfig {
     /// Parse and check that llmrs computes exactly this model.
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
-        let c: HfConfig = serde_json::from_str(text)
-            .with_context(|| format!("{}: not a GPT-2 config.json", path.display()))?;
+        let c: HfConfig =
+            serde_json::from_str(text).with_context(|| format!("{}: not a GPT-2 config.json", path.display()))?;
         if let Some(inner) = c.n_inner {
             if inner != 4 * c.n_embd {
-                bail!(
-                    "{}: n_inner {inner} is not 4*n_embd; llmrs's GPT-2 has a 4C MLP",
-                    path.display()
-                );
+                bail!("{}: n_inner {inner} is not 4*n_embd; llmrs's GPT-2 has a 4C MLP", path.display());
             }
         }
-        if !matches!(
-            c.activation_function.as_str(),
-            "gelu_new" | "gelu_pytorch_tanh"
-        ) {
-            bail!(
-                "{}: activation '{}' is not GPT-2's tanh GELU (gelu_new)",
-                path.display(),
-                c.activation_function
-            );
+        if !matches!(c.activation_function.as_str(), "gelu_new" | "gelu_pytorch_tanh") {
+            bail!("{}: activation '{}' is not GPT-2's tanh GELU (gelu_new)", path.display(), c.activation_function);
         }
         if (c.layer_norm_epsilon - 1e-5).abs() > 1e-12 {
-            bail!(
-                "{}: layer_norm_epsilon {} is not 1e-5",
-                path.display(),
-                c.layer_norm_epsilon
-            );
+            bail!("{}: layer_norm_epsilon {} is not 1e-5", path.display(), c.layer_norm_epsilon);
         }
         if !c.tie_word_embeddings {
-            bail!(
-                "{}: untied word embeddings are not supported (GPT-2 ties the LM head to wte)",
-                path.display()
-            );
+            bail!("{}: untied word embeddings are not supported (GPT-2 ties the LM head to wte)", path.display());
         }
         Ok(c)
     }
@@ -126,25 +109,14 @@ pub fn resolve_paths(path: &Path) -> Result<(PathBuf, PathBuf)> {
     let (dir, st) = if path.is_dir() {
         (path.to_path_buf(), path.join("model.safetensors"))
     } else {
-        (
-            path.parent()
-                .map_or_else(|| PathBuf::from("."), Path::to_path_buf),
-            path.to_path_buf(),
-        )
+        (path.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf), path.to_path_buf())
     };
     let cfg = dir.join("config.json");
     if !st.is_file() {
-        bail!(
-            "{} not found: a Hugging Face model directory holds model.safetensors and config.json",
-            st.display()
-        );
+        bail!("{} not found: a Hugging Face model directory holds model.safetensors and config.json", st.display());
     }
     if !cfg.is_file() {
-        bail!(
-            "{} not found next to {}: it gives the model's shape",
-            cfg.display(),
-            st.display()
-        );
+        bail!("{} not found next to {}: it gives the model's shape", cfg.display(), st.display());
     }
     Ok((cfg, st))
 }
@@ -153,18 +125,9 @@ pub fn resolve_paths(path: &Path) -> Result<(PathBuf, PathBuf)> {
 fn to_f32(t: &TensorView, name: &str) -> Result<Vec<f32>> {
     let d = t.data();
     Ok(match t.dtype() {
-        StDtype::F32 => d
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect(),
-        StDtype::BF16 => d
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        StDtype::F16 => d
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
+        StDtype::F32 => d.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
+        StDtype::BF16 => d.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        StDtype::F16 => d.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
         other => bail!("tensor {name} has dtype {other:?}; expected F32, BF16 or F16"),
     })
 }
@@ -173,27 +136,16 @@ fn to_f32(t: &TensorView, name: &str) -> Result<Vec<f32>> {
 pub fn load_hf(path: &Path) -> Result<GPT2> {
     let (cfg_path, st_path) = resolve_paths(path)?;
     let hf = HfConfig::parse(
-        &std::fs::read_to_string(&cfg_path)
-            .with_context(|| format!("cannot read {}", cfg_path.display()))?,
+        &std::fs::read_to_string(&cfg_path).with_context(|| format!("cannot read {}", cfg_path.display()))?,
         &cfg_path,
     )?;
-    let cfg = hf
-        .to_llmc()
-        .with_context(|| format!("{}: bad model shape", cfg_path.display()))?;
+    let cfg = hf.to_llmc().with_context(|| format!("{}: bad model shape", cfg_path.display()))?;
     let bytes = crate::checkpoint::read_file(&st_path)?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", st_path.display()))?;
-    let prefix = if st.names().iter().any(|n| n.starts_with("transformer.")) {
-        "transformer."
-    } else {
-        ""
-    };
+    let prefix = if st.names().iter().any(|n| n.starts_with("transformer.")) { "transformer." } else { "" };
     // The file must hold every tensor config.json implies (checked before allocating for it).
-    let stored: usize = st
-        .tensors()
-        .iter()
-        .map(|(_, t)| t.shape().iter().product::<usize>())
-        .sum();
+    let stored: usize = st.tensors().iter().map(|(_, t)| t.shape().iter().product::<usize>()).sum();
     if stored < cfg.num_parameters() - (cfg.padded_vocab_size - cfg.vocab_size) * cfg.channels {
         bail!(
             "{}: holds {stored} values, fewer than the {} parameters config.json describes",
@@ -206,15 +158,9 @@ pub fn load_hf(path: &Path) -> Result<GPT2> {
     // Fetch a tensor, check its shape, optionally transpose a (rows, cols) matrix.
     let get = |name: &str, shape: &[usize], transpose: bool| -> Result<Vec<f32>> {
         let full = format!("{prefix}{name}");
-        let t = st
-            .tensor(&full)
-            .map_err(|_| anyhow::anyhow!("{}: tensor {full} is missing", st_path.display()))?;
+        let t = st.tensor(&full).map_err(|_| anyhow::anyhow!("{}: tensor {full} is missing", st_path.display()))?;
         if t.shape() != shape {
-            bail!(
-                "{}: tensor {full} has shape {:?}, config.json implies {shape:?}",
-                st_path.display(),
-                t.shape()
-            );
+            bail!("{}: tensor {full} has shape {:?}, config.json implies {shape:?}", st_path.display(), t.shape());
         }
         let x = to_f32(&t, &full)?;
         if !transpose {
@@ -232,61 +178,28 @@ pub fn load_hf(path: &Path) -> Result<GPT2> {
     let lay = model.layout.clone();
     let p = &mut model.params;
     lay.wte.of_mut(p)[..v * c].copy_from_slice(&get("wte.weight", &[v, c], false)?);
-    lay.wpe
-        .of_mut(p)
-        .copy_from_slice(&get("wpe.weight", &[cfg.max_seq_len, c], false)?);
+    lay.wpe.of_mut(p).copy_from_slice(&get("wpe.weight", &[cfg.max_seq_len, c], false)?);
     for (l, b) in lay.blocks.iter().enumerate() {
         let h = |s: &str| format!("h.{l}.{s}");
-        b.ln1_w
-            .of_mut(p)
-            .copy_from_slice(&get(&h("ln_1.weight"), &[c], false)?);
-        b.ln1_b
-            .of_mut(p)
-            .copy_from_slice(&get(&h("ln_1.bias"), &[c], false)?);
-        b.qkv_w
-            .of_mut(p)
-            .copy_from_slice(&get(&h("attn.c_attn.weight"), &[c, 3 * c], true)?);
-        b.qkv_b
-            .of_mut(p)
-            .copy_from_slice(&get(&h("attn.c_attn.bias"), &[3 * c], false)?);
-        b.attn_proj_w
-            .of_mut(p)
-            .copy_from_slice(&get(&h("attn.c_proj.weight"), &[c, c], true)?);
-        b.attn_proj_b
-            .of_mut(p)
-            .copy_from_slice(&get(&h("attn.c_proj.bias"), &[c], false)?);
-        b.ln2_w
-            .of_mut(p)
-            .copy_from_slice(&get(&h("ln_2.weight"), &[c], false)?);
-        b.ln2_b
-            .of_mut(p)
-            .copy_from_slice(&get(&h("ln_2.bias"), &[c], false)?);
-        b.fc_w
-            .of_mut(p)
-            .copy_from_slice(&get(&h("mlp.c_fc.weight"), &[c, 4 * c], true)?);
-        b.fc_b
-            .of_mut(p)
-            .copy_from_slice(&get(&h("mlp.c_fc.bias"), &[4 * c], false)?);
-        b.fc_proj_w
-            .of_mut(p)
-            .copy_from_slice(&get(&h("mlp.c_proj.weight"), &[4 * c, c], true)?);
-        b.fc_proj_b
-            .of_mut(p)
-            .copy_from_slice(&get(&h("mlp.c_proj.bias"), &[c], false)?);
+        b.ln1_w.of_mut(p).copy_from_slice(&get(&h("ln_1.weight"), &[c], false)?);
+        b.ln1_b.of_mut(p).copy_from_slice(&get(&h("ln_1.bias"), &[c], false)?);
+        b.qkv_w.of_mut(p).copy_from_slice(&get(&h("attn.c_attn.weight"), &[c, 3 * c], true)?);
+        b.qkv_b.of_mut(p).copy_from_slice(&get(&h("attn.c_attn.bias"), &[3 * c], false)?);
+        b.attn_proj_w.of_mut(p).copy_from_slice(&get(&h("attn.c_proj.weight"), &[c, c], true)?);
+        b.attn_proj_b.of_mut(p).copy_from_slice(&get(&h("attn.c_proj.bias"), &[c], false)?);
+        b.ln2_w.of_mut(p).copy_from_slice(&get(&h("ln_2.weight"), &[c], false)?);
+        b.ln2_b.of_mut(p).copy_from_slice(&get(&h("ln_2.bias"), &[c], false)?);
+        b.fc_w.of_mut(p).copy_from_slice(&get(&h("mlp.c_fc.weight"), &[c, 4 * c], true)?);
+        b.fc_b.of_mut(p).copy_from_slice(&get(&h("mlp.c_fc.bias"), &[4 * c], false)?);
+        b.fc_proj_w.of_mut(p).copy_from_slice(&get(&h("mlp.c_proj.weight"), &[4 * c, c], true)?);
+        b.fc_proj_b.of_mut(p).copy_from_slice(&get(&h("mlp.c_proj.bias"), &[c], false)?);
     }
-    lay.lnf_w
-        .of_mut(p)
-        .copy_from_slice(&get("ln_f.weight", &[c], false)?);
-    lay.lnf_b
-        .of_mut(p)
-        .copy_from_slice(&get("ln_f.bias", &[c], false)?);
+    lay.lnf_w.of_mut(p).copy_from_slice(&get("ln_f.weight", &[c], false)?);
+    lay.lnf_b.of_mut(p).copy_from_slice(&get("ln_f.bias", &[c], false)?);
     if let Ok(head) = st.tensor("lm_head.weight") {
         // A stored head must be the tied embedding.
         if head.shape() != [v, c] || to_f32(&head, "lm_head.weight")? != lay.wte.of(p)[..v * c] {
-            bail!(
-                "{}: lm_head.weight differs from wte: untied heads are not supported",
-                st_path.display()
-            );
+            bail!("{}: lm_head.weight differs from wte: untied heads are not supported", st_path.display());
         }
     }
     Ok(model)
@@ -309,76 +222,33 @@ pub fn save_hf(model: &GPT2, dir: &Path, dtype: Dtype) -> Result<()> {
         }
         y
     };
-    tensors.push((
-        "transformer.wte.weight".into(),
-        vec![v, c],
-        lay.wte.of(p)[..v * c].to_vec(),
-    ));
-    tensors.push((
-        "transformer.wpe.weight".into(),
-        vec![cfg.max_seq_len, c],
-        lay.wpe.of(p).to_vec(),
-    ));
+    tensors.push(("transformer.wte.weight".into(), vec![v, c], lay.wte.of(p)[..v * c].to_vec()));
+    tensors.push(("transformer.wpe.weight".into(), vec![cfg.max_seq_len, c], lay.wpe.of(p).to_vec()));
     for (l, b) in lay.blocks.iter().enumerate() {
         let h = |s: &str| format!("transformer.h.{l}.{s}");
         tensors.push((h("ln_1.weight"), vec![c], b.ln1_w.of(p).to_vec()));
         tensors.push((h("ln_1.bias"), vec![c], b.ln1_b.of(p).to_vec()));
         // llm.c (out, in) -> Conv1D (in, out)
-        tensors.push((
-            h("attn.c_attn.weight"),
-            vec![c, 3 * c],
-            transpose(b.qkv_w.of(p), 3 * c, c),
-        ));
+        tensors.push((h("attn.c_attn.weight"), vec![c, 3 * c], transpose(b.qkv_w.of(p), 3 * c, c)));
         tensors.push((h("attn.c_attn.bias"), vec![3 * c], b.qkv_b.of(p).to_vec()));
-        tensors.push((
-            h("attn.c_proj.weight"),
-            vec![c, c],
-            transpose(b.attn_proj_w.of(p), c, c),
-        ));
+        tensors.push((h("attn.c_proj.weight"), vec![c, c], transpose(b.attn_proj_w.of(p), c, c)));
         tensors.push((h("attn.c_proj.bias"), vec![c], b.attn_proj_b.of(p).to_vec()));
         tensors.push((h("ln_2.weight"), vec![c], b.ln2_w.of(p).to_vec()));
         tensors.push((h("ln_2.bias"), vec![c], b.ln2_b.of(p).to_vec()));
-        tensors.push((
-            h("mlp.c_fc.weight"),
-            vec![c, 4 * c],
-            transpose(b.fc_w.of(p), 4 * c, c),
-        ));
+        tensors.push((h("mlp.c_fc.weight"), vec![c, 4 * c], transpose(b.fc_w.of(p), 4 * c, c)));
         tensors.push((h("mlp.c_fc.bias"), vec![4 * c], b.fc_b.of(p).to_vec()));
-        tensors.push((
-            h("mlp.c_proj.weight"),
-            vec![4 * c, c],
-            transpose(b.fc_proj_w.of(p), c, 4 * c),
-        ));
+        tensors.push((h("mlp.c_proj.weight"), vec![4 * c, c], transpose(b.fc_proj_w.of(p), c, 4 * c)));
         tensors.push((h("mlp.c_proj.bias"), vec![c], b.fc_proj_b.of(p).to_vec()));
     }
-    tensors.push((
-        "transformer.ln_f.weight".into(),
-        vec![c],
-        lay.lnf_w.of(p).to_vec(),
-    ));
-    tensors.push((
-        "transformer.ln_f.bias".into(),
-        vec![c],
-        lay.lnf_b.of(p).to_vec(),
-    ));
+    tensors.push(("transformer.ln_f.weight".into(), vec![c], lay.lnf_w.of(p).to_vec()));
+    tensors.push(("transformer.ln_f.bias".into(), vec![c], lay.lnf_b.of(p).to_vec()));
     let (st_dtype, bytes): (StDtype, Vec<Vec<u8>>) = match dtype {
-        Dtype::F32 => (
-            StDtype::F32,
-            tensors
-                .iter()
-                .map(|t| t.2.iter().flat_map(|x| x.to_le_bytes()).collect())
-                .collect(),
-        ),
+        Dtype::F32 => {
+            (StDtype::F32, tensors.iter().map(|t| t.2.iter().flat_map(|x| x.to_le_bytes()).collect()).collect())
+        }
         Dtype::BF16 => (
             StDtype::BF16,
-            tensors
-                .iter()
-                .map(|t| {
-                    t.2.iter()
-                        .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                        .collect()
-                })
-                .collect(),
+            tensors.iter().map(|t| t.2.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect()).collect(),
         ),
     };
     let views = tensors
@@ -390,10 +260,7 @@ pub fn save_hf(model: &GPT2, dir: &Path, dtype: Dtype) -> Result<()> {
     let out = safetensors::serialize(views, Some(meta))?;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     write_atomic(&dir.join("model.safetensors"), &[&out])?;
-    write_atomic(
-        &dir.join("config.json"),
-        &[config_json(&cfg, dtype).as_bytes()],
-    )?;
+    write_atomic(&dir.join("config.json"), &[config_json(&cfg, dtype).as_bytes()])?;
     Ok(())
 }
 
@@ -424,17 +291,9 @@ mod tests {
         let cfg_path = dir.path().join("config.json");
         let good_cfg = std::fs::read_to_string(&cfg_path).unwrap();
         let err = || format!("{:#}", load_hf(dir.path()).err().expect("must fail"));
-        std::fs::write(
-            &cfg_path,
-            good_cfg.replace("\"n_embd\": 8", "\"n_embd\": 16"),
-        )
-        .unwrap();
+        std::fs::write(&cfg_path, good_cfg.replace("\"n_embd\": 8", "\"n_embd\": 16")).unwrap();
         assert!(err().contains("fewer than"), "{}", err());
-        std::fs::write(
-            &cfg_path,
-            good_cfg.replace("\"n_positions\": 8", "\"n_positions\": 4"),
-        )
-        .unwrap();
+        std::fs::write(&cfg_path, good_cfg.replace("\"n_positions\": 8", "\"n_positions\": 4")).unwrap();
         assert!(err().contains("has shape"), "{}", err());
         std::fs::write(&cfg_path, good_cfg.replace("gelu_new", "relu")).unwrap();
         assert!(err().contains("activation"));

@@ -27,27 +27,18 @@ impl std::str::FromStr for HubRef {
     fn from_str(s: &str) -> Result<Self> {
         let (repo, revision) = s.split_once('@').unwrap_or((s, "main"));
         let ok = |x: &str| {
-            !x.is_empty()
-                && x.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-                && !x.starts_with('.')
+            !x.is_empty() && x.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && !x.starts_with('.')
         };
         let parts: Vec<&str> = repo.split('/').collect();
         if parts.len() > 2 || !parts.iter().all(|p| ok(p)) || !ok(revision) {
             bail!("'{s}' is not a Hub model name: use owner/name or owner/name@revision (e.g. openai-community/gpt2)");
         }
-        Ok(HubRef {
-            repo: repo.to_string(),
-            revision: revision.to_string(),
-        })
+        Ok(HubRef { repo: repo.to_string(), revision: revision.to_string() })
     }
 }
 
 pub fn endpoint() -> String {
-    std::env::var("HF_ENDPOINT")
-        .unwrap_or_else(|_| "https://huggingface.co".into())
-        .trim_end_matches('/')
-        .to_string()
+    std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into()).trim_end_matches('/').to_string()
 }
 
 /// `$LLMRS_CACHE_DIR`, else `$XDG_CACHE_HOME/llmrs` or `~/.cache/llmrs`.
@@ -64,19 +55,57 @@ pub fn cache_dir() -> PathBuf {
 
 /// Download the model's files (if not cached) and return the local directory.
 pub fn fetch_model(r: &HubRef, endpoint: &str, cache: &Path) -> Result<PathBuf> {
-    let dir = cache
-        .join("hub")
-        .join(r.repo.replace('/', "--"))
-        .join(&r.revision);
+    let dir = cache.join("hub").join(r.repo.replace('/', "--")).join(&r.revision);
     for f in MODEL_FILES {
         let dest = dir.join(f);
         if !dest.is_file() {
             let url = format!("{endpoint}/{}/resolve/{}/{f}", r.repo, r.revision);
-            fetch_file(&url, &dest)
-                .with_context(|| format!("cannot fetch {f} of {}@{}", r.repo, r.revision))?;
+            fetch_file(&url, &dest).with_context(|| format!("cannot fetch {f} of {}@{}", r.repo, r.revision))?;
         }
     }
     Ok(dir)
+}
+
+/// Files of a dataset repository under `dir` (the Hub's tree API), sorted by path.
+pub fn list_dataset_files(repo: &str, revision: &str, dir: &str, endpoint: &str) -> Result<Vec<String>> {
+    let url = format!("{endpoint}/api/datasets/{repo}/tree/{revision}/{dir}");
+    let mut resp = ureq::get(&url).call().with_context(|| format!("cannot list {url}"))?;
+    let v: serde_json::Value =
+        serde_json::from_reader(resp.body_mut().as_reader()).with_context(|| format!("{url}: not a file listing"))?;
+    let mut files: Vec<String> = v
+        .as_array()
+        .with_context(|| format!("{url}: not a file listing"))?
+        .iter()
+        .filter(|e| e["type"] == "file")
+        .filter_map(|e| e["path"].as_str().map(str::to_string))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// Download dataset files (paths as listed by [`list_dataset_files`]) into the cache; returns
+/// their local paths in the same order. Already complete files are not fetched again.
+pub fn fetch_dataset_files(
+    repo: &str,
+    revision: &str,
+    files: &[String],
+    endpoint: &str,
+    cache: &Path,
+) -> Result<Vec<PathBuf>> {
+    let base = cache.join("datasets").join(repo.replace('/', "--")).join(revision);
+    files
+        .iter()
+        .map(|f| {
+            if f.split('/').any(|c| c == ".." || c.is_empty()) {
+                bail!("refusing the listed path '{f}'");
+            }
+            let dest = base.join(f);
+            if !dest.is_file() {
+                fetch_file(&format!("{endpoint}/datasets/{repo}/resolve/{revision}/{f}"), &dest)?;
+            }
+            Ok(dest)
+        })
+        .collect()
 }
 
 /// What the Hub says about a file before we download it.
@@ -86,15 +115,9 @@ struct Meta {
 }
 
 fn head(url: &str) -> Result<Meta> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .max_redirects(0)
-        .http_status_as_error(false)
-        .build()
-        .into();
-    let resp = agent
-        .head(url)
-        .call()
-        .with_context(|| format!("cannot reach {url}; check the network or set HF_ENDPOINT"))?;
+    let agent: ureq::Agent = ureq::Agent::config_builder().max_redirects(0).http_status_as_error(false).build().into();
+    let resp =
+        agent.head(url).call().with_context(|| format!("cannot reach {url}; check the network or set HF_ENDPOINT"))?;
     let status = resp.status().as_u16();
     if status == 401 || status == 403 || status == 404 {
         bail!("{url}: HTTP {status}: no such model or file (or it needs a login)");
@@ -106,26 +129,14 @@ fn head(url: &str) -> Result<Meta> {
         resp.headers()
             .get(k)
             .and_then(|v| v.to_str().ok())
-            .map(|s| {
-                s.trim_matches('"')
-                    .trim_start_matches("W/")
-                    .trim_matches('"')
-                    .to_string()
-            })
+            .map(|s| s.trim_matches('"').trim_start_matches("W/").trim_matches('"').to_string())
     };
     let size = h("x-linked-size")
-        .or_else(|| {
-            if status == 200 {
-                h("content-length")
-            } else {
-                None
-            }
-        })
+        .or_else(|| if status == 200 { h("content-length") } else { None })
         .and_then(|s| s.parse().ok());
     let etag = h("x-linked-etag").or_else(|| h("etag"));
-    let sha256 = etag
-        .filter(|e| e.len() == 64 && e.chars().all(|c| c.is_ascii_hexdigit()))
-        .map(|e| e.to_ascii_lowercase());
+    let sha256 =
+        etag.filter(|e| e.len() == 64 && e.chars().all(|c| c.is_ascii_hexdigit())).map(|e| e.to_ascii_lowercase());
     Ok(Meta { size, sha256 })
 }
 
@@ -134,10 +145,7 @@ pub fn fetch_file(url: &str, dest: &Path) -> Result<()> {
     let meta = head(url)?;
     let dir = dest.parent().context("destination has no directory")?;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let part = dest.with_file_name(format!(
-        "{}.part",
-        dest.file_name().unwrap().to_string_lossy()
-    ));
+    let part = dest.with_file_name(format!("{}.part", dest.file_name().unwrap().to_string_lossy()));
     let mut offset = std::fs::metadata(&part).map(|m| m.len()).unwrap_or(0);
     if meta.size.is_some_and(|s| offset > s) {
         offset = 0; // a stale partial from another version of the file
@@ -146,40 +154,28 @@ pub fn fetch_file(url: &str, dest: &Path) -> Result<()> {
     if offset > 0 {
         req = req.header("Range", &format!("bytes={offset}-"));
     }
-    let resp = req
-        .call()
-        .with_context(|| format!("cannot download {url}"))?;
+    let resp = req.call().with_context(|| format!("cannot download {url}"))?;
     if resp.status().as_u16() != 206 {
         offset = 0; // the server sent the whole file
     }
-    let total = meta
-        .size
-        .or_else(|| resp.body().content_length().map(|n| n + offset));
+    let total = meta.size.or_else(|| resp.body().content_length().map(|n| n + offset));
     if offset > 0 {
         eprintln!("resuming {url} at byte {offset}");
     } else {
         eprintln!("downloading {url}");
     }
-    let mut file = OpenOptions::new()
-        .create(true)
-        .write(true)
-        .append(offset > 0)
-        .truncate(offset == 0)
-        .open(&part)?;
+    let mut file = OpenOptions::new().create(true).write(true).append(offset > 0).truncate(offset == 0).open(&part)?;
     let bar = crate::progress::bar(total.unwrap_or(0), "download");
     bar.set_position(offset);
     let mut reader = resp.into_body().into_reader();
     let mut buf = vec![0u8; 1 << 16];
     loop {
         // On an error the partial file stays for the next attempt to resume.
-        let n = reader
-            .read(&mut buf)
-            .with_context(|| format!("download of {url} stopped; run again to resume"))?;
+        let n = reader.read(&mut buf).with_context(|| format!("download of {url} stopped; run again to resume"))?;
         if n == 0 {
             break;
         }
-        file.write_all(&buf[..n])
-            .with_context(|| format!("cannot write {} (disk full?)", part.display()))?;
+        file.write_all(&buf[..n]).with_context(|| format!("cannot write {} (disk full?)", part.display()))?;
         bar.inc(n as u64);
     }
     bar.finish_and_clear();
@@ -207,8 +203,7 @@ pub fn fetch_file(url: &str, dest: &Path) -> Result<()> {
             bail!("{url}: SHA-256 {got} does not match the Hub's {want}; the partial download was removed, run again");
         }
     }
-    std::fs::rename(&part, dest)
-        .with_context(|| format!("cannot move {} into place", part.display()))?;
+    std::fs::rename(&part, dest).with_context(|| format!("cannot move {} into place", part.display()))?;
     Ok(())
 }
 
@@ -219,10 +214,11 @@ pub(crate) mod tests {
     use std::net::TcpListener;
     use std::sync::{Arc, Mutex};
 
-    /// A loopback server with the Hub's URL layout for one repository. `cut_first_get` makes the
-    /// first GET of model.safetensors stop halfway (to test resuming). Serves `max_requests`.
+    /// A loopback server answering the Hub's URLs: `files` maps full paths (e.g.
+    /// `/owner/name/resolve/main/config.json`) to bodies. Large files (.safetensors, .parquet) get
+    /// `X-Linked-Etag`/`X-Linked-Size` as the Hub sends; `cut_first_get` makes the first GET of
+    /// one stop halfway (to test resuming). Serves `max_requests` requests.
     pub fn hub_server(
-        repo: &str,
         files: Vec<(String, Vec<u8>)>,
         cut_first_get: bool,
         max_requests: usize,
@@ -231,7 +227,6 @@ pub(crate) mod tests {
         let base = format!("http://{}", listener.local_addr().unwrap());
         let log = Arc::new(Mutex::new(vec![]));
         let log2 = log.clone();
-        let prefix = format!("/{repo}/resolve/main/");
         std::thread::spawn(move || {
             let mut cut = cut_first_get;
             for stream in listener.incoming().take(max_requests) {
@@ -248,27 +243,18 @@ pub(crate) mod tests {
                     }
                     line.clear();
                 }
-                log2.lock()
-                    .unwrap()
-                    .push(format!("{first} range={range:?}"));
+                log2.lock().unwrap().push(format!("{first} range={range:?}"));
                 let mut it = first.split_whitespace();
                 let (method, path) = (it.next().unwrap_or(""), it.next().unwrap_or(""));
-                let file = path
-                    .strip_prefix(&prefix)
-                    .and_then(|f| files.iter().find(|(n, _)| n == f));
+                let file = files.iter().find(|(n, _)| n == path);
                 let Some((name, body)) = file else {
-                    let _ = write!(
-                        s,
-                        "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                    );
+                    let _ = write!(s, "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
                     continue;
                 };
                 let sha = crate::download::sha256_hex(body);
-                let etag = if name.ends_with(".safetensors") {
-                    format!(
-                        "X-Linked-Etag: \"{sha}\"\r\nX-Linked-Size: {}\r\n",
-                        body.len()
-                    )
+                let large = name.ends_with(".safetensors") || name.ends_with(".parquet");
+                let etag = if large {
+                    format!("X-Linked-Etag: \"{sha}\"\r\nX-Linked-Size: {}\r\n", body.len())
                 } else {
                     String::new()
                 };
@@ -281,18 +267,10 @@ pub(crate) mod tests {
                     continue;
                 }
                 let start = range.unwrap_or(0) as usize;
-                let status = if start > 0 {
-                    "206 Partial Content"
-                } else {
-                    "200 OK"
-                };
+                let status = if start > 0 { "206 Partial Content" } else { "200 OK" };
                 let rest = &body[start..];
-                let _ = write!(
-                    s,
-                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                    rest.len()
-                );
-                if cut && name.ends_with(".safetensors") {
+                let _ = write!(s, "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", rest.len());
+                if cut && large {
                     cut = false;
                     let _ = s.write_all(&rest[..rest.len() / 2]);
                     continue; // connection drops mid-body
@@ -303,25 +281,21 @@ pub(crate) mod tests {
         (base, log)
     }
 
-    fn model_files() -> (crate::model::GPT2, Vec<(String, Vec<u8>)>) {
+    fn model_files(repo: &str) -> (crate::model::GPT2, Vec<(String, Vec<u8>)>) {
         let dir = tempfile::tempdir().unwrap();
-        let m = crate::model::GPT2::random(
-            crate::config::GPT2Config::from_descriptor("1x16:2:8").unwrap(),
-            3,
-        )
-        .unwrap();
+        let m = crate::model::GPT2::random(crate::config::GPT2Config::from_descriptor("1x16:2:8").unwrap(), 3).unwrap();
         crate::hf::save_hf(&m, dir.path(), crate::checkpoint::Dtype::F32).unwrap();
         let files = MODEL_FILES
             .iter()
-            .map(|f| (f.to_string(), std::fs::read(dir.path().join(f)).unwrap()))
+            .map(|f| (format!("/{repo}/resolve/main/{f}"), std::fs::read(dir.path().join(f)).unwrap()))
             .collect();
         (m, files)
     }
 
     #[test]
     fn fetches_a_model_in_the_hubs_layout_and_caches_it() {
-        let (m, files) = model_files();
-        let (base, log) = hub_server("someone/tiny-gpt2", files, false, 4);
+        let (m, files) = model_files("someone/tiny-gpt2");
+        let (base, log) = hub_server(files, false, 4);
         let cache = tempfile::tempdir().unwrap();
         let r: HubRef = "someone/tiny-gpt2".parse().unwrap();
         let dir = fetch_model(&r, &base, cache.path()).unwrap();
@@ -336,8 +310,8 @@ pub(crate) mod tests {
 
     #[test]
     fn an_interrupted_download_resumes_with_a_range_request() {
-        let (m, files) = model_files();
-        let (base, log) = hub_server("a/b", files, true, 8);
+        let (m, files) = model_files("a/b");
+        let (base, log) = hub_server(files, true, 8);
         let cache = tempfile::tempdir().unwrap();
         let r: HubRef = "a/b".parse().unwrap();
         let e = fetch_model(&r, &base, cache.path()).unwrap_err();
@@ -349,21 +323,41 @@ pub(crate) mod tests {
         assert_eq!(crate::hf::load_hf(&dir).unwrap().params, m.params);
         assert!(!part.exists());
         let log = log.lock().unwrap();
-        assert!(
-            log.iter()
-                .any(|l| l.starts_with("GET") && l.ends_with(&format!("range=Some({half})"))),
-            "{log:?}"
-        );
+        assert!(log.iter().any(|l| l.starts_with("GET") && l.ends_with(&format!("range=Some({half})"))), "{log:?}");
+    }
+
+    #[test]
+    fn lists_and_fetches_dataset_files_with_resume() {
+        let pq = b"PAR1 pretend parquet bytes PAR1".repeat(50);
+        let listing = serde_json::json!([
+            {"type": "directory", "path": "sample/10BT/sub"},
+            {"type": "file", "path": "sample/10BT/001_00000.parquet", "size": pq.len()},
+            {"type": "file", "path": "sample/10BT/000_00000.parquet", "size": pq.len()},
+        ]);
+        let d = "/datasets/HuggingFaceFW/fineweb/resolve/main/sample/10BT";
+        let files = vec![
+            ("/api/datasets/HuggingFaceFW/fineweb/tree/main/sample/10BT".to_string(), listing.to_string().into_bytes()),
+            (format!("{d}/000_00000.parquet"), pq.clone()),
+            (format!("{d}/001_00000.parquet"), pq.clone()),
+        ];
+        let (base, _log) = hub_server(files, true, 20);
+        let names = list_dataset_files("HuggingFaceFW/fineweb", "main", "sample/10BT", &base).unwrap();
+        assert_eq!(names, ["sample/10BT/000_00000.parquet", "sample/10BT/001_00000.parquet"]);
+        let cache = tempfile::tempdir().unwrap();
+        let repo = "HuggingFaceFW/fineweb";
+        assert!(fetch_dataset_files(repo, "main", &names, &base, cache.path()).is_err(), "first GET is cut");
+        let paths = fetch_dataset_files(repo, "main", &names, &base, cache.path()).unwrap();
+        for p in &paths {
+            assert_eq!(std::fs::read(p).unwrap(), pq);
+        }
+        assert!(fetch_dataset_files("a/b", "main", &["../x".into()], &base, cache.path()).is_err());
     }
 
     #[test]
     fn hub_names() {
         assert_eq!(
             "openai-community/gpt2@v1.0".parse::<HubRef>().unwrap(),
-            HubRef {
-                repo: "openai-community/gpt2".into(),
-                revision: "v1.0".into()
-            }
+            HubRef { repo: "openai-community/gpt2".into(), revision: "v1.0".into() }
         );
         assert_eq!("gpt2".parse::<HubRef>().unwrap().revision, "main");
         for bad in ["", "a/b/c", "../x", "a/b@", "a b/c"] {

@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod corpus;
 pub mod cpu;
 pub mod data;
 pub mod download;

@@ -9,11 +9,7 @@ use llmrs::train::{run, TrainConfig};
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(
-    name = "llmrs",
-    version,
-    about = "GPT-2 training from scratch in pure Rust (llm.c compatible)"
-)]
+#[command(name = "llmrs", version, about = "GPT-2 training from scratch in pure Rust (llm.c compatible)")]
 struct Cli {
     /// Worker threads (default: all cores).
     #[arg(long, global = true)]
@@ -67,6 +63,51 @@ enum PrepareCmd {
         #[arg(long, default_value_t = 32768)]
         val_tokens: usize,
     },
+    /// FineWeb or FineWeb-Edu as llm.c's dev/data/fineweb.py: local .parquet/.jsonl files, or
+    /// (with none given) the sample's parquet files downloaded from the Hugging Face Hub.
+    Fineweb {
+        files: Vec<PathBuf>,
+        /// FineWeb-Edu instead of FineWeb.
+        #[arg(long)]
+        edu: bool,
+        /// Which sample to download: 10B or 100B.
+        #[arg(long, default_value = "10B")]
+        version: String,
+        /// Download only the first N parquet files of the sample.
+        #[arg(long)]
+        max_files: Option<usize>,
+        /// Output directory (default: data/fineweb10B, data/edu_fineweb10B, ...).
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        #[command(flatten)]
+        shards: ShardArgs,
+    },
+    /// TinyStories' .json files (arrays of {"story": ...}) into shards.
+    Tinystories {
+        files: Vec<PathBuf>,
+        #[arg(short, long, default_value = "data/tinystories")]
+        out: PathBuf,
+        #[command(flatten)]
+        shards: ShardArgs,
+    },
+    /// Any documents (.parquet with a text column, .jsonl or .json with "text") into shards.
+    Docs {
+        files: Vec<PathBuf>,
+        /// Shard name prefix: NAME_val_000000.bin, NAME_train_000001.bin, ...
+        #[arg(long, default_value = "docs")]
+        name: String,
+        #[arg(short, long, default_value = "data/docs")]
+        out: PathBuf,
+        #[command(flatten)]
+        shards: ShardArgs,
+    },
+}
+
+#[derive(Args)]
+struct ShardArgs {
+    /// Tokens per shard (llm.c: 10^8).
+    #[arg(long, default_value_t = 100_000_000)]
+    shard_size: usize,
 }
 
 thread_local! {
@@ -179,9 +220,7 @@ struct TrainArgs {
 /// llm.c spells some flags with two letters after one dash (-nk, -nm); map them to long names.
 /// GPU-only llm.c flags are accepted and ignored on the CPU, with a note.
 fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
-    const GPU_ONLY: [&str; 12] = [
-        "-f", "-w", "-z", "-r", "-ge", "-lg", "-pn", "-pr", "-pg", "-pi", "-pf", "-ps",
-    ];
+    const GPU_ONLY: [&str; 12] = ["-f", "-w", "-z", "-r", "-ge", "-lg", "-pn", "-pr", "-pg", "-pi", "-pf", "-ps"];
     let mut out = Vec::with_capacity(args.len());
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
@@ -191,9 +230,7 @@ fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
             "-sl" | "-sg" => {
                 let v = it.next().unwrap_or_default();
                 if !v.parse::<f32>().is_ok_and(|x| x == 0.0) {
-                    eprintln!(
-                        "note: {a} (outlier skipping) is not supported by llmrs yet; ignored"
-                    );
+                    eprintln!("note: {a} (outlier skipping) is not supported by llmrs yet; ignored");
                 }
             }
             g if GPU_ONLY.contains(&g) => {
@@ -265,10 +302,7 @@ fn ensure_default_data(cfg: &TrainConfig) -> Result<()> {
         || (cfg.val_data == def.val_data && missing(&cfg.val_data))
     {
         eprintln!("preparing Tiny Shakespeare into data/tinyshakespeare (first run)");
-        prepare_tinyshakespeare(
-            &Source::from_env(None),
-            std::path::Path::new("data/tinyshakespeare"),
-        )?;
+        prepare_tinyshakespeare(&Source::from_env(None), std::path::Path::new("data/tinyshakespeare"))?;
     }
     Ok(())
 }
@@ -284,10 +318,7 @@ fn main() {
 
 fn real_main(cli: Cli) -> Result<()> {
     if let Some(n) = cli.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("cannot set the thread count")?;
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot set the thread count")?;
     }
     match cli.cmd {
         None => {
@@ -303,12 +334,7 @@ fn real_main(cli: Cli) -> Result<()> {
         Some(Cmd::Prepare(PrepareCmd::Tinyshakespeare { input, out })) => {
             prepare_tinyshakespeare(&Source::from_env(input.as_deref()), &out).map(|_| ())
         }
-        Some(Cmd::Convert {
-            input,
-            output,
-            hf,
-            dtype,
-        }) => {
+        Some(Cmd::Convert { input, output, hf, dtype }) => {
             let dtype = parse_dtype(&dtype)?;
             let spec = match (hf, input) {
                 (Some(h), None) => format!("hf:{h}"),
@@ -324,19 +350,38 @@ fn real_main(cli: Cli) -> Result<()> {
             } else {
                 llmrs::hf::save_hf(&model, &output, dtype)?;
             }
-            eprintln!(
-                "wrote {} ({} parameters, {:?})",
-                output.display(),
-                model.num_parameters(),
-                dtype
-            );
+            eprintln!("wrote {} ({} parameters, {:?})", output.display(), model.num_parameters(), dtype);
             Ok(())
         }
-        Some(Cmd::Prepare(PrepareCmd::Text {
-            files,
-            out,
-            val_tokens,
-        })) => {
+        Some(Cmd::Prepare(PrepareCmd::Fineweb { files, edu, version, max_files, out, shards })) => {
+            let (sample, size) = match version.as_str() {
+                "10B" => ("sample/10BT", "10B"),
+                "100B" => ("sample/100BT", "100B"),
+                v => bail!("unknown FineWeb version '{v}': use 10B or 100B"),
+            };
+            let (repo, name) =
+                if edu { ("HuggingFaceFW/fineweb-edu", "edu_fineweb") } else { ("HuggingFaceFW/fineweb", "fineweb") };
+            let out = out.unwrap_or_else(|| PathBuf::from(format!("data/{name}{size}")));
+            let files = if files.is_empty() {
+                llmrs::corpus::fetch_parquet_sample(
+                    repo,
+                    sample,
+                    max_files,
+                    &llmrs::hub::endpoint(),
+                    &llmrs::hub::cache_dir(),
+                )?
+            } else {
+                files
+            };
+            llmrs::corpus::prepare_corpus(&files, &out, name, shards.shard_size).map(|_| ())
+        }
+        Some(Cmd::Prepare(PrepareCmd::Tinystories { files, out, shards })) => {
+            llmrs::corpus::prepare_corpus(&files, &out, "TinyStories", shards.shard_size).map(|_| ())
+        }
+        Some(Cmd::Prepare(PrepareCmd::Docs { files, name, out, shards })) => {
+            llmrs::corpus::prepare_corpus(&files, &out, &name, shards.shard_size).map(|_| ())
+        }
+        Some(Cmd::Prepare(PrepareCmd::Text { files, out, val_tokens })) => {
             if files.is_empty() {
                 bail!("give one or more UTF-8 text files");
             }

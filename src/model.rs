@@ -67,12 +67,7 @@ pub struct Activations {
 
 impl Activations {
     fn new(cfg: &GPT2Config, b: usize, t: usize) -> Self {
-        let (c, l, nh, vp) = (
-            cfg.channels,
-            cfg.num_layers,
-            cfg.num_heads,
-            cfg.padded_vocab_size,
-        );
+        let (c, l, nh, vp) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size);
         let n = b * t;
         let z = |len: usize| vec![0f32; len];
         Activations {
@@ -118,11 +113,7 @@ impl Activations {
             &mut v[l * sz..(l + 1) * sz]
         }
         let (prev, cur) = self.residual3.split_at_mut(l * n * c);
-        let res_in: &[f32] = if l == 0 {
-            &self.encoded[..n * c]
-        } else {
-            &prev[(l - 1) * n * c..]
-        };
+        let res_in: &[f32] = if l == 0 { &self.encoded[..n * c] } else { &prev[(l - 1) * n * c..] };
         LayerActs {
             res_in,
             ln1: at(&mut self.ln1, l, n * c),
@@ -172,10 +163,7 @@ struct LayerActs<'a> {
 
 /// Two disjoint tensors of one flat buffer, both mutable (e.g. a weight's and a bias's gradient).
 fn pair<'a>(buf: &'a mut [f32], a: &Span, b: &Span) -> (&'a mut [f32], &'a mut [f32]) {
-    assert!(
-        a.0.end <= b.0.start,
-        "spans must be in buffer order and disjoint"
-    );
+    assert!(a.0.end <= b.0.start, "spans must be in buffer order and disjoint");
     let (lo, hi) = buf.split_at_mut(b.0.start);
     (&mut lo[a.0.clone()], &mut hi[..b.len()])
 }
@@ -247,35 +235,17 @@ impl GPT2 {
 
     /// Forward pass over `inputs (b, t)`. Leaves logits (b, t, Vp) in `acts.logits`; with
     /// `targets (b, t)` also the per-position losses, and returns their mean.
-    pub fn forward(
-        &mut self,
-        inputs: &[u32],
-        targets: Option<&[u32]>,
-        b: usize,
-        t: usize,
-    ) -> Result<Option<f32>> {
+    pub fn forward(&mut self, inputs: &[u32], targets: Option<&[u32]>, b: usize, t: usize) -> Result<Option<f32>> {
         let cfg = self.config;
-        let (c, nh, v, vp) = (
-            cfg.channels,
-            cfg.num_heads,
-            cfg.vocab_size,
-            cfg.padded_vocab_size,
-        );
+        let (c, nh, v, vp) = (cfg.channels, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size);
         let n = b * t;
         if b == 0 || t == 0 || t > cfg.max_seq_len {
-            bail!(
-                "sequence length {t} must be between 1 and the model's max_seq_len {}",
-                cfg.max_seq_len
-            );
+            bail!("sequence length {t} must be between 1 and the model's max_seq_len {}", cfg.max_seq_len);
         }
         if inputs.len() != n || targets.is_some_and(|y| y.len() != n) {
             bail!("batch holds {} inputs, expected B*T = {n}", inputs.len());
         }
-        if let Some(&bad) = inputs
-            .iter()
-            .chain(targets.unwrap_or(&[]))
-            .find(|&&x| x as usize >= v)
-        {
+        if let Some(&bad) = inputs.iter().chain(targets.unwrap_or(&[])).find(|&&x| x as usize >= v) {
             bail!("token id {bad} is out of range for vocab size {v}: the data was tokenized for another vocabulary");
         }
         self.reserve(b, t);
@@ -284,81 +254,22 @@ impl GPT2 {
         let a = &mut self.acts;
         (a.b, a.t, a.has_targets) = (b, t, targets.is_some());
         a.inputs[..n].copy_from_slice(inputs);
-        encoder_forward(
-            &mut a.encoded,
-            inputs,
-            lay.wte.of(p),
-            lay.wpe.of(p),
-            b,
-            t,
-            c,
-        );
+        encoder_forward(&mut a.encoded, inputs, lay.wte.of(p), lay.wpe.of(p), b, t, c);
         for (l, w) in lay.blocks.iter().enumerate() {
             let x = a.layer(l, b, t, &cfg);
-            layernorm_forward(
-                x.ln1,
-                x.ln1_mean,
-                x.ln1_rstd,
-                x.res_in,
-                w.ln1_w.of(p),
-                w.ln1_b.of(p),
-                n,
-                c,
-            );
-            matmul_forward(
-                x.qkv,
-                x.ln1,
-                w.qkv_w.of(p),
-                Some(w.qkv_b.of(p)),
-                n,
-                c,
-                3 * c,
-            );
+            layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.res_in, w.ln1_w.of(p), w.ln1_b.of(p), n, c);
+            matmul_forward(x.qkv, x.ln1, w.qkv_w.of(p), Some(w.qkv_b.of(p)), n, c, 3 * c);
             attention_forward(x.atty, x.att, x.qkv, b, t, c, nh);
-            matmul_forward(
-                x.scratch,
-                x.atty,
-                w.attn_proj_w.of(p),
-                Some(w.attn_proj_b.of(p)),
-                n,
-                c,
-                c,
-            );
+            matmul_forward(x.scratch, x.atty, w.attn_proj_w.of(p), Some(w.attn_proj_b.of(p)), n, c, c);
             residual_forward(x.residual2, x.res_in, x.scratch);
-            layernorm_forward(
-                x.ln2,
-                x.ln2_mean,
-                x.ln2_rstd,
-                x.residual2,
-                w.ln2_w.of(p),
-                w.ln2_b.of(p),
-                n,
-                c,
-            );
+            layernorm_forward(x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2_w.of(p), w.ln2_b.of(p), n, c);
             matmul_forward(x.fch, x.ln2, w.fc_w.of(p), Some(w.fc_b.of(p)), n, c, 4 * c);
             gelu_forward(x.fch_gelu, x.fch);
-            matmul_forward(
-                x.scratch,
-                x.fch_gelu,
-                w.fc_proj_w.of(p),
-                Some(w.fc_proj_b.of(p)),
-                n,
-                4 * c,
-                c,
-            );
+            matmul_forward(x.scratch, x.fch_gelu, w.fc_proj_w.of(p), Some(w.fc_proj_b.of(p)), n, 4 * c, c);
             residual_forward(x.residual3, x.residual2, x.scratch);
         }
         let last = &a.residual3[(cfg.num_layers - 1) * n * c..][..n * c];
-        layernorm_forward(
-            &mut a.lnf,
-            &mut a.lnf_mean,
-            &mut a.lnf_rstd,
-            last,
-            lay.lnf_w.of(p),
-            lay.lnf_b.of(p),
-            n,
-            c,
-        );
+        layernorm_forward(&mut a.lnf, &mut a.lnf_mean, &mut a.lnf_rstd, last, lay.lnf_w.of(p), lay.lnf_b.of(p), n, c);
         matmul_forward(&mut a.logits, &a.lnf, lay.wte.of(p), None, n, c, vp);
         let Some(targets) = targets else {
             return Ok(None);
@@ -373,12 +284,7 @@ impl GPT2 {
     /// micro-batches passes `1/k`. Overwrites the logits with their gradient.
     pub fn backward(&mut self, loss_scale: f32) -> Result<()> {
         let cfg = self.config;
-        let (c, nh, v, vp) = (
-            cfg.channels,
-            cfg.num_heads,
-            cfg.vocab_size,
-            cfg.padded_vocab_size,
-        );
+        let (c, nh, v, vp) = (cfg.channels, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size);
         if self.grads.len() != self.num_parameters() {
             bail!("backward needs training state: call alloc_training_state first");
         }
@@ -390,69 +296,21 @@ impl GPT2 {
         let (b, t) = (a.b, a.t);
         let n = b * t;
         let (p, g, lay) = (&self.params, &mut self.grads, &self.layout);
-        crossentropy_softmax_backward_inplace(
-            &mut a.logits,
-            &a.targets,
-            loss_scale / n as f32,
-            n,
-            v,
-            vp,
-        );
-        matmul_backward(
-            Some(&mut a.scratch),
-            lay.wte.of_mut(g),
-            None,
-            &a.logits,
-            &a.lnf,
-            lay.wte.of(p),
-            n,
-            c,
-            vp,
-        );
+        crossentropy_softmax_backward_inplace(&mut a.logits, &a.targets, loss_scale / n as f32, n, v, vp);
+        matmul_backward(Some(&mut a.scratch), lay.wte.of_mut(g), None, &a.logits, &a.lnf, lay.wte.of(p), n, c, vp);
         a.dresidual[..n * c].fill(0.0);
         let last = &a.residual3[(cfg.num_layers - 1) * n * c..][..n * c];
         let (dlnf_w, dlnf_b) = pair(g, &lay.lnf_w, &lay.lnf_b);
         let (lnf_w, m, r) = (lay.lnf_w.of(p), &a.lnf_mean, &a.lnf_rstd);
-        layernorm_backward(
-            &mut a.dresidual,
-            dlnf_w,
-            dlnf_b,
-            &a.scratch,
-            last,
-            lnf_w,
-            m,
-            r,
-            n,
-            c,
-        );
+        layernorm_backward(&mut a.dresidual, dlnf_w, dlnf_b, &a.scratch, last, lnf_w, m, r, n, c);
         for (l, w) in lay.blocks.iter().enumerate().rev() {
             let x = a.layer(l, b, t, &cfg);
             // MLP branch: residual3 = residual2 + fc_proj(gelu(fc(ln2(residual2)))).
             let (dw, db) = pair(g, &w.fc_proj_w, &w.fc_proj_b);
-            matmul_backward(
-                Some(x.dfch),
-                dw,
-                Some(db),
-                x.dresidual,
-                x.fch_gelu,
-                w.fc_proj_w.of(p),
-                n,
-                4 * c,
-                c,
-            );
+            matmul_backward(Some(x.dfch), dw, Some(db), x.dresidual, x.fch_gelu, w.fc_proj_w.of(p), n, 4 * c, c);
             gelu_backward_inplace(x.dfch, x.fch);
             let (dw, db) = pair(g, &w.fc_w, &w.fc_b);
-            matmul_backward(
-                Some(x.scratch),
-                dw,
-                Some(db),
-                x.dfch,
-                x.ln2,
-                w.fc_w.of(p),
-                n,
-                c,
-                4 * c,
-            );
+            matmul_backward(Some(x.scratch), dw, Some(db), x.dfch, x.ln2, w.fc_w.of(p), n, c, 4 * c);
             let (dw, db) = pair(g, &w.ln2_w, &w.ln2_b);
             layernorm_backward(
                 x.dresidual,
@@ -468,43 +326,12 @@ impl GPT2 {
             );
             // Attention branch: residual2 = res_in + attn_proj(attention(qkv(ln1(res_in)))).
             let (dw, db) = pair(g, &w.attn_proj_w, &w.attn_proj_b);
-            matmul_backward(
-                Some(x.scratch),
-                dw,
-                Some(db),
-                x.dresidual,
-                x.atty,
-                w.attn_proj_w.of(p),
-                n,
-                c,
-                c,
-            );
+            matmul_backward(Some(x.scratch), dw, Some(db), x.dresidual, x.atty, w.attn_proj_w.of(p), n, c, c);
             attention_backward(x.dqkv, x.datt, x.scratch, x.qkv, x.att, b, t, c, nh);
             let (dw, db) = pair(g, &w.qkv_w, &w.qkv_b);
-            matmul_backward(
-                Some(x.scratch),
-                dw,
-                Some(db),
-                x.dqkv,
-                x.ln1,
-                w.qkv_w.of(p),
-                n,
-                c,
-                3 * c,
-            );
+            matmul_backward(Some(x.scratch), dw, Some(db), x.dqkv, x.ln1, w.qkv_w.of(p), n, c, 3 * c);
             let (dw, db) = pair(g, &w.ln1_w, &w.ln1_b);
-            layernorm_backward(
-                x.dresidual,
-                dw,
-                db,
-                x.scratch,
-                x.res_in,
-                w.ln1_w.of(p),
-                x.ln1_mean,
-                x.ln1_rstd,
-                n,
-                c,
-            );
+            layernorm_backward(x.dresidual, dw, db, x.scratch, x.res_in, w.ln1_w.of(p), x.ln1_mean, x.ln1_rstd, n, c);
         }
         let (dwte, dwpe) = pair(g, &lay.wte, &lay.wpe);
         encoder_backward(dwte, dwpe, &a.dresidual, &a.inputs, b, t, c);

@@ -15,13 +15,7 @@ pub struct OptimConfig {
 
 impl Default for OptimConfig {
     fn default() -> Self {
-        OptimConfig {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            grad_clip: 1.0,
-        }
+        OptimConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0, grad_clip: 1.0 }
     }
 }
 
@@ -29,11 +23,7 @@ impl Default for OptimConfig {
 /// Returns the gradient norm before clipping.
 pub fn optimizer_step(model: &mut GPT2, o: &OptimConfig, lr: f32, step: usize) -> f32 {
     let norm = model.grad_norm();
-    let grad_scale = if o.grad_clip > 0.0 && norm > o.grad_clip {
-        o.grad_clip / norm
-    } else {
-        1.0
-    };
+    let grad_scale = if o.grad_clip > 0.0 && norm > o.grad_clip { o.grad_clip / norm } else { 1.0 };
     model.update(&AdamW {
         lr,
         beta1: o.beta1,

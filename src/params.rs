@@ -49,8 +49,8 @@ pub struct BlockSpans {
 /// llm.c's 16 parameter tensors, in file order. Per-layer tensors are stacked over layers,
 /// e.g. `qkvw` is (L, 3*C, C).
 pub const TENSOR_NAMES: [&str; 16] = [
-    "wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb", "ln2w", "ln2b", "fcw",
-    "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb",
+    "wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb", "ln2w", "ln2b", "fcw", "fcb", "fcprojw",
+    "fcprojb", "lnfw", "lnfb",
 ];
 
 /// Where every parameter lives.
@@ -71,27 +71,9 @@ pub struct ParamLayout {
 
 impl ParamLayout {
     pub fn new(cfg: &GPT2Config) -> Self {
-        let (vp, c, l, maxt) = (
-            cfg.padded_vocab_size,
-            cfg.channels,
-            cfg.num_layers,
-            cfg.max_seq_len,
-        );
+        let (vp, c, l, maxt) = (cfg.padded_vocab_size, cfg.channels, cfg.num_layers, cfg.max_seq_len);
         // Elements of each of the 16 tensors, per layer for the stacked ones.
-        let per_layer = [
-            c,
-            c,
-            3 * c * c,
-            3 * c,
-            c * c,
-            c,
-            c,
-            c,
-            4 * c * c,
-            4 * c,
-            4 * c * c,
-            c,
-        ];
+        let per_layer = [c, c, 3 * c * c, 3 * c, c * c, c, c, c, 4 * c * c, 4 * c, 4 * c * c, c];
         let mut sizes = [0usize; 16];
         sizes[0] = vp * c;
         sizes[1] = maxt * c;

@@ -25,7 +25,10 @@ pub fn tokenize_tinyshakespeare(text: &str, tok: &Tokenizer) -> Result<(Vec<u32>
         }
     }
     if tokens.len() <= 32768 {
-        bail!("the text gives only {} tokens; Tiny Shakespeare needs more than the 32768 validation tokens", tokens.len());
+        bail!(
+            "the text gives only {} tokens; Tiny Shakespeare needs more than the 32768 validation tokens",
+            tokens.len()
+        );
     }
     let train = tokens.split_off(32768);
     Ok((tokens, train))
@@ -33,10 +36,7 @@ pub fn tokenize_tinyshakespeare(text: &str, tok: &Tokenizer) -> Result<(Vec<u32>
 
 /// Paths of the prepared Tiny Shakespeare shards in `out_dir`.
 pub fn tinyshakespeare_paths(out_dir: &Path) -> (PathBuf, PathBuf) {
-    (
-        out_dir.join("tiny_shakespeare_train.bin"),
-        out_dir.join("tiny_shakespeare_val.bin"),
-    )
+    (out_dir.join("tiny_shakespeare_train.bin"), out_dir.join("tiny_shakespeare_val.bin"))
 }
 
 /// Where to get Tiny Shakespeare's text from.
@@ -52,11 +52,7 @@ pub struct Source<'a> {
 impl Source<'_> {
     /// The usual source: `$LLMRS_DATA_DIR` if set, else the public URL.
     pub fn from_env(file: Option<&Path>) -> Source<'_> {
-        Source {
-            file,
-            data_dir: std::env::var_os(DATA_DIR_ENV).map(PathBuf::from),
-            url: TINY_SHAKESPEARE.url,
-        }
+        Source { file, data_dir: std::env::var_os(DATA_DIR_ENV).map(PathBuf::from), url: TINY_SHAKESPEARE.url }
     }
 }
 
@@ -77,7 +73,10 @@ pub fn tinyshakespeare_text(src: &Source, out_dir: &Path) -> Result<String> {
     };
     let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
     if source.is_none() && sha256_hex(&bytes) != TINY_SHAKESPEARE.sha256 {
-        bail!("{} is not the published Tiny Shakespeare (SHA-256 differs); delete it to download a fresh copy", path.display());
+        bail!(
+            "{} is not the published Tiny Shakespeare (SHA-256 differs); delete it to download a fresh copy",
+            path.display()
+        );
     }
     String::from_utf8(bytes).with_context(|| format!("{} is not UTF-8 text", path.display()))
 }
@@ -91,21 +90,13 @@ pub fn prepare_tinyshakespeare(src: &Source, out_dir: &Path) -> Result<(PathBuf,
     write_shard(&val_path, &val)?;
     write_shard(&train_path, &train)?;
     eprintln!("wrote {} val tokens to {}", val.len(), val_path.display());
-    eprintln!(
-        "wrote {} train tokens to {}",
-        train.len(),
-        train_path.display()
-    );
+    eprintln!("wrote {} train tokens to {}", train.len(), train_path.display());
     Ok((train_path, val_path))
 }
 
 /// `llmrs prepare text FILE... -o DIR`: UTF-8 documents, each preceded by <|endoftext|>, the
 /// first `val_tokens` tokens to `DIR/val_000000.bin`, the rest to `DIR/train_000000.bin`.
-pub fn prepare_text(
-    files: &[PathBuf],
-    out_dir: &Path,
-    val_tokens: usize,
-) -> Result<(PathBuf, PathBuf)> {
+pub fn prepare_text(files: &[PathBuf], out_dir: &Path, val_tokens: usize) -> Result<(PathBuf, PathBuf)> {
     let tok = Tokenizer::gpt2()?;
     let mut tokens = vec![];
     for f in files {
@@ -124,21 +115,16 @@ pub fn prepare_text(
         tokens.extend(tok.encode(&text)?);
     }
     if tokens.len() <= val_tokens + 1 {
-        bail!("the input gives {} tokens, not enough for {val_tokens} validation tokens plus training data", tokens.len());
+        bail!(
+            "the input gives {} tokens, not enough for {val_tokens} validation tokens plus training data",
+            tokens.len()
+        );
     }
     let train = tokens.split_off(val_tokens);
-    let (train_path, val_path) = (
-        out_dir.join("train_000000.bin"),
-        out_dir.join("val_000000.bin"),
-    );
+    let (train_path, val_path) = (out_dir.join("train_000000.bin"), out_dir.join("val_000000.bin"));
     write_shard(&val_path, &tokens)?;
     write_shard(&train_path, &train)?;
-    eprintln!(
-        "wrote {} val and {} train tokens to {}",
-        tokens.len(),
-        train.len(),
-        out_dir.display()
-    );
+    eprintln!("wrote {} val and {} train tokens to {}", tokens.len(), train.len(), out_dir.display());
     Ok((train_path, val_path))
 }
 
@@ -169,13 +155,8 @@ mod tests {
         assert!(format!("{e:#}").contains("not UTF-8"));
         let empty = dir.path().join("empty.txt");
         std::fs::write(&empty, "").unwrap();
-        assert!(
-            format!("{:#}", prepare_text(&[empty], dir.path(), 10).unwrap_err()).contains("empty")
-        );
-        assert!(
-            !dir.path().join("train_000000.bin").exists(),
-            "no half-written shards"
-        );
+        assert!(format!("{:#}", prepare_text(&[empty], dir.path(), 10).unwrap_err()).contains("empty"));
+        assert!(!dir.path().join("train_000000.bin").exists(), "no half-written shards");
         let good = dir.path().join("good.txt");
         std::fs::write(&good, "Now is the winter of our discontent ".repeat(20)).unwrap();
         let (tr, va) = prepare_text(&[good], dir.path(), 10).unwrap();
@@ -190,29 +171,15 @@ mod tests {
         let real = crate::testdata::tinyshakespeare_text();
         let url = crate::download::tests::serve(real.clone().into_bytes(), 1);
         let dir = tempfile::tempdir().unwrap();
-        let src = Source {
-            file: None,
-            data_dir: None,
-            url: &format!("{url}/input.txt"),
-        };
+        let src = Source { file: None, data_dir: None, url: &format!("{url}/input.txt") };
         assert_eq!(tinyshakespeare_text(&src, dir.path()).unwrap(), real);
         assert!(dir.path().join("input.txt").exists());
         // Second time: the cached copy is used (the server has stopped answering).
-        assert_eq!(
-            tinyshakespeare_text(&src, dir.path()).unwrap().len(),
-            real.len()
-        );
+        assert_eq!(tinyshakespeare_text(&src, dir.path()).unwrap().len(), real.len());
         // A wrong file from the server is refused by its hash.
         let bad = crate::download::tests::serve(b"not shakespeare".to_vec(), 1);
         let dir2 = tempfile::tempdir().unwrap();
-        let src = Source {
-            file: None,
-            data_dir: None,
-            url: &format!("{bad}/input.txt"),
-        };
-        assert!(
-            format!("{:#}", tinyshakespeare_text(&src, dir2.path()).unwrap_err())
-                .contains("SHA-256")
-        );
+        let src = Source { file: None, data_dir: None, url: &format!("{bad}/input.txt") };
+        assert!(format!("{:#}", tinyshakespeare_text(&src, dir2.path()).unwrap_err()).contains("SHA-256"));
     }
 }

@@ -36,17 +36,10 @@ impl Mt19937 {
         state[0] = seed;
         for j in 1..N {
             let prev = state[j - 1];
-            state[j] = 1_812_433_253u32
-                .wrapping_mul(prev ^ (prev >> 30))
-                .wrapping_add(j as u32);
+            state[j] = 1_812_433_253u32.wrapping_mul(prev ^ (prev >> 30)).wrapping_add(j as u32);
         }
         // llm.c leaves `seed_` unset; we store 0 so files are deterministic.
-        Mt19937 {
-            seed: 0,
-            left: 1,
-            next: 0,
-            state,
-        }
+        Mt19937 { seed: 0, left: 1, next: 0, state }
     }
 
     fn next_state(&mut self) {
@@ -179,12 +172,7 @@ impl Mt19937 {
         if next as usize > N {
             return None;
         }
-        Some(Mt19937 {
-            seed: u64::from_le_bytes(b[0..8].try_into().unwrap()),
-            left: u32_at(8) as i32,
-            next,
-            state,
-        })
+        Some(Mt19937 { seed: u64::from_le_bytes(b[0..8].try_into().unwrap()), left: u32_at(8) as i32, next, state })
     }
 }
 
@@ -211,30 +199,17 @@ mod tests {
     fn matches_torch_sequence() {
         let mut r = Mt19937::new(137);
         let ints: Vec<u32> = (0..5).map(|_| r.next_u32()).collect();
-        assert_eq!(
-            ints,
-            [4053805790, 2173880614, 380293709, 1237255315, 2986595568]
-        );
+        assert_eq!(ints, [4053805790, 2173880614, 380293709, 1237255315, 2986595568]);
         let mut t8 = [0f32; 8];
         r.normal(&mut t8, 0.0, 1.0);
-        let want8 = [
-            0.7947664260864258,
-            1.4369317293167114,
-            -0.2292192131280899,
-            0.47556325793266296,
-        ];
+        let want8 = [0.7947664260864258, 1.4369317293167114, -0.2292192131280899, 0.47556325793266296];
         for (a, b) in t8.iter().zip(want8) {
             assert!((a - b).abs() < 1e-6, "{a} vs {b}");
         }
         assert_eq!(r.next_u32(), 2186503452);
         let mut t16 = [0f32; 16];
         r.normal(&mut t16, 0.0, 1.0);
-        let want16 = [
-            -1.2813878059387207,
-            -2.646395683288574,
-            -0.06569503247737885,
-            0.2180829495191574,
-        ];
+        let want16 = [-1.2813878059387207, -2.646395683288574, -0.06569503247737885, 0.2180829495191574];
         for (a, b) in t16.iter().zip(want16) {
             assert!((a - b).abs() < 1e-6, "{a} vs {b}");
         }

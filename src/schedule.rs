@@ -36,13 +36,7 @@ pub struct LrSchedule {
 impl LrSchedule {
     /// Learning rate at 0-based `step`.
     pub fn lr(&self, step: usize) -> f32 {
-        let LrSchedule {
-            kind,
-            max_lr,
-            warmup,
-            total_steps,
-            final_frac,
-        } = *self;
+        let LrSchedule { kind, max_lr, warmup, total_steps, final_frac } = *self;
         let min_lr = max_lr * final_frac;
         if kind != ScheduleKind::Constant && step < warmup {
             return max_lr * (step + 1) as f32 / warmup as f32;
@@ -79,13 +73,7 @@ mod tests {
     use super::*;
 
     fn s(kind: ScheduleKind) -> LrSchedule {
-        LrSchedule {
-            kind,
-            max_lr: 1.0,
-            warmup: 2,
-            total_steps: 12,
-            final_frac: 0.1,
-        }
+        LrSchedule { kind, max_lr: 1.0, warmup: 2, total_steps: 12, final_frac: 0.1 }
     }
 
     #[test]

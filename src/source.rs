@@ -9,11 +9,7 @@ use std::path::Path;
 
 pub fn load_any(spec: &str, seed: u32) -> Result<GPT2> {
     if let Some(hub) = spec.strip_prefix("hf:") {
-        let dir = crate::hub::fetch_model(
-            &hub.parse()?,
-            &crate::hub::endpoint(),
-            &crate::hub::cache_dir(),
-        )?;
+        let dir = crate::hub::fetch_model(&hub.parse()?, &crate::hub::endpoint(), &crate::hub::cache_dir())?;
         return crate::hf::load_hf(&dir);
     }
     let p = Path::new(spec);
@@ -38,12 +34,7 @@ mod tests {
         crate::checkpoint::save_model(&m, &bin, crate::checkpoint::Dtype::F32).unwrap();
         assert_eq!(load_any(bin.to_str().unwrap(), 0).unwrap().params, m.params);
         crate::hf::save_hf(&m, &dir.path().join("hf"), crate::checkpoint::Dtype::F32).unwrap();
-        assert_eq!(
-            load_any(dir.path().join("hf").to_str().unwrap(), 0)
-                .unwrap()
-                .params,
-            m.params
-        );
+        assert_eq!(load_any(dir.path().join("hf").to_str().unwrap(), 0).unwrap().params, m.params);
         let st = dir.path().join("hf/model.safetensors");
         assert_eq!(load_any(st.to_str().unwrap(), 0).unwrap().params, m.params);
         assert!(load_any("hf:not a name", 0).is_err());

@@ -21,17 +21,10 @@ impl Tokenizer {
     pub fn gpt2() -> Result<Self> {
         let bpe = tiktoken_rs::r50k_base().context("cannot build the GPT-2 tokenizer")?;
         let table = (0..GPT2_EOT)
-            .map(|i| {
-                bpe.decode_bytes(&[i])
-                    .map_err(|e| anyhow::anyhow!("token {i}: {e:?}"))
-            })
+            .map(|i| bpe.decode_bytes(&[i]).map_err(|e| anyhow::anyhow!("token {i}: {e:?}")))
             .chain(std::iter::once(Ok(b"<|endoftext|>".to_vec())))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Tokenizer {
-            bpe: Some(bpe),
-            table,
-            eot: GPT2_EOT,
-        })
+        Ok(Tokenizer { bpe: Some(bpe), table, eot: GPT2_EOT })
     }
 
     /// Decode-only tokenizer from llm.c's `gpt2_tokenizer.bin`.
@@ -39,15 +32,16 @@ impl Tokenizer {
         let bytes = crate::checkpoint::read_file(path)?;
         let h = parse_header(&bytes, path, "tokenizer")?;
         if h[0] != TOKENIZER_MAGIC {
-            bail!("{}: bad magic {} (expected {TOKENIZER_MAGIC}); is this llm.c's gpt2_tokenizer.bin?", path.display(), h[0]);
+            bail!(
+                "{}: bad magic {} (expected {TOKENIZER_MAGIC}); is this llm.c's gpt2_tokenizer.bin?",
+                path.display(),
+                h[0]
+            );
         }
         let eot = match h[1] {
             1 => GPT2_EOT,
             2 => u32::try_from(h[3]).context("negative EOT token id")?,
-            v => bail!(
-                "{}: tokenizer version {v} is not supported (1 or 2)",
-                path.display()
-            ),
+            v => bail!("{}: tokenizer version {v} is not supported (1 or 2)", path.display()),
         };
         let n = usize::try_from(h[2])
             .ok()
@@ -56,10 +50,8 @@ impl Tokenizer {
         let mut table = Vec::with_capacity(n.min(bytes.len())); // every token takes at least one byte
         let mut off = HEADER_BYTES;
         for i in 0..n {
-            let len = *bytes
-                .get(off)
-                .with_context(|| format!("{}: truncated at token {i} of {n}", path.display()))?
-                as usize;
+            let len =
+                *bytes.get(off).with_context(|| format!("{}: truncated at token {i} of {n}", path.display()))? as usize;
             let tok = bytes
                 .get(off + 1..off + 1 + len)
                 .with_context(|| format!("{}: truncated at token {i} of {n}", path.display()))?;
@@ -67,17 +59,9 @@ impl Tokenizer {
             off += 1 + len;
         }
         if off != bytes.len() {
-            bail!(
-                "{}: {} trailing bytes after {n} tokens",
-                path.display(),
-                bytes.len() - off
-            );
+            bail!("{}: {} trailing bytes after {n} tokens", path.display(), bytes.len() - off);
         }
-        Ok(Tokenizer {
-            bpe: None,
-            table,
-            eot,
-        })
+        Ok(Tokenizer { bpe: None, table, eot })
     }
 
     /// Write llm.c's `gpt2_tokenizer.bin` (version 2).
@@ -90,10 +74,7 @@ impl Tokenizer {
         let mut out: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
         for t in &self.table {
             if t.len() > 255 {
-                bail!(
-                    "token of {} bytes does not fit llm.c's tokenizer format",
-                    t.len()
-                );
+                bail!("token of {} bytes does not fit llm.c's tokenizer format", t.len());
             }
             out.push(t.len() as u8);
             out.extend_from_slice(t);
@@ -107,7 +88,10 @@ impl Tokenizer {
 
     /// Encode text with no special tokens (`encode_ordinary`).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let bpe = self.bpe.as_ref().context("this tokenizer was loaded from a decode-only file; use the built-in GPT-2 tokenizer to encode")?;
+        let bpe = self
+            .bpe
+            .as_ref()
+            .context("this tokenizer was loaded from a decode-only file; use the built-in GPT-2 tokenizer to encode")?;
         Ok(bpe.encode_ordinary(text))
     }
 
@@ -118,10 +102,7 @@ impl Tokenizer {
 
     /// Decode tokens to text (invalid UTF-8 from partial sequences is replaced).
     pub fn decode(&self, ids: &[u32]) -> String {
-        let bytes: Vec<u8> = ids
-            .iter()
-            .flat_map(|&i| self.token_bytes(i).iter().copied())
-            .collect();
+        let bytes: Vec<u8> = ids.iter().flat_map(|&i| self.token_bytes(i).iter().copied()).collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
 }
@@ -136,11 +117,7 @@ mod tests {
         assert_eq!(tok.vocab_size(), 50257);
         // "Hello world" is [15496, 995] in GPT-2.
         assert_eq!(tok.encode("Hello world").unwrap(), vec![15496, 995]);
-        for s in [
-            "First Citizen:\nBefore we proceed",
-            "  spaces\t\ttabs\n\n",
-            "emoji 🦀 e\u{301}",
-        ] {
+        for s in ["First Citizen:\nBefore we proceed", "  spaces\t\ttabs\n\n", "emoji 🦀 e\u{301}"] {
             assert_eq!(tok.decode(&tok.encode(s).unwrap()), s);
         }
         assert_eq!(tok.decode(&[tok.eot]), "<|endoftext|>");

@@ -96,17 +96,7 @@ pub fn build_model(desc: &str, seed: u32) -> Result<GPT2> {
 
 /// Steps of the newest complete checkpoint (`DONE_%08d`) in `dir`.
 pub fn latest_checkpoint(dir: &Path) -> Option<usize> {
-    std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|e| {
-            e.ok()?
-                .file_name()
-                .to_str()?
-                .strip_prefix("DONE_")?
-                .parse()
-                .ok()
-        })
-        .max()
+    std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("DONE_")?.parse().ok()).max()
 }
 
 fn ckpt_paths(dir: &Path, step: usize) -> [PathBuf; 3] {
@@ -197,38 +187,23 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
     };
     let mc = model.config;
     if t > mc.max_seq_len {
-        bail!(
-            "sequence length -t {t} is longer than the model's max_seq_len {}",
-            mc.max_seq_len
-        );
+        bail!("sequence length -t {t} is longer than the model's max_seq_len {}", mc.max_seq_len);
     }
     model.alloc_training_state();
     model.reserve(b, t);
-    let train_pattern = if cfg.overfit_single_batch {
-        &cfg.val_data
-    } else {
-        &cfg.train_data
-    };
+    let train_pattern = if cfg.overfit_single_batch { &cfg.val_data } else { &cfg.train_data };
     let shuffle = cfg.shuffle && !cfg.overfit_single_batch;
-    let mut train =
-        DataLoader::new(train_pattern, b, t, mc.vocab_size, shuffle).context("train data (-i)")?;
-    let mut val =
-        DataLoader::new(&cfg.val_data, b, t, mc.vocab_size, false).context("val data (-j)")?;
+    let mut train = DataLoader::new(train_pattern, b, t, mc.vocab_size, shuffle).context("train data (-i)")?;
+    let mut val = DataLoader::new(&cfg.val_data, b, t, mc.vocab_size, false).context("val data (-j)")?;
     let steps = cfg.max_steps.unwrap_or(train.num_tokens / total);
-    let val_batches = cfg
-        .val_max_steps
-        .unwrap_or(val.num_tokens / tokens_per_micro);
+    let val_batches = cfg.val_max_steps.unwrap_or(val.num_tokens / tokens_per_micro);
     let mut step = 0;
     if let Some(s) = resume_step {
         let st: TrainState = load_state(&ckpt_paths(out.unwrap(), s)[1], &mut model)?;
         if st.should_shuffle != shuffle {
             bail!(
                 "the run being resumed {} its training data; pass the same --no-shuffle setting",
-                if st.should_shuffle {
-                    "shuffled"
-                } else {
-                    "did not shuffle"
-                }
+                if st.should_shuffle { "shuffled" } else { "did not shuffle" }
             );
         }
         train.restore(&st.loader)?;
@@ -243,11 +218,7 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
     };
     // Like llm.c, decode samples with ./gpt2_tokenizer.bin when it is there; else the built-in BPE.
     let llmc_tokenizer = Path::new("gpt2_tokenizer.bin");
-    let tokenizer = if llmc_tokenizer.is_file() {
-        Tokenizer::load_llmc(llmc_tokenizer)?
-    } else {
-        Tokenizer::gpt2()?
-    };
+    let tokenizer = if llmc_tokenizer.is_file() { Tokenizer::load_llmc(llmc_tokenizer)? } else { Tokenizer::gpt2()? };
     let log = match out {
         Some(dir) => {
             std::fs::create_dir_all(dir)
@@ -263,17 +234,9 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
         }
         None => None,
     };
-    let bar = if cfg.quiet {
-        indicatif::ProgressBar::hidden()
-    } else {
-        crate::progress::bar(steps as u64, "train")
-    };
+    let bar = if cfg.quiet { indicatif::ProgressBar::hidden() } else { crate::progress::bar(steps as u64, "train") };
     bar.set_position(step as u64);
-    let mut rep = Reporter {
-        bar,
-        log,
-        quiet: cfg.quiet,
-    };
+    let mut rep = Reporter { bar, log, quiet: cfg.quiet };
     if !cfg.quiet {
         rep.line(&format!(
             "model: L={} C={} NH={} maxT={} V={} ({} parameters){}",
@@ -302,9 +265,7 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
             let mut loss = 0.0;
             for _ in 0..val_batches {
                 val.next_batch()?;
-                loss += model
-                    .forward(&val.inputs, Some(&val.targets), b, t)?
-                    .unwrap_or(0.0);
+                loss += model.forward(&val.inputs, Some(&val.targets), b, t)?.unwrap_or(0.0);
             }
             loss /= val_batches.max(1) as f32;
             rep.line(&format!("val loss {loss:.6}"));
@@ -317,12 +278,9 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
             rep.line(&format!("generating:\n---\n{text}\n---"));
             summary.samples.push(text);
         }
-        if let (Some(dir), true) = (
-            out,
-            cfg.checkpoint_every > 0
-                && !resuming
-                && ((step > 0 && step % cfg.checkpoint_every == 0) || last),
-        ) {
+        if let (Some(dir), true) =
+            (out, cfg.checkpoint_every > 0 && !resuming && ((step > 0 && step % cfg.checkpoint_every == 0) || last))
+        {
             write_checkpoint(dir, step, &model, &train, cfg.save_dtype)?;
             let keep = cfg.checkpoints_keep * cfg.checkpoint_every;
             if cfg.checkpoints_keep > 0 && step > keep {
@@ -347,10 +305,7 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
         let mut loss = 0.0f32;
         for _ in 0..grad_accum {
             train.next_batch()?;
-            loss += model
-                .forward(&train.inputs, Some(&train.targets), b, t)?
-                .unwrap_or(0.0)
-                / grad_accum as f32;
+            loss += model.forward(&train.inputs, Some(&train.targets), b, t)?.unwrap_or(0.0) / grad_accum as f32;
             model.backward(1.0 / grad_accum as f32)?;
         }
         if !loss.is_finite() {
@@ -366,7 +321,10 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
         }
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let tok_s = (total as f64) / (ms / 1e3);
-        rep.line(&format!("step {:4}/{steps} | loss {loss:.6} | norm {norm:.4} | lr {lr:.2e} | {ms:.2} ms | {tok_s:.0} tok/s", step + 1));
+        rep.line(&format!(
+            "step {:4}/{steps} | loss {loss:.6} | norm {norm:.4} | lr {lr:.2e} | {ms:.2} ms | {tok_s:.0} tok/s",
+            step + 1
+        ));
         rep.json(serde_json::json!({"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "ms": ms, "tok_per_s": tok_s}))?;
         rep.bar.inc(1);
         summary.train_losses.push((step, loss));
@@ -377,20 +335,10 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
 }
 
 /// Model file, state file, then the DONE marker (so a checkpoint without DONE is ignored).
-fn write_checkpoint(
-    dir: &Path,
-    step: usize,
-    model: &GPT2,
-    train: &DataLoader,
-    dtype: Dtype,
-) -> Result<()> {
+fn write_checkpoint(dir: &Path, step: usize, model: &GPT2, train: &DataLoader, dtype: Dtype) -> Result<()> {
     let [m, s, d] = ckpt_paths(dir, step);
     save_model(model, &m, dtype)?;
-    let st = TrainState {
-        step,
-        loader: train.state(),
-        should_shuffle: train.should_shuffle(),
-    };
+    let st = TrainState { step, loader: train.state(), should_shuffle: train.should_shuffle() };
     save_state(&s, model, &st)?;
     crate::checkpoint::write_atomic(&d, &[])?;
     Ok(())

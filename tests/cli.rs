@@ -32,9 +32,7 @@ fn trains_with_llmc_flags_and_writes_a_json_log() {
             "-v",
             "2",
         ])
-        .args([
-            "-m", "1", "-s", "4", "-g", "5", "-n", "2", "-nk", "1", "-f", "1", "-z", "0", "-o",
-        ])
+        .args(["-m", "1", "-s", "4", "-g", "5", "-n", "2", "-nk", "1", "-f", "1", "-z", "0", "-o"])
         .arg(&out)
         .args(["--threads", "1"])
         .output()
@@ -46,21 +44,9 @@ fn trains_with_llmc_flags_and_writes_a_json_log() {
     assert!(stdout.contains("generating:"), "{stdout}");
     assert!(stderr.contains("-f 1 is a GPU setting"), "{stderr}");
     let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
-    let lines: Vec<serde_json::Value> = log
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(
-        lines
-            .iter()
-            .filter(|v| v.get("train_loss").is_some())
-            .count(),
-        4
-    );
-    assert_eq!(
-        lines.iter().filter(|v| v.get("val_loss").is_some()).count(),
-        3
-    );
+    let lines: Vec<serde_json::Value> = log.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.iter().filter(|v| v.get("train_loss").is_some()).count(), 4);
+    assert_eq!(lines.iter().filter(|v| v.get("val_loss").is_some()).count(), 3);
     assert!(lines.iter().all(|v| v["step"].is_u64()));
     // -nk 1: only the newest checkpoint survives.
     assert!(out.join("DONE_00000004").exists() && out.join("model_00000004.bin").exists());
@@ -73,19 +59,40 @@ fn bad_input_gives_a_one_line_error_and_exit_1() {
     std::fs::write(dir.path().join("junk.bin"), b"this is not a model").unwrap();
     let o = llmrs()
         .current_dir(dir.path())
-        .args([
-            "train", "-e", "junk.bin", "-i", "junk.bin", "-j", "junk.bin",
-        ])
+        .args(["train", "-e", "junk.bin", "-i", "junk.bin", "-j", "junk.bin"])
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        err.starts_with("error: ") && err.contains("junk.bin") && err.trim().lines().count() == 1,
-        "{err}"
-    );
+    assert!(err.starts_with("error: ") && err.contains("junk.bin") && err.trim().lines().count() == 1, "{err}");
     let o = llmrs().args(["train", "-k", "bogus"]).output().unwrap();
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown learning rate schedule"));
     let o = llmrs().args(["train", "--help"]).output().unwrap();
     assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("--grad-clip"));
+}
+
+#[test]
+fn a_full_disk_leaves_no_half_written_shard() {
+    // RLIMIT_FSIZE stands in for a full disk: writes past 64 blocks fail with EFBIG (SIGXFSZ
+    // is ignored so the process sees the error instead of being killed).
+    let dir = tempfile::tempdir().unwrap();
+    let docs: String =
+        (0..400).map(|i| format!("{{\"text\": \"document {i}: {}\"}}\n", "words and more words ".repeat(50))).collect();
+    std::fs::write(dir.path().join("in.jsonl"), docs).unwrap();
+    let exe = env!("CARGO_BIN_EXE_llmrs");
+    let o = Command::new("sh")
+        .current_dir(dir.path())
+        .arg("-c")
+        .arg(format!("ulimit -f 64; trap '' XFSZ; exec '{exe}' prepare docs in.jsonl -o out --shard-size 1000000"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("disk full"), "{err}");
+    let left: Vec<String> = std::fs::read_dir(dir.path().join("out"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".bin") || n.contains(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }

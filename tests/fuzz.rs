@@ -55,11 +55,8 @@ fn valid() -> &'static Valid {
     static V: std::sync::OnceLock<Valid> = std::sync::OnceLock::new();
     V.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = GPT2Config {
-            vocab_size: 50,
-            padded_vocab_size: 64,
-            ..GPT2Config::from_descriptor("1x8:2:8").unwrap()
-        };
+        let cfg =
+            GPT2Config { vocab_size: 50, padded_vocab_size: 64, ..GPT2Config::from_descriptor("1x8:2:8").unwrap() };
         let mut m = GPT2::random(cfg, 1).unwrap();
         m.alloc_training_state();
         let model = dir.path().join("model.bin");
@@ -69,31 +66,12 @@ fn valid() -> &'static Valid {
         let mut dl = llmrs::data::DataLoader::new(shard.to_str().unwrap(), 1, 4, 50, true).unwrap();
         dl.next_batch().unwrap();
         let state = dir.path().join("state.bin");
-        save_state(
-            &state,
-            &m,
-            &TrainState {
-                step: 3,
-                loader: dl.state(),
-                should_shuffle: true,
-            },
-        )
-        .unwrap();
+        save_state(&state, &m, &TrainState { step: 3, loader: dl.state(), should_shuffle: true }).unwrap();
         let tokenizer = dir.path().join("tok.bin");
-        llmrs::tokenizer::Tokenizer::gpt2()
-            .unwrap()
-            .save_llmc(&tokenizer)
-            .unwrap();
+        llmrs::tokenizer::Tokenizer::gpt2().unwrap().save_llmc(&tokenizer).unwrap();
         let hf_dir = dir.path().join("hf");
         llmrs::hf::save_hf(&m, &hf_dir, Dtype::F32).unwrap();
-        Valid {
-            _dir: dir,
-            model,
-            state,
-            shard,
-            tokenizer,
-            hf_dir,
-        }
+        Valid { _dir: dir, model, state, shard, tokenizer, hf_dir }
     })
 }
 
@@ -122,23 +100,16 @@ fn parse(kind: Kind, bytes: &[u8]) {
         }
         Kind::Shard => {
             let _ = llmrs::data::read_shard(&p);
-            llmrs::data::DataLoader::new(p.to_str().unwrap(), 2, 3, 50, true)
-                .and_then(|mut d| d.next_batch())
+            llmrs::data::DataLoader::new(p.to_str().unwrap(), 2, 3, 50, true).and_then(|mut d| d.next_batch())
         }
-        Kind::Tokenizer => {
-            llmrs::tokenizer::Tokenizer::load_llmc(&p).map(|t| drop(t.decode(&[0, 1, 5, 49999])))
-        }
+        Kind::Tokenizer => llmrs::tokenizer::Tokenizer::load_llmc(&p).map(|t| drop(t.decode(&[0, 1, 5, 49999]))),
         Kind::Safetensors => {
             std::fs::copy(v.hf_dir.join("config.json"), dir.path().join("config.json")).unwrap();
             std::fs::rename(&p, dir.path().join("model.safetensors")).unwrap();
             llmrs::hf::load_hf(dir.path()).map(|_| ())
         }
         Kind::ConfigJson => {
-            std::fs::copy(
-                v.hf_dir.join("model.safetensors"),
-                dir.path().join("model.safetensors"),
-            )
-            .unwrap();
+            std::fs::copy(v.hf_dir.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
             std::fs::rename(&p, dir.path().join("config.json")).unwrap();
             llmrs::hf::load_hf(dir.path()).map(|_| ())
         }
@@ -158,14 +129,7 @@ fn valid_bytes(kind: Kind) -> Vec<u8> {
     std::fs::read(p).unwrap()
 }
 
-const KINDS: [Kind; 6] = [
-    Kind::Model,
-    Kind::State,
-    Kind::Shard,
-    Kind::Tokenizer,
-    Kind::Safetensors,
-    Kind::ConfigJson,
-];
+const KINDS: [Kind; 6] = [Kind::Model, Kind::State, Kind::Shard, Kind::Tokenizer, Kind::Safetensors, Kind::ConfigJson];
 
 fn kind() -> impl Strategy<Value = Kind> {
     (0..KINDS.len()).prop_map(|i| KINDS[i])

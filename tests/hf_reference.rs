@@ -13,8 +13,12 @@ fn fixtures() -> PathBuf {
 fn io() -> (Vec<u32>, Vec<f32>, Vec<f32>) {
     let bytes = std::fs::read(fixtures().join("io.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let ints = |n: &str| st.tensor(n).unwrap().data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32).collect();
-    let floats = |n: &str| st.tensor(n).unwrap().data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let ints = |n: &str| {
+        st.tensor(n).unwrap().data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32).collect()
+    };
+    let floats = |n: &str| {
+        st.tensor(n).unwrap().data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    };
     (ints("input_ids"), floats("logits_fp32"), floats("logits_bf16weights"))
 }
 

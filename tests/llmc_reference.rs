@@ -11,41 +11,24 @@ use llmrs::train::{run, TrainConfig};
 
 #[test]
 fn same_losses_as_llmc_train_gpt2c() {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/llmc_train_gpt2c.txt"
-    ))
-    .unwrap();
-    let model_sha = text
-        .lines()
-        .find_map(|l| l.split("sha256 ").nth(1))
-        .unwrap()
-        .trim()
-        .to_string();
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llmc_train_gpt2c.txt")).unwrap();
+    let model_sha = text.lines().find_map(|l| l.split("sha256 ").nth(1)).unwrap().trim().to_string();
     let mut want_val = vec![];
     let mut want_train = vec![];
     for l in text.lines().filter(|l| !l.starts_with('#')) {
         if let Some(v) = l.strip_prefix("val loss ") {
             want_val.push(v.trim().parse::<f32>().unwrap());
         } else if let Some(rest) = l.split("train loss ").nth(1) {
-            want_train.push(
-                rest.split_whitespace()
-                    .next()
-                    .unwrap()
-                    .parse::<f32>()
-                    .unwrap(),
-            );
+            want_train.push(rest.split_whitespace().next().unwrap().parse::<f32>().unwrap());
         }
     }
     assert_eq!((want_val.len(), want_train.len()), (5, 41));
 
     let dir = tempfile::tempdir().unwrap();
     // The model llm.c was given: our random init, written as an llm.c fp32 model file.
-    let model = llmrs::model::GPT2::random(
-        llmrs::config::GPT2Config::from_descriptor("2x64:4:64").unwrap(),
-        42,
-    )
-    .unwrap();
+    let model =
+        llmrs::model::GPT2::random(llmrs::config::GPT2Config::from_descriptor("2x64:4:64").unwrap(), 42).unwrap();
     let model_path = dir.path().join("gpt2_124M.bin");
     llmrs::checkpoint::save_model(&model, &model_path, llmrs::checkpoint::Dtype::F32).unwrap();
     assert_eq!(
@@ -54,11 +37,7 @@ fn same_losses_as_llmc_train_gpt2c() {
         "same model file as llm.c used"
     );
     let data = dir.path().join("data");
-    let src = Source {
-        file: None,
-        data_dir: Some(llmrs::testdata::data_dir()),
-        url: "",
-    };
+    let src = Source { file: None, data_dir: Some(llmrs::testdata::data_dir()), url: "" };
     let (train, val) = prepare_tinyshakespeare(&src, &data).unwrap();
 
     let cfg = TrainConfig {
@@ -75,13 +54,7 @@ fn same_losses_as_llmc_train_gpt2c() {
         val_every: 10,
         val_max_steps: Some(5),
         sample_every: 0,
-        optim: OptimConfig {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            grad_clip: 0.0,
-        },
+        optim: OptimConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, grad_clip: 0.0 },
         quiet: true,
         ..TrainConfig::default()
     };
@@ -90,17 +63,11 @@ fn same_losses_as_llmc_train_gpt2c() {
     // from us in the last place: agree to 2e-5 absolute (2e-6 relative at a loss of ~10.8).
     for (i, w) in want_train.iter().enumerate() {
         let g = got.train_losses[i].1;
-        assert!(
-            (g - w).abs() < 2e-5,
-            "train step {i}: llmrs {g} vs llm.c {w}"
-        );
+        assert!((g - w).abs() < 2e-5, "train step {i}: llmrs {g} vs llm.c {w}");
     }
     for (i, w) in want_val.iter().enumerate() {
         let (s, g) = got.val_losses[i];
         assert_eq!(s, 10 * i);
-        assert!(
-            (g - w).abs() < 2e-5,
-            "val at step {s}: llmrs {g} vs llm.c {w}"
-        );
+        assert!((g - w).abs() < 2e-5, "val at step {s}: llmrs {g} vs llm.c {w}");
     }
 }

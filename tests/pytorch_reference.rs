@@ -15,9 +15,7 @@ use llmrs::schedule::{LrSchedule, ScheduleKind};
 use std::path::PathBuf;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
 /// Max |a-b| relative to (floor + |b|); panics with the worst element when above 1.
@@ -32,12 +30,7 @@ fn compare(a: &[f32], b: &[f32], rtol: f32, what: &str) {
             (worst, at) = (r, i);
         }
     }
-    assert!(
-        worst <= 1.0,
-        "{what}: element {at}: {} vs {} (ratio {worst})",
-        a[at],
-        b[at]
-    );
+    assert!(worst <= 1.0, "{what}: element {at}: {} vs {} (ratio {worst})", a[at], b[at]);
 }
 
 #[test]
@@ -50,48 +43,25 @@ fn random_init_matches_pytorch() {
     let ours = GPT2::random(reference.config, 42).unwrap();
     let mut exact = 0;
     for (name, span) in TENSOR_NAMES.iter().zip(&ours.layout.tensors) {
-        for (i, (x, y)) in span
-            .of(&ours.params)
-            .iter()
-            .zip(span.of(&reference.params))
-            .enumerate()
-        {
+        for (i, (x, y)) in span.of(&ours.params).iter().zip(span.of(&reference.params)).enumerate() {
             assert!((x - y).abs() <= 2e-7, "{name}[{i}]: {x} vs {y}");
             exact += (x.to_bits() == y.to_bits()) as usize;
         }
     }
     // Most values agree bit for bit; a wrong seed, order or std would make almost none agree.
-    assert!(
-        exact * 2 > ours.num_parameters(),
-        "only {exact} of {} bit-identical",
-        ours.num_parameters()
-    );
+    assert!(exact * 2 > ours.num_parameters(), "only {exact} of {} bit-identical", ours.num_parameters());
 }
 
 #[test]
 fn logits_loss_and_all_16_gradients_match() {
     let mut model = load_model(&fixture("ref_model.bin")).unwrap();
     let st = load_debug_state(&fixture("ref_debug_state.bin"), &model.config).unwrap();
-    let GPT2Config {
-        vocab_size: v,
-        padded_vocab_size: vp,
-        ..
-    } = model.config;
+    let GPT2Config { vocab_size: v, padded_vocab_size: vp, .. } = model.config;
     model.alloc_training_state();
-    let loss = model
-        .forward(&st.inputs, Some(&st.targets), st.b, st.t)
-        .unwrap()
-        .unwrap();
-    let logits: Vec<f32> = model.acts.logits[..st.b * st.t * vp]
-        .chunks(vp)
-        .flat_map(|r| r[..v].to_vec())
-        .collect();
+    let loss = model.forward(&st.inputs, Some(&st.targets), st.b, st.t).unwrap().unwrap();
+    let logits: Vec<f32> = model.acts.logits[..st.b * st.t * vp].chunks(vp).flat_map(|r| r[..v].to_vec()).collect();
     compare(&logits, &st.logits, 1e-5, "logits");
-    assert!(
-        (loss - st.loss).abs() <= 1e-5 * st.loss,
-        "loss {loss} vs {}",
-        st.loss
-    );
+    assert!((loss - st.loss).abs() <= 1e-5 * st.loss, "loss {loss} vs {}", st.loss);
     model.zero_grad();
     model.backward(1.0).unwrap();
     for (name, span) in TENSOR_NAMES.iter().zip(&model.layout.tensors) {
@@ -105,10 +75,7 @@ fn ten_adamw_steps_follow_pytorch() {
     let j: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut model = load_model(&fixture("ref_model.bin")).unwrap();
     model.alloc_training_state();
-    let (b, t) = (
-        j["B"].as_u64().unwrap() as usize,
-        j["T"].as_u64().unwrap() as usize,
-    );
+    let (b, t) = (j["B"].as_u64().unwrap() as usize, j["T"].as_u64().unwrap() as usize);
     let accum = j["grad_accum_steps"].as_u64().unwrap() as usize;
     let o = &j["optimizer"];
     let f = |k: &str| o[k].as_f64().unwrap() as f32;
@@ -121,52 +88,29 @@ fn ten_adamw_steps_follow_pytorch() {
     };
     let steps = j["steps"].as_u64().unwrap() as usize;
     let sched = LrSchedule {
-        kind: o["schedule"]
-            .as_str()
-            .unwrap()
-            .parse::<ScheduleKind>()
-            .unwrap(),
+        kind: o["schedule"].as_str().unwrap().parse::<ScheduleKind>().unwrap(),
         max_lr: f("lr"),
         warmup: o["warmup"].as_u64().unwrap() as usize,
         total_steps: steps,
         final_frac: f("final_frac"),
     };
     let toks = |k: &str, i: usize| -> Vec<u32> {
-        j[k][i]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
+        j[k][i].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
     };
-    let want = |k: &str| -> Vec<f32> {
-        j[k].as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect()
-    };
+    let want = |k: &str| -> Vec<f32> { j[k].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect() };
     let (want_loss, want_norm, want_lr) = (want("losses"), want("grad_norms"), want("lrs"));
     for step in 0..steps {
         model.zero_grad();
         let mut loss = 0.0;
         for micro in 0..accum {
             let i = step * accum + micro;
-            loss += model
-                .forward(&toks("inputs", i), Some(&toks("targets", i)), b, t)
-                .unwrap()
-                .unwrap()
-                / accum as f32;
+            loss += model.forward(&toks("inputs", i), Some(&toks("targets", i)), b, t).unwrap().unwrap() / accum as f32;
             model.backward(1.0 / accum as f32).unwrap();
         }
         let lr = sched.lr(step);
         let norm = optimizer_step(&mut model, &opt, lr, step);
         // fp32 on both sides: agreement to ~1e-6 relative is expected; 1e-5 is the bar.
-        assert!(
-            (lr - want_lr[step]).abs() <= 1e-6 * want_lr[step],
-            "step {step} lr {lr} vs {}",
-            want_lr[step]
-        );
+        assert!((lr - want_lr[step]).abs() <= 1e-6 * want_lr[step], "step {step} lr {lr} vs {}", want_lr[step]);
         assert!(
             (loss - want_loss[step]).abs() <= 1e-5 * want_loss[step],
             "step {step} loss {loss} vs {}",

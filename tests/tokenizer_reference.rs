@@ -6,9 +6,7 @@ use llmrs::tokenizer::Tokenizer;
 use std::path::PathBuf;
 
 fn fixture(name: &str) -> serde_json::Value {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name);
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
@@ -20,12 +18,7 @@ fn encodes_like_tiktoken_and_round_trips() {
     assert!(cases.len() >= 40);
     for c in cases {
         let text = c["text"].as_str().unwrap();
-        let want: Vec<u32> = c["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect();
+        let want: Vec<u32> = c["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
         assert_eq!(tok.encode(text).unwrap(), want, "{text:?}");
         assert_eq!(tok.decode(&want), text);
     }
@@ -36,26 +29,10 @@ fn tinyshakespeare_shards_are_byte_identical_to_llmc() {
     let want = fixture("tinyshakespeare_shards.json");
     let dir = tempfile::tempdir().unwrap();
     let data_dir = Some(llmrs::testdata::data_dir());
-    let (train, val) = prepare_tinyshakespeare(
-        &Source {
-            file: None,
-            data_dir,
-            url: "",
-        },
-        dir.path(),
-    )
-    .unwrap();
+    let (train, val) = prepare_tinyshakespeare(&Source { file: None, data_dir, url: "" }, dir.path()).unwrap();
     for (path, key) in [(train, "train"), (val, "val")] {
         let bytes = std::fs::read(path).unwrap();
-        assert_eq!(
-            bytes.len() as u64,
-            want[key]["bytes"].as_u64().unwrap(),
-            "{key} size"
-        );
-        assert_eq!(
-            llmrs::download::sha256_hex(&bytes),
-            want[key]["sha256"].as_str().unwrap(),
-            "{key} sha256"
-        );
+        assert_eq!(bytes.len() as u64, want[key]["bytes"].as_u64().unwrap(), "{key} size");
+        assert_eq!(llmrs::download::sha256_hex(&bytes), want[key]["sha256"].as_str().unwrap(), "{key} sha256");
     }
 }

@@ -53,11 +53,7 @@ fn stopped_and_resumed_run_is_bit_identical() {
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
     let out = dir.path().join("run");
-    let cfg = TrainConfig {
-        checkpoint_every: 5,
-        schedule: ScheduleKind::Cosine,
-        ..small(&out, &train, &val)
-    };
+    let cfg = TrainConfig { checkpoint_every: 5, schedule: ScheduleKind::Cosine, ..small(&out, &train, &val) };
     let full = run(&cfg).unwrap();
     assert_eq!(full.train_losses.len(), 12);
     for s in [5, 10, 12] {
@@ -65,19 +61,11 @@ fn stopped_and_resumed_run_is_bit_identical() {
     }
     // Simulate a crash right after the step-5 checkpoint: later checkpoints never happened.
     for s in [10, 12] {
-        for f in [
-            format!("DONE_{s:08}"),
-            format!("model_{s:08}.bin"),
-            format!("state_{s:08}_00000.bin"),
-        ] {
+        for f in [format!("DONE_{s:08}"), format!("model_{s:08}.bin"), format!("state_{s:08}_00000.bin")] {
             std::fs::remove_file(out.join(f)).unwrap();
         }
     }
-    let resumed = run(&TrainConfig {
-        resume: true,
-        ..cfg.clone()
-    })
-    .unwrap();
+    let resumed = run(&TrainConfig { resume: true, ..cfg.clone() }).unwrap();
     assert_eq!(resumed.train_losses.len(), 7, "steps 5..11 run again");
     for ((s1, l1), (s2, l2)) in full.train_losses[5..].iter().zip(&resumed.train_losses) {
         assert_eq!(s1, s2);
@@ -105,10 +93,7 @@ fn overfitting_one_batch_drives_the_loss_down() {
     };
     let s = run(&cfg).unwrap();
     let (first, last) = (s.train_losses[0].1, s.train_losses.last().unwrap().1);
-    assert!(
-        first > 10.0,
-        "random init starts near ln(50257) = 10.8, got {first}"
-    );
+    assert!(first > 10.0, "random init starts near ln(50257) = 10.8, got {first}");
     assert!(last < first * 0.6, "loss {first} -> {last}");
 }
 
@@ -118,56 +103,25 @@ fn bad_settings_and_data_are_refused_clearly() {
     let (train, val) = make_data(dir.path());
     let base = small(dir.path(), &train, &val);
     let err = |c: TrainConfig| format!("{:#}", run(&c).unwrap_err());
-    assert!(err(TrainConfig {
-        total_batch_size: Some(50),
-        ..base.clone()
-    })
-    .contains("multiple of B*T"));
-    assert!(err(TrainConfig {
-        seq_len: 64,
-        total_batch_size: None,
-        ..base.clone()
-    })
-    .contains("max_seq_len"));
-    assert!(err(TrainConfig {
-        model: "d7".into(),
-        ..base.clone()
-    })
-    .contains("unsupported GPT-2 depth"));
-    assert!(err(TrainConfig {
-        train_data: "/nonexistent/x*.bin".into(),
-        ..base.clone()
-    })
-    .contains("no token files"));
+    assert!(err(TrainConfig { total_batch_size: Some(50), ..base.clone() }).contains("multiple of B*T"));
+    assert!(err(TrainConfig { seq_len: 64, total_batch_size: None, ..base.clone() }).contains("max_seq_len"));
+    assert!(err(TrainConfig { model: "d7".into(), ..base.clone() }).contains("unsupported GPT-2 depth"));
+    assert!(err(TrainConfig { train_data: "/nonexistent/x*.bin".into(), ..base.clone() }).contains("no token files"));
     // A vocabulary smaller than the data's token ids.
     let m = dir.path().join("small_vocab.bin");
     let mut cfg = llmrs::config::GPT2Config::from_descriptor("1x8:2:16").unwrap();
     cfg.vocab_size = 50;
     cfg.padded_vocab_size = 128;
-    llmrs::checkpoint::save_model(
-        &llmrs::model::GPT2::random(cfg, 1).unwrap(),
-        &m,
-        llmrs::checkpoint::Dtype::F32,
-    )
-    .unwrap();
-    assert!(err(TrainConfig {
-        model: m.to_str().unwrap().into(),
-        ..base.clone()
-    })
-    .contains("out of range"));
+    llmrs::checkpoint::save_model(&llmrs::model::GPT2::random(cfg, 1).unwrap(), &m, llmrs::checkpoint::Dtype::F32)
+        .unwrap();
+    assert!(err(TrainConfig { model: m.to_str().unwrap().into(), ..base.clone() }).contains("out of range"));
     // A learning rate that blows up is reported, not trained through.
     let e = err(TrainConfig {
         learning_rate: 1e30,
-        optim: llmrs::optim::OptimConfig {
-            grad_clip: 0.0,
-            ..Default::default()
-        },
+        optim: llmrs::optim::OptimConfig { grad_clip: 0.0, ..Default::default() },
         warmup: 0,
         max_steps: Some(5),
         ..base
     });
-    assert!(
-        e.contains("diverged") || e.contains("no longer finite"),
-        "{e}"
-    );
+    assert!(e.contains("diverged") || e.contains("no longer finite"), "{e}");
 }

@@ -21,14 +21,7 @@ pub struct AdamW {
 
 /// One AdamW step over a tensor: params, grads, m and v all (N).
 /// `param -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * param)`, as llm.c and PyTorch's AdamW.
-pub fn adamw_update(
-    params: &mut [f32],
-    grads: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    h: &AdamW,
-    decay: bool,
-) {
+pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, decay: bool) {
     let wd = if decay { h.weight_decay } else { 0.0 };
     let bc1 = 1.0 - h.beta1.powi(h.t);
     let bc2 = 1.0 - h.beta2.powi(h.t);
@@ -56,12 +49,9 @@ pub fn adamw_update(
 pub fn global_norm(grads: &[f32], partials: &mut [f64]) -> f32 {
     let nchunks = grads.len().div_ceil(CHUNK);
     let partials = &mut partials[..nchunks];
-    partials
-        .par_iter_mut()
-        .zip(grads.par_chunks(CHUNK))
-        .for_each(|(s, g)| {
-            *s = g.iter().map(|x| (*x as f64) * (*x as f64)).sum();
-        });
+    partials.par_iter_mut().zip(grads.par_chunks(CHUNK)).for_each(|(s, g)| {
+        *s = g.iter().map(|x| (*x as f64) * (*x as f64)).sum();
+    });
     partials.iter().sum::<f64>().sqrt() as f32
 }
 
@@ -80,46 +70,22 @@ mod tests {
         let mut p = vec![1.0f32, -2.0, 0.5];
         let g = vec![0.1f32, -0.3, 0.0];
         let (mut m, mut v) = (vec![0f32; 3], vec![0f32; 3]);
-        let h = AdamW {
-            lr: 0.1,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.5,
-            grad_scale: 1.0,
-            t: 1,
-        };
+        let h = AdamW { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.5, grad_scale: 1.0, t: 1 };
         adamw_update(&mut p, &g, &mut m, &mut v, &h, true);
-        let want = [
-            1.0 - 0.1 * (1.0 + 0.5),
-            -2.0 - 0.1 * (-1.0 + 0.5 * -2.0),
-            0.5 - 0.1 * (0.0 + 0.5 * 0.5),
-        ];
+        let want = [1.0 - 0.1 * (1.0 + 0.5), -2.0 - 0.1 * (-1.0 + 0.5 * -2.0), 0.5 - 0.1 * (0.0 + 0.5 * 0.5)];
         for (a, b) in p.iter().zip(want) {
             assert!((a - b).abs() < 1e-6, "{a} vs {b}");
         }
         assert!((m[1] - -0.03).abs() < 1e-7 && (v[1] - 0.0045).abs() < 1e-7);
         // No decay on this tensor and grads scaled by 2: a 0-gradient parameter does not move.
         let mut q = vec![3.0f32];
-        adamw_update(
-            &mut q,
-            &[0.0],
-            &mut [0.0],
-            &mut [0.0],
-            &AdamW {
-                grad_scale: 2.0,
-                ..h
-            },
-            false,
-        );
+        adamw_update(&mut q, &[0.0], &mut [0.0], &mut [0.0], &AdamW { grad_scale: 2.0, ..h }, false);
         assert_eq!(q, [3.0]);
     }
 
     #[test]
     fn norm() {
-        let g: Vec<f32> = (0..40000)
-            .map(|i| if i % 2 == 0 { 3.0 } else { -4.0 } * 1e-2)
-            .collect();
+        let g: Vec<f32> = (0..40000).map(|i| if i % 2 == 0 { 3.0 } else { -4.0 } * 1e-2).collect();
         let mut parts = vec![0f64; global_norm_partials(g.len())];
         let n = global_norm(&g, &mut parts);
         let want = (20000.0f64 * 9e-4 + 20000.0 * 16e-4).sqrt() as f32;

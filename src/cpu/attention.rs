@@ -12,67 +12,53 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3*C).
-pub fn attention_forward(
-    out: &mut [f32],
-    att: &mut [f32],
-    qkv: &[f32],
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
-) {
+pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usize, t: usize, c: usize, nh: usize) {
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let c3 = 3 * c;
     // Pass 1: attention probabilities, one (b, h) plane per task.
-    att[..b * nh * t * t]
-        .par_chunks_mut(t * t)
-        .enumerate()
-        .for_each(|(bh, plane)| {
-            let (bi, h) = (bh / nh, bh % nh);
-            let base = bi * t * c3;
-            for ti in 0..t {
-                let q = &qkv[base + ti * c3 + h * hs..][..hs];
-                let row = &mut plane[ti * t..(ti + 1) * t];
-                let mut maxv = f32::NEG_INFINITY;
-                for t2 in 0..=ti {
-                    let k = &qkv[base + t2 * c3 + c + h * hs..][..hs];
-                    let s = dot(q, k) * scale;
-                    row[t2] = s;
-                    maxv = maxv.max(s);
-                }
-                let mut sum = 0f32;
-                for x in &mut row[..=ti] {
-                    *x = (*x - maxv).exp();
-                    sum += *x;
-                }
-                let inv = 1.0 / sum;
-                for x in &mut row[..=ti] {
-                    *x *= inv;
-                }
-                row[ti + 1..].fill(0.0);
+    att[..b * nh * t * t].par_chunks_mut(t * t).enumerate().for_each(|(bh, plane)| {
+        let (bi, h) = (bh / nh, bh % nh);
+        let base = bi * t * c3;
+        for ti in 0..t {
+            let q = &qkv[base + ti * c3 + h * hs..][..hs];
+            let row = &mut plane[ti * t..(ti + 1) * t];
+            let mut maxv = f32::NEG_INFINITY;
+            for t2 in 0..=ti {
+                let k = &qkv[base + t2 * c3 + c + h * hs..][..hs];
+                let s = dot(q, k) * scale;
+                row[t2] = s;
+                maxv = maxv.max(s);
             }
-        });
+            let mut sum = 0f32;
+            for x in &mut row[..=ti] {
+                *x = (*x - maxv).exp();
+                sum += *x;
+            }
+            let inv = 1.0 / sum;
+            for x in &mut row[..=ti] {
+                *x *= inv;
+            }
+            row[ti + 1..].fill(0.0);
+        }
+    });
     // Pass 2: weighted sum of values, one output row (b, t) per task.
     let att = &att[..b * nh * t * t];
-    out[..b * t * c]
-        .par_chunks_mut(c)
-        .enumerate()
-        .for_each(|(bt, o)| {
-            let (bi, ti) = (bt / t, bt % t);
-            o.fill(0.0);
-            for h in 0..nh {
-                let p = &att[(bi * nh + h) * t * t + ti * t..][..t];
-                let oh = &mut o[h * hs..(h + 1) * hs];
-                for t2 in 0..=ti {
-                    let v = &qkv[(bi * t + t2) * c3 + 2 * c + h * hs..][..hs];
-                    let w = p[t2];
-                    for i in 0..hs {
-                        oh[i] += w * v[i];
-                    }
+    out[..b * t * c].par_chunks_mut(c).enumerate().for_each(|(bt, o)| {
+        let (bi, ti) = (bt / t, bt % t);
+        o.fill(0.0);
+        for h in 0..nh {
+            let p = &att[(bi * nh + h) * t * t + ti * t..][..t];
+            let oh = &mut o[h * hs..(h + 1) * hs];
+            for t2 in 0..=ti {
+                let v = &qkv[(bi * t + t2) * c3 + 2 * c + h * hs..][..hs];
+                let w = p[t2];
+                for i in 0..hs {
+                    oh[i] += w * v[i];
                 }
             }
-        });
+        }
+    });
 }
 
 /// Backward of [`attention_forward`]. `dqkv (B, T, 3*C)` is overwritten; `scratch (B, NH, T, T)`
@@ -93,63 +79,57 @@ pub fn attention_backward(
     let scale = 1.0 / (hs as f32).sqrt();
     let c3 = 3 * c;
     // Pass A: d(scores) = softmax backward of d(att), d(att)[t, t2] = v[t2] . dout[t].
-    scratch[..b * nh * t * t]
-        .par_chunks_mut(t * t)
-        .enumerate()
-        .for_each(|(bh, plane)| {
-            let (bi, h) = (bh / nh, bh % nh);
-            let pa = &att[bh * t * t..(bh + 1) * t * t];
-            for ti in 0..t {
-                let d = &dout[(bi * t + ti) * c + h * hs..][..hs];
-                let row = &mut plane[ti * t..(ti + 1) * t];
-                let p = &pa[ti * t..(ti + 1) * t];
-                let mut s = 0f32;
-                for t2 in 0..=ti {
-                    let v = &qkv[(bi * t + t2) * c3 + 2 * c + h * hs..][..hs];
-                    row[t2] = dot(v, d);
-                    s += p[t2] * row[t2];
-                }
-                for t2 in 0..=ti {
-                    row[t2] = p[t2] * (row[t2] - s);
-                }
-                row[ti + 1..].fill(0.0);
+    scratch[..b * nh * t * t].par_chunks_mut(t * t).enumerate().for_each(|(bh, plane)| {
+        let (bi, h) = (bh / nh, bh % nh);
+        let pa = &att[bh * t * t..(bh + 1) * t * t];
+        for ti in 0..t {
+            let d = &dout[(bi * t + ti) * c + h * hs..][..hs];
+            let row = &mut plane[ti * t..(ti + 1) * t];
+            let p = &pa[ti * t..(ti + 1) * t];
+            let mut s = 0f32;
+            for t2 in 0..=ti {
+                let v = &qkv[(bi * t + t2) * c3 + 2 * c + h * hs..][..hs];
+                row[t2] = dot(v, d);
+                s += p[t2] * row[t2];
             }
-        });
+            for t2 in 0..=ti {
+                row[t2] = p[t2] * (row[t2] - s);
+            }
+            row[ti + 1..].fill(0.0);
+        }
+    });
     // Pass B: dq, dk, dv for one position (b, t) per task, so every task writes only its row.
     let dpre = &scratch[..b * nh * t * t];
-    dqkv[..b * t * c3]
-        .par_chunks_mut(c3)
-        .enumerate()
-        .for_each(|(bt, drow)| {
-            let (bi, ti) = (bt / t, bt % t);
-            drow.fill(0.0);
-            for h in 0..nh {
-                let plane = (bi * nh + h) * t * t;
-                let (dq, rest) = drow[h * hs..].split_at_mut(c);
-                let (dk, rest) = rest.split_at_mut(c);
-                let dv = &mut rest[..hs];
-                let (dq, dk) = (&mut dq[..hs], &mut dk[..hs]);
-                // dq[t] = scale * sum_{t2 <= t} dpre[t, t2] k[t2]
-                for t2 in 0..=ti {
-                    let g = dpre[plane + ti * t + t2] * scale;
-                    let k = &qkv[(bi * t + t2) * c3 + c + h * hs..][..hs];
-                    for i in 0..hs {
-                        dq[i] += g * k[i];
-                    }
-                }
-                // dk[t] = scale * sum_{t1 >= t} dpre[t1, t] q[t1];  dv[t] = sum_{t1 >= t} att[t1, t] dout[t1]
-                for t1 in ti..t {
-                    let g = dpre[plane + t1 * t + ti] * scale;
-                    let a = att[plane + t1 * t + ti];
-                    let q = &qkv[(bi * t + t1) * c3 + h * hs..][..hs];
-                    let d = &dout[(bi * t + t1) * c + h * hs..][..hs];
-                    for i in 0..hs {
-                        dk[i] += g * q[i];
-                        dv[i] += a * d[i];
-                    }
+    dqkv[..b * t * c3].par_chunks_mut(c3).enumerate().for_each(|(bt, drow)| {
+        let (bi, ti) = (bt / t, bt % t);
+        drow.fill(0.0);
+        for h in 0..nh {
+            let plane = (bi * nh + h) * t * t;
+            let (dq, rest) = drow[h * hs..].split_at_mut(c);
+            let (dk, rest) = rest.split_at_mut(c);
+            let dv = &mut rest[..hs];
+            let (dq, dk) = (&mut dq[..hs], &mut dk[..hs]);
+            // dq[t] = scale * sum_{t2 <= t} dpre[t, t2] k[t2]
+            for t2 in 0..=ti {
+                let g = dpre[plane + ti * t + t2] * scale;
+                let k = &qkv[(bi * t + t2) * c3 + c + h * hs..][..hs];
+                for i in 0..hs {
+                    dq[i] += g * k[i];
                 }
             }
-        });
+            // dk[t] = scale * sum_{t1 >= t} dpre[t1, t] q[t1];  dv[t] = sum_{t1 >= t} att[t1, t] dout[t1]
+            for t1 in ti..t {
+                let g = dpre[plane + t1 * t + ti] * scale;
+                let a = att[plane + t1 * t + ti];
+                let q = &qkv[(bi * t + t1) * c3 + h * hs..][..hs];
+                let d = &dout[(bi * t + t1) * c + h * hs..][..hs];
+                for i in 0..hs {
+                    dk[i] += g * q[i];
+                    dv[i] += a * d[i];
+                }
+            }
+        }
+    });
 }
 
 #[cfg(test)]
@@ -167,11 +147,7 @@ mod tests {
                     let q = |tq: usize, i: usize| qkv[(bi * t + tq) * 3 * c + h * hs + i] as f64;
                     let s: Vec<f64> = (0..=ti)
                         .map(|t2| {
-                            (0..hs)
-                                .map(|i| {
-                                    q(ti, i) * qkv[(bi * t + t2) * 3 * c + c + h * hs + i] as f64
-                                })
-                                .sum::<f64>()
+                            (0..hs).map(|i| q(ti, i) * qkv[(bi * t + t2) * 3 * c + c + h * hs + i] as f64).sum::<f64>()
                                 / (hs as f64).sqrt()
                         })
                         .collect();
@@ -180,8 +156,7 @@ mod tests {
                     for i in 0..hs {
                         let mut acc = 0.0;
                         for t2 in 0..=ti {
-                            acc += (s[t2] - m).exp() / z
-                                * qkv[(bi * t + t2) * 3 * c + 2 * c + h * hs + i] as f64;
+                            acc += (s[t2] - m).exp() / z * qkv[(bi * t + t2) * 3 * c + 2 * c + h * hs + i] as f64;
                         }
                         out[(bi * t + ti) * c + h * hs + i] = acc as f32;
                     }
@@ -204,13 +179,7 @@ mod tests {
                 (out, att)
             };
             let (out, att) = fwd(&qkv);
-            assert_close(
-                &out,
-                &reference(&qkv, b, t, c, nh),
-                1e-5,
-                1e-4,
-                "attention fwd",
-            );
+            assert_close(&out, &reference(&qkv, b, t, c, nh), 1e-5, 1e-4, "attention fwd");
             let mut dqkv = vec![7f32; b * t * 3 * c];
             let mut scratch = vec![3f32; b * nh * t * t];
             attention_backward(&mut dqkv, &mut scratch, &proj, &qkv, &att, b, t, c, nh);

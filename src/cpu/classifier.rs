@@ -6,23 +6,13 @@
 use rayon::prelude::*;
 
 /// Per-position loss: losses (N) = -log softmax(logits (N, Vp)[:V])[targets (N)].
-pub fn crossentropy_forward(
-    losses: &mut [f32],
-    logits: &[f32],
-    targets: &[u32],
-    n: usize,
-    v: usize,
-    vp: usize,
-) {
-    losses[..n]
-        .par_iter_mut()
-        .enumerate()
-        .for_each(|(i, loss)| {
-            let row = &logits[i * vp..i * vp + v];
-            let maxv = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = row.iter().map(|x| (x - maxv).exp()).sum();
-            *loss = sum.ln() + maxv - row[targets[i] as usize];
-        });
+pub fn crossentropy_forward(losses: &mut [f32], logits: &[f32], targets: &[u32], n: usize, v: usize, vp: usize) {
+    losses[..n].par_iter_mut().enumerate().for_each(|(i, loss)| {
+        let row = &logits[i * vp..i * vp + v];
+        let maxv = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f32 = row.iter().map(|x| (x - maxv).exp()).sum();
+        *loss = sum.ln() + maxv - row[targets[i] as usize];
+    });
 }
 
 /// In place: logits (N, Vp) become d(loss)/d(logits) = (softmax - onehot(target)) * dloss for the
@@ -36,24 +26,21 @@ pub fn crossentropy_softmax_backward_inplace(
     v: usize,
     vp: usize,
 ) {
-    logits[..n * vp]
-        .par_chunks_mut(vp)
-        .enumerate()
-        .for_each(|(i, row)| {
-            let (live, pad) = row.split_at_mut(v);
-            let maxv = live.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for x in live.iter_mut() {
-                *x = (*x - maxv).exp();
-                sum += *x;
-            }
-            let scale = dloss / sum;
-            for x in live.iter_mut() {
-                *x *= scale;
-            }
-            live[targets[i] as usize] -= dloss;
-            pad.fill(0.0);
-        });
+    logits[..n * vp].par_chunks_mut(vp).enumerate().for_each(|(i, row)| {
+        let (live, pad) = row.split_at_mut(v);
+        let maxv = live.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for x in live.iter_mut() {
+            *x = (*x - maxv).exp();
+            sum += *x;
+        }
+        let scale = dloss / sum;
+        for x in live.iter_mut() {
+            *x *= scale;
+        }
+        live[targets[i] as usize] -= dloss;
+        pad.fill(0.0);
+    });
 }
 
 #[cfg(test)]
@@ -85,10 +72,7 @@ mod tests {
             crossentropy_softmax_backward_inplace(&mut d, &targets, w, n, v, vp);
             check_grad(&logits, &d, loss, "dlogits");
             for i in 0..n {
-                assert!(
-                    d[i * vp + v..(i + 1) * vp].iter().all(|x| *x == 0.0),
-                    "padding gets no gradient"
-                );
+                assert!(d[i * vp + v..(i + 1) * vp].iter().all(|x| *x == 0.0), "padding gets no gradient");
             }
         }
     }

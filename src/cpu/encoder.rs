@@ -3,41 +3,22 @@
 use rayon::prelude::*;
 
 /// out (B, T, C) = wte (Vp, C)[inp (B, T)] + wpe (maxT, C)[t]. Token ids must already be < V.
-pub fn encoder_forward(
-    out: &mut [f32],
-    inp: &[u32],
-    wte: &[f32],
-    wpe: &[f32],
-    b: usize,
-    t: usize,
-    c: usize,
-) {
-    out[..b * t * c]
-        .par_chunks_mut(c)
-        .enumerate()
-        .for_each(|(bt, o)| {
-            let tok = inp[bt] as usize;
-            let pos = bt % t;
-            let we = &wte[tok * c..(tok + 1) * c];
-            let pe = &wpe[pos * c..(pos + 1) * c];
-            for i in 0..c {
-                o[i] = we[i] + pe[i];
-            }
-        });
+pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: &[f32], wpe: &[f32], b: usize, t: usize, c: usize) {
+    out[..b * t * c].par_chunks_mut(c).enumerate().for_each(|(bt, o)| {
+        let tok = inp[bt] as usize;
+        let pos = bt % t;
+        let we = &wte[tok * c..(tok + 1) * c];
+        let pe = &wpe[pos * c..(pos + 1) * c];
+        for i in 0..c {
+            o[i] = we[i] + pe[i];
+        }
+    });
 }
 
 /// dwte += scatter of dout by token, dwpe += sum over the batch of dout.
 /// Sequential over positions for dwte (tokens repeat, and the scatter is cheap next to the
 /// matmuls); this keeps the summation order fixed.
-pub fn encoder_backward(
-    dwte: &mut [f32],
-    dwpe: &mut [f32],
-    dout: &[f32],
-    inp: &[u32],
-    b: usize,
-    t: usize,
-    c: usize,
-) {
+pub fn encoder_backward(dwte: &mut [f32], dwpe: &mut [f32], dout: &[f32], inp: &[u32], b: usize, t: usize, c: usize) {
     for bt in 0..b * t {
         let tok = inp[bt] as usize;
         let d = &dout[bt * c..(bt + 1) * c];
@@ -45,17 +26,14 @@ pub fn encoder_backward(
             *w += g;
         }
     }
-    dwpe[..t * c]
-        .par_chunks_mut(c)
-        .enumerate()
-        .for_each(|(pos, dp)| {
-            for bi in 0..b {
-                let d = &dout[(bi * t + pos) * c..(bi * t + pos + 1) * c];
-                for (w, g) in dp.iter_mut().zip(d) {
-                    *w += g;
-                }
+    dwpe[..t * c].par_chunks_mut(c).enumerate().for_each(|(pos, dp)| {
+        for bi in 0..b {
+            let d = &dout[(bi * t + pos) * c..(bi * t + pos + 1) * c];
+            for (w, g) in dp.iter_mut().zip(d) {
+                *w += g;
             }
-        });
+        }
+    });
 }
 
 #[cfg(test)]

@@ -22,24 +22,20 @@ fn gelu_grad(x: f32) -> f32 {
 
 /// out (N) = gelu(inp (N)).
 pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
-    out.par_chunks_mut(CHUNK)
-        .zip(inp.par_chunks(CHUNK))
-        .for_each(|(o, x)| {
-            for (o, x) in o.iter_mut().zip(x) {
-                *o = gelu(*x);
-            }
-        });
+    out.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).for_each(|(o, x)| {
+        for (o, x) in o.iter_mut().zip(x) {
+            *o = gelu(*x);
+        }
+    });
 }
 
 /// In place: `d (N) *= gelu'(inp (N))`, turning d(out) into d(inp).
 pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
-    d.par_chunks_mut(CHUNK)
-        .zip(inp.par_chunks(CHUNK))
-        .for_each(|(d, x)| {
-            for (d, x) in d.iter_mut().zip(x) {
-                *d *= gelu_grad(*x);
-            }
-        });
+    d.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).for_each(|(d, x)| {
+        for (d, x) in d.iter_mut().zip(x) {
+            *d *= gelu_grad(*x);
+        }
+    });
 }
 
 #[cfg(test)]

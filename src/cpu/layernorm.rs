@@ -24,12 +24,7 @@ pub fn layernorm_forward(
         .zip(rstd[..n].par_chunks_mut(ROWS))
         .zip(inp[..n * c].par_chunks(ROWS * c))
         .for_each(|(((out, mean), rstd), inp)| {
-            for (((o, m), r), x) in out
-                .chunks_exact_mut(c)
-                .zip(mean)
-                .zip(rstd)
-                .zip(inp.chunks_exact(c))
-            {
+            for (((o, m), r), x) in out.chunks_exact_mut(c).zip(mean).zip(rstd).zip(inp.chunks_exact(c)) {
                 let mu = x.iter().sum::<f32>() / c as f32;
                 let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f32>() / c as f32;
                 let s = 1.0 / (var + EPS).sqrt();
@@ -64,12 +59,8 @@ pub fn layernorm_backward(
         .zip(inp[..n * c].par_chunks(ROWS * c))
         .zip(mean[..n].par_chunks(ROWS).zip(rstd[..n].par_chunks(ROWS)))
         .for_each(|(((dinp, dout), inp), (mean, rstd))| {
-            for ((((di, d), x), m), r) in dinp
-                .chunks_exact_mut(c)
-                .zip(dout.chunks_exact(c))
-                .zip(inp.chunks_exact(c))
-                .zip(mean)
-                .zip(rstd)
+            for ((((di, d), x), m), r) in
+                dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c)).zip(mean).zip(rstd)
             {
                 let (mut dnorm_mean, mut dnorm_norm_mean) = (0f32, 0f32);
                 for i in 0..c {
@@ -90,22 +81,18 @@ pub fn layernorm_backward(
     // Parameter gradients, column-parallel: each task owns a range of channels and sums over all
     // rows in order, so the result is the same whatever the thread schedule.
     const COLS: usize = 64;
-    dweight[..c]
-        .par_chunks_mut(COLS)
-        .zip(dbias[..c].par_chunks_mut(COLS))
-        .enumerate()
-        .for_each(|(ci, (dw, db))| {
-            let c0 = ci * COLS;
-            for row in 0..n {
-                let (m, r) = (mean[row], rstd[row]);
-                let x = &inp[row * c + c0..row * c + c0 + dw.len()];
-                let d = &dout[row * c + c0..row * c + c0 + dw.len()];
-                for i in 0..dw.len() {
-                    dw[i] += (x[i] - m) * r * d[i];
-                    db[i] += d[i];
-                }
+    dweight[..c].par_chunks_mut(COLS).zip(dbias[..c].par_chunks_mut(COLS)).enumerate().for_each(|(ci, (dw, db))| {
+        let c0 = ci * COLS;
+        for row in 0..n {
+            let (m, r) = (mean[row], rstd[row]);
+            let x = &inp[row * c + c0..row * c + c0 + dw.len()];
+            let d = &dout[row * c + c0..row * c + c0 + dw.len()];
+            for i in 0..dw.len() {
+                dw[i] += (x[i] - m) * r * d[i];
+                db[i] += d[i];
             }
-        });
+        }
+    });
 }
 
 #[cfg(test)]

@@ -33,9 +33,7 @@ pub fn gemm_strided(
     }
     // The largest element index each operand's strides can reach must be in bounds; this is
     // what makes the raw-pointer call below sound.
-    let last = |rows: usize, cols: usize, rs: isize, cs: isize| {
-        (rows - 1) as isize * rs + (cols - 1) as isize * cs
-    };
+    let last = |rows: usize, cols: usize, rs: isize, cs: isize| (rows - 1) as isize * rs + (cols - 1) as isize * cs;
     assert!(dst_rs >= 0 && dst_cs >= 0 && lhs_rs >= 0 && lhs_cs >= 0 && rhs_rs >= 0 && rhs_cs >= 0);
     assert!((last(m, n, dst_rs, dst_cs) as usize) < dst.len());
     if k > 0 {
@@ -86,18 +84,7 @@ pub fn matmul_forward(
         }
     }
     let (c_, oc_) = (c as isize, oc as isize);
-    gemm_strided(
-        n,
-        oc,
-        c,
-        out,
-        (oc_, 1),
-        bias.is_some(),
-        inp,
-        (c_, 1),
-        weight,
-        (1, c_),
-    );
+    gemm_strided(n, oc, c, out, (oc_, 1), bias.is_some(), inp, (c_, 1), weight, (1, c_));
 }
 
 /// Backward of [`matmul_forward`].
@@ -117,31 +104,9 @@ pub fn matmul_backward(
 ) {
     let (c_, oc_) = (c as isize, oc as isize);
     if let Some(dinp) = dinp {
-        gemm_strided(
-            n,
-            c,
-            oc,
-            &mut dinp[..n * c],
-            (c_, 1),
-            false,
-            dout,
-            (oc_, 1),
-            weight,
-            (c_, 1),
-        );
+        gemm_strided(n, c, oc, &mut dinp[..n * c], (c_, 1), false, dout, (oc_, 1), weight, (c_, 1));
     }
-    gemm_strided(
-        oc,
-        c,
-        n,
-        &mut dweight[..oc * c],
-        (c_, 1),
-        true,
-        dout,
-        (1, oc_),
-        inp,
-        (c_, 1),
-    );
+    gemm_strided(oc, c, n, &mut dweight[..oc * c], (c_, 1), true, dout, (1, oc_), inp, (c_, 1));
     if let Some(dbias) = dbias {
         bias_backward(dbias, dout, n, oc);
     }
@@ -152,17 +117,14 @@ pub fn matmul_backward(
 fn bias_backward(dbias: &mut [f32], dout: &[f32], n: usize, oc: usize) {
     use rayon::prelude::*;
     const COLS: usize = 64;
-    dbias[..oc]
-        .par_chunks_mut(COLS)
-        .enumerate()
-        .for_each(|(ci, db)| {
-            let (c0, w) = (ci * COLS, db.len());
-            for row in dout[..n * oc].chunks_exact(oc) {
-                for (d, g) in db.iter_mut().zip(&row[c0..c0 + w]) {
-                    *d += g;
-                }
+    dbias[..oc].par_chunks_mut(COLS).enumerate().for_each(|(ci, db)| {
+        let (c0, w) = (ci * COLS, db.len());
+        for row in dout[..n * oc].chunks_exact(oc) {
+            for (d, g) in db.iter_mut().zip(&row[c0..c0 + w]) {
+                *d += g;
             }
-        });
+        }
+    });
 }
 
 #[cfg(test)]
@@ -193,21 +155,9 @@ mod tests {
             let b = r.vec(oc);
             let mut out = vec![0f32; n * oc];
             matmul_forward(&mut out, &inp, &w, Some(&b), n, c, oc);
-            assert_close(
-                &out,
-                &naive(&inp, &w, Some(&b), n, c, oc),
-                1e-5,
-                1e-5,
-                "matmul fwd",
-            );
+            assert_close(&out, &naive(&inp, &w, Some(&b), n, c, oc), 1e-5, 1e-5, "matmul fwd");
             matmul_forward(&mut out, &inp, &w, None, n, c, oc);
-            assert_close(
-                &out,
-                &naive(&inp, &w, None, n, c, oc),
-                1e-5,
-                1e-5,
-                "matmul fwd nobias",
-            );
+            assert_close(&out, &naive(&inp, &w, None, n, c, oc), 1e-5, 1e-5, "matmul fwd nobias");
         }
     }
 
@@ -220,23 +170,11 @@ mod tests {
             let b = r.vec(oc);
             let proj = r.vec(n * oc);
             // loss = sum(out * proj)  =>  dout = proj
-            let loss = |inp: &[f32], w: &[f32], b: &[f32]| -> f64 {
-                dot(&naive(inp, w, Some(b), n, c, oc), &proj)
-            };
+            let loss = |inp: &[f32], w: &[f32], b: &[f32]| -> f64 { dot(&naive(inp, w, Some(b), n, c, oc), &proj) };
             let mut dinp = vec![9f32; n * c];
             let mut dw = vec![0.5f32; oc * c];
             let mut db = vec![0.25f32; oc];
-            matmul_backward(
-                Some(&mut dinp),
-                &mut dw,
-                Some(&mut db),
-                &proj,
-                &inp,
-                &w,
-                n,
-                c,
-                oc,
-            );
+            matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &proj, &inp, &w, n, c, oc);
             // dw and db accumulate onto their previous contents.
             dw.iter_mut().for_each(|x| *x -= 0.5);
             db.iter_mut().for_each(|x| *x -= 0.25);

@@ -8,14 +8,11 @@ const CHUNK: usize = 4096;
 
 /// out (N) = a (N) + b (N).
 pub fn residual_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
-    out.par_chunks_mut(CHUNK)
-        .zip(a.par_chunks(CHUNK))
-        .zip(b.par_chunks(CHUNK))
-        .for_each(|((o, a), b)| {
-            for ((o, a), b) in o.iter_mut().zip(a).zip(b) {
-                *o = a + b;
-            }
-        });
+    out.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).zip(b.par_chunks(CHUNK)).for_each(|((o, a), b)| {
+        for ((o, a), b) in o.iter_mut().zip(a).zip(b) {
+            *o = a + b;
+        }
+    });
 }
 
 #[cfg(test)]

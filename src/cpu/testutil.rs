@@ -26,10 +26,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f64 {
 pub fn assert_close(a: &[f32], b: &[f32], atol: f32, rtol: f32, what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: length");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!(
-            (x - y).abs() <= atol + rtol * y.abs(),
-            "{what}[{i}]: {x} vs {y}"
-        );
+        assert!((x - y).abs() <= atol + rtol * y.abs(), "{what}[{i}]: {x} vs {y}");
     }
 }
 
@@ -51,9 +48,6 @@ pub fn check_grad(x: &[f32], grad: &[f32], loss: impl Fn(&[f32]) -> f64, what: &
         xp[i] = orig;
         let num = (lp - lm) / (hi - lo) as f64;
         let ana = grad[i] as f64;
-        assert!(
-            (num - ana).abs() <= 2e-3 + 1e-2 * num.abs(),
-            "{what}[{i}]: analytic {ana} vs numeric {num}"
-        );
+        assert!((num - ana).abs() <= 2e-3 + 1e-2 * num.abs(), "{what}[{i}]: analytic {ana} vs numeric {num}");
     }
 }
