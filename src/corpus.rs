@@ -245,13 +245,18 @@ pub fn prepare_corpus(inputs: &[PathBuf], out: &Path, name: &str, shard_size: us
     };
     for (fi, path) in inputs.iter().enumerate().skip(start.file) {
         let skip = if fi == start.file { start.doc } else { 0 };
+        let mut seen = 0usize;
         for_each_doc(path, skip, &mut |di, text| {
+            seen += 1;
             batch.push((fi, di, text));
             if batch.len() == BATCH_DOCS {
                 tokenize_batch(&mut batch, &mut w)?;
             }
             Ok(())
         })?;
+        if seen == 0 && skip == 0 {
+            bail!("{} holds no documents", path.display());
+        }
         tokenize_batch(&mut batch, &mut w)?; // finish each file before reading the next
     }
     w.flush(Position { file: inputs.len(), doc: 0, token: 0 }, true)?;
@@ -425,6 +430,9 @@ pub(crate) mod tests {
         let empty = dir.path().join("e.parquet");
         std::fs::write(&empty, b"").unwrap();
         assert!(prepare_corpus(&[empty], &out, "f", 100).is_err());
+        let empty = dir.path().join("e.jsonl");
+        std::fs::write(&empty, b"").unwrap();
+        assert!(format!("{:#}", prepare_corpus(&[empty], &out, "f", 100).unwrap_err()).contains("no documents"));
         let leftovers: Vec<_> = std::fs::read_dir(&out)
             .unwrap()
             .filter_map(|e| e.ok())

@@ -36,3 +36,20 @@ fn tinyshakespeare_shards_are_byte_identical_to_llmc() {
         assert_eq!(llmrs::download::sha256_hex(&bytes), want[key]["sha256"].as_str().unwrap(), "{key} sha256");
     }
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 2000, failure_persistence: None, ..Default::default() })]
+
+    /// decode(encode(s)) == s for any Unicode string (proptest's generator covers every plane,
+    /// combining marks, whitespace runs and control characters).
+    #[test]
+    fn decode_encode_is_identity(s in "\\PC*|[ \t\n\r]{0,20}|(\\p{M}|\\p{Emoji}|[a-z ]){0,40}|.{0,200}") {
+        let tok = tokenizer();
+        proptest::prop_assert_eq!(tok.decode(&tok.encode(&s).unwrap()), s);
+    }
+}
+
+fn tokenizer() -> &'static Tokenizer {
+    static T: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
+    T.get_or_init(|| Tokenizer::gpt2().unwrap())
+}
