@@ -82,7 +82,8 @@ enum PrepareCmd {
         #[command(flatten)]
         shards: ShardArgs,
     },
-    /// TinyStories' .json files (arrays of {"story": ...}) into shards.
+    /// TinyStories: its .json files (arrays of {"story": ...}), or with none given the parquet files
+    /// of roneneldan/TinyStories from the Hub (validation first).
     Tinystories {
         files: Vec<PathBuf>,
         #[arg(short, long, default_value = "data/tinystories")]
@@ -376,6 +377,21 @@ fn real_main(cli: Cli) -> Result<()> {
             llmrs::corpus::prepare_corpus(&files, &out, name, shards.shard_size).map(|_| ())
         }
         Some(Cmd::Prepare(PrepareCmd::Tinystories { files, out, shards })) => {
+            let files = if files.is_empty() {
+                // The Hub's parquet export of roneneldan/TinyStories; validation first (shard 0).
+                let ep = llmrs::hub::endpoint();
+                let mut got = llmrs::corpus::fetch_parquet_sample(
+                    "roneneldan/TinyStories",
+                    "data",
+                    None,
+                    &ep,
+                    &llmrs::hub::cache_dir(),
+                )?;
+                got.sort_by_key(|p| !p.to_string_lossy().contains("validation"));
+                got
+            } else {
+                files
+            };
             llmrs::corpus::prepare_corpus(&files, &out, "TinyStories", shards.shard_size).map(|_| ())
         }
         Some(Cmd::Prepare(PrepareCmd::Docs { files, name, out, shards })) => {
