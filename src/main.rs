@@ -27,6 +27,8 @@ enum Cmd {
     /// Turn text into llm.c token shards.
     #[command(subcommand)]
     Prepare(PrepareCmd),
+    /// Generate text from a prompt, streaming it as it is produced (KV-cached).
+    Generate(GenArgs),
     /// Convert a model between llm.c .bin and Hugging Face safetensors. OUT ending in .bin is an
     /// llm.c model file; anything else is a directory with model.safetensors + config.json.
     Convert {
@@ -102,6 +104,40 @@ enum PrepareCmd {
         #[command(flatten)]
         shards: ShardArgs,
     },
+}
+
+#[derive(Args)]
+struct GenArgs {
+    /// Model: llm.c .bin, Hugging Face directory or .safetensors, or hf:owner/name.
+    #[arg(short = 'e', long = "model", required_unless_present = "hf")]
+    model: Option<String>,
+    /// Model from the Hugging Face Hub: owner/name[@revision].
+    #[arg(long)]
+    hf: Option<String>,
+    /// Text to continue ("" starts from <|endoftext|>).
+    #[arg(short, long, default_value = "")]
+    prompt: String,
+    /// Tokens to generate at most.
+    #[arg(short = 'n', long, default_value_t = 256)]
+    max_new_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Sample among the k most likely tokens only (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Sample among the most likely tokens that make up probability p (1 = all).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Random seed: the same seed gives the same text.
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// Recompute the whole prefix for every token instead of using the KV cache.
+    #[arg(long)]
+    no_cache: bool,
+    /// Keep going after <|endoftext|>.
+    #[arg(long)]
+    no_stop: bool,
 }
 
 #[derive(Args)]
@@ -287,6 +323,48 @@ fn train_config(a: TrainArgs) -> Result<TrainConfig> {
     })
 }
 
+fn run_generate(a: GenArgs) -> Result<()> {
+    use llmrs::generate::{generate, GenConfig, SamplerConfig, Utf8Stream};
+    use std::io::Write;
+    let spec = match (a.hf, a.model) {
+        (Some(h), _) => format!("hf:{h}"),
+        (None, Some(m)) => m,
+        (None, None) => bail!("give a model with -e or --hf"),
+    };
+    let mut model = llmrs::source::load_any(&spec, 0)?;
+    let tok = llmrs::tokenizer::Tokenizer::gpt2()?;
+    let prompt = if a.prompt.is_empty() { vec![tok.eot] } else { tok.encode(&a.prompt)? };
+    let g = GenConfig {
+        max_new_tokens: a.max_new_tokens,
+        sampler: SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        stop_token: (!a.no_stop).then_some(tok.eot),
+        use_cache: !a.no_cache,
+    };
+    let mut out = std::io::stdout().lock();
+    write!(out, "{}", a.prompt)?;
+    let mut utf8 = Utf8Stream::default();
+    let t0 = std::time::Instant::now();
+    let mut first: Option<f64> = None;
+    let new = generate(&mut model, &prompt, &g, |t| {
+        first.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+        write!(out, "{}", utf8.push(tok.token_bytes(t)))?;
+        out.flush()?;
+        Ok(())
+    })?;
+    writeln!(out, "{}", utf8.finish())?;
+    let secs = t0.elapsed().as_secs_f64();
+    let first = first.unwrap_or(secs);
+    // The first token includes reading the prompt; the rest is one token each.
+    eprintln!(
+        "{} prompt + {} new tokens in {secs:.2}s ({}): first token after {first:.2}s, then {:.2} tokens/s",
+        prompt.len(),
+        new.len(),
+        if g.use_cache { "KV cache" } else { "no cache" },
+        (new.len().saturating_sub(1)) as f64 / (secs - first).max(1e-9),
+    );
+    Ok(())
+}
+
 fn parse_dtype(d: &str) -> Result<Dtype> {
     Ok(match d {
         "fp32" | "f32" | "float32" => Dtype::F32,
@@ -335,6 +413,7 @@ fn real_main(cli: Cli) -> Result<()> {
         Some(Cmd::Prepare(PrepareCmd::Tinyshakespeare { input, out })) => {
             prepare_tinyshakespeare(&Source::from_env(input.as_deref()), &out).map(|_| ())
         }
+        Some(Cmd::Generate(a)) => run_generate(a),
         Some(Cmd::Convert { input, output, hf, dtype }) => {
             let dtype = parse_dtype(&dtype)?;
             let spec = match (hf, input) {

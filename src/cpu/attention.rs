@@ -61,6 +61,54 @@ pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usize
     });
 }
 
+/// Attention of `tn` new positions against a KV cache (inference, one sequence).
+/// `qkv (tn, 3*C)` holds the new positions' q, k, v; their k and v must already be copied into
+/// `k_cache`/`v_cache (maxT, C)` at rows `pos..pos+tn`. New position i sits at absolute position
+/// `pos + i` and attends to cache rows `0..=pos+i`. `out (tn, C)`; `scores` needs `pos + tn` floats
+/// per task and is given as (tn * NH, maxT) workspace.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_cached(
+    out: &mut [f32],
+    scores: &mut [f32],
+    qkv: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    pos: usize,
+    tn: usize,
+    c: usize,
+    nh: usize,
+    max_t: usize,
+) {
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f32).sqrt();
+    let out = &mut out[..tn * c];
+    // One task per (new position, head): each writes its own HS slice of out.
+    out.par_chunks_mut(hs).zip(scores[..tn * nh * max_t].par_chunks_mut(max_t)).enumerate().for_each(|(ih, (o, sc))| {
+        let (i, h) = (ih / nh, ih % nh);
+        let q = &qkv[i * 3 * c + h * hs..][..hs];
+        let n = pos + i + 1;
+        let mut maxv = f32::NEG_INFINITY;
+        for (t2, s) in sc[..n].iter_mut().enumerate() {
+            *s = dot(q, &k_cache[t2 * c + h * hs..][..hs]) * scale;
+            maxv = maxv.max(*s);
+        }
+        let mut sum = 0f32;
+        for s in &mut sc[..n] {
+            *s = (*s - maxv).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        o.fill(0.0);
+        for (t2, s) in sc[..n].iter().enumerate() {
+            let w = s * inv;
+            let v = &v_cache[t2 * c + h * hs..][..hs];
+            for k in 0..hs {
+                o[k] += w * v[k];
+            }
+        }
+    });
+}
+
 /// Backward of [`attention_forward`]. `dqkv (B, T, 3*C)` is overwritten; `scratch (B, NH, T, T)`
 /// is workspace (it ends up holding d(pre-softmax scores)).
 #[allow(clippy::too_many_arguments)]
