@@ -19,16 +19,16 @@ pub struct KvCache {
     v: Vec<f32>, // (L, maxT, C)
     /// Positions already in the cache.
     pub pos: usize,
-    x: Vec<f32>,        // (CH, C) residual stream of the chunk
-    ln: Vec<f32>,       // (CH, C)
-    mean: Vec<f32>,     // (CH)
-    rstd: Vec<f32>,     // (CH)
-    qkv: Vec<f32>,      // (CH, 3*C)
-    atty: Vec<f32>,     // (CH, C)
-    scores: Vec<f32>,   // (CH * NH, maxT)
-    fch: Vec<f32>,      // (CH, 4*C)
-    fch_gelu: Vec<f32>, // (CH, 4*C)
-    proj: Vec<f32>,     // (CH, C)
+    x: Vec<f32>,          // (CH, C) residual stream of the chunk
+    ln: Vec<f32>,         // (CH, C)
+    mean: Vec<f32>,       // (CH)
+    rstd: Vec<f32>,       // (CH)
+    qkv: Vec<f32>,        // (CH, 3*C)
+    atty: Vec<f32>,       // (CH, C)
+    scores: Vec<f32>,     // (CH * NH, maxT)
+    fch: Vec<f32>,        // (CH, 4*C)
+    fch_gelu: Vec<f32>,   // (CH, 4*C)
+    proj: Vec<f32>,       // (CH, C)
     pub logits: Vec<f32>, // (Vp) of the last position fed
 }
 
@@ -67,7 +67,8 @@ impl GPT2 {
     /// `cache.logits` and returns the first V of them.
     pub fn forward_cached<'a>(&self, cache: &'a mut KvCache, tokens: &[u32]) -> Result<&'a [f32]> {
         let cfg = self.config;
-        let (c, nh, v, vp, max_t) = (cfg.channels, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len);
+        let (c, nh, v, vp, max_t) =
+            (cfg.channels, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len);
         if tokens.is_empty() {
             bail!("nothing to feed");
         }
@@ -197,7 +198,12 @@ pub struct GenConfig {
 
 /// Generate after `prompt`, calling `on_token` for every new token; returns the new tokens.
 /// Stops at `max_new_tokens`, the stop token, or the model's context length.
-pub fn generate(model: &mut GPT2, prompt: &[u32], g: &GenConfig, mut on_token: impl FnMut(u32) -> Result<()>) -> Result<Vec<u32>> {
+pub fn generate(
+    model: &mut GPT2,
+    prompt: &[u32],
+    g: &GenConfig,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         bail!("the prompt is empty (an empty text prompt starts from <|endoftext|>)");
     }
@@ -270,7 +276,11 @@ mod tests {
     use crate::config::GPT2Config;
 
     fn model() -> GPT2 {
-        let cfg = GPT2Config { vocab_size: 101, padded_vocab_size: 128, ..GPT2Config::from_descriptor("2x24:3:150").unwrap() };
+        let cfg = GPT2Config {
+            vocab_size: 101,
+            padded_vocab_size: 128,
+            ..GPT2Config::from_descriptor("2x24:3:150").unwrap()
+        };
         GPT2::random(cfg, 11).unwrap()
     }
 
@@ -299,7 +309,12 @@ mod tests {
     #[test]
     fn cached_and_uncached_greedy_generation_agree() {
         let mut m = model();
-        let g = GenConfig { max_new_tokens: 40, sampler: SamplerConfig { temperature: 0.0, ..Default::default() }, stop_token: None, use_cache: true };
+        let g = GenConfig {
+            max_new_tokens: 40,
+            sampler: SamplerConfig { temperature: 0.0, ..Default::default() },
+            stop_token: None,
+            use_cache: true,
+        };
         let prompt = [5u32, 17, 99, 3];
         let a = generate(&mut m, &prompt, &g, |_| Ok(())).unwrap();
         let b = generate(&mut m, &prompt, &GenConfig { use_cache: false, ..g }, |_| Ok(())).unwrap();
@@ -309,7 +324,9 @@ mod tests {
         let s = GenConfig { sampler: SamplerConfig { temperature: 1.0, top_k: 50, top_p: 0.95, seed: 7 }, ..g };
         let x = generate(&mut m, &prompt, &s, |_| Ok(())).unwrap();
         assert_eq!(x, generate(&mut m, &prompt, &s, |_| Ok(())).unwrap());
-        let y = generate(&mut m, &prompt, &GenConfig { sampler: SamplerConfig { seed: 8, ..s.sampler }, ..s }, |_| Ok(())).unwrap();
+        let y =
+            generate(&mut m, &prompt, &GenConfig { sampler: SamplerConfig { seed: 8, ..s.sampler }, ..s }, |_| Ok(()))
+                .unwrap();
         assert_ne!(x, y);
         // Stops at the stop token.
         let first = a[0];

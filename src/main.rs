@@ -27,12 +27,16 @@ enum Cmd {
     /// Turn text into llm.c token shards.
     #[command(subcommand)]
     Prepare(PrepareCmd),
+    /// Evaluate a model.
+    #[command(subcommand)]
+    Eval(EvalCmd),
     /// Generate text from a prompt, streaming it as it is produced (KV-cached).
     Generate(GenArgs),
     /// Convert a model between llm.c .bin and Hugging Face safetensors. OUT ending in .bin is an
     /// llm.c model file; anything else is a directory with model.safetensors + config.json.
     Convert {
-        /// Input: llm.c .bin, HF directory or .safetensors (or use --hf).
+        /// Input: llm.c .bin, HF directory or .safetensors, a descriptor such as d12 for random
+        /// init (or use --hf).
         #[arg(required_unless_present = "hf")]
         input: Option<String>,
         output: PathBuf,
@@ -42,6 +46,9 @@ enum Cmd {
         /// Output precision: fp32 or bf16.
         #[arg(long, default_value = "fp32")]
         dtype: String,
+        /// Seed when the input is a descriptor for random init (e.g. d12).
+        #[arg(long, default_value_t = 42)]
+        seed: u32,
     },
 }
 
@@ -93,6 +100,14 @@ enum PrepareCmd {
         #[command(flatten)]
         shards: ShardArgs,
     },
+    /// HellaSwag validation set into llm.c's eval file (from --input, $LLMRS_DATA_DIR, or downloaded).
+    Hellaswag {
+        /// HellaSwag JSON lines (hellaswag_val.jsonl).
+        #[arg(long)]
+        input: Option<PathBuf>,
+        #[arg(short, long, default_value = "data/hellaswag")]
+        out: PathBuf,
+    },
     /// Any documents (.parquet with a text column, .jsonl or .json with "text") into shards.
     Docs {
         files: Vec<PathBuf>,
@@ -103,6 +118,25 @@ enum PrepareCmd {
         out: PathBuf,
         #[command(flatten)]
         shards: ShardArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum EvalCmd {
+    /// HellaSwag accuracy as llm.c's dev/data/hellaswag.py computes it.
+    Hellaswag {
+        /// Model: llm.c .bin, Hugging Face directory or .safetensors, hf:owner/name, or a descriptor.
+        #[arg(short = 'e', long = "model", required_unless_present = "hf")]
+        model: Option<String>,
+        #[arg(long)]
+        hf: Option<String>,
+        /// HellaSwag JSON lines or llm.c's hellaswag_val.bin (default: data/hellaswag/hellaswag_val.bin,
+        /// else $LLMRS_DATA_DIR/hellaswag/hellaswag_val.preprocessed.jsonl).
+        #[arg(long)]
+        data: Option<PathBuf>,
+        /// Score only the first N examples.
+        #[arg(long)]
+        limit: Option<usize>,
     },
 }
 
@@ -249,9 +283,15 @@ struct TrainArgs {
     /// Start from a model on the Hugging Face Hub (owner/name[@revision]) instead of -e.
     #[arg(long)]
     hf: Option<String>,
-    /// HellaSwag eval during training (llm.c -h); not available yet.
+    /// 1 = HellaSwag accuracy at every validation step (llm.c -h).
     #[arg(short = 'h', long = "hellaswag", default_value_t = 0)]
     hellaswag: u8,
+    /// HellaSwag file for -h 1: JSON lines or llm.c's hellaswag_val.bin.
+    #[arg(long)]
+    hellaswag_data: Option<PathBuf>,
+    /// Score only the first N HellaSwag examples during training.
+    #[arg(long)]
+    hellaswag_limit: Option<usize>,
 }
 
 /// llm.c spells some flags with two letters after one dash (-nk, -nm); map them to long names.
@@ -281,9 +321,6 @@ fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
 }
 
 fn train_config(a: TrainArgs) -> Result<TrainConfig> {
-    if a.hellaswag != 0 {
-        bail!("HellaSwag evaluation during training (-h 1) is not available yet; run with -h 0");
-    }
     Ok(TrainConfig {
         train_data: a.train_data,
         val_data: a.val_data,
@@ -319,6 +356,9 @@ fn train_config(a: TrainArgs) -> Result<TrainConfig> {
         seed: a.seed,
         shuffle: !a.no_shuffle,
         save_dtype: parse_dtype(&a.save_dtype)?,
+        hellaswag: a.hellaswag == 1,
+        hellaswag_data: a.hellaswag_data,
+        hellaswag_limit: a.hellaswag_limit,
         quiet: false,
     })
 }
@@ -414,17 +454,49 @@ fn real_main(cli: Cli) -> Result<()> {
             prepare_tinyshakespeare(&Source::from_env(input.as_deref()), &out).map(|_| ())
         }
         Some(Cmd::Generate(a)) => run_generate(a),
-        Some(Cmd::Convert { input, output, hf, dtype }) => {
+        Some(Cmd::Eval(EvalCmd::Hellaswag { model, hf, data, limit })) => {
+            let spec = match (hf, model) {
+                (Some(h), _) => format!("hf:{h}"),
+                (None, Some(m)) => m,
+                (None, None) => bail!("give a model with -e or --hf"),
+            };
+            let mut model = llmrs::source::load_any(&spec, 42)?;
+            let data = match data {
+                Some(d) => d,
+                None => llmrs::train::default_hellaswag_path()?,
+            };
+            let tok = llmrs::tokenizer::Tokenizer::gpt2()?;
+            let mut ex = llmrs::hellaswag::load(&data, &tok)?;
+            if let Some(n) = limit {
+                ex.truncate(n);
+            }
+            let bar = llmrs::progress::bar(ex.len() as u64, "hellaswag");
+            let scored = llmrs::hellaswag::score(&mut model, &ex, |d| bar.set_position(d as u64))?;
+            bar.finish_and_clear();
+            let (c, cn, n) = llmrs::hellaswag::accuracy(&scored);
+            for (name, k) in [("acc", c), ("acc_norm", cn)] {
+                let (lo, hi) = llmrs::hellaswag::wilson(k, n);
+                println!("{name:8} {k}/{n} = {:.4}  (95% CI {lo:.4}..{hi:.4})", k as f64 / n as f64);
+            }
+            Ok(())
+        }
+        Some(Cmd::Prepare(PrepareCmd::Hellaswag { input, out })) => {
+            let tok = llmrs::tokenizer::Tokenizer::gpt2()?;
+            let src = llmrs::prepare::hellaswag_jsonl(input.as_deref(), &out)?;
+            let ex = llmrs::hellaswag::load_jsonl(&src, &tok)?;
+            let dest = out.join("hellaswag_val.bin");
+            llmrs::hellaswag::write_bin(&dest, &ex)?;
+            eprintln!("wrote {} examples to {}", ex.len(), dest.display());
+            Ok(())
+        }
+        Some(Cmd::Convert { input, output, hf, dtype, seed }) => {
             let dtype = parse_dtype(&dtype)?;
             let spec = match (hf, input) {
                 (Some(h), None) => format!("hf:{h}"),
                 (None, Some(i)) => i,
                 _ => bail!("give either an input model or --hf, not both"),
             };
-            if !spec.starts_with("hf:") && !std::path::Path::new(&spec).exists() {
-                bail!("{spec} does not exist");
-            }
-            let model = llmrs::source::load_any(&spec, 0)?;
+            let model = llmrs::source::load_any(&spec, seed)?;
             if output.extension().is_some_and(|e| e == "bin") {
                 llmrs::checkpoint::save_model(&model, &output, dtype)?;
             } else {

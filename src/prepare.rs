@@ -94,6 +94,27 @@ pub fn prepare_tinyshakespeare(src: &Source, out_dir: &Path) -> Result<(PathBuf,
     Ok((train_path, val_path))
 }
 
+/// HellaSwag's validation set (JSON lines), the file llm.c's hellaswag.py downloads.
+pub const HELLASWAG_VAL_URL: &str =
+    "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl";
+
+/// Find HellaSwag's JSON lines: an explicit file, `$LLMRS_DATA_DIR/hellaswag/`'s copy, a cached
+/// `out_dir/hellaswag_val.jsonl`, or else download it.
+pub fn hellaswag_jsonl(input: Option<&Path>, out_dir: &Path) -> Result<PathBuf> {
+    if let Some(p) = input {
+        return Ok(p.to_path_buf());
+    }
+    if let Some(d) = std::env::var_os(DATA_DIR_ENV) {
+        return Ok(PathBuf::from(d).join("hellaswag/hellaswag_val.preprocessed.jsonl"));
+    }
+    let cached = out_dir.join("hellaswag_val.jsonl");
+    if !cached.exists() {
+        // Upstream publishes no checksum for this file; its size is checked by the HTTP layer.
+        download(HELLASWAG_VAL_URL, &cached, None)?;
+    }
+    Ok(cached)
+}
+
 /// `llmrs prepare text FILE... -o DIR`: UTF-8 documents, each preceded by <|endoftext|>, the
 /// first `val_tokens` tokens to `DIR/val_000000.bin`, the rest to `DIR/train_000000.bin`.
 pub fn prepare_text(files: &[PathBuf], out_dir: &Path, val_tokens: usize) -> Result<(PathBuf, PathBuf)> {

@@ -18,32 +18,64 @@ use std::time::Instant;
 /// "default run": those make `llmrs train` with no arguments a ~5 minute run on 2 CPU cores.
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
-    pub train_data: String,              // -i  glob of train shards
-    pub val_data: String,                // -j  glob of val shards
-    pub model: String, // -e  model .bin or descriptor (default run: "tiny"; llm.c: gpt2_124M_bf16.bin)
-    pub output_dir: Option<PathBuf>, // -o  logs and checkpoints (default run: "out"; llm.c: none)
-    pub checkpoint_every: usize, // -n  0 = never
-    pub checkpoints_keep: usize, // -nk 0 = keep all
-    pub major_checkpoint_every: usize, // -nm checkpoints at multiples of this are never deleted
-    pub resume: bool,  // -y  resume from the latest checkpoint in output_dir
-    pub batch_size: usize, // -b  micro-batch B (4)
-    pub seq_len: usize, // -t  T (default run: 64; llm.c: 1024)
-    pub total_batch_size: Option<usize>, // -d tokens per step (default B*T: no accumulation)
-    pub learning_rate: f32, // -l  (default run: 1e-3; llm.c: 3e-4)
-    pub warmup: usize, // -u  warmup steps (default run: 20; llm.c: 0)
-    pub final_lr_frac: f32, // -q  final LR fraction (default run: 0.1; llm.c: 1.0)
-    pub schedule: ScheduleKind, // -k  cosine
-    pub max_steps: Option<usize>, // -x  (default run: 500; llm.c: one epoch)
-    pub val_every: usize, // -v  (default run: 50; llm.c: 20)
-    pub val_max_steps: Option<usize>, // -m 20 batches (None = the whole val split)
-    pub sample_every: usize, // -s  (default run: 100; llm.c: 20) 0 = never
-    pub gen_tokens: usize, // -g  64
-    pub overfit_single_batch: bool, // -a
-    pub optim: OptimConfig, // -c weight decay, --beta1/2, --eps, --grad-clip
-    pub seed: u32,     // --seed for random init (llm.c: 42)
-    pub shuffle: bool, // --no-shuffle turns off llm.c's permuted train order
-    pub save_dtype: Dtype, // model files in checkpoints (fp32)
-    pub quiet: bool,   // no per-step lines (tests)
+    /// -i  glob of train shards
+    pub train_data: String,
+    /// -j  glob of val shards
+    pub val_data: String,
+    /// -e  model .bin or descriptor (default run: "tiny"; llm.c: gpt2_124M_bf16.bin)
+    pub model: String,
+    /// -o  logs and checkpoints (default run: "out"; llm.c: none)
+    pub output_dir: Option<PathBuf>,
+    /// -n  0 = never
+    pub checkpoint_every: usize,
+    /// -nk 0 = keep all
+    pub checkpoints_keep: usize,
+    /// -nm checkpoints at multiples of this are never deleted
+    pub major_checkpoint_every: usize,
+    /// -y  resume from the latest checkpoint in output_dir
+    pub resume: bool,
+    /// -b  micro-batch B (4)
+    pub batch_size: usize,
+    /// -t  T (default run: 64; llm.c: 1024)
+    pub seq_len: usize,
+    /// -d tokens per step (default B*T: no accumulation)
+    pub total_batch_size: Option<usize>,
+    /// -l  (default run: 1e-3; llm.c: 3e-4)
+    pub learning_rate: f32,
+    /// -u  warmup steps (default run: 20; llm.c: 0)
+    pub warmup: usize,
+    /// -q  final LR fraction (default run: 0.1; llm.c: 1.0)
+    pub final_lr_frac: f32,
+    /// -k  cosine
+    pub schedule: ScheduleKind,
+    /// -x  (default run: 500; llm.c: one epoch)
+    pub max_steps: Option<usize>,
+    /// -v  (default run: 50; llm.c: 20)
+    pub val_every: usize,
+    /// -m 20 batches (None = the whole val split)
+    pub val_max_steps: Option<usize>,
+    /// -s  (default run: 100; llm.c: 20) 0 = never
+    pub sample_every: usize,
+    /// -g  64
+    pub gen_tokens: usize,
+    /// -a
+    pub overfit_single_batch: bool,
+    /// -c weight decay, --beta1/2, --eps, --grad-clip
+    pub optim: OptimConfig,
+    /// --seed for random init (llm.c: 42)
+    pub seed: u32,
+    /// --no-shuffle turns off llm.c's permuted train order
+    pub shuffle: bool,
+    /// model files in checkpoints (fp32)
+    pub save_dtype: Dtype,
+    /// -h  HellaSwag accuracy at every validation (llm.c: 0)
+    pub hellaswag: bool,
+    /// HellaSwag file (default: see `default_hellaswag_path`)
+    pub hellaswag_data: Option<PathBuf>,
+    /// Score only the first N HellaSwag examples (default: all)
+    pub hellaswag_limit: Option<usize>,
+    /// no per-step lines (tests)
+    pub quiet: bool,
 }
 
 impl Default for TrainConfig {
@@ -74,6 +106,9 @@ impl Default for TrainConfig {
             seed: 42,
             shuffle: true,
             save_dtype: Dtype::F32,
+            hellaswag: false,
+            hellaswag_data: None,
+            hellaswag_limit: None,
             quiet: false,
         }
     }
@@ -87,11 +122,29 @@ pub struct RunSummary {
     /// (step, val loss) for every validation.
     pub val_losses: Vec<(usize, f32)>,
     pub samples: Vec<String>,
+    /// (step, HellaSwag acc_norm) with -h 1.
+    pub hellaswag: Vec<(usize, f32)>,
 }
 
 /// Build the model named by `-e` (see [`crate::source::load_any`]).
 pub fn build_model(desc: &str, seed: u32) -> Result<GPT2> {
     crate::source::load_any(desc, seed)
+}
+
+/// Where HellaSwag is looked for when no path is given: llm.c's eval file from
+/// `llmrs prepare hellaswag`, else the JSON lines in `$LLMRS_DATA_DIR`.
+pub fn default_hellaswag_path() -> Result<PathBuf> {
+    let bin = PathBuf::from("data/hellaswag/hellaswag_val.bin");
+    if bin.is_file() {
+        return Ok(bin);
+    }
+    if let Some(d) = std::env::var_os(crate::prepare::DATA_DIR_ENV) {
+        let j = PathBuf::from(d).join("hellaswag/hellaswag_val.preprocessed.jsonl");
+        if j.is_file() {
+            return Ok(j);
+        }
+    }
+    bail!("HellaSwag data not found: run `llmrs prepare hellaswag` (or pass its path)")
 }
 
 /// Steps of the newest complete checkpoint (`DONE_%08d`) in `dir`.
@@ -256,6 +309,17 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
             rayon::current_num_threads()
         ));
     }
+    let hellaswag = if cfg.hellaswag {
+        let path = match &cfg.hellaswag_data {
+            Some(p) => p.clone(),
+            None => default_hellaswag_path()?,
+        };
+        let mut ex = crate::hellaswag::load(&path, &Tokenizer::gpt2()?)?;
+        ex.truncate(cfg.hellaswag_limit.unwrap_or(usize::MAX));
+        Some(ex)
+    } else {
+        None
+    };
     let mut summary = RunSummary::default();
     let mut resuming = resume_step.is_some();
     loop {
@@ -271,6 +335,16 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
             rep.line(&format!("val loss {loss:.6}"));
             rep.json(serde_json::json!({"step": step, "val_loss": loss}))?;
             summary.val_losses.push((step, loss));
+        }
+        if let Some(ex) = &hellaswag {
+            if (step > 0 && step % cfg.val_every.max(1) == 0) || last {
+                let scored = crate::hellaswag::score(&mut model, ex, |_| {})?;
+                let (_, cn, n) = crate::hellaswag::accuracy(&scored);
+                let acc = cn as f32 / n as f32;
+                rep.line(&format!("HellaSwag: {cn}/{n} = {acc:.6}"));
+                rep.json(serde_json::json!({"step": step, "hellaswag": acc}))?;
+                summary.hellaswag.push((step, acc));
+            }
         }
         if cfg.sample_every > 0 && ((step > 0 && step % cfg.sample_every == 0) || last) {
             let toks = sample_tokens(&mut model, cfg.gen_tokens, tokenizer.eot)?;

@@ -125,3 +125,25 @@ fn bad_settings_and_data_are_refused_clearly() {
     });
     assert!(e.contains("diverged") || e.contains("no longer finite"), "{e}");
 }
+
+#[test]
+fn hellaswag_during_training_is_logged_at_validation_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    let ex: Vec<llmrs::hellaswag::Example> = (0..6u32)
+        .map(|i| llmrs::hellaswag::Example {
+            label: (i % 4) as usize,
+            ctx: vec![i, i + 1, i + 2],
+            endings: (0..4).map(|k| vec![10 + k, 20 + i]).collect(),
+        })
+        .collect();
+    let hs = dir.path().join("hellaswag_val.bin");
+    llmrs::hellaswag::write_bin(&hs, &ex).unwrap();
+    let out = dir.path().join("out");
+    let cfg = TrainConfig { hellaswag: true, hellaswag_data: Some(hs), max_steps: Some(8), ..small(&out, &train, &val) };
+    let s = run(&cfg).unwrap();
+    assert_eq!(s.hellaswag.iter().map(|x| x.0).collect::<Vec<_>>(), vec![4, 8]);
+    assert!(s.hellaswag.iter().all(|(_, a)| (0.0..=1.0).contains(a) && (a * 6.0).fract() == 0.0));
+    let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
+    assert_eq!(log.lines().filter(|l| l.contains("\"hellaswag\"")).count(), 2);
+}

@@ -83,30 +83,32 @@ pub fn attention_forward_cached(
     let scale = 1.0 / (hs as f32).sqrt();
     let out = &mut out[..tn * c];
     // One task per (new position, head): each writes its own HS slice of out.
-    out.par_chunks_mut(hs).zip(scores[..tn * nh * max_t].par_chunks_mut(max_t)).enumerate().for_each(|(ih, (o, sc))| {
-        let (i, h) = (ih / nh, ih % nh);
-        let q = &qkv[i * 3 * c + h * hs..][..hs];
-        let n = pos + i + 1;
-        let mut maxv = f32::NEG_INFINITY;
-        for (t2, s) in sc[..n].iter_mut().enumerate() {
-            *s = dot(q, &k_cache[t2 * c + h * hs..][..hs]) * scale;
-            maxv = maxv.max(*s);
-        }
-        let mut sum = 0f32;
-        for s in &mut sc[..n] {
-            *s = (*s - maxv).exp();
-            sum += *s;
-        }
-        let inv = 1.0 / sum;
-        o.fill(0.0);
-        for (t2, s) in sc[..n].iter().enumerate() {
-            let w = s * inv;
-            let v = &v_cache[t2 * c + h * hs..][..hs];
-            for k in 0..hs {
-                o[k] += w * v[k];
+    out.par_chunks_mut(hs).zip(scores[..tn * nh * max_t].par_chunks_mut(max_t)).enumerate().for_each(
+        |(ih, (o, sc))| {
+            let (i, h) = (ih / nh, ih % nh);
+            let q = &qkv[i * 3 * c + h * hs..][..hs];
+            let n = pos + i + 1;
+            let mut maxv = f32::NEG_INFINITY;
+            for (t2, s) in sc[..n].iter_mut().enumerate() {
+                *s = dot(q, &k_cache[t2 * c + h * hs..][..hs]) * scale;
+                maxv = maxv.max(*s);
             }
-        }
-    });
+            let mut sum = 0f32;
+            for s in &mut sc[..n] {
+                *s = (*s - maxv).exp();
+                sum += *s;
+            }
+            let inv = 1.0 / sum;
+            o.fill(0.0);
+            for (t2, s) in sc[..n].iter().enumerate() {
+                let w = s * inv;
+                let v = &v_cache[t2 * c + h * hs..][..hs];
+                for k in 0..hs {
+                    o[k] += w * v[k];
+                }
+            }
+        },
+    );
 }
 
 /// Backward of [`attention_forward`]. `dqkv (B, T, 3*C)` is overwritten; `scratch (B, NH, T, T)`
