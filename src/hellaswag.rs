@@ -43,7 +43,7 @@ pub fn load_jsonl(path: &Path, tok: &Tokenizer) -> Result<Vec<Example>> {
         }
         let endings = endings
             .iter()
-            .map(|e| Ok(tok.encode(&format!(" {}", e.as_str().with_context(bad)?))?))
+            .map(|e| tok.encode(&format!(" {}", e.as_str().with_context(bad)?)))
             .collect::<Result<Vec<_>>>()?;
         out.push(Example { label: label as usize, ctx: tok.encode(ctx)?, endings });
     }
