@@ -15,6 +15,7 @@ pub mod hub;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod plot;
 pub mod prepare;
 pub mod progress;
 pub mod rng;

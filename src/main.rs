@@ -27,6 +27,14 @@ enum Cmd {
     /// Turn text into llm.c token shards.
     #[command(subcommand)]
     Prepare(PrepareCmd),
+    /// Plot training curves from one or more log.jsonl files (PNG and SVG).
+    Plot {
+        #[arg(required = true)]
+        logs: Vec<PathBuf>,
+        /// Output path without extension: writes OUT.png and OUT.svg.
+        #[arg(short, long, default_value = "curves")]
+        out: PathBuf,
+    },
     /// Evaluate a model.
     #[command(subcommand)]
     Eval(EvalCmd),
@@ -454,6 +462,12 @@ fn real_main(cli: Cli) -> Result<()> {
             prepare_tinyshakespeare(&Source::from_env(input.as_deref()), &out).map(|_| ())
         }
         Some(Cmd::Generate(a)) => run_generate(a),
+        Some(Cmd::Plot { logs, out }) => {
+            let runs = logs.iter().map(|p| llmrs::plot::read_log(p)).collect::<Result<Vec<_>>>()?;
+            let (png, svg) = llmrs::plot::plot(&runs, &out)?;
+            eprintln!("wrote {} and {}", png.display(), svg.display());
+            Ok(())
+        }
         Some(Cmd::Eval(EvalCmd::Hellaswag { model, hf, data, limit })) => {
             let spec = match (hf, model) {
                 (Some(h), _) => format!("hf:{h}"),

@@ -405,6 +405,14 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
         step += 1;
     }
     rep.bar.finish_and_clear();
+    if let Some(dir) = out {
+        drop(rep); // flush and close the log before reading it back
+        let run = crate::plot::read_log(&dir.join("log.jsonl"))?;
+        let (png, _) = crate::plot::plot(&[run], &dir.join("curves"))?;
+        if !cfg.quiet {
+            println!("training curves: {} (and .svg)", png.display());
+        }
+    }
     Ok(summary)
 }
 

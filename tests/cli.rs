@@ -96,3 +96,53 @@ fn a_full_disk_leaves_no_half_written_shard() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[test]
+fn generate_eval_convert_and_plot_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let o = llmrs().current_dir(dir.path()).args(args).output().unwrap();
+        assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    // A small random GPT-2 (real vocabulary) exported to both formats.
+    run(&["convert", "2x32:2:64", "m.bin"]);
+    run(&["convert", "m.bin", "hf_dir", "--dtype", "bf16"]);
+    let (out, err) = run(&["generate", "-e", "m.bin", "-p", "To be, or not", "-n", "12", "--seed", "3", "--no-stop"]);
+    assert!(out.starts_with("To be, or not") && err.contains("12 new tokens"), "{out}\n{err}");
+    let (again, _) = run(&["generate", "-e", "m.bin", "-p", "To be, or not", "-n", "12", "--seed", "3", "--no-stop"]);
+    assert_eq!(out, again, "same seed, same text");
+    let (uncached, _) = run(&[
+        "generate",
+        "-e",
+        "m.bin",
+        "-p",
+        "To be, or not",
+        "-n",
+        "12",
+        "--temperature",
+        "0",
+        "--no-stop",
+        "--no-cache",
+    ]);
+    let (cached, _) =
+        run(&["generate", "-e", "m.bin", "-p", "To be, or not", "-n", "12", "--temperature", "0", "--no-stop"]);
+    assert_eq!(uncached, cached);
+    // HellaSwag on a few hand-made examples in JSON lines.
+    let ex = r#"{"ctx": "A man is sitting on a roof. he", "label": 3, "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.", "is holding a rubik's cube.", "starts pulling up roofing on a roof."]}"#;
+    std::fs::write(dir.path().join("hs.jsonl"), format!("{ex}\n{ex}\n")).unwrap();
+    let (out, _) = run(&["eval", "hellaswag", "-e", "hf_dir", "--data", "hs.jsonl"]);
+    assert!(out.contains("acc_norm") && out.contains("/2 = ") && out.contains("95% CI"), "{out}");
+    run(&["prepare", "hellaswag", "--input", "hs.jsonl", "-o", "hsbin"]);
+    let (out2, _) = run(&["eval", "hellaswag", "-e", "hf_dir", "--data", "hsbin/hellaswag_val.bin"]);
+    assert_eq!(out, out2, "JSON lines and llm.c's .bin score the same");
+    // Plot a log.
+    std::fs::create_dir_all(dir.path().join("r")).unwrap();
+    std::fs::write(
+        dir.path().join("r/log.jsonl"),
+        "{\"step\":0,\"train_loss\":3.0}\n{\"step\":1,\"train_loss\":2.0}\n",
+    )
+    .unwrap();
+    run(&["plot", "r/log.jsonl", "-o", "c"]);
+    assert!(dir.path().join("c.png").exists() && dir.path().join("c.svg").exists());
+}

@@ -9,7 +9,8 @@ use llmrs::tokenizer::Tokenizer;
 
 #[test]
 fn losses_and_predictions_match_the_pytorch_scorer() {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hellaswag_ref.json")).unwrap();
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hellaswag_ref.json")).unwrap();
     let want: serde_json::Value = serde_json::from_str(&text).unwrap();
     let n = want["n"].as_u64().unwrap() as usize;
     // The fixture's model is `llmrs convert 2x64:4:256 --seed 42`: our random init.
@@ -18,7 +19,9 @@ fn losses_and_predictions_match_the_pytorch_scorer() {
     let mut ex = load_jsonl(&data, &Tokenizer::gpt2().unwrap()).unwrap();
     assert_eq!(ex.len(), 10042);
     ex.truncate(n);
-    let ids = |v: &serde_json::Value| -> Vec<u32> { v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect() };
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    };
     let got = score(&mut model, &ex, |_| {}).unwrap();
     for (i, (w, (e, g))) in want["examples"].as_array().unwrap().iter().zip(ex.iter().zip(&got)).enumerate() {
         assert_eq!(e.ctx, ids(&w["ctx_tokens"]), "example {i} context tokens");
@@ -30,8 +33,19 @@ fn losses_and_predictions_match_the_pytorch_scorer() {
             assert!((g.sum_loss[k] - ws).abs() <= 1e-5 * ws, "example {i} ending {k}: sum {} vs {ws}", g.sum_loss[k]);
             assert!((g.avg_loss[k] - wa).abs() <= 1e-5 * wa, "example {i} ending {k}: avg {} vs {wa}", g.avg_loss[k]);
         }
-        assert_eq!((g.pred, g.pred_norm, g.label), (w["pred"].as_u64().unwrap() as usize, w["pred_norm"].as_u64().unwrap() as usize, w["label"].as_u64().unwrap() as usize), "example {i}");
+        assert_eq!(
+            (g.pred, g.pred_norm, g.label),
+            (
+                w["pred"].as_u64().unwrap() as usize,
+                w["pred_norm"].as_u64().unwrap() as usize,
+                w["label"].as_u64().unwrap() as usize
+            ),
+            "example {i}"
+        );
     }
     let (c, cn, total) = accuracy(&got);
-    assert_eq!((c, cn, total), (want["num_correct"].as_u64().unwrap() as usize, want["num_correct_norm"].as_u64().unwrap() as usize, n));
+    assert_eq!(
+        (c, cn, total),
+        (want["num_correct"].as_u64().unwrap() as usize, want["num_correct_norm"].as_u64().unwrap() as usize, n)
+    );
 }

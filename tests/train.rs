@@ -140,7 +140,8 @@ fn hellaswag_during_training_is_logged_at_validation_steps() {
     let hs = dir.path().join("hellaswag_val.bin");
     llmrs::hellaswag::write_bin(&hs, &ex).unwrap();
     let out = dir.path().join("out");
-    let cfg = TrainConfig { hellaswag: true, hellaswag_data: Some(hs), max_steps: Some(8), ..small(&out, &train, &val) };
+    let cfg =
+        TrainConfig { hellaswag: true, hellaswag_data: Some(hs), max_steps: Some(8), ..small(&out, &train, &val) };
     let s = run(&cfg).unwrap();
     assert_eq!(s.hellaswag.iter().map(|x| x.0).collect::<Vec<_>>(), vec![4, 8]);
     assert!(s.hellaswag.iter().all(|(_, a)| (0.0..=1.0).contains(a) && (a * 6.0).fract() == 0.0));
