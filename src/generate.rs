@@ -11,7 +11,7 @@ use crate::rng::random_f32;
 use anyhow::{bail, Result};
 
 /// Positions processed together when a prompt is fed into the cache.
-const PREFILL_CHUNK: usize = 64;
+const PREFILL_CHUNK: usize = 256;
 
 /// Keys and values of every layer for one sequence, plus the inference pass's workspace.
 pub struct KvCache {
@@ -25,7 +25,8 @@ pub struct KvCache {
     rstd: Vec<f32>,       // (CH)
     qkv: Vec<f32>,        // (CH, 3*C)
     atty: Vec<f32>,       // (CH, C)
-    scores: Vec<f32>,     // (CH * NH, maxT)
+    scores: Vec<f32>,     // (NH, CH, maxT)
+    head_out: Vec<f32>,   // (NH, CH, HS)
     fch: Vec<f32>,        // (CH, 4*C)
     fch_gelu: Vec<f32>,   // (CH, 4*C)
     proj: Vec<f32>,       // (CH, C)
@@ -48,6 +49,7 @@ impl KvCache {
             qkv: z(ch * 3 * c),
             atty: z(ch * c),
             scores: z(ch * nh * t),
+            head_out: z(ch * c),
             fch: z(ch * 4 * c),
             fch_gelu: z(ch * 4 * c),
             proj: z(ch * c),
@@ -101,7 +103,19 @@ impl GPT2 {
                     k.v[at..at + c].copy_from_slice(&row[2 * c..]);
                 }
                 let (kc, vc) = (&k.k[base..base + max_t * c], &k.v[base..base + max_t * c]);
-                attention_forward_cached(&mut k.atty, &mut k.scores, &k.qkv, kc, vc, pos, tn, c, nh, max_t);
+                attention_forward_cached(
+                    &mut k.atty,
+                    &mut k.scores,
+                    &mut k.head_out,
+                    &k.qkv,
+                    kc,
+                    vc,
+                    pos,
+                    tn,
+                    c,
+                    nh,
+                    max_t,
+                );
                 matmul_forward(&mut k.proj, &k.atty, w.attn_proj_w.of(p), Some(w.attn_proj_b.of(p)), tn, c, c);
                 add_inplace(x, &k.proj[..tn * c]);
                 layernorm_forward(&mut k.ln, &mut k.mean, &mut k.rstd, x, w.ln2_w.of(p), w.ln2_b.of(p), tn, c);
@@ -279,7 +293,7 @@ mod tests {
         let cfg = GPT2Config {
             vocab_size: 101,
             padded_vocab_size: 128,
-            ..GPT2Config::from_descriptor("2x24:3:150").unwrap()
+            ..GPT2Config::from_descriptor("2x24:3:600").unwrap()
         };
         GPT2::random(cfg, 11).unwrap()
     }
@@ -287,23 +301,23 @@ mod tests {
     #[test]
     fn cached_logits_match_the_full_forward_pass() {
         let mut m = model();
-        // 130 tokens: more than one prefill chunk, then single tokens.
-        let toks: Vec<u32> = (0..140).map(|i| (i * 37 % 101) as u32).collect();
+        // 530 tokens: more than two prefill chunks, then single tokens.
+        let toks: Vec<u32> = (0..540).map(|i| (i * 37 % 101) as u32).collect();
         let mut cache = KvCache::new(&m);
         let mut cached = vec![];
-        cached.push(m.forward_cached(&mut cache, &toks[..130]).unwrap().to_vec());
-        for &t in &toks[130..] {
+        cached.push(m.forward_cached(&mut cache, &toks[..530]).unwrap().to_vec());
+        for &t in &toks[530..] {
             cached.push(m.forward_cached(&mut cache, &[t]).unwrap().to_vec());
         }
         m.forward(&toks, None, 1, toks.len()).unwrap();
         let vp = 128;
-        for (j, pos) in (129..140).enumerate() {
+        for (j, pos) in (529..540).enumerate() {
             let full = &m.acts.logits[pos * vp..pos * vp + 101];
             for (a, b) in cached[j].iter().zip(full) {
                 assert!((a - b).abs() < 1e-5 * b.abs().max(1.0), "pos {pos}: {a} vs {b}");
             }
         }
-        assert!(m.forward_cached(&mut cache, &[1; 20]).is_err(), "past the context");
+        assert!(m.forward_cached(&mut cache, &[1; 61]).is_err(), "past the context");
     }
 
     #[test]

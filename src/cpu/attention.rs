@@ -6,9 +6,25 @@
 
 use rayon::prelude::*;
 
+/// Dot product with 8 independent partial sums, so the compiler can keep them in one SIMD
+/// register (a single running sum would force sequential, scalar adds).
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
 }
 
 /// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3*C).
@@ -64,12 +80,13 @@ pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usize
 /// Attention of `tn` new positions against a KV cache (inference, one sequence).
 /// `qkv (tn, 3*C)` holds the new positions' q, k, v; their k and v must already be copied into
 /// `k_cache`/`v_cache (maxT, C)` at rows `pos..pos+tn`. New position i sits at absolute position
-/// `pos + i` and attends to cache rows `0..=pos+i`. `out (tn, C)`; `scores` needs `pos + tn` floats
-/// per task and is given as (tn * NH, maxT) workspace.
+/// `pos + i` and attends to cache rows `0..=pos+i`. Per head, two GEMMs: scores = Q K^T and
+/// out = softmax(scores) V. `scores (NH, tn, maxT)` and `head_out (NH, tn, HS)` are workspace.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_cached(
     out: &mut [f32],
     scores: &mut [f32],
+    head_out: &mut [f32],
     qkv: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
@@ -79,36 +96,42 @@ pub fn attention_forward_cached(
     nh: usize,
     max_t: usize,
 ) {
+    use crate::cpu::matmul::gemm_strided_serial;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
-    let out = &mut out[..tn * c];
-    // One task per (new position, head): each writes its own HS slice of out.
-    out.par_chunks_mut(hs).zip(scores[..tn * nh * max_t].par_chunks_mut(max_t)).enumerate().for_each(
-        |(ih, (o, sc))| {
-            let (i, h) = (ih / nh, ih % nh);
-            let q = &qkv[i * 3 * c + h * hs..][..hs];
-            let n = pos + i + 1;
-            let mut maxv = f32::NEG_INFINITY;
-            for (t2, s) in sc[..n].iter_mut().enumerate() {
-                *s = dot(q, &k_cache[t2 * c + h * hs..][..hs]) * scale;
-                maxv = maxv.max(*s);
-            }
-            let mut sum = 0f32;
-            for s in &mut sc[..n] {
-                *s = (*s - maxv).exp();
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            o.fill(0.0);
-            for (t2, s) in sc[..n].iter().enumerate() {
-                let w = s * inv;
-                let v = &v_cache[t2 * c + h * hs..][..hs];
-                for k in 0..hs {
-                    o[k] += w * v[k];
+    let n = pos + tn; // keys visible to the last new position
+    let (c_, c3, mt) = (c as isize, 3 * c as isize, max_t as isize);
+    scores[..nh * tn * max_t]
+        .par_chunks_mut(tn * max_t)
+        .zip(head_out[..nh * tn * hs].par_chunks_mut(tn * hs))
+        .enumerate()
+        .for_each(|(h, (sc, ho))| {
+            // sc (tn, n) = Q_h (tn, HS) @ K_h^T (HS, n)
+            let q = &qkv[h * hs..];
+            let k = &k_cache[h * hs..];
+            gemm_strided_serial(tn, n, hs, sc, (mt, 1), false, q, (c3, 1), k, (1, c_));
+            for i in 0..tn {
+                let row = &mut sc[i * max_t..i * max_t + n];
+                let live = pos + i + 1;
+                let maxv = row[..live].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+                let mut sum = 0f32;
+                for x in &mut row[..live] {
+                    *x = (*x * scale - maxv).exp();
+                    sum += *x;
                 }
+                let inv = 1.0 / sum;
+                row[..live].iter_mut().for_each(|x| *x *= inv);
+                row[live..].fill(0.0);
             }
-        },
-    );
+            // ho (tn, HS) = P (tn, n) @ V_h (n, HS)
+            gemm_strided_serial(tn, hs, n, ho, (hs as isize, 1), false, sc, (mt, 1), &v_cache[h * hs..], (c_, 1));
+        });
+    for i in 0..tn {
+        for h in 0..nh {
+            out[i * c + h * hs..i * c + (h + 1) * hs]
+                .copy_from_slice(&head_out[(h * tn + i) * hs..(h * tn + i + 1) * hs]);
+        }
+    }
 }
 
 /// Backward of [`attention_forward`]. `dqkv (B, T, 3*C)` is overwritten; `scratch (B, NH, T, T)`

@@ -14,9 +14,43 @@ fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
     }
 }
 
-/// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n)` with arbitrary strides (row stride, column stride).
+/// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n)` with arbitrary strides (row stride, column stride),
+/// threaded over the rayon pool when large enough.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_s: (isize, isize),
+    accumulate: bool,
+    lhs: &[f32],
+    lhs_s: (isize, isize),
+    rhs: &[f32],
+    rhs_s: (isize, isize),
+) {
+    gemm_impl(m, n, k, dst, dst_s, accumulate, lhs, lhs_s, rhs, rhs_s, parallelism(m, n, k))
+}
+
+/// [`gemm_strided`] on the calling thread only, for use inside an already parallel loop.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_strided_serial(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_s: (isize, isize),
+    accumulate: bool,
+    lhs: &[f32],
+    lhs_s: (isize, isize),
+    rhs: &[f32],
+    rhs_s: (isize, isize),
+) {
+    gemm_impl(m, n, k, dst, dst_s, accumulate, lhs, lhs_s, rhs, rhs_s, Parallelism::None)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_impl(
     m: usize,
     n: usize,
     k: usize,
@@ -27,6 +61,7 @@ pub fn gemm_strided(
     (lhs_rs, lhs_cs): (isize, isize),
     rhs: &[f32],
     (rhs_rs, rhs_cs): (isize, isize),
+    par: Parallelism,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -62,7 +97,7 @@ pub fn gemm_strided(
             false,
             false,
             false,
-            parallelism(m, n, k),
+            par,
         )
     }
 }
