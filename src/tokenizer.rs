@@ -135,6 +135,13 @@ mod tests {
         let ids = tok.encode("To be, or not to be").unwrap();
         assert_eq!(back.decode(&ids), "To be, or not to be");
         assert!(back.encode("x").is_err());
+        // Version 1 files (before the EOT field) have EOT 50256 implied.
+        let mut v1 = std::fs::read(&p).unwrap();
+        v1[4..8].copy_from_slice(&1i32.to_le_bytes());
+        v1[12..16].copy_from_slice(&0i32.to_le_bytes());
+        std::fs::write(&p, &v1).unwrap();
+        let old = Tokenizer::load_llmc(&p).unwrap();
+        assert_eq!((old.eot, old.vocab_size()), (50256, 50257));
         let bytes = std::fs::read(&p).unwrap();
         std::fs::write(&p, &bytes[..bytes.len() - 3]).unwrap();
         assert!(format!("{:#}", Tokenizer::load_llmc(&p).err().unwrap()).contains("truncated"));
