@@ -2,6 +2,7 @@
 //!
 //! Dimension names (B, T, C, NH, HS, L, V, Vp, maxT) are defined in [`config`].
 
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod corpus;
@@ -17,6 +18,7 @@ pub mod optim;
 pub mod params;
 pub mod plot;
 pub mod prepare;
+pub mod profile;
 pub mod progress;
 pub mod rng;
 pub mod schedule;

@@ -35,6 +35,26 @@ enum Cmd {
         #[arg(short, long, default_value = "curves")]
         out: PathBuf,
     },
+    /// Time training steps (forward, backward, AdamW) on random tokens: ms/step, tokens/s, MFU
+    /// against the measured fp32 peak, peak memory, and where the time goes.
+    Bench {
+        /// Model descriptor or file.
+        #[arg(short = 'e', long = "model", default_value = "d12")]
+        model: String,
+        #[arg(short = 'b', long = "batch-size", default_value_t = 4)]
+        batch_size: usize,
+        #[arg(short = 't', long = "seq-len", default_value_t = 64)]
+        seq_len: usize,
+        /// Measured steps.
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// Unmeasured warm-up steps.
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Evaluate a model.
     #[command(subcommand)]
     Eval(EvalCmd),
@@ -462,6 +482,16 @@ fn real_main(cli: Cli) -> Result<()> {
             prepare_tinyshakespeare(&Source::from_env(input.as_deref()), &out).map(|_| ())
         }
         Some(Cmd::Generate(a)) => run_generate(a),
+        Some(Cmd::Bench { model, batch_size, seq_len, steps, warmup, json }) => {
+            let cfg = llmrs::bench::BenchConfig { model, batch_size, seq_len, steps: steps.max(1), warmup };
+            let r = llmrs::bench::run(&cfg)?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!("{r}");
+            }
+            Ok(())
+        }
         Some(Cmd::Plot { logs, out }) => {
             let runs = logs.iter().map(|p| llmrs::plot::read_log(p)).collect::<Result<Vec<_>>>()?;
             let (png, svg) = llmrs::plot::plot(&runs, &out)?;

@@ -14,6 +14,13 @@ use crate::params::{ParamLayout, Span};
 use crate::rng::Mt19937;
 use anyhow::{bail, Result};
 
+/// Charge a layer call's time to its kind (only when `llmrs bench` turns profiling on).
+macro_rules! t {
+    ($kind:ident, $e:expr) => {
+        crate::profile::timed(crate::profile::Kind::$kind, || $e)
+    };
+}
+
 /// The model: shape, parameter layout, and flat buffers that share that layout.
 pub struct GPT2 {
     pub config: GPT2Config,
@@ -254,28 +261,46 @@ impl GPT2 {
         let a = &mut self.acts;
         (a.b, a.t, a.has_targets) = (b, t, targets.is_some());
         a.inputs[..n].copy_from_slice(inputs);
-        encoder_forward(&mut a.encoded, inputs, lay.wte.of(p), lay.wpe.of(p), b, t, c);
+        t!(Encoder, encoder_forward(&mut a.encoded, inputs, lay.wte.of(p), lay.wpe.of(p), b, t, c));
         for (l, w) in lay.blocks.iter().enumerate() {
             let x = a.layer(l, b, t, &cfg);
-            layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.res_in, w.ln1_w.of(p), w.ln1_b.of(p), n, c);
-            matmul_forward(x.qkv, x.ln1, w.qkv_w.of(p), Some(w.qkv_b.of(p)), n, c, 3 * c);
-            attention_forward(x.atty, x.att, x.qkv, b, t, c, nh);
-            matmul_forward(x.scratch, x.atty, w.attn_proj_w.of(p), Some(w.attn_proj_b.of(p)), n, c, c);
-            residual_forward(x.residual2, x.res_in, x.scratch);
-            layernorm_forward(x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2_w.of(p), w.ln2_b.of(p), n, c);
-            matmul_forward(x.fch, x.ln2, w.fc_w.of(p), Some(w.fc_b.of(p)), n, c, 4 * c);
-            gelu_forward(x.fch_gelu, x.fch);
-            matmul_forward(x.scratch, x.fch_gelu, w.fc_proj_w.of(p), Some(w.fc_proj_b.of(p)), n, 4 * c, c);
-            residual_forward(x.residual3, x.residual2, x.scratch);
+            t!(
+                LayerNorm,
+                layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.res_in, w.ln1_w.of(p), w.ln1_b.of(p), n, c)
+            );
+            t!(Matmul, matmul_forward(x.qkv, x.ln1, w.qkv_w.of(p), Some(w.qkv_b.of(p)), n, c, 3 * c));
+            t!(Attention, attention_forward(x.atty, x.att, x.qkv, b, t, c, nh));
+            t!(Matmul, matmul_forward(x.scratch, x.atty, w.attn_proj_w.of(p), Some(w.attn_proj_b.of(p)), n, c, c));
+            t!(Residual, residual_forward(x.residual2, x.res_in, x.scratch));
+            t!(
+                LayerNorm,
+                layernorm_forward(x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2_w.of(p), w.ln2_b.of(p), n, c)
+            );
+            t!(Matmul, matmul_forward(x.fch, x.ln2, w.fc_w.of(p), Some(w.fc_b.of(p)), n, c, 4 * c));
+            t!(Gelu, gelu_forward(x.fch_gelu, x.fch));
+            t!(Matmul, matmul_forward(x.scratch, x.fch_gelu, w.fc_proj_w.of(p), Some(w.fc_proj_b.of(p)), n, 4 * c, c));
+            t!(Residual, residual_forward(x.residual3, x.residual2, x.scratch));
         }
         let last = &a.residual3[(cfg.num_layers - 1) * n * c..][..n * c];
-        layernorm_forward(&mut a.lnf, &mut a.lnf_mean, &mut a.lnf_rstd, last, lay.lnf_w.of(p), lay.lnf_b.of(p), n, c);
-        matmul_forward(&mut a.logits, &a.lnf, lay.wte.of(p), None, n, c, vp);
+        t!(
+            LayerNorm,
+            layernorm_forward(
+                &mut a.lnf,
+                &mut a.lnf_mean,
+                &mut a.lnf_rstd,
+                last,
+                lay.lnf_w.of(p),
+                lay.lnf_b.of(p),
+                n,
+                c
+            )
+        );
+        t!(Classifier, matmul_forward(&mut a.logits, &a.lnf, lay.wte.of(p), None, n, c, vp));
         let Some(targets) = targets else {
             return Ok(None);
         };
         a.targets[..n].copy_from_slice(targets);
-        crossentropy_forward(&mut a.losses, &a.logits, targets, n, v, vp);
+        t!(Classifier, crossentropy_forward(&mut a.losses, &a.logits, targets, n, v, vp));
         Ok(Some(a.losses[..n].iter().sum::<f32>() / n as f32))
     }
 
@@ -296,45 +321,61 @@ impl GPT2 {
         let (b, t) = (a.b, a.t);
         let n = b * t;
         let (p, g, lay) = (&self.params, &mut self.grads, &self.layout);
-        crossentropy_softmax_backward_inplace(&mut a.logits, &a.targets, loss_scale / n as f32, n, v, vp);
-        matmul_backward(Some(&mut a.scratch), lay.wte.of_mut(g), None, &a.logits, &a.lnf, lay.wte.of(p), n, c, vp);
+        t!(
+            Classifier,
+            crossentropy_softmax_backward_inplace(&mut a.logits, &a.targets, loss_scale / n as f32, n, v, vp)
+        );
+        t!(
+            Classifier,
+            matmul_backward(Some(&mut a.scratch), lay.wte.of_mut(g), None, &a.logits, &a.lnf, lay.wte.of(p), n, c, vp)
+        );
         a.dresidual[..n * c].fill(0.0);
         let last = &a.residual3[(cfg.num_layers - 1) * n * c..][..n * c];
         let (dlnf_w, dlnf_b) = pair(g, &lay.lnf_w, &lay.lnf_b);
         let (lnf_w, m, r) = (lay.lnf_w.of(p), &a.lnf_mean, &a.lnf_rstd);
-        layernorm_backward(&mut a.dresidual, dlnf_w, dlnf_b, &a.scratch, last, lnf_w, m, r, n, c);
+        t!(LayerNorm, layernorm_backward(&mut a.dresidual, dlnf_w, dlnf_b, &a.scratch, last, lnf_w, m, r, n, c));
         for (l, w) in lay.blocks.iter().enumerate().rev() {
             let x = a.layer(l, b, t, &cfg);
             // MLP branch: residual3 = residual2 + fc_proj(gelu(fc(ln2(residual2)))).
             let (dw, db) = pair(g, &w.fc_proj_w, &w.fc_proj_b);
-            matmul_backward(Some(x.dfch), dw, Some(db), x.dresidual, x.fch_gelu, w.fc_proj_w.of(p), n, 4 * c, c);
-            gelu_backward_inplace(x.dfch, x.fch);
-            let (dw, db) = pair(g, &w.fc_w, &w.fc_b);
-            matmul_backward(Some(x.scratch), dw, Some(db), x.dfch, x.ln2, w.fc_w.of(p), n, c, 4 * c);
-            let (dw, db) = pair(g, &w.ln2_w, &w.ln2_b);
-            layernorm_backward(
-                x.dresidual,
-                dw,
-                db,
-                x.scratch,
-                x.residual2,
-                w.ln2_w.of(p),
-                x.ln2_mean,
-                x.ln2_rstd,
-                n,
-                c,
+            t!(
+                Matmul,
+                matmul_backward(Some(x.dfch), dw, Some(db), x.dresidual, x.fch_gelu, w.fc_proj_w.of(p), n, 4 * c, c)
             );
+            t!(Gelu, gelu_backward_inplace(x.dfch, x.fch));
+            let (dw, db) = pair(g, &w.fc_w, &w.fc_b);
+            t!(Matmul, matmul_backward(Some(x.scratch), dw, Some(db), x.dfch, x.ln2, w.fc_w.of(p), n, c, 4 * c));
+            let (dw, db) = pair(g, &w.ln2_w, &w.ln2_b);
+            let (ln2_w, mean, rstd) = (w.ln2_w.of(p), &*x.ln2_mean, &*x.ln2_rstd);
+            t!(LayerNorm, layernorm_backward(x.dresidual, dw, db, x.scratch, x.residual2, ln2_w, mean, rstd, n, c));
             // Attention branch: residual2 = res_in + attn_proj(attention(qkv(ln1(res_in)))).
             let (dw, db) = pair(g, &w.attn_proj_w, &w.attn_proj_b);
-            matmul_backward(Some(x.scratch), dw, Some(db), x.dresidual, x.atty, w.attn_proj_w.of(p), n, c, c);
-            attention_backward(x.dqkv, x.datt, x.scratch, x.qkv, x.att, b, t, c, nh);
+            t!(
+                Matmul,
+                matmul_backward(Some(x.scratch), dw, Some(db), x.dresidual, x.atty, w.attn_proj_w.of(p), n, c, c)
+            );
+            t!(Attention, attention_backward(x.dqkv, x.datt, x.scratch, x.qkv, x.att, b, t, c, nh));
             let (dw, db) = pair(g, &w.qkv_w, &w.qkv_b);
-            matmul_backward(Some(x.scratch), dw, Some(db), x.dqkv, x.ln1, w.qkv_w.of(p), n, c, 3 * c);
+            t!(Matmul, matmul_backward(Some(x.scratch), dw, Some(db), x.dqkv, x.ln1, w.qkv_w.of(p), n, c, 3 * c));
             let (dw, db) = pair(g, &w.ln1_w, &w.ln1_b);
-            layernorm_backward(x.dresidual, dw, db, x.scratch, x.res_in, w.ln1_w.of(p), x.ln1_mean, x.ln1_rstd, n, c);
+            t!(
+                LayerNorm,
+                layernorm_backward(
+                    x.dresidual,
+                    dw,
+                    db,
+                    x.scratch,
+                    x.res_in,
+                    w.ln1_w.of(p),
+                    x.ln1_mean,
+                    x.ln1_rstd,
+                    n,
+                    c
+                )
+            );
         }
         let (dwte, dwpe) = pair(g, &lay.wte, &lay.wpe);
-        encoder_backward(dwte, dwpe, &a.dresidual, &a.inputs, b, t, c);
+        t!(Encoder, encoder_backward(dwte, dwpe, &a.dresidual, &a.inputs, b, t, c));
         Ok(())
     }
 
@@ -351,14 +392,8 @@ impl GPT2 {
     pub fn update(&mut self, h: &AdamW) {
         for (span, &decay) in self.layout.tensors.iter().zip(&self.layout.decay) {
             let r = span.0.clone();
-            adamw_update(
-                &mut self.params[r.clone()],
-                &self.grads[r.clone()],
-                &mut self.m[r.clone()],
-                &mut self.v[r],
-                h,
-                decay,
-            );
+            let (p, g) = (&mut self.params[r.clone()], &self.grads[r.clone()]);
+            t!(Optimizer, adamw_update(p, g, &mut self.m[r.clone()], &mut self.v[r], h, decay));
         }
     }
 }

@@ -48,7 +48,7 @@ pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usize
             }
             let mut sum = 0f32;
             for x in &mut row[..=ti] {
-                *x = (*x - maxv).exp();
+                *x = super::math::exp(*x - maxv);
                 sum += *x;
             }
             let inv = 1.0 / sum;
@@ -116,7 +116,7 @@ pub fn attention_forward_cached(
                 let maxv = row[..live].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
                 let mut sum = 0f32;
                 for x in &mut row[..live] {
-                    *x = (*x * scale - maxv).exp();
+                    *x = super::math::exp(*x * scale - maxv);
                     sum += *x;
                 }
                 let inv = 1.0 / sum;

@@ -3,14 +3,24 @@
 //! Only the first V of the Vp logits take part; the padded columns get zero gradient, so the
 //! padded rows of `wte` are never trained.
 
+use super::math::exp;
 use rayon::prelude::*;
+
+/// Sum with 8 running partial sums (vectorisable; one running sum forces scalar adds).
+fn sum8(it: impl Iterator<Item = f32>) -> f32 {
+    let mut acc = [0f32; 8];
+    for (i, x) in it.enumerate() {
+        acc[i % 8] += x;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
 
 /// Per-position loss: losses (N) = -log softmax(logits (N, Vp)[:V])[targets (N)].
 pub fn crossentropy_forward(losses: &mut [f32], logits: &[f32], targets: &[u32], n: usize, v: usize, vp: usize) {
     losses[..n].par_iter_mut().enumerate().for_each(|(i, loss)| {
         let row = &logits[i * vp..i * vp + v];
         let maxv = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f32 = row.iter().map(|x| (x - maxv).exp()).sum();
+        let sum = sum8(row.iter().map(|x| exp(x - maxv)));
         *loss = sum.ln() + maxv - row[targets[i] as usize];
     });
 }
@@ -29,11 +39,10 @@ pub fn crossentropy_softmax_backward_inplace(
     logits[..n * vp].par_chunks_mut(vp).enumerate().for_each(|(i, row)| {
         let (live, pad) = row.split_at_mut(v);
         let maxv = live.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
         for x in live.iter_mut() {
-            *x = (*x - maxv).exp();
-            sum += *x;
+            *x = exp(*x - maxv);
         }
+        let sum = sum8(live.iter().copied());
         let scale = dloss / sum;
         for x in live.iter_mut() {
             *x *= scale;

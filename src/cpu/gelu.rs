@@ -8,14 +8,14 @@ const CHUNK: usize = 4096;
 #[inline]
 fn gelu(x: f32) -> f32 {
     let cube = 0.044715 * x * x * x;
-    0.5 * x * (1.0 + (SCALE * (x + cube)).tanh())
+    0.5 * x * (1.0 + super::math::tanh(SCALE * (x + cube)))
 }
 
 #[inline]
 fn gelu_grad(x: f32) -> f32 {
     let cube = 0.044715 * x * x * x;
     let arg = SCALE * (x + cube);
-    let th = arg.tanh();
+    let th = super::math::tanh(arg);
     let sech2 = 1.0 - th * th;
     0.5 * (1.0 + th) + x * 0.5 * sech2 * SCALE * (1.0 + 3.0 * 0.044715 * x * x)
 }

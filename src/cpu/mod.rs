@@ -7,6 +7,7 @@ pub mod classifier;
 pub mod encoder;
 pub mod gelu;
 pub mod layernorm;
+pub mod math;
 pub mod matmul;
 pub mod residual;
 

@@ -1,0 +1,147 @@
+"""Training speed: llmrs vs PyTorch (and llm.c's train_gpt2.c when given), same machine, same
+thread count, same model (GPT-2, llm.c's init), batch and optimizer, interleaved A B A B.
+
+    cargo build --release
+    pip install torch
+    python scripts/bench_compare.py --threads 2 --model d12 -b 4 -t 64
+    python scripts/bench_compare.py ... --llmc /path/to/llm.c   # adds llm.c (see below)
+
+PyTorch runs at its best on the CPU: nn.Linear, fused scaled_dot_product_attention, tanh GELU,
+torch.optim.AdamW (foreach), no autocast, fp32. Each side runs `--steps` steps after `--warmup`
+per round; the ratio of median step times is taken per round, and the median over rounds is
+reported.
+
+llm.c: `--llmc DIR` where DIR holds llm.c's `train_gpt2` built with its Makefile, with
+`gpt2_124M.bin` and dev/data/tinyshakespeare/ prepared as train_gpt2.c expects (B=4, T=64 are
+fixed in its source). Its "took X ms" lines are averaged after the first.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import time
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--llmrs", default="target/release/llmrs")
+ap.add_argument("--threads", type=int, default=2)
+ap.add_argument("--model", default="d12")
+ap.add_argument("-b", type=int, default=4)
+ap.add_argument("-t", type=int, default=64)
+ap.add_argument("--steps", type=int, default=5)
+ap.add_argument("--warmup", type=int, default=2)
+ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--llmc", default=None)
+args = ap.parse_args()
+
+os.environ["OMP_NUM_THREADS"] = str(args.threads)
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+torch.set_num_threads(args.threads)
+DEPTHS = {"d6": (6, 6, 384), "d12": (12, 12, 768), "d24": (24, 16, 1024), "d36": (36, 20, 1280), "d48": (48, 25, 1600)}
+L, NH, C = DEPTHS[args.model]
+V, MAXT = 50257, 1024
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (z.view(B, T, NH, C // NH).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(MAXT, C)
+        self.h = nn.ModuleList(Block() for _ in range(L))
+        self.ln_f = nn.LayerNorm(C)
+        # llm.c's init: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), zero biases.
+        torch.manual_seed(42)
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.02)
+        for b in self.h:
+            for lin, std in ((b.c_attn, 0.02), (b.c_proj, 0.02 / math.sqrt(2 * L)), (b.c_fc, 0.02), (b.mlp_proj, 0.02 / math.sqrt(2 * L))):
+                nn.init.normal_(lin.weight, std=std)
+                nn.init.zeros_(lin.bias)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.h:
+            x = b(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied head
+        return F.cross_entropy(logits.view(-1, V), targets.view(-1))
+
+
+model = GPT()
+decay = [p for n, p in model.named_parameters() if p.dim() == 2]
+no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+g = torch.Generator().manual_seed(0)
+data = torch.randint(0, V, (args.b, args.t + 1), generator=g)
+x, y = data[:, :-1], data[:, 1:]
+
+
+def torch_round():
+    times = []
+    for s in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if s >= args.warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def llmrs_round():
+    cmd = [args.llmrs, "--threads", str(args.threads), "bench", "-e", args.model, "-b", str(args.b), "-t", str(args.t),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def llmc_round():
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    out = subprocess.run(["./train_gpt2"], cwd=args.llmc, capture_output=True, text=True, env=env, timeout=3600).stdout
+    took = [float(m) for m in re.findall(r"took ([\d.]+) ms", out)]
+    return statistics.median(took[1:])
+
+
+print(f"model {args.model} (L={L} C={C}), B={args.b} T={args.t}, {args.threads} threads, torch {torch.__version__}")
+ratios, llmc_ratios = [], []
+for r in range(args.rounds):
+    rep = llmrs_round()
+    tt = torch_round()
+    ratios.append(tt / rep["ms_median"])
+    line = (f"round {r}: llmrs {rep['ms_median']:.1f} ms/step (MFU {100 * rep['mfu']:.1f}%, RSS {rep['peak_rss_mib']:.0f} MiB) | "
+            f"pytorch {tt:.1f} ms/step | pytorch/llmrs {ratios[-1]:.2f}")
+    if args.llmc:
+        lc = llmc_round()
+        llmc_ratios.append(lc / rep["ms_median"])
+        line += f" | llm.c {lc:.1f} ms/step, llm.c/llmrs {llmc_ratios[-1]:.2f}"
+    print(line, flush=True)
+print(f"median speedup vs PyTorch: {statistics.median(ratios):.2f}x")
+if llmc_ratios:
+    print(f"median speedup vs llm.c: {statistics.median(llmc_ratios):.2f}x")
+try:
+    import resource
+    print(f"PyTorch process peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+except Exception:
+    pass

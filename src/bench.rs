@@ -1,0 +1,269 @@
+//! `llmrs bench`: time full training steps (forward, backward, AdamW) of a model on random tokens,
+//! and put them against the machine's own measured peak.
+
+use crate::model::GPT2;
+use crate::optim::{optimizer_step, OptimConfig};
+use crate::profile;
+use anyhow::Result;
+use std::time::Instant;
+
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// Model descriptor or file (default d12, GPT-2 124M).
+    pub model: String,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    /// Measured steps.
+    pub steps: usize,
+    /// Steps run first and not measured (page faults, caches, thread start-up).
+    pub warmup: usize,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub num_parameters: usize,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub threads: usize,
+    pub steps: usize,
+    pub ms_median: f64,
+    pub ms_min: f64,
+    pub ms_max: f64,
+    pub tokens_per_s: f64,
+    /// Model FLOPs per token as llm.c and PaLM count them: 6N + 6*L*C*T.
+    pub flops_per_token: f64,
+    pub achieved_gflops: f64,
+    pub peak_gflops: f64,
+    pub peak_method: String,
+    pub mfu: f64,
+    pub peak_rss_mib: f64,
+    /// Share of step time in forward, backward and the optimizer.
+    pub phases: Vec<(String, f64)>,
+    /// Share of step time by layer kind.
+    pub kinds: Vec<(String, f64)>,
+}
+
+/// FLOPs per token of a training step (forward + backward), llm.c's `gpt2_estimate_mfu` count.
+pub fn flops_per_token(model: &GPT2, t: usize) -> f64 {
+    let c = &model.config;
+    6.0 * model.num_parameters() as f64 + 6.0 * (c.num_layers * c.channels * t) as f64
+}
+
+/// Peak resident memory of this process (Linux `VmHWM`), in MiB.
+pub fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+/// Ten independent chains of 8-wide FMAs: enough in flight to keep both FMA units busy.
+/// SAFETY: callers check that the CPU has AVX2 and FMA.
+unsafe fn fma_chains(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+    let mut acc = [_mm256_set1_ps(1.0); 10];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm256_fmadd_ps(*x, a, b);
+        }
+    }
+    let mut out = [0f32; 8];
+    let s = acc.iter().fold(_mm256_setzero_ps(), |s, x| _mm256_add_ps(s, *x));
+    // SAFETY: `out` has room for 8 floats.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
+    out.iter().sum()
+}
+
+/// The machine's fp32 peak, measured: an FMA loop on every thread of the pool where AVX2+FMA
+/// exist, else the best of a few large GEMMs. Returns (GFLOP/s, method).
+pub fn measure_peak() -> (f64, String) {
+    let threads = rayon::current_num_threads();
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        let iters = 20_000_000;
+        let mut best = 0f64;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            let sink: f32 = rayon::broadcast(|_| {
+                // SAFETY: AVX2 and FMA were detected above.
+                unsafe { fma_chains(iters) }
+            })
+            .iter()
+            .sum();
+            std::hint::black_box(sink);
+            let flops = (threads * iters * 10 * 8 * 2) as f64;
+            best = best.max(flops / t0.elapsed().as_secs_f64());
+        }
+        return (best / 1e9, format!("AVX2 FMA loop on {threads} threads"));
+    }
+    let n = 1024;
+    let (a, b) = (vec![1.0f32; n * n], vec![0.5f32; n * n]);
+    let mut c = vec![0f32; n * n];
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        crate::cpu::matmul::gemm_strided(
+            n,
+            n,
+            n,
+            &mut c,
+            (n as isize, 1),
+            false,
+            &a,
+            (n as isize, 1),
+            &b,
+            (n as isize, 1),
+        );
+        best = best.max(2.0 * (n * n * n) as f64 / t0.elapsed().as_secs_f64());
+    }
+    (best / 1e9, format!("{n}^3 GEMM on {threads} threads"))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+/// Run the benchmark.
+pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
+    let mut model = crate::source::load_any(&cfg.model, 42)?;
+    let (b, t) = (cfg.batch_size, cfg.seq_len);
+    if t > model.config.max_seq_len {
+        anyhow::bail!("-t {t} is longer than the model's context {}", model.config.max_seq_len);
+    }
+    model.alloc_training_state();
+    model.reserve(b, t);
+    let v = model.config.vocab_size as u64;
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let tokens: Vec<u32> = (0..b * t + 1)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % v) as u32
+        })
+        .collect();
+    let (inputs, targets) = (&tokens[..b * t], &tokens[1..]);
+    let opt = OptimConfig::default();
+    let mut times = vec![];
+    let mut phase = [0f64; 3];
+    profile::reset();
+    for step in 0..cfg.warmup + cfg.steps {
+        if step == cfg.warmup {
+            profile::enable(true);
+            profile::reset();
+            phase = [0.0; 3];
+        }
+        let t0 = Instant::now();
+        model.zero_grad();
+        model.forward(inputs, Some(targets), b, t)?;
+        let t1 = Instant::now();
+        model.backward(1.0)?;
+        let t2 = Instant::now();
+        optimizer_step(&mut model, &opt, 1e-4, step);
+        let t3 = Instant::now();
+        if step >= cfg.warmup {
+            times.push((t3 - t0).as_secs_f64() * 1e3);
+            phase[0] += (t1 - t0).as_secs_f64();
+            phase[1] += (t2 - t1).as_secs_f64();
+            phase[2] += (t3 - t2).as_secs_f64();
+        }
+    }
+    profile::enable(false);
+    let total: f64 = phase.iter().sum();
+    let kinds = profile::totals().into_iter().map(|(k, s)| (format!("{k:?}").to_lowercase(), s / total)).collect();
+    let (ms_min, ms_max) = times.iter().fold((f64::MAX, 0f64), |(a, b), &x| (a.min(x), b.max(x)));
+    let ms_median = median(&mut times);
+    let tokens_per_s = (b * t) as f64 / (ms_median / 1e3);
+    let fpt = flops_per_token(&model, t);
+    let achieved = fpt * tokens_per_s / 1e9;
+    let (peak, method) = measure_peak();
+    Ok(BenchReport {
+        model: cfg.model.clone(),
+        num_parameters: model.num_parameters(),
+        batch_size: b,
+        seq_len: t,
+        threads: rayon::current_num_threads(),
+        steps: cfg.steps,
+        ms_median,
+        ms_min,
+        ms_max,
+        tokens_per_s,
+        flops_per_token: fpt,
+        achieved_gflops: achieved,
+        peak_gflops: peak,
+        peak_method: method,
+        mfu: achieved / peak,
+        peak_rss_mib: peak_rss_mib(),
+        phases: ["forward", "backward", "optimizer"]
+            .iter()
+            .zip(phase)
+            .map(|(n, s)| (n.to_string(), s / total))
+            .collect(),
+        kinds,
+    })
+}
+
+impl std::fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "model {} ({:.1}M parameters), B={} T={}, {} threads, {} steps measured",
+            self.model,
+            self.num_parameters as f64 / 1e6,
+            self.batch_size,
+            self.seq_len,
+            self.threads,
+            self.steps
+        )?;
+        writeln!(f, "ms/step     median {:.1} (min {:.1}, max {:.1})", self.ms_median, self.ms_min, self.ms_max)?;
+        writeln!(f, "tokens/s    {:.1}", self.tokens_per_s)?;
+        writeln!(
+            f,
+            "throughput  {:.1} GFLOP/s of model FLOPs ({:.3} GFLOP/token: 6N + 6LCT)",
+            self.achieved_gflops,
+            self.flops_per_token / 1e9
+        )?;
+        writeln!(f, "peak        {:.1} GFLOP/s fp32 ({})", self.peak_gflops, self.peak_method)?;
+        writeln!(f, "MFU         {:.1}%", 100.0 * self.mfu)?;
+        writeln!(f, "peak RSS    {:.0} MiB", self.peak_rss_mib)?;
+        let pct = |v: &[(String, f64)]| {
+            v.iter().map(|(n, x)| format!("{n} {:.1}%", 100.0 * x)).collect::<Vec<_>>().join(", ")
+        };
+        writeln!(f, "phases      {}", pct(&self.phases))?;
+        write!(f, "layer kinds {}", pct(&self.kinds))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_bench_reports_consistent_numbers() {
+        let r =
+            run(&BenchConfig { model: "1x16:2:16".into(), batch_size: 2, seq_len: 8, steps: 3, warmup: 1 }).unwrap();
+        assert!(r.ms_min <= r.ms_median && r.ms_median <= r.ms_max);
+        assert!(r.peak_gflops > 0.0 && r.mfu > 0.0 && r.mfu < 1.0);
+        let phases: f64 = r.phases.iter().map(|x| x.1).sum();
+        assert!((phases - 1.0).abs() < 1e-9);
+        let kinds: f64 = r.kinds.iter().map(|x| x.1).sum();
+        assert!(kinds > 0.3 && kinds <= 1.0 + 1e-9, "timed layers cover most of the step: {kinds}");
+        assert!(r.to_string().contains("MFU"));
+        // 6N + 6LCT with N = 50304*16 + 16*16 + 12*16*16 + 13*16 + 2*16.
+        let n = 50304 * 16 + 16 * 16 + 12 * 256 + 13 * 16 + 32;
+        assert_eq!(r.num_parameters, n);
+        assert_eq!(r.flops_per_token, 6.0 * n as f64 + 6.0 * 16.0 * 8.0);
+    }
+}
