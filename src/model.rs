@@ -269,7 +269,7 @@ impl GPT2 {
                 layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.res_in, w.ln1_w.of(p), w.ln1_b.of(p), n, c)
             );
             t!(Matmul, matmul_forward(x.qkv, x.ln1, w.qkv_w.of(p), Some(w.qkv_b.of(p)), n, c, 3 * c));
-            t!(Attention, attention_forward(x.atty, x.att, x.qkv, b, t, c, nh));
+            t!(Attention, attention_forward(x.atty, x.att, x.scratch, x.qkv, b, t, c, nh));
             t!(Matmul, matmul_forward(x.scratch, x.atty, w.attn_proj_w.of(p), Some(w.attn_proj_b.of(p)), n, c, c));
             t!(Residual, residual_forward(x.residual2, x.res_in, x.scratch));
             t!(
@@ -354,7 +354,8 @@ impl GPT2 {
                 Matmul,
                 matmul_backward(Some(x.scratch), dw, Some(db), x.dresidual, x.atty, w.attn_proj_w.of(p), n, c, c)
             );
-            t!(Attention, attention_backward(x.dqkv, x.datt, x.scratch, x.qkv, x.att, b, t, c, nh));
+            // dfch (B, T, 4*C) is free again here: it serves as the per-head workspace.
+            t!(Attention, attention_backward(x.dqkv, x.datt, x.dfch, x.scratch, x.qkv, x.att, b, t, c, nh));
             let (dw, db) = pair(g, &w.qkv_w, &w.qkv_b);
             t!(Matmul, matmul_backward(Some(x.scratch), dw, Some(db), x.dqkv, x.ln1, w.qkv_w.of(p), n, c, 3 * c));
             let (dw, db) = pair(g, &w.ln1_w, &w.ln1_b);

@@ -27,8 +27,9 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3*C).
-pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usize, t: usize, c: usize, nh: usize) {
+/// Loop version of [`attention_forward`], kept as the tests' oracle.
+#[cfg(test)]
+fn attention_forward_loops(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usize, t: usize, c: usize, nh: usize) {
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let c3 = 3 * c;
@@ -72,6 +73,108 @@ pub fn attention_forward(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usize
                 for i in 0..hs {
                     oh[i] += w * v[i];
                 }
+            }
+        }
+    });
+}
+
+/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3*C). Per (batch, head), two GEMMs:
+/// scores = Q K^T (the full T x T, then the causal mask), and out = softmax(scores) V.
+/// `heads (B, NH, T, HS)` is workspace.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward(
+    out: &mut [f32],
+    att: &mut [f32],
+    heads: &mut [f32],
+    qkv: &[f32],
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) {
+    use crate::cpu::matmul::gemm_strided_serial as gemm;
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f32).sqrt();
+    let (c3, ti_, hs_) = (3 * c as isize, t as isize, hs as isize);
+    let planes = att[..b * nh * t * t].par_chunks_mut(t * t).zip(heads[..b * nh * t * hs].par_chunks_mut(t * hs));
+    planes.enumerate().for_each(|(bh, (p, o))| {
+        let base = (bh / nh) * t * 3 * c + (bh % nh) * hs;
+        let (q, k, v) = (&qkv[base..], &qkv[base + c..], &qkv[base + 2 * c..]);
+        gemm(t, t, hs, p, (ti_, 1), false, q, (c3, 1), k, (1, c3));
+        for ti in 0..t {
+            let row = &mut p[ti * t..(ti + 1) * t];
+            let maxv = row[..=ti].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+            let mut sum = 0f32;
+            for x in &mut row[..=ti] {
+                *x = super::math::exp(*x * scale - maxv);
+                sum += *x;
+            }
+            let inv = 1.0 / sum;
+            row[..=ti].iter_mut().for_each(|x| *x *= inv);
+            row[ti + 1..].fill(0.0);
+        }
+        gemm(t, hs, t, o, (hs_, 1), false, p, (ti_, 1), v, (c3, 1));
+    });
+    let heads = &heads[..b * nh * t * hs];
+    out[..b * t * c].par_chunks_mut(c).enumerate().for_each(|(bt, row)| {
+        let (bi, ti) = (bt / t, bt % t);
+        for h in 0..nh {
+            row[h * hs..(h + 1) * hs].copy_from_slice(&heads[((bi * nh + h) * t + ti) * hs..][..hs]);
+        }
+    });
+}
+
+/// Backward of [`attention_forward`], as GEMMs per (batch, head): dP = dO V^T, the softmax
+/// backward dS = P (dP - rowsum(P dP)) (scaled), dQ = dS K, dK = dS^T Q, dV = P^T dO.
+/// `dqkv (B, T, 3*C)` is overwritten; `scratch (B, NH, T, T)` and `heads (B, NH, 3, T, HS)` are
+/// workspace.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    dqkv: &mut [f32],
+    scratch: &mut [f32],
+    heads: &mut [f32],
+    dout: &[f32],
+    qkv: &[f32],
+    att: &[f32],
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) {
+    use crate::cpu::matmul::gemm_strided_serial as gemm;
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f32).sqrt();
+    let (c_, c3, ti_, hs_) = (c as isize, 3 * c as isize, t as isize, hs as isize);
+    let planes =
+        scratch[..b * nh * t * t].par_chunks_mut(t * t).zip(heads[..b * nh * 3 * t * hs].par_chunks_mut(3 * t * hs));
+    planes.enumerate().for_each(|(bh, (ds, hd))| {
+        let (bi, h) = (bh / nh, bh % nh);
+        let base = bi * t * 3 * c + h * hs;
+        let (q, k, v) = (&qkv[base..], &qkv[base + c..], &qkv[base + 2 * c..]);
+        let d = &dout[bi * t * c + h * hs..];
+        let p = &att[bh * t * t..(bh + 1) * t * t];
+        gemm(t, t, hs, ds, (ti_, 1), false, d, (c_, 1), v, (1, c3));
+        for ti in 0..t {
+            let (row, pr) = (&mut ds[ti * t..(ti + 1) * t], &p[ti * t..(ti + 1) * t]);
+            let s: f32 = pr[..=ti].iter().zip(&row[..=ti]).map(|(a, b)| a * b).sum();
+            for (x, pv) in row[..=ti].iter_mut().zip(pr) {
+                *x = pv * (*x - s) * scale;
+            }
+            row[ti + 1..].fill(0.0);
+        }
+        let (dq, rest) = hd.split_at_mut(t * hs);
+        let (dk, dv) = rest.split_at_mut(t * hs);
+        gemm(t, hs, t, dq, (hs_, 1), false, ds, (ti_, 1), k, (c3, 1));
+        gemm(t, hs, t, dk, (hs_, 1), false, ds, (1, ti_), q, (c3, 1));
+        gemm(t, hs, t, dv, (hs_, 1), false, p, (1, ti_), d, (c_, 1));
+    });
+    let heads = &heads[..b * nh * 3 * t * hs];
+    dqkv[..b * t * 3 * c].par_chunks_mut(3 * c).enumerate().for_each(|(bt, row)| {
+        let (bi, ti) = (bt / t, bt % t);
+        for h in 0..nh {
+            for part in 0..3 {
+                let src = &heads[((bi * nh + h) * 3 + part) * t * hs + ti * hs..][..hs];
+                row[part * c + h * hs..part * c + (h + 1) * hs].copy_from_slice(src);
             }
         }
     });
@@ -134,10 +237,10 @@ pub fn attention_forward_cached(
     }
 }
 
-/// Backward of [`attention_forward`]. `dqkv (B, T, 3*C)` is overwritten; `scratch (B, NH, T, T)`
-/// is workspace (it ends up holding d(pre-softmax scores)).
+/// Loop version of [`attention_backward`], kept as the tests' oracle.
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward(
+fn attention_backward_loops(
     dqkv: &mut [f32],
     scratch: &mut [f32],
     dout: &[f32],
@@ -248,15 +351,25 @@ mod tests {
             let fwd = |qkv: &[f32]| {
                 let mut out = vec![0f32; b * t * c];
                 let mut att = vec![0f32; b * nh * t * t];
-                attention_forward(&mut out, &mut att, qkv, b, t, c, nh);
+                let mut heads = vec![0f32; b * t * c];
+                attention_forward(&mut out, &mut att, &mut heads, qkv, b, t, c, nh);
                 (out, att)
             };
             let (out, att) = fwd(&qkv);
             assert_close(&out, &reference(&qkv, b, t, c, nh), 1e-5, 1e-4, "attention fwd");
             let mut dqkv = vec![7f32; b * t * 3 * c];
             let mut scratch = vec![3f32; b * nh * t * t];
-            attention_backward(&mut dqkv, &mut scratch, &proj, &qkv, &att, b, t, c, nh);
+            let mut heads = vec![5f32; b * t * 3 * c];
+            attention_backward(&mut dqkv, &mut scratch, &mut heads, &proj, &qkv, &att, b, t, c, nh);
             check_grad(&qkv, &dqkv, |x| testutil::dot(&fwd(x).0, &proj), "dqkv");
+            // The loop versions agree with the GEMM versions.
+            let (mut out2, mut att2) = (vec![0f32; b * t * c], vec![0f32; b * nh * t * t]);
+            attention_forward_loops(&mut out2, &mut att2, &qkv, b, t, c, nh);
+            assert_close(&out2, &out, 1e-6, 1e-5, "loops fwd");
+            assert_close(&att2, &att, 1e-6, 1e-5, "loops att");
+            let mut dqkv2 = vec![0f32; b * t * 3 * c];
+            attention_backward_loops(&mut dqkv2, &mut scratch, &proj, &qkv, &att, b, t, c, nh);
+            assert_close(&dqkv2, &dqkv, 1e-5, 1e-4, "loops bwd");
         }
     }
 }
