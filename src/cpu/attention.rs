@@ -6,6 +6,7 @@
 
 use rayon::prelude::*;
 
+#[cfg(test)]
 /// Dot product with 8 independent partial sums, so the compiler can keep them in one SIMD
 /// register (a single running sum would force sequential, scalar adds).
 #[inline]
