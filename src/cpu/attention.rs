@@ -79,6 +79,21 @@ fn attention_forward_loops(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usi
     });
 }
 
+/// The causal softmax of one row of raw scores: the first `live` entries become
+/// softmax(scale * x), the rest (future positions) 0.
+#[inline]
+fn softmax_prefix(row: &mut [f32], live: usize, scale: f32) {
+    let maxv = row[..live].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+    let mut sum = 0f32;
+    for x in &mut row[..live] {
+        *x = super::math::exp(*x * scale - maxv);
+        sum += *x;
+    }
+    let inv = 1.0 / sum;
+    row[..live].iter_mut().for_each(|x| *x *= inv);
+    row[live..].fill(0.0);
+}
+
 /// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3*C). Per (batch, head), two GEMMs:
 /// scores = Q K^T (the full T x T, then the causal mask), and out = softmax(scores) V.
 /// `heads (B, NH, T, HS)` is workspace.
@@ -103,16 +118,7 @@ pub fn attention_forward(
         let (q, k, v) = (&qkv[base..], &qkv[base + c..], &qkv[base + 2 * c..]);
         gemm(t, t, hs, p, (ti_, 1), false, q, (c3, 1), k, (1, c3));
         for ti in 0..t {
-            let row = &mut p[ti * t..(ti + 1) * t];
-            let maxv = row[..=ti].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-            let mut sum = 0f32;
-            for x in &mut row[..=ti] {
-                *x = super::math::exp(*x * scale - maxv);
-                sum += *x;
-            }
-            let inv = 1.0 / sum;
-            row[..=ti].iter_mut().for_each(|x| *x *= inv);
-            row[ti + 1..].fill(0.0);
+            softmax_prefix(&mut p[ti * t..(ti + 1) * t], ti + 1, scale);
         }
         gemm(t, hs, t, o, (hs_, 1), false, p, (ti_, 1), v, (c3, 1));
     });
@@ -215,17 +221,7 @@ pub fn attention_forward_cached(
             let k = &k_cache[h * hs..];
             gemm_strided_serial(tn, n, hs, sc, (mt, 1), false, q, (c3, 1), k, (1, c_));
             for i in 0..tn {
-                let row = &mut sc[i * max_t..i * max_t + n];
-                let live = pos + i + 1;
-                let maxv = row[..live].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-                let mut sum = 0f32;
-                for x in &mut row[..live] {
-                    *x = super::math::exp(*x * scale - maxv);
-                    sum += *x;
-                }
-                let inv = 1.0 / sum;
-                row[..live].iter_mut().for_each(|x| *x *= inv);
-                row[live..].fill(0.0);
+                softmax_prefix(&mut sc[i * max_t..i * max_t + n], pos + i + 1, scale);
             }
             // ho (tn, HS) = P (tn, n) @ V_h (n, HS)
             gemm_strided_serial(tn, hs, n, ho, (hs as isize, 1), false, sc, (mt, 1), &v_cache[h * hs..], (c_, 1));
