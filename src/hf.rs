@@ -132,6 +132,18 @@ fn to_f32(t: &TensorView, name: &str) -> Result<Vec<f32>> {
     })
 }
 
+/// The (cols, rows) transpose of a row-major (rows, cols) matrix: between llm.c's (out, in)
+/// weights and transformers' Conv1D (in, out).
+fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut y = vec![0f32; x.len()];
+    for i in 0..rows {
+        for j in 0..cols {
+            y[j * rows + i] = x[i * cols + j];
+        }
+    }
+    y
+}
+
 /// Load a Hugging Face GPT-2 (directory or `.safetensors` path) as an llmrs model.
 pub fn load_hf(path: &Path) -> Result<GPT2> {
     let (cfg_path, st_path) = resolve_paths(path)?;
@@ -163,17 +175,7 @@ pub fn load_hf(path: &Path) -> Result<GPT2> {
             bail!("{}: tensor {full} has shape {:?}, config.json implies {shape:?}", st_path.display(), t.shape());
         }
         let x = to_f32(&t, &full)?;
-        if !transpose {
-            return Ok(x);
-        }
-        let (r, k) = (shape[0], shape[1]);
-        let mut y = vec![0f32; x.len()];
-        for i in 0..r {
-            for j in 0..k {
-                y[j * r + i] = x[i * k + j];
-            }
-        }
-        Ok(y)
+        Ok(if transpose { transposed(&x, shape[0], shape[1]) } else { x })
     };
     let lay = model.layout.clone();
     let p = &mut model.params;
@@ -213,15 +215,7 @@ pub fn save_hf(model: &GPT2, dir: &Path, dtype: Dtype) -> Result<()> {
     let lay = &model.layout;
     let p = &model.params;
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = vec![];
-    let transpose = |x: &[f32], rows: usize, cols: usize| {
-        let mut y = vec![0f32; x.len()];
-        for i in 0..rows {
-            for j in 0..cols {
-                y[j * rows + i] = x[i * cols + j];
-            }
-        }
-        y
-    };
+
     tensors.push(("transformer.wte.weight".into(), vec![v, c], lay.wte.of(p)[..v * c].to_vec()));
     tensors.push(("transformer.wpe.weight".into(), vec![cfg.max_seq_len, c], lay.wpe.of(p).to_vec()));
     for (l, b) in lay.blocks.iter().enumerate() {
@@ -229,15 +223,15 @@ pub fn save_hf(model: &GPT2, dir: &Path, dtype: Dtype) -> Result<()> {
         tensors.push((h("ln_1.weight"), vec![c], b.ln1_w.of(p).to_vec()));
         tensors.push((h("ln_1.bias"), vec![c], b.ln1_b.of(p).to_vec()));
         // llm.c (out, in) -> Conv1D (in, out)
-        tensors.push((h("attn.c_attn.weight"), vec![c, 3 * c], transpose(b.qkv_w.of(p), 3 * c, c)));
+        tensors.push((h("attn.c_attn.weight"), vec![c, 3 * c], transposed(b.qkv_w.of(p), 3 * c, c)));
         tensors.push((h("attn.c_attn.bias"), vec![3 * c], b.qkv_b.of(p).to_vec()));
-        tensors.push((h("attn.c_proj.weight"), vec![c, c], transpose(b.attn_proj_w.of(p), c, c)));
+        tensors.push((h("attn.c_proj.weight"), vec![c, c], transposed(b.attn_proj_w.of(p), c, c)));
         tensors.push((h("attn.c_proj.bias"), vec![c], b.attn_proj_b.of(p).to_vec()));
         tensors.push((h("ln_2.weight"), vec![c], b.ln2_w.of(p).to_vec()));
         tensors.push((h("ln_2.bias"), vec![c], b.ln2_b.of(p).to_vec()));
-        tensors.push((h("mlp.c_fc.weight"), vec![c, 4 * c], transpose(b.fc_w.of(p), 4 * c, c)));
+        tensors.push((h("mlp.c_fc.weight"), vec![c, 4 * c], transposed(b.fc_w.of(p), 4 * c, c)));
         tensors.push((h("mlp.c_fc.bias"), vec![4 * c], b.fc_b.of(p).to_vec()));
-        tensors.push((h("mlp.c_proj.weight"), vec![4 * c, c], transpose(b.fc_proj_w.of(p), c, 4 * c)));
+        tensors.push((h("mlp.c_proj.weight"), vec![4 * c, c], transposed(b.fc_proj_w.of(p), c, 4 * c)));
         tensors.push((h("mlp.c_proj.bias"), vec![c], b.fc_proj_b.of(p).to_vec()));
     }
     tensors.push(("transformer.ln_f.weight".into(), vec![c], lay.lnf_w.of(p).to_vec()));
