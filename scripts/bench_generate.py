@@ -32,15 +32,12 @@ args = ap.parse_args()
 os.environ["OMP_NUM_THREADS"] = str(args.threads)
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch  # noqa: E402
-import tiktoken  # noqa: E402
-from tiktoken.load import data_gym_to_mergeable_bpe_ranks  # noqa: E402
+from gpt2_offline import gpt2_encoding  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 torch.set_num_threads(args.threads)
 D = os.environ.get("LLMRS_DATA_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
-ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=f"{D}/gpt2_bpe/vocab.bpe", encoder_json_file=f"{D}/gpt2_bpe/encoder.json")
-enc = tiktoken.Encoding(name="gpt2", mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256},
-                        pat_str=r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+enc = gpt2_encoding(D)
 prompt = open(f"{D}/tinyshakespeare/input.txt").read()[: args.prompt_chars]
 ids = torch.tensor([enc.encode_ordinary(prompt)])
 

@@ -74,7 +74,7 @@ import tiktoken
 import torch
 import torch.nn.functional as F
 import transformers
-from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+from gpt2_offline import gpt2_encoding  # scripts/ is on sys.path
 from transformers import GPT2LMHeadModel
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,19 +92,6 @@ def data_dir():
         return d
     return os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data"))
 
-
-def gpt2_encoding(d):
-    """tiktoken's "gpt2" encoding, built offline from the local BPE tables."""
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=os.path.join(d, "gpt2_bpe", "vocab.bpe"),
-        encoder_json_file=os.path.join(d, "gpt2_bpe", "encoder.json"),
-    )
-    return tiktoken.Encoding(
-        name="gpt2",
-        mergeable_ranks=ranks,
-        special_tokens={"<|endoftext|>": 50256},
-        pat_str=r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-    )
 
 
 def render_example(enc, example):

@@ -37,14 +37,12 @@ import sys
 
 import numpy as np
 import tiktoken
-from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+from gpt2_offline import EOT, gpt2_encoding  # scripts/ is on sys.path
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO_ROOT, "tests", "fixtures")
 
-EOT = 50256  # <|endoftext|>
 # GPT-2 pre-tokenisation regex (identical to tiktoken's "gpt2" encoding).
-GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 # llm.c shard format: 256 x int32 header, then the tokens as uint16.
 SHARD_MAGIC = 20240520
@@ -64,18 +62,7 @@ def data_dir() -> str:
     return os.path.normpath(d)
 
 
-def build_gpt2_encoding(d: str) -> tiktoken.Encoding:
-    """Build tiktoken's GPT-2 encoding from the local encoder.json / vocab.bpe."""
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=os.path.join(d, "gpt2_bpe", "vocab.bpe"),
-        encoder_json_file=os.path.join(d, "gpt2_bpe", "encoder.json"),
-    )
-    return tiktoken.Encoding(
-        name="gpt2",
-        mergeable_ranks=ranks,
-        special_tokens={"<|endoftext|>": EOT},
-        pat_str=GPT2_PAT,
-    )
+build_gpt2_encoding = gpt2_encoding
 
 
 def tokenize_tinyshakespeare(enc: tiktoken.Encoding, text: str) -> list:
