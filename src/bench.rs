@@ -64,7 +64,7 @@ pub fn peak_rss_mib() -> f64 {
 #[target_feature(enable = "avx2,fma")]
 /// Ten independent chains of 8-wide FMAs: enough in flight to keep both FMA units busy.
 /// SAFETY: callers check that the CPU has AVX2 and FMA.
-unsafe fn fma_chains(iters: usize) -> f32 {
+pub(crate) unsafe fn fma_chains(iters: usize) -> f32 {
     use std::arch::x86_64::*;
     let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
     let mut acc = [_mm256_set1_ps(1.0); 10];

@@ -1,8 +1,9 @@
 //! Matmul with bias: `out = inp @ W^T + b`, the layer behind every Linear in GPT-2.
 //!
-//! Backed by the `gemm` crate (packed, cache-blocked, SIMD, threaded on rayon). Transposes are
-//! expressed with strides, so no operand is ever copied.
+//! Backed by our packed AVX2 GEMM ([`super::sgemm`]) where the CPU has AVX2+FMA, else by the
+//! `gemm` crate. Transposes are expressed with strides, so no operand is ever copied.
 
+use super::sgemm;
 use gemm::{gemm, Parallelism};
 
 /// Thread the GEMM only when there is enough work for it to pay (m*n*k multiply-adds).
@@ -74,6 +75,29 @@ fn gemm_impl(
     if k > 0 {
         assert!((last(m, k, lhs_rs, lhs_cs) as usize) < lhs.len());
         assert!((last(k, n, rhs_rs, rhs_cs) as usize) < rhs.len());
+    }
+    if dst_cs == 1 && sgemm::fast_path_available() {
+        let threads = match par {
+            Parallelism::Rayon(t) => t,
+            _ => 1,
+        };
+        // SAFETY: as for the call below; the fast path was checked just above.
+        unsafe {
+            sgemm::sgemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                (dst_rs, dst_cs),
+                accumulate,
+                lhs.as_ptr(),
+                (lhs_rs, lhs_cs),
+                rhs.as_ptr(),
+                (rhs_rs, rhs_cs),
+                threads,
+            )
+        };
+        return;
     }
     // SAFETY: all three operands are valid slices and the asserts above show every index the
     // strides address lies inside them; `dst` is a unique borrow, so it cannot alias lhs/rhs.

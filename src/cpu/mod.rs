@@ -10,6 +10,7 @@ pub mod layernorm;
 pub mod math;
 pub mod matmul;
 pub mod residual;
+pub mod sgemm;
 
 #[cfg(test)]
 pub mod testutil;

@@ -1,0 +1,550 @@
+//! Single-precision GEMM, `C (m, n) [+]= A (m, k) @ B (k, n)`: the engine under every matmul.
+//!
+//! Goto's algorithm as BLIS lays it out. B is packed into `KC x NR` column panels (one stays in
+//! L1 while it sweeps a block of A), A into `MC x KC` blocks of `MR`-row panels (a block stays in
+//! L2), and a 6x16 register tile of AVX2 FMAs does the arithmetic: 12 accumulators, 2 B loads
+//! and 6 broadcasts per step of k. Both packers read rows or columns as they lie in memory
+//! (an 8x8 in-register transpose for the transposed weight in `inp @ W^T`), so no operand is
+//! ever copied whole.
+//!
+//! Every element of C sums its k products in the same order whatever the thread count or the
+//! split, so results do not depend on scheduling. Threads split C into column (or row) ranges
+//! that are multiples of the tile, each packing its own operands in thread-local buffers that
+//! are allocated once and reused: nothing is allocated in the training loop.
+//!
+//! Without AVX2+FMA (or with a C whose columns are not contiguous) the call falls back to the
+//! `gemm` crate.
+
+use std::cell::RefCell;
+
+/// Rows of the register tile.
+const MR: usize = 6;
+/// Columns of the register tile (two 8-lane vectors).
+const NR: usize = 16;
+/// Depth of one packed block: a `KC x NR` panel of B is 16 KiB, half of L1.
+const KC: usize = 256;
+/// Rows of A per packed block (multiple of MR): `MC x KC` is 144 KiB, well inside L2.
+const MC: usize = 264;
+/// Columns of B per packed block (multiple of NR): `KC x NC` is 4 MiB, a share of L3.
+const NC: usize = 4096;
+
+/// Below this many multiply-adds a GEMM runs on the calling thread: splitting costs more.
+const PARALLEL_MIN: usize = 1 << 18;
+
+/// True when the packed AVX2 path can run on this CPU.
+pub fn fast_path_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// A raw matrix view: element (i, j) is at `ptr + i*rs + j*cs`.
+#[derive(Clone, Copy)]
+struct View {
+    ptr: *mut f32,
+    rs: isize,
+    cs: isize,
+}
+// SAFETY: a View is only shared between threads that touch disjoint parts of C (the split below)
+// or only read (A and B); the caller of `sgemm` guarantees the memory outlives the call.
+unsafe impl Send for View {}
+unsafe impl Sync for View {}
+
+impl View {
+    #[inline(always)]
+    unsafe fn at(self, i: usize, j: usize) -> *mut f32 {
+        // SAFETY: the caller keeps (i, j) inside the matrix the view was made for.
+        unsafe { self.ptr.offset(i as isize * self.rs + j as isize * self.cs) }
+    }
+}
+
+/// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n)`; strides are (row stride, column stride) in
+/// elements and must be non-negative. `threads` > 1 splits the work over the rayon pool.
+///
+/// # Safety
+/// Every element that the strides address for the given shapes must lie inside its buffer, and
+/// `dst` must not overlap `lhs` or `rhs`. Requires [`fast_path_available`] and `dst_cs == 1`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    (dst_rs, dst_cs): (isize, isize),
+    accumulate: bool,
+    lhs: *const f32,
+    (lhs_rs, lhs_cs): (isize, isize),
+    rhs: *const f32,
+    (rhs_rs, rhs_cs): (isize, isize),
+    threads: usize,
+) {
+    debug_assert!(dst_cs == 1 && fast_path_available());
+    let c = View { ptr: dst, rs: dst_rs, cs: dst_cs };
+    let a = View { ptr: lhs as *mut f32, rs: lhs_rs, cs: lhs_cs };
+    let b = View { ptr: rhs as *mut f32, rs: rhs_rs, cs: rhs_cs };
+    if m == 0 || n == 0 {
+        return;
+    }
+    if threads <= 1 || m * n * k < PARALLEL_MIN {
+        // SAFETY: forwarded from the caller.
+        return unsafe { serial(m, n, k, c, accumulate, a, b) };
+    }
+    // Split the longer side of C into `threads` ranges that are whole tiles.
+    let (split_cols, len, tile) = if n >= m { (true, n, NR) } else { (false, m, MR) };
+    let tiles = len.div_ceil(tile);
+    let parts = threads.min(tiles);
+    use rayon::prelude::*;
+    (0..parts).into_par_iter().for_each(|p| {
+        let t0 = tiles * p / parts * tile;
+        let t1 = (tiles * (p + 1) / parts * tile).min(len);
+        if t0 >= t1 {
+            return;
+        }
+        // SAFETY: the ranges [t0, t1) are disjoint, so each thread writes its own part of C;
+        // the sub-views start inside the matrices and keep their strides.
+        unsafe {
+            if split_cols {
+                let cs = View { ptr: c.at(0, t0), ..c };
+                let bs = View { ptr: b.at(0, t0), ..b };
+                serial(m, t1 - t0, k, cs, accumulate, a, bs)
+            } else {
+                let cs = View { ptr: c.at(t0, 0), ..c };
+                let as_ = View { ptr: a.at(t0, 0), ..a };
+                serial(t1 - t0, n, k, cs, accumulate, as_, b)
+            }
+        }
+    });
+}
+
+/// Per-thread packing buffers, grown on first use and then reused.
+struct Packs {
+    a: Vec<f32>,
+    b: Vec<f32>,
+}
+
+thread_local! {
+    static PACKS: RefCell<Packs> = const { RefCell::new(Packs { a: Vec::new(), b: Vec::new() }) };
+}
+
+/// A 64-byte-aligned window of `len` floats inside `v` (grown as needed).
+fn aligned(v: &mut Vec<f32>, len: usize) -> *mut f32 {
+    if v.len() < len + 16 {
+        v.resize(len + 16, 0.0);
+    }
+    let off = v.as_ptr().align_offset(64);
+    // SAFETY: `off` < 16 and the vector holds len + 16 floats.
+    unsafe { v.as_mut_ptr().add(off) }
+}
+
+/// The single-threaded blocked GEMM (the loops of Goto's algorithm).
+#[allow(clippy::too_many_arguments)]
+unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, a: View, b: View) {
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                // SAFETY: row i of C has n contiguous elements (dst_cs == 1).
+                unsafe { std::ptr::write_bytes(c.at(i, 0), 0, n) };
+            }
+        }
+        return;
+    }
+    PACKS.with(|packs| {
+        let packs = &mut *packs.borrow_mut();
+        // A panels get MR floats of slack: the vector packer's last store overhangs its panel.
+        let ap = aligned(&mut packs.a, MC * KC + 8);
+        let bp = aligned(&mut packs.b, KC * NC);
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            for pc in (0..k).step_by(KC) {
+                let kc = KC.min(k - pc);
+                let acc = accumulate || pc > 0;
+                for ic in (0..m).step_by(MC) {
+                    let mc = MC.min(m - ic);
+                    // SAFETY: the packers read only the (mc, kc) / (kc, nr) sub-blocks, which
+                    // are inside A and B, and write inside the buffers sized above.
+                    unsafe { pack_a(mc, kc, View { ptr: a.at(ic, pc), ..a }, ap) };
+                    for jr in (0..nc).step_by(NR) {
+                        let nr = NR.min(nc - jr);
+                        let bpanel = unsafe { bp.add(jr * kc) };
+                        if ic == 0 {
+                            // Each B panel is packed just before its first use, so it goes to
+                            // the kernels hot in L1 (and most GEMMs here have m <= MC).
+                            unsafe { pack_b_panel(kc, nr, View { ptr: b.at(pc, jc + jr), ..b }, bpanel) };
+                        }
+                        for ir in (0..mc).step_by(MR) {
+                            let mr = MR.min(mc - ir);
+                            let apanel = unsafe { ap.add(ir * kc) };
+                            let cp = unsafe { c.at(ic + ir, jc + jr) };
+                            // SAFETY: full tiles lie inside C; partial ones go through a
+                            // local tile and only their valid part is written back.
+                            unsafe {
+                                if mr == MR && nr == NR {
+                                    kernel(kc, apanel, bpanel, cp, c.rs, acc);
+                                } else {
+                                    let mut tile = [0f32; MR * NR];
+                                    kernel(kc, apanel, bpanel, tile.as_mut_ptr(), NR as isize, false);
+                                    for i in 0..mr {
+                                        let row = cp.offset(i as isize * c.rs);
+                                        for j in 0..nr {
+                                            let t = tile[i * NR + j];
+                                            *row.add(j) = if acc { *row.add(j) + t } else { t };
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Pack `A (mc, kc)` into MR-row panels: panel r holds `A[r*MR + i][p]` at `p*MR + i`,
+/// zero-padded to whole panels.
+unsafe fn pack_a(mc: usize, kc: usize, a: View, dst: *mut f32) {
+    for (r, i0) in (0..mc).step_by(MR).enumerate() {
+        let rows = MR.min(mc - i0);
+        // SAFETY: panel r occupies [r*MR*kc, (r+1)*MR*kc) of dst (plus slack for the overhang).
+        let d = unsafe { dst.add(r * MR * kc) };
+        unsafe {
+            if a.cs == 1 && rows == MR {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    pack_a_rows(kc, View { ptr: a.at(i0, 0), ..a }, d);
+                    continue;
+                }
+            }
+            if a.rs == 1 {
+                // A^T is row-major: each k gives `rows` contiguous floats.
+                for p in 0..kc {
+                    let src = a.at(i0, p);
+                    for i in 0..MR {
+                        *d.add(p * MR + i) = if i < rows { *src.add(i) } else { 0.0 };
+                    }
+                }
+            } else {
+                for p in 0..kc {
+                    for i in 0..MR {
+                        *d.add(p * MR + i) = if i < rows { *a.at(i0 + i, p) } else { 0.0 };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Pack one `B (kc, cols)` panel (cols <= NR): `B[p][j]` goes to `p*NR + j`, zero-padded to
+/// NR columns.
+unsafe fn pack_b_panel(kc: usize, cols: usize, b: View, d: *mut f32) {
+    // SAFETY: rows 0..kc and columns 0..cols of `b` are inside B; d has NR*kc floats.
+    unsafe {
+        if b.cs == 1 {
+            // Rows of B are contiguous: copy NR floats per k.
+            for p in 0..kc {
+                let dp = d.add(p * NR);
+                std::ptr::copy_nonoverlapping(b.at(p, 0), dp, cols);
+                std::ptr::write_bytes(dp.add(cols), 0, NR - cols);
+            }
+            return;
+        }
+        if b.rs == 1 && cols == NR {
+            #[cfg(target_arch = "x86_64")]
+            {
+                pack_b_transposed(kc, b, d);
+                return;
+            }
+        }
+        for p in 0..kc {
+            for j in 0..NR {
+                *d.add(p * NR + j) = if j < cols { *b.at(p, j) } else { 0.0 };
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Transpose eight 8-lane rows in registers: out[j][i] = r[i][j].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    // SAFETY: register-only AVX operations; callers are compiled with AVX2 enabled.
+    unsafe {
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(s0, s4),
+            _mm256_permute2f128_ps::<0x20>(s1, s5),
+            _mm256_permute2f128_ps::<0x20>(s2, s6),
+            _mm256_permute2f128_ps::<0x20>(s3, s7),
+            _mm256_permute2f128_ps::<0x31>(s0, s4),
+            _mm256_permute2f128_ps::<0x31>(s1, s5),
+            _mm256_permute2f128_ps::<0x31>(s2, s6),
+            _mm256_permute2f128_ps::<0x31>(s3, s7),
+        ]
+    }
+}
+
+/// One A panel from six row-major rows: for each 8 k, load 8 floats of each row, transpose,
+/// and store the 8 columns of 6 with 8-wide stores that overlap (each overhang is rewritten by
+/// the next store; the last one lands in the next panel or the buffer's slack).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_a_rows(kc: usize, a: View, d: *mut f32) {
+    // SAFETY: rows 0..MR and columns 0..kc of `a` are inside A; d has MR*kc + 2 floats.
+    unsafe {
+        let row = |i: usize| a.at(i.min(MR - 1), 0) as *const f32;
+        let mut p = 0;
+        while p + 8 <= kc {
+            let r = std::array::from_fn(|i| _mm256_loadu_ps(row(i).add(p)));
+            let t = transpose8(r);
+            for (j, v) in t.iter().enumerate() {
+                _mm256_storeu_ps(d.add((p + j) * MR), *v);
+            }
+            p += 8;
+        }
+        while p < kc {
+            for i in 0..MR {
+                *d.add(p * MR + i) = *row(i).add(p);
+            }
+            p += 1;
+        }
+    }
+}
+
+/// One B panel from a transposed B (`B[p][j] = W[j][p]`, W row-major): 8x8 transposes of two
+/// groups of eight W rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_b_transposed(kc: usize, b: View, d: *mut f32) {
+    // SAFETY: columns 0..NR and rows 0..kc of B are inside it; d has NR*kc floats.
+    unsafe {
+        let wrow = |j: usize| b.at(0, j) as *const f32;
+        let mut p = 0;
+        while p + 8 <= kc {
+            for half in 0..2 {
+                let r = std::array::from_fn(|i| _mm256_loadu_ps(wrow(half * 8 + i).add(p)));
+                let t = transpose8(r);
+                for (j, v) in t.iter().enumerate() {
+                    _mm256_store_ps(d.add((p + j) * NR + half * 8), *v);
+                }
+            }
+            p += 8;
+        }
+        while p < kc {
+            for j in 0..NR {
+                *d.add(p * NR + j) = *wrow(j).add(p);
+            }
+            p += 1;
+        }
+    }
+}
+
+/// The 6x16 micro-kernel: `C[0..6][0..16] = [C +] sum_p a[p*6 + i] * b[p*16 + j]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: isize, acc: bool) {
+    // SAFETY: a has 6*kc floats, b has 16*kc floats (64-byte aligned), and C rows 0..6 have 16
+    // writable floats each at stride ldc.
+    unsafe {
+        for i in 0..MR {
+            _mm_prefetch::<_MM_HINT_T0>(c.offset(i as isize * ldc) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(c.offset(i as isize * ldc + 15) as *const i8);
+        }
+        let z = _mm256_setzero_ps();
+        let (mut c00, mut c01, mut c10, mut c11, mut c20, mut c21) = (z, z, z, z, z, z);
+        let (mut c30, mut c31, mut c40, mut c41, mut c50, mut c51) = (z, z, z, z, z, z);
+        let (mut a, mut b) = (a, b);
+        for _ in 0..kc {
+            let b0 = _mm256_load_ps(b);
+            let b1 = _mm256_load_ps(b.add(8));
+            let x = _mm256_broadcast_ss(&*a);
+            c00 = _mm256_fmadd_ps(x, b0, c00);
+            c01 = _mm256_fmadd_ps(x, b1, c01);
+            let x = _mm256_broadcast_ss(&*a.add(1));
+            c10 = _mm256_fmadd_ps(x, b0, c10);
+            c11 = _mm256_fmadd_ps(x, b1, c11);
+            let x = _mm256_broadcast_ss(&*a.add(2));
+            c20 = _mm256_fmadd_ps(x, b0, c20);
+            c21 = _mm256_fmadd_ps(x, b1, c21);
+            let x = _mm256_broadcast_ss(&*a.add(3));
+            c30 = _mm256_fmadd_ps(x, b0, c30);
+            c31 = _mm256_fmadd_ps(x, b1, c31);
+            let x = _mm256_broadcast_ss(&*a.add(4));
+            c40 = _mm256_fmadd_ps(x, b0, c40);
+            c41 = _mm256_fmadd_ps(x, b1, c41);
+            let x = _mm256_broadcast_ss(&*a.add(5));
+            c50 = _mm256_fmadd_ps(x, b0, c50);
+            c51 = _mm256_fmadd_ps(x, b1, c51);
+            a = a.add(MR);
+            b = b.add(NR);
+        }
+        let rows = [(c00, c01), (c10, c11), (c20, c21), (c30, c31), (c40, c41), (c50, c51)];
+        for (i, (lo, hi)) in rows.into_iter().enumerate() {
+            let r = c.offset(i as isize * ldc);
+            if acc {
+                _mm256_storeu_ps(r, _mm256_add_ps(_mm256_loadu_ps(r), lo));
+                _mm256_storeu_ps(r.add(8), _mm256_add_ps(_mm256_loadu_ps(r.add(8)), hi));
+            } else {
+                _mm256_storeu_ps(r, lo);
+                _mm256_storeu_ps(r.add(8), hi);
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn kernel(_: usize, _: *const f32, _: *const f32, _: *mut f32, _: isize, _: bool) {
+    unreachable!("the packed path runs only where fast_path_available() is true")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::TestRng;
+
+    /// A (rows, cols) matrix stored row-major, column-major, or with padded strides.
+    fn layout(rows: usize, cols: usize, kind: usize) -> (isize, isize, usize) {
+        let (r, c) = (rows as isize, cols as isize);
+        match kind {
+            0 => (c, 1, rows * cols),                            // row-major
+            1 => (1, r, rows * cols),                            // column-major (a transpose)
+            _ => (2 * c + 3, 2, (rows * (2 * cols + 3)).max(1)), // padded, non-unit column stride
+        }
+    }
+
+    fn check(m: usize, n: usize, k: usize, threads: usize) {
+        let mut rng = TestRng((m * 1000 + n * 10 + k) as u64);
+        for a_kind in 0..3 {
+            for b_kind in 0..3 {
+                let (ars, acs, alen) = layout(m, k, a_kind);
+                let (brs, bcs, blen) = layout(k, n, b_kind);
+                let (a, b) = (rng.vec(alen), rng.vec(blen));
+                // C rows padded by 5 to check that only the m x n window is written.
+                let crs = n + 5;
+                let c0 = rng.vec(m * crs);
+                for accumulate in [false, true] {
+                    let mut c = c0.clone();
+                    // SAFETY: the layouts above size every buffer for the strides they return.
+                    unsafe {
+                        sgemm(
+                            m,
+                            n,
+                            k,
+                            c.as_mut_ptr(),
+                            (crs as isize, 1),
+                            accumulate,
+                            a.as_ptr(),
+                            (ars, acs),
+                            b.as_ptr(),
+                            (brs, bcs),
+                            threads,
+                        )
+                    };
+                    for i in 0..m {
+                        for j in 0..crs {
+                            let got = c[i * crs + j];
+                            if j >= n {
+                                assert_eq!(got, c0[i * crs + j], "padding touched at ({i},{j})");
+                                continue;
+                            }
+                            let mut want = if accumulate { c0[i * crs + j] as f64 } else { 0.0 };
+                            for p in 0..k {
+                                let x = a[(i as isize * ars + p as isize * acs) as usize] as f64;
+                                want += x * b[(p as isize * brs + j as isize * bcs) as usize] as f64;
+                            }
+                            let tol = 1e-5 * (k as f64).sqrt().max(1.0) * (1.0 + want.abs());
+                            assert!(
+                                (got as f64 - want).abs() <= tol,
+                                "({m},{n},{k}) layouts {a_kind}/{b_kind} acc={accumulate} t={threads}: \
+                                 C[{i}][{j}] = {got}, want {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matches_f64_reference_on_edge_shapes_and_layouts() {
+        if !fast_path_available() {
+            eprintln!("sgemm test skipped: this CPU has no AVX2+FMA, so the packed path never runs");
+            return;
+        }
+        // Tiles exact and not, k across the 8-wide pack and the KC block, m across MC, n across NC.
+        let shapes = [
+            (1, 1, 1),
+            (1, 1, 0),
+            (6, 16, 8),
+            (5, 17, 3),
+            (7, 33, 9),
+            (13, 47, 300),
+            (150, 20, 5),
+            (12, 32, 513),
+            (3, NC + 21, 2),
+        ];
+        for &(m, n, k) in &shapes {
+            check(m, n, k, 1);
+        }
+        // Big enough to be split across threads (columns, then rows).
+        check(40, 200, 40, 2);
+        check(200, 40, 40, 3);
+    }
+
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        if !fast_path_available() {
+            eprintln!("sgemm test skipped: this CPU has no AVX2+FMA, so the packed path never runs");
+            return;
+        }
+        let (m, n, k) = (97, 301, 270);
+        let mut rng = TestRng(5);
+        let (a, b) = (rng.vec(m * k), rng.vec(k * n));
+        let run = |threads| {
+            let mut c = vec![0f32; m * n];
+            // SAFETY: dense row-major buffers of the stated shapes.
+            unsafe {
+                sgemm(
+                    m,
+                    n,
+                    k,
+                    c.as_mut_ptr(),
+                    (n as isize, 1),
+                    false,
+                    a.as_ptr(),
+                    (k as isize, 1),
+                    b.as_ptr(),
+                    (n as isize, 1),
+                    threads,
+                )
+            };
+            c
+        };
+        let one = run(1);
+        for t in [2, 3, 4] {
+            assert!(one == run(t), "{t} threads changed the result");
+        }
+    }
+}
