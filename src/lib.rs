@@ -13,6 +13,7 @@ pub mod generate;
 pub mod hellaswag;
 pub mod hf;
 pub mod hub;
+pub mod mem;
 pub mod model;
 pub mod optim;
 pub mod params;

@@ -65,6 +65,7 @@ pub struct Activations {
     pub lnf_rstd: Vec<f32>,  // (B, T)
     pub logits: Vec<f32>,    // (B, T, Vp); after backward it holds d(loss)/d(logits)
     pub losses: Vec<f32>,    // (B, T)
+    pub lse: Vec<f32>,       // (B, T) log-sum-exp of each row of logits
     pub scratch: Vec<f32>,   // (B, T, C) projection outputs; d(ln) and d(atty) in backward
     pub dresidual: Vec<f32>, // (B, T, C) gradient of the residual stream
     pub dfch: Vec<f32>,      // (B, T, 4*C)
@@ -76,7 +77,7 @@ impl Activations {
     fn new(cfg: &GPT2Config, b: usize, t: usize) -> Self {
         let (c, l, nh, vp) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size);
         let n = b * t;
-        let z = |len: usize| vec![0f32; len];
+        let z = |len: usize| crate::mem::zeroed::<f32>(len);
         Activations {
             cap_b: b,
             cap_t: t,
@@ -104,6 +105,7 @@ impl Activations {
             lnf_rstd: z(n),
             logits: z(n * vp),
             losses: z(n),
+            lse: z(n),
             scratch: z(n * c),
             dresidual: z(n * c),
             dfch: z(n * 4 * c),
@@ -180,7 +182,7 @@ impl GPT2 {
     pub fn zeros(config: GPT2Config) -> Result<Self> {
         config.validate()?;
         let layout = ParamLayout::new(&config);
-        let params = vec![0f32; layout.num_parameters];
+        let params = crate::mem::zeroed::<f32>(layout.num_parameters);
         Ok(GPT2 {
             config,
             layout,
@@ -225,9 +227,9 @@ impl GPT2 {
     pub fn alloc_training_state(&mut self) {
         let n = self.num_parameters();
         if self.grads.len() != n {
-            self.grads = vec![0f32; n];
-            self.m = vec![0f32; n];
-            self.v = vec![0f32; n];
+            self.grads = crate::mem::zeroed(n);
+            self.m = crate::mem::zeroed(n);
+            self.v = crate::mem::zeroed(n);
             self.norm_partials = vec![0f64; global_norm_partials(n)];
         }
     }
@@ -300,7 +302,7 @@ impl GPT2 {
             return Ok(None);
         };
         a.targets[..n].copy_from_slice(targets);
-        t!(Classifier, crossentropy_forward(&mut a.losses, &a.logits, targets, n, v, vp));
+        t!(Classifier, crossentropy_forward(&mut a.losses, &mut a.lse, &a.logits, targets, n, v, vp));
         Ok(Some(a.losses[..n].iter().sum::<f32>() / n as f32))
     }
 
@@ -323,7 +325,7 @@ impl GPT2 {
         let (p, g, lay) = (&self.params, &mut self.grads, &self.layout);
         t!(
             Classifier,
-            crossentropy_softmax_backward_inplace(&mut a.logits, &a.targets, loss_scale / n as f32, n, v, vp)
+            crossentropy_softmax_backward_inplace(&mut a.logits, &a.lse, &a.targets, loss_scale / n as f32, n, v, vp)
         );
         t!(
             Classifier,
