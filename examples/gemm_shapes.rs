@@ -27,7 +27,8 @@ fn main() {
             t.elapsed().as_secs_f64() / 5.0
         };
         let fwd = time(&mut || matmul_forward(&mut out, &inp, &w, Some(&b), n, c, oc));
-        let bwd = time(&mut || matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &out, &inp, &w, n, c, oc));
+        let bwd =
+            time(&mut || matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &out, &inp, &w, n, c, oc, true));
         println!(
             "{name:>10}: forward {:.1} GFLOP/s, backward (dinp + dW + db) {:.1} GFLOP/s",
             flops / fwd / 1e9,

@@ -464,9 +464,18 @@ fn main() {
 }
 
 fn real_main(cli: Cli) -> Result<()> {
+    let mut pool = rayon::ThreadPoolBuilder::new();
     if let Some(n) = cli.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot set the thread count")?;
+        pool = pool.num_threads(n);
     }
+    pool.build_global().context("cannot set up the worker threads")?;
+    // Run the command itself on a worker of the pool: every parallel loop then forks from a
+    // worker that takes its own share at once, instead of the main thread handing each loop to
+    // the pool and sleeping until it is done; the same threads serve the whole run.
+    rayon::scope(|_| run_command(cli))
+}
+
+fn run_command(cli: Cli) -> Result<()> {
     match cli.cmd {
         None => {
             let cfg = TrainConfig::default();

@@ -31,8 +31,16 @@ pub struct GPT2 {
     pub m: Vec<f32>,      // (num_parameters) AdamW first moment
     pub v: Vec<f32>,      // (num_parameters) AdamW second moment
     norm_partials: Vec<f64>,
+    /// Set by [`GPT2::zero_grad`]: the next backward overwrites the GEMM-produced gradients.
+    grads_overwrite: bool,
     pub acts: Activations,
 }
+
+/// Which of the 16 tensors (llm.c order) a backward pass writes whole through a matmul: the LM
+/// head's dW covers all of wte (the encoder's scatter-add comes after it), and every block's
+/// qkv, attn_proj, fc and fc_proj weights and biases.
+const WRITTEN_WHOLE_BY_BACKWARD: [bool; 16] =
+    [true, false, false, false, true, true, true, true, false, false, true, true, true, true, false, false];
 
 /// Everything the forward pass keeps for backward, plus one layer's worth of backward scratch.
 /// Sized for a capacity (B, T); a pass over a smaller (b, t) uses a prefix of each buffer.
@@ -191,6 +199,7 @@ impl GPT2 {
             m: vec![],
             v: vec![],
             norm_partials: vec![],
+            grads_overwrite: false,
             acts: Activations::default(),
         })
     }
@@ -322,6 +331,8 @@ impl GPT2 {
         a.has_targets = false; // the logits are about to be overwritten
         let (b, t) = (a.b, a.t);
         let n = b * t;
+        // After zero_grad the GEMM-produced gradients are overwritten, not added to.
+        let acc = !std::mem::take(&mut self.grads_overwrite);
         let (p, g, lay) = (&self.params, &mut self.grads, &self.layout);
         t!(
             Classifier,
@@ -329,7 +340,18 @@ impl GPT2 {
         );
         t!(
             Classifier,
-            matmul_backward(Some(&mut a.scratch), lay.wte.of_mut(g), None, &a.logits, &a.lnf, lay.wte.of(p), n, c, vp)
+            matmul_backward(
+                Some(&mut a.scratch),
+                lay.wte.of_mut(g),
+                None,
+                &a.logits,
+                &a.lnf,
+                lay.wte.of(p),
+                n,
+                c,
+                vp,
+                acc
+            )
         );
         a.dresidual[..n * c].fill(0.0);
         let last = &a.residual3[(cfg.num_layers - 1) * n * c..][..n * c];
@@ -342,11 +364,22 @@ impl GPT2 {
             let (dw, db) = pair(g, &w.fc_proj_w, &w.fc_proj_b);
             t!(
                 Matmul,
-                matmul_backward(Some(x.dfch), dw, Some(db), x.dresidual, x.fch_gelu, w.fc_proj_w.of(p), n, 4 * c, c)
+                matmul_backward(
+                    Some(x.dfch),
+                    dw,
+                    Some(db),
+                    x.dresidual,
+                    x.fch_gelu,
+                    w.fc_proj_w.of(p),
+                    n,
+                    4 * c,
+                    c,
+                    acc
+                )
             );
             t!(Gelu, gelu_backward_inplace(x.dfch, x.fch));
             let (dw, db) = pair(g, &w.fc_w, &w.fc_b);
-            t!(Matmul, matmul_backward(Some(x.scratch), dw, Some(db), x.dfch, x.ln2, w.fc_w.of(p), n, c, 4 * c));
+            t!(Matmul, matmul_backward(Some(x.scratch), dw, Some(db), x.dfch, x.ln2, w.fc_w.of(p), n, c, 4 * c, acc));
             let (dw, db) = pair(g, &w.ln2_w, &w.ln2_b);
             let (ln2_w, mean, rstd) = (w.ln2_w.of(p), &*x.ln2_mean, &*x.ln2_rstd);
             t!(LayerNorm, layernorm_backward(x.dresidual, dw, db, x.scratch, x.residual2, ln2_w, mean, rstd, n, c));
@@ -354,12 +387,12 @@ impl GPT2 {
             let (dw, db) = pair(g, &w.attn_proj_w, &w.attn_proj_b);
             t!(
                 Matmul,
-                matmul_backward(Some(x.scratch), dw, Some(db), x.dresidual, x.atty, w.attn_proj_w.of(p), n, c, c)
+                matmul_backward(Some(x.scratch), dw, Some(db), x.dresidual, x.atty, w.attn_proj_w.of(p), n, c, c, acc)
             );
             // dfch (B, T, 4*C) is free again here: it serves as the per-head workspace.
             t!(Attention, attention_backward(x.dqkv, x.datt, x.dfch, x.scratch, x.qkv, x.att, b, t, c, nh));
             let (dw, db) = pair(g, &w.qkv_w, &w.qkv_b);
-            t!(Matmul, matmul_backward(Some(x.scratch), dw, Some(db), x.dqkv, x.ln1, w.qkv_w.of(p), n, c, 3 * c));
+            t!(Matmul, matmul_backward(Some(x.scratch), dw, Some(db), x.dqkv, x.ln1, w.qkv_w.of(p), n, c, 3 * c, acc));
             let (dw, db) = pair(g, &w.ln1_w, &w.ln1_b);
             t!(
                 LayerNorm,
@@ -382,8 +415,18 @@ impl GPT2 {
         Ok(())
     }
 
+    /// Start a new gradient: like PyTorch's `zero_grad(set_to_none=True)`, the tensors that the
+    /// next backward writes whole (every matmul weight and bias, and wte through the LM head) are
+    /// overwritten by it instead of being cleared now, which saves a pass over all gradients and
+    /// the read of every weight gradient in the backward GEMMs; the rest are zeroed here. Until
+    /// that backward has run, those tensors in `grads` hold stale values.
     pub fn zero_grad(&mut self) {
-        self.grads.fill(0.0);
+        for (i, span) in self.layout.tensors.iter().enumerate() {
+            if !WRITTEN_WHOLE_BY_BACKWARD[i] {
+                span.of_mut(&mut self.grads).fill(0.0);
+            }
+        }
+        self.grads_overwrite = true;
     }
 
     /// L2 norm of all gradients (deterministic).
@@ -398,5 +441,35 @@ impl GPT2 {
             let (p, g) = (&mut self.params[r.clone()], &self.grads[r.clone()]);
             t!(Optimizer, adamw_update(p, g, &mut self.m[r.clone()], &mut self.v[r], h, decay));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// zero_grad leaves stale values in the tensors the next backward overwrites; the gradients
+    /// must come out bit-identical to clearing everything and accumulating.
+    #[test]
+    fn zero_grad_then_backward_equals_clearing_everything() {
+        let cfg = GPT2Config::from_descriptor("2x32:2:16").unwrap();
+        let (b, t) = (2, 5);
+        let inputs: Vec<u32> = (0..b * t).map(|i| (i * 7 % cfg.vocab_size) as u32).collect();
+        let targets: Vec<u32> = (0..b * t).map(|i| (i * 3 % cfg.vocab_size + 1) as u32).collect();
+        let mut grads = vec![];
+        for stale in [false, true] {
+            let mut model = GPT2::random(cfg, 3).unwrap();
+            model.alloc_training_state();
+            if stale {
+                model.grads.iter_mut().enumerate().for_each(|(i, g)| *g = (i % 7) as f32 - 3.0);
+                model.zero_grad();
+            }
+            for _ in 0..2 {
+                model.forward(&inputs, Some(&targets), b, t).unwrap();
+                model.backward(0.5).unwrap();
+            }
+            grads.push(model.grads);
+        }
+        assert!(grads[0] == grads[1], "gradients differ after zero_grad over stale values");
     }
 }

@@ -148,7 +148,8 @@ pub fn matmul_forward(
 
 /// Backward of [`matmul_forward`].
 /// - `dinp (N, C)` is overwritten with `dout @ weight` (it is a per-layer scratch buffer);
-/// - `dweight (OC, C) += dout^T @ inp` and `dbias (OC) += sum over rows of dout` accumulate.
+/// - `dweight (OC, C) += dout^T @ inp` and `dbias (OC) += sum over rows of dout` accumulate, or
+///   are overwritten when `accumulate` is false (the first backward after a zero_grad).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward(
     dinp: Option<&mut [f32]>,
@@ -160,24 +161,28 @@ pub fn matmul_backward(
     n: usize,
     c: usize,
     oc: usize,
+    accumulate: bool,
 ) {
     let (c_, oc_) = (c as isize, oc as isize);
     if let Some(dinp) = dinp {
         gemm_strided(n, c, oc, &mut dinp[..n * c], (c_, 1), false, dout, (oc_, 1), weight, (c_, 1));
     }
-    gemm_strided(oc, c, n, &mut dweight[..oc * c], (c_, 1), true, dout, (1, oc_), inp, (c_, 1));
+    gemm_strided(oc, c, n, &mut dweight[..oc * c], (c_, 1), accumulate, dout, (1, oc_), inp, (c_, 1));
     if let Some(dbias) = dbias {
-        bias_backward(dbias, dout, n, oc);
+        bias_backward(dbias, dout, n, oc, accumulate);
     }
 }
 
-/// dbias (OC) += column sums of dout (N, OC). Split over columns so every thread sums its
+/// dbias (OC) [+]= column sums of dout (N, OC). Split over columns so every thread sums its
 /// columns over all rows in the same order: the result does not depend on scheduling.
-fn bias_backward(dbias: &mut [f32], dout: &[f32], n: usize, oc: usize) {
+fn bias_backward(dbias: &mut [f32], dout: &[f32], n: usize, oc: usize, accumulate: bool) {
     use rayon::prelude::*;
     const COLS: usize = 64;
     dbias[..oc].par_chunks_mut(COLS).enumerate().for_each(|(ci, db)| {
         let (c0, w) = (ci * COLS, db.len());
+        if !accumulate {
+            db.fill(0.0);
+        }
         for row in dout[..n * oc].chunks_exact(oc) {
             for (d, g) in db.iter_mut().zip(&row[c0..c0 + w]) {
                 *d += g;
@@ -233,13 +238,18 @@ mod tests {
             let mut dinp = vec![9f32; n * c];
             let mut dw = vec![0.5f32; oc * c];
             let mut db = vec![0.25f32; oc];
-            matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &proj, &inp, &w, n, c, oc);
-            // dw and db accumulate onto their previous contents.
+            matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &proj, &inp, &w, n, c, oc, true);
+            // dw and db accumulate onto their previous contents...
             dw.iter_mut().for_each(|x| *x -= 0.5);
             db.iter_mut().for_each(|x| *x -= 0.25);
             check_grad(&inp, &dinp, |x| loss(x, &w, &b), "dinp");
             check_grad(&w, &dw, |x| loss(&inp, x, &b), "dweight");
             check_grad(&b, &db, |x| loss(&inp, &w, x), "dbias");
+            // ...or overwrite them: same gradients over stale contents.
+            let (mut dw2, mut db2) = (vec![7f32; oc * c], vec![-3f32; oc]);
+            matmul_backward(None, &mut dw2, Some(&mut db2), &proj, &inp, &w, n, c, oc, false);
+            assert_close(&dw2, &dw, 1e-6, 1e-5, "dweight overwritten");
+            assert_close(&db2, &db, 1e-6, 1e-5, "dbias overwritten");
         }
     }
 }
