@@ -15,6 +15,19 @@ fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
     }
 }
 
+trait Threads {
+    fn threads(&self) -> usize;
+}
+
+impl Threads for Parallelism {
+    fn threads(&self) -> usize {
+        match self {
+            Parallelism::Rayon(t) => *t,
+            _ => 1,
+        }
+    }
+}
+
 /// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n)` with arbitrary strides (row stride, column stride),
 /// threaded over the rayon pool when large enough.
 #[allow(clippy::too_many_arguments)]
@@ -77,10 +90,7 @@ fn gemm_impl(
         assert!((last(k, n, rhs_rs, rhs_cs) as usize) < rhs.len());
     }
     if dst_cs == 1 && sgemm::fast_path_available() {
-        let threads = match par {
-            Parallelism::Rayon(t) => t,
-            _ => 1,
-        };
+        let threads = par.threads();
         // SAFETY: as for the call below; the fast path was checked just above.
         unsafe {
             sgemm::sgemm(
@@ -90,6 +100,7 @@ fn gemm_impl(
                 dst.as_mut_ptr(),
                 (dst_rs, dst_cs),
                 accumulate,
+                std::ptr::null(),
                 lhs.as_ptr(),
                 (lhs_rs, lhs_cs),
                 rhs.as_ptr(),
@@ -137,12 +148,35 @@ pub fn matmul_forward(
     oc: usize,
 ) {
     let out = &mut out[..n * oc];
+    let (c_, oc_) = (c as isize, oc as isize);
+    if sgemm::fast_path_available() && n > 0 && oc > 0 {
+        let bias = bias.map_or(std::ptr::null(), |b| b[..oc].as_ptr());
+        assert!(inp.len() >= n * c && weight.len() >= oc * c);
+        // SAFETY: out is (n, oc), inp (n, c) and weight (oc, c), all dense and in bounds (asserted
+        // or sliced above); bias, when given, has oc elements; out is a unique borrow.
+        unsafe {
+            sgemm::sgemm(
+                n,
+                oc,
+                c,
+                out.as_mut_ptr(),
+                (oc_, 1),
+                false,
+                bias,
+                inp.as_ptr(),
+                (c_, 1),
+                weight.as_ptr(),
+                (1, c_),
+                parallelism(n, oc, c).threads(),
+            )
+        };
+        return;
+    }
     if let Some(bias) = bias {
         for row in out.chunks_exact_mut(oc) {
             row.copy_from_slice(&bias[..oc]);
         }
     }
-    let (c_, oc_) = (c as isize, oc as isize);
     gemm_strided(n, oc, c, out, (oc_, 1), bias.is_some(), inp, (c_, 1), weight, (1, c_));
 }
 

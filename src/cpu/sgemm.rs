@@ -63,8 +63,10 @@ impl View {
     }
 }
 
-/// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n)`; strides are (row stride, column stride) in
-/// elements and must be non-negative. `threads` > 1 splits the work over the rayon pool.
+/// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n) [+ bias (n)]`; strides are (row stride, column
+/// stride) in elements and must be non-negative. `bias` (null for none) is added to every row,
+/// only when not accumulating: it is fused into the first store of each tile, which saves
+/// writing C once with the bias before the GEMM. `threads` > 1 splits the work over the pool.
 ///
 /// # Safety
 /// Every element that the strides address for the given shapes must lie inside its buffer, and
@@ -77,12 +79,14 @@ pub unsafe fn sgemm(
     dst: *mut f32,
     (dst_rs, dst_cs): (isize, isize),
     accumulate: bool,
+    bias: *const f32,
     lhs: *const f32,
     (lhs_rs, lhs_cs): (isize, isize),
     rhs: *const f32,
     (rhs_rs, rhs_cs): (isize, isize),
     threads: usize,
 ) {
+    let bias = if accumulate { std::ptr::null() } else { bias };
     debug_assert!(dst_cs == 1 && fast_path_available());
     let c = View { ptr: dst, rs: dst_rs, cs: dst_cs };
     let a = View { ptr: lhs as *mut f32, rs: lhs_rs, cs: lhs_cs };
@@ -92,14 +96,19 @@ pub unsafe fn sgemm(
     }
     if threads <= 1 || m * n * k < PARALLEL_MIN {
         // SAFETY: forwarded from the caller.
-        return unsafe { serial(m, n, k, c, accumulate, a, b) };
+        return unsafe { serial(m, n, k, c, accumulate, bias, a, b) };
     }
-    // Split the longer side of C into `threads` ranges that are whole tiles.
-    let (split_cols, len, tile) = if n >= m { (true, n, NR) } else { (false, m, MR) };
+    // Split the longer side of C into ranges of whole tiles: up to four per thread, so that a
+    // thread that loses its core for a moment (shared and virtual machines) is covered by the
+    // others stealing its remaining parts, but no part so thin that re-packing the shared
+    // operand in every part would cost more than the balance gains.
+    let (split_cols, len, tile, min_part) = if n >= m { (true, n, NR, 384) } else { (false, m, MR, 192) };
     let tiles = len.div_ceil(tile);
-    let parts = threads.min(tiles);
+    let parts = (len / min_part).clamp(threads, 4 * threads).min(tiles);
     use rayon::prelude::*;
+    let bias_addr = bias as usize; // a raw pointer is not Sync; its address is
     (0..parts).into_par_iter().for_each(|p| {
+        let bias = bias_addr as *const f32;
         let t0 = tiles * p / parts * tile;
         let t1 = (tiles * (p + 1) / parts * tile).min(len);
         if t0 >= t1 {
@@ -111,11 +120,12 @@ pub unsafe fn sgemm(
             if split_cols {
                 let cs = View { ptr: c.at(0, t0), ..c };
                 let bs = View { ptr: b.at(0, t0), ..b };
-                serial(m, t1 - t0, k, cs, accumulate, a, bs)
+                let bias = if bias.is_null() { bias } else { bias.add(t0) };
+                serial(m, t1 - t0, k, cs, accumulate, bias, a, bs)
             } else {
                 let cs = View { ptr: c.at(t0, 0), ..c };
                 let as_ = View { ptr: a.at(t0, 0), ..a };
-                serial(t1 - t0, n, k, cs, accumulate, as_, b)
+                serial(t1 - t0, n, k, cs, accumulate, bias, as_, b)
             }
         }
     });
@@ -143,12 +153,18 @@ fn aligned(v: &mut Vec<f32>, len: usize) -> *mut f32 {
 
 /// The single-threaded blocked GEMM (the loops of Goto's algorithm).
 #[allow(clippy::too_many_arguments)]
-unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, a: View, b: View) {
+unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: *const f32, a: View, b: View) {
     if k == 0 {
         if !accumulate {
             for i in 0..m {
-                // SAFETY: row i of C has n contiguous elements (dst_cs == 1).
-                unsafe { std::ptr::write_bytes(c.at(i, 0), 0, n) };
+                // SAFETY: row i of C has n contiguous elements (dst_cs == 1); bias has n.
+                unsafe {
+                    if bias.is_null() {
+                        std::ptr::write_bytes(c.at(i, 0), 0, n)
+                    } else {
+                        std::ptr::copy_nonoverlapping(bias, c.at(i, 0), n)
+                    }
+                }
             }
         }
         return;
@@ -163,6 +179,8 @@ unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, a: Vie
             for pc in (0..k).step_by(KC) {
                 let kc = KC.min(k - pc);
                 let acc = accumulate || pc > 0;
+                // The bias goes in with the first block of k only.
+                let bias = if pc == 0 { bias } else { std::ptr::null() };
                 for ic in (0..m).step_by(MC) {
                     let mc = MC.min(m - ic);
                     // SAFETY: the packers read only the (mc, kc) / (kc, nr) sub-blocks, which
@@ -180,19 +198,27 @@ unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, a: Vie
                             let mr = MR.min(mc - ir);
                             let apanel = unsafe { ap.add(ir * kc) };
                             let cp = unsafe { c.at(ic + ir, jc + jr) };
+                            let bp_ = if bias.is_null() { bias } else { unsafe { bias.add(jc + jr) } };
                             // SAFETY: full tiles lie inside C; partial ones go through a
                             // local tile and only their valid part is written back.
                             unsafe {
                                 if mr == MR && nr == NR {
-                                    kernel(kc, apanel, bpanel, cp, c.rs, acc);
+                                    kernel(kc, apanel, bpanel, cp, c.rs, acc, bp_);
                                 } else {
                                     let mut tile = [0f32; MR * NR];
-                                    kernel(kc, apanel, bpanel, tile.as_mut_ptr(), NR as isize, false);
+                                    let null = std::ptr::null();
+                                    kernel(kc, apanel, bpanel, tile.as_mut_ptr(), NR as isize, false, null);
                                     for i in 0..mr {
                                         let row = cp.offset(i as isize * c.rs);
                                         for j in 0..nr {
                                             let t = tile[i * NR + j];
-                                            *row.add(j) = if acc { *row.add(j) + t } else { t };
+                                            *row.add(j) = if acc {
+                                                *row.add(j) + t
+                                            } else if bp_.is_null() {
+                                                t
+                                            } else {
+                                                t + *bp_.add(j)
+                                            };
                                         }
                                     }
                                 }
@@ -381,12 +407,13 @@ unsafe fn pack_b_transposed(kc: usize, b: View, d: *mut f32) {
     }
 }
 
-/// The 6x16 micro-kernel: `C[0..6][0..16] = [C +] sum_p a[p*6 + i] * b[p*16 + j]`.
+/// The 6x16 micro-kernel: `C[0..6][0..16] = [C +] sum_p a[p*6 + i] * b[p*16 + j] [+ bias[j]]`
+/// (C when `acc`, else the bias when not null).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: isize, acc: bool) {
-    // SAFETY: a has 6*kc floats, b has 16*kc floats (64-byte aligned), and C rows 0..6 have 16
-    // writable floats each at stride ldc.
+unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: isize, acc: bool, bias: *const f32) {
+    // SAFETY: a has 6*kc floats, b has 16*kc floats (64-byte aligned), C rows 0..6 have 16
+    // writable floats each at stride ldc, and a non-null bias has 16 floats.
     unsafe {
         for i in 0..MR {
             _mm_prefetch::<_MM_HINT_T0>(c.offset(i as isize * ldc) as *const i8);
@@ -421,21 +448,22 @@ unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: isiz
             b = b.add(NR);
         }
         let rows = [(c00, c01), (c10, c11), (c20, c21), (c30, c31), (c40, c41), (c50, c51)];
+        let (b0, b1) = if bias.is_null() { (z, z) } else { (_mm256_loadu_ps(bias), _mm256_loadu_ps(bias.add(8))) };
         for (i, (lo, hi)) in rows.into_iter().enumerate() {
             let r = c.offset(i as isize * ldc);
             if acc {
                 _mm256_storeu_ps(r, _mm256_add_ps(_mm256_loadu_ps(r), lo));
                 _mm256_storeu_ps(r.add(8), _mm256_add_ps(_mm256_loadu_ps(r.add(8)), hi));
             } else {
-                _mm256_storeu_ps(r, lo);
-                _mm256_storeu_ps(r.add(8), hi);
+                _mm256_storeu_ps(r, _mm256_add_ps(lo, b0));
+                _mm256_storeu_ps(r.add(8), _mm256_add_ps(hi, b1));
             }
         }
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel(_: usize, _: *const f32, _: *const f32, _: *mut f32, _: isize, _: bool) {
+unsafe fn kernel(_: usize, _: *const f32, _: *const f32, _: *mut f32, _: isize, _: bool, _: *const f32) {
     unreachable!("the packed path runs only where fast_path_available() is true")
 }
 
@@ -464,8 +492,11 @@ mod tests {
                 // C rows padded by 5 to check that only the m x n window is written.
                 let crs = n + 5;
                 let c0 = rng.vec(m * crs);
-                for accumulate in [false, true] {
+                let bias = rng.vec(n);
+                // C starts from zero, from its contents, or from the bias.
+                for (accumulate, with_bias) in [(false, false), (true, false), (false, true)] {
                     let mut c = c0.clone();
+                    let bias_ptr = if with_bias { bias.as_ptr() } else { std::ptr::null() };
                     // SAFETY: the layouts above size every buffer for the strides they return.
                     unsafe {
                         sgemm(
@@ -475,6 +506,7 @@ mod tests {
                             c.as_mut_ptr(),
                             (crs as isize, 1),
                             accumulate,
+                            bias_ptr,
                             a.as_ptr(),
                             (ars, acs),
                             b.as_ptr(),
@@ -489,7 +521,11 @@ mod tests {
                                 assert_eq!(got, c0[i * crs + j], "padding touched at ({i},{j})");
                                 continue;
                             }
-                            let mut want = if accumulate { c0[i * crs + j] as f64 } else { 0.0 };
+                            let mut want = match (accumulate, with_bias) {
+                                (true, _) => c0[i * crs + j] as f64,
+                                (false, true) => bias[j] as f64,
+                                (false, false) => 0.0,
+                            };
                             for p in 0..k {
                                 let x = a[(i as isize * ars + p as isize * acs) as usize] as f64;
                                 want += x * b[(p as isize * brs + j as isize * bcs) as usize] as f64;
@@ -497,7 +533,7 @@ mod tests {
                             let tol = 1e-5 * (k as f64).sqrt().max(1.0) * (1.0 + want.abs());
                             assert!(
                                 (got as f64 - want).abs() <= tol,
-                                "({m},{n},{k}) layouts {a_kind}/{b_kind} acc={accumulate} t={threads}: \
+                                "({m},{n},{k}) layouts {a_kind}/{b_kind} acc={accumulate} bias={with_bias} t={threads}: \
                                  C[{i}][{j}] = {got}, want {want}"
                             );
                         }
@@ -553,6 +589,7 @@ mod tests {
                     c.as_mut_ptr(),
                     (n as isize, 1),
                     false,
+                    std::ptr::null(),
                     a.as_ptr(),
                     (k as isize, 1),
                     b.as_ptr(),
