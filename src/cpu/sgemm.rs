@@ -246,8 +246,15 @@ unsafe fn pack_a(mc: usize, kc: usize, a: View, dst: *mut f32) {
                     continue;
                 }
             }
+            if a.rs == 1 && rows == MR {
+                // A^T is row-major: each k gives MR contiguous floats (a fixed-size copy, which
+                // compiles to two moves).
+                for p in 0..kc {
+                    std::ptr::copy_nonoverlapping(a.at(i0, p), d.add(p * MR), MR);
+                }
+                continue;
+            }
             if a.rs == 1 {
-                // A^T is row-major: each k gives `rows` contiguous floats.
                 for p in 0..kc {
                     let src = a.at(i0, p);
                     for i in 0..MR {
