@@ -194,7 +194,15 @@ unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: 
                             // the kernels hot in L1 (and most GEMMs here have m <= MC).
                             unsafe { pack_b_panel(kc, nr, View { ptr: b.at(pc, jc + jr), ..b }, bpanel) };
                         }
-                        for ir in (0..mc).step_by(MR) {
+                        // While the kernels sweep this panel, pull the source lines of the next
+                        // one toward the cache, a share per kernel call: packing reads a line
+                        // from each of up to 256 rows, which on its own waits on memory.
+                        let next = (ic == 0 && jr + NR < nc).then(|| (jr + NR, NR.min(nc - jr - NR)));
+                        let shares = mc.div_ceil(MR);
+                        for (share, ir) in (0..mc).step_by(MR).enumerate() {
+                            if let Some((jn, cols)) = next {
+                                prefetch_b_share(kc, cols, b, pc, jc + jn, share, shares);
+                            }
                             let mr = MR.min(mc - ir);
                             let apanel = unsafe { ap.add(ir * kc) };
                             let cp = unsafe { c.at(ic + ir, jc + jr) };
@@ -270,6 +278,36 @@ unsafe fn pack_a(mc: usize, kc: usize, a: View, dst: *mut f32) {
             }
         }
     }
+}
+
+/// Prefetch share `share` of `shares` of the lines that packing the `(kc, cols)` panel of B at
+/// (p0, j0) will read. Prefetches never fault, so addresses are formed with wrapping arithmetic.
+#[inline(always)]
+fn prefetch_b_share(kc: usize, cols: usize, b: View, p0: usize, j0: usize, share: usize, shares: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let addr = |p: usize, j: usize| {
+            b.ptr.wrapping_offset((p0 + p) as isize * b.rs + (j0 + j) as isize * b.cs) as *const i8
+        };
+        // SAFETY (both arms): prefetch is a hint; it reads nothing and cannot fault.
+        if b.cs == 1 {
+            // One row segment of `cols` floats per k: its first and last line.
+            for p in kc * share / shares..kc * (share + 1) / shares {
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(addr(p, 0));
+                    _mm_prefetch::<_MM_HINT_T0>(addr(p, cols - 1));
+                }
+            }
+        } else if b.rs == 1 {
+            // `cols` columns of kc contiguous floats, 16 floats a line.
+            let lines = kc.div_ceil(16);
+            for idx in cols * lines * share / shares..cols * lines * (share + 1) / shares {
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(addr((idx % lines) * 16, idx / lines)) };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (kc, cols, b, p0, j0, share, shares);
 }
 
 /// Pack one `B (kc, cols)` panel (cols <= NR): `B[p][j]` goes to `p*NR + j`, zero-padded to
