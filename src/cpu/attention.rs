@@ -94,9 +94,15 @@ fn softmax_prefix(row: &mut [f32], live: usize, scale: f32) {
     row[live..].fill(0.0);
 }
 
-/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3*C). Per (batch, head), two GEMMs:
-/// scores = Q K^T (the full T x T, then the causal mask), and out = softmax(scores) V.
-/// `heads (B, NH, T, HS)` is workspace.
+/// Query rows per causal block: each block of queries is multiplied only with the keys it can
+/// see (those up to its last row), which halves the attention GEMMs at long T. At T <= 64 there
+/// is one block, the full T x T.
+const ROW_BLOCK: usize = 64;
+
+/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3*C). Per (batch, head) and block of query
+/// rows, two GEMMs: scores = Q K^T over the visible keys (then the causal mask inside the
+/// block), and out = softmax(scores) V. `att` is zero above the diagonal. `heads (B, NH, T, HS)`
+/// is workspace.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     out: &mut [f32],
@@ -108,6 +114,21 @@ pub fn attention_forward(
     c: usize,
     nh: usize,
 ) {
+    attention_forward_blocked(out, att, heads, qkv, b, t, c, nh, ROW_BLOCK)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_forward_blocked(
+    out: &mut [f32],
+    att: &mut [f32],
+    heads: &mut [f32],
+    qkv: &[f32],
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+    block: usize,
+) {
     use crate::cpu::matmul::gemm_strided_serial as gemm;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
@@ -116,11 +137,15 @@ pub fn attention_forward(
     planes.enumerate().for_each(|(bh, (p, o))| {
         let base = (bh / nh) * t * 3 * c + (bh % nh) * hs;
         let (q, k, v) = (&qkv[base..], &qkv[base + c..], &qkv[base + 2 * c..]);
-        gemm(t, t, hs, p, (ti_, 1), false, q, (c3, 1), k, (1, c3));
-        for ti in 0..t {
-            softmax_prefix(&mut p[ti * t..(ti + 1) * t], ti + 1, scale);
+        for r0 in (0..t).step_by(block) {
+            let r1 = (r0 + block).min(t);
+            // Rows r0..r1 see keys 0..r1; softmax_prefix zeroes the rest of each row.
+            gemm(r1 - r0, r1, hs, &mut p[r0 * t..], (ti_, 1), false, &q[r0 * 3 * c..], (c3, 1), k, (1, c3));
+            for ti in r0..r1 {
+                softmax_prefix(&mut p[ti * t..(ti + 1) * t], ti + 1, scale);
+            }
+            gemm(r1 - r0, hs, r1, &mut o[r0 * hs..], (hs_, 1), false, &p[r0 * t..], (ti_, 1), v, (c3, 1));
         }
-        gemm(t, hs, t, o, (hs_, 1), false, p, (ti_, 1), v, (c3, 1));
     });
     let heads = &heads[..b * nh * t * hs];
     out[..b * t * c].par_chunks_mut(c).enumerate().for_each(|(bt, row)| {
@@ -132,7 +157,8 @@ pub fn attention_forward(
 }
 
 /// Backward of [`attention_forward`], as GEMMs per (batch, head): dP = dO V^T, the softmax
-/// backward dS = P (dP - rowsum(P dP)) (scaled), dQ = dS K, dK = dS^T Q, dV = P^T dO.
+/// backward dS = P (dP - rowsum(P dP)) (scaled), dQ = dS K, dK = dS^T Q, dV = P^T dO, each
+/// restricted to the causal triangle by blocks of rows (dP, dQ) or of keys (dK, dV).
 /// `dqkv (B, T, 3*C)` is overwritten; `scratch (B, NH, T, T)` and `heads (B, NH, 3, T, HS)` are
 /// workspace.
 #[allow(clippy::too_many_arguments)]
@@ -148,6 +174,23 @@ pub fn attention_backward(
     c: usize,
     nh: usize,
 ) {
+    attention_backward_blocked(dqkv, scratch, heads, dout, qkv, att, b, t, c, nh, ROW_BLOCK)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_backward_blocked(
+    dqkv: &mut [f32],
+    scratch: &mut [f32],
+    heads: &mut [f32],
+    dout: &[f32],
+    qkv: &[f32],
+    att: &[f32],
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+    block: usize,
+) {
     use crate::cpu::matmul::gemm_strided_serial as gemm;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
@@ -160,20 +203,29 @@ pub fn attention_backward(
         let (q, k, v) = (&qkv[base..], &qkv[base + c..], &qkv[base + 2 * c..]);
         let d = &dout[bi * t * c + h * hs..];
         let p = &att[bh * t * t..(bh + 1) * t * t];
-        gemm(t, t, hs, ds, (ti_, 1), false, d, (c_, 1), v, (1, c3));
-        for ti in 0..t {
-            let (row, pr) = (&mut ds[ti * t..(ti + 1) * t], &p[ti * t..(ti + 1) * t]);
-            let s: f32 = pr[..=ti].iter().zip(&row[..=ti]).map(|(a, b)| a * b).sum();
-            for (x, pv) in row[..=ti].iter_mut().zip(pr) {
-                *x = pv * (*x - s) * scale;
-            }
-            row[ti + 1..].fill(0.0);
-        }
         let (dq, rest) = hd.split_at_mut(t * hs);
         let (dk, dv) = rest.split_at_mut(t * hs);
-        gemm(t, hs, t, dq, (hs_, 1), false, ds, (ti_, 1), k, (c3, 1));
-        gemm(t, hs, t, dk, (hs_, 1), false, ds, (1, ti_), q, (c3, 1));
-        gemm(t, hs, t, dv, (hs_, 1), false, p, (1, ti_), d, (c_, 1));
+        for r0 in (0..t).step_by(block) {
+            let r1 = (r0 + block).min(t);
+            // dP and dS of query rows r0..r1 over the keys 0..r1 they saw (zero beyond).
+            gemm(r1 - r0, r1, hs, &mut ds[r0 * t..], (ti_, 1), false, &d[r0 * c..], (c_, 1), v, (1, c3));
+            for ti in r0..r1 {
+                let (row, pr) = (&mut ds[ti * t..(ti + 1) * t], &p[ti * t..(ti + 1) * t]);
+                let s: f32 = pr[..=ti].iter().zip(&row[..=ti]).map(|(a, b)| a * b).sum();
+                for (x, pv) in row[..=ti].iter_mut().zip(pr) {
+                    *x = pv * (*x - s) * scale;
+                }
+                row[ti + 1..].fill(0.0);
+            }
+            gemm(r1 - r0, hs, r1, &mut dq[r0 * hs..], (hs_, 1), false, &ds[r0 * t..], (ti_, 1), k, (c3, 1));
+        }
+        for k0 in (0..t).step_by(block) {
+            let k1 = (k0 + block).min(t);
+            // Keys k0..k1 were seen by queries k0..t only: dK = dS^T Q and dV = P^T dO over those.
+            let (lhs_ds, lhs_p) = (&ds[k0 * t + k0..], &p[k0 * t + k0..]);
+            gemm(k1 - k0, hs, t - k0, &mut dk[k0 * hs..], (hs_, 1), false, lhs_ds, (1, ti_), &q[k0 * 3 * c..], (c3, 1));
+            gemm(k1 - k0, hs, t - k0, &mut dv[k0 * hs..], (hs_, 1), false, lhs_p, (1, ti_), &d[k0 * c..], (c_, 1));
+        }
     });
     let heads = &heads[..b * nh * 3 * t * hs];
     dqkv[..b * t * 3 * c].par_chunks_mut(3 * c).enumerate().for_each(|(bt, row)| {
@@ -341,7 +393,7 @@ mod tests {
 
     #[test]
     fn forward_and_backward_on_odd_shapes() {
-        for &(b, t, c, nh) in &[(1, 1, 1, 1), (1, 3, 3, 1), (2, 7, 6, 3), (3, 5, 8, 2)] {
+        for &(b, t, c, nh) in &[(1, 1, 1, 1), (1, 3, 3, 1), (2, 7, 6, 3), (3, 5, 8, 2), (1, 11, 4, 2)] {
             let mut r = TestRng((b * 1000 + t * 10 + c) as u64);
             let qkv: Vec<f32> = r.vec(b * t * 3 * c).iter().map(|x| x * 2.0).collect();
             let proj = r.vec(b * t * c);
@@ -352,6 +404,40 @@ mod tests {
                 attention_forward(&mut out, &mut att, &mut heads, qkv, b, t, c, nh);
                 (out, att)
             };
+            // Causal blocks of 1, 2 and 3 rows (several blocks, a ragged last one) give the
+            // same results as one block; stale workspace contents must not leak in.
+            let full = {
+                let (mut out, mut att, mut heads) =
+                    (vec![0f32; b * t * c], vec![0f32; b * nh * t * t], vec![0f32; b * t * c]);
+                attention_forward_blocked(&mut out, &mut att, &mut heads, &qkv, b, t, c, nh, t.max(1));
+                let (mut dqkv, mut scratch, mut heads) =
+                    (vec![0f32; b * t * 3 * c], vec![0f32; b * nh * t * t], vec![0f32; b * t * 3 * c]);
+                attention_backward_blocked(
+                    &mut dqkv,
+                    &mut scratch,
+                    &mut heads,
+                    &proj,
+                    &qkv,
+                    &att,
+                    b,
+                    t,
+                    c,
+                    nh,
+                    t.max(1),
+                );
+                (out, att, dqkv)
+            };
+            for block in [1, 2, 3] {
+                let (mut out, mut att, mut heads) =
+                    (vec![9f32; b * t * c], vec![9f32; b * nh * t * t], vec![9f32; b * t * c]);
+                attention_forward_blocked(&mut out, &mut att, &mut heads, &qkv, b, t, c, nh, block);
+                assert_close(&out, &full.0, 1e-6, 1e-5, "blocked fwd");
+                assert_close(&att, &full.1, 1e-6, 1e-5, "blocked att");
+                let (mut dqkv, mut scratch, mut heads) =
+                    (vec![9f32; b * t * 3 * c], vec![9f32; b * nh * t * t], vec![9f32; b * t * 3 * c]);
+                attention_backward_blocked(&mut dqkv, &mut scratch, &mut heads, &proj, &qkv, &att, b, t, c, nh, block);
+                assert_close(&dqkv, &full.2, 1e-5, 1e-4, "blocked bwd");
+            }
             let (out, att) = fwd(&qkv);
             assert_close(&out, &reference(&qkv, b, t, c, nh), 1e-5, 1e-4, "attention fwd");
             let mut dqkv = vec![7f32; b * t * 3 * c];
