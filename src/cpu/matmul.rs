@@ -15,19 +15,6 @@ fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
     }
 }
 
-trait Threads {
-    fn threads(&self) -> usize;
-}
-
-impl Threads for Parallelism {
-    fn threads(&self) -> usize {
-        match self {
-            Parallelism::Rayon(t) => *t,
-            _ => 1,
-        }
-    }
-}
-
 /// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n)` with arbitrary strides (row stride, column stride),
 /// threaded over the rayon pool when large enough.
 #[allow(clippy::too_many_arguments)]
@@ -43,7 +30,7 @@ pub fn gemm_strided(
     rhs: &[f32],
     rhs_s: (isize, isize),
 ) {
-    gemm_impl(m, n, k, dst, dst_s, accumulate, lhs, lhs_s, rhs, rhs_s, parallelism(m, n, k))
+    gemm_impl(m, n, k, dst, dst_s, accumulate, None, lhs, lhs_s, rhs, rhs_s, parallelism(m, n, k))
 }
 
 /// [`gemm_strided`] on the calling thread only, for use inside an already parallel loop.
@@ -60,9 +47,11 @@ pub fn gemm_strided_serial(
     rhs: &[f32],
     rhs_s: (isize, isize),
 ) {
-    gemm_impl(m, n, k, dst, dst_s, accumulate, lhs, lhs_s, rhs, rhs_s, Parallelism::None)
+    gemm_impl(m, n, k, dst, dst_s, accumulate, None, lhs, lhs_s, rhs, rhs_s, Parallelism::None)
 }
 
+/// The one dispatch to a GEMM: the packed AVX2 path when it can run, else the `gemm` crate.
+/// `bias (n)`, when given and not accumulating, is added to every row of `dst`.
 #[allow(clippy::too_many_arguments)]
 fn gemm_impl(
     m: usize,
@@ -71,6 +60,7 @@ fn gemm_impl(
     dst: &mut [f32],
     (dst_rs, dst_cs): (isize, isize),
     accumulate: bool,
+    bias: Option<&[f32]>,
     lhs: &[f32],
     (lhs_rs, lhs_cs): (isize, isize),
     rhs: &[f32],
@@ -89,9 +79,14 @@ fn gemm_impl(
         assert!((last(m, k, lhs_rs, lhs_cs) as usize) < lhs.len());
         assert!((last(k, n, rhs_rs, rhs_cs) as usize) < rhs.len());
     }
+    let bias = if accumulate { None } else { bias.map(|b| &b[..n]) };
     if dst_cs == 1 && sgemm::fast_path_available() {
-        let threads = par.threads();
-        // SAFETY: as for the call below; the fast path was checked just above.
+        let threads = match par {
+            Parallelism::Rayon(t) => t,
+            _ => 1,
+        };
+        // SAFETY: as for the call below; the fast path was checked just above, and a bias has
+        // n elements.
         unsafe {
             sgemm::sgemm(
                 m,
@@ -100,7 +95,7 @@ fn gemm_impl(
                 dst.as_mut_ptr(),
                 (dst_rs, dst_cs),
                 accumulate,
-                std::ptr::null(),
+                bias.map_or(std::ptr::null(), |b| b.as_ptr()),
                 lhs.as_ptr(),
                 (lhs_rs, lhs_cs),
                 rhs.as_ptr(),
@@ -109,6 +104,13 @@ fn gemm_impl(
             )
         };
         return;
+    }
+    if let Some(bias) = bias {
+        for i in 0..m {
+            for (j, b) in bias.iter().enumerate() {
+                dst[i * dst_rs as usize + j * dst_cs as usize] = *b;
+            }
+        }
     }
     // SAFETY: all three operands are valid slices and the asserts above show every index the
     // strides address lies inside them; `dst` is a unique borrow, so it cannot alias lhs/rhs.
@@ -120,7 +122,7 @@ fn gemm_impl(
             dst.as_mut_ptr(),
             dst_cs,
             dst_rs,
-            accumulate,
+            accumulate || bias.is_some(),
             lhs.as_ptr(),
             lhs_cs,
             lhs_rs,
@@ -147,37 +149,9 @@ pub fn matmul_forward(
     c: usize,
     oc: usize,
 ) {
-    let out = &mut out[..n * oc];
     let (c_, oc_) = (c as isize, oc as isize);
-    if sgemm::fast_path_available() && n > 0 && oc > 0 {
-        let bias = bias.map_or(std::ptr::null(), |b| b[..oc].as_ptr());
-        assert!(inp.len() >= n * c && weight.len() >= oc * c);
-        // SAFETY: out is (n, oc), inp (n, c) and weight (oc, c), all dense and in bounds (asserted
-        // or sliced above); bias, when given, has oc elements; out is a unique borrow.
-        unsafe {
-            sgemm::sgemm(
-                n,
-                oc,
-                c,
-                out.as_mut_ptr(),
-                (oc_, 1),
-                false,
-                bias,
-                inp.as_ptr(),
-                (c_, 1),
-                weight.as_ptr(),
-                (1, c_),
-                parallelism(n, oc, c).threads(),
-            )
-        };
-        return;
-    }
-    if let Some(bias) = bias {
-        for row in out.chunks_exact_mut(oc) {
-            row.copy_from_slice(&bias[..oc]);
-        }
-    }
-    gemm_strided(n, oc, c, out, (oc_, 1), bias.is_some(), inp, (c_, 1), weight, (1, c_));
+    let out = &mut out[..n * oc];
+    gemm_impl(n, oc, c, out, (oc_, 1), false, bias, inp, (c_, 1), weight, (1, c_), parallelism(n, oc, c));
 }
 
 /// Backward of [`matmul_forward`].

@@ -250,7 +250,7 @@ unsafe fn pack_a(mc: usize, kc: usize, a: View, dst: *mut f32) {
             if a.cs == 1 && rows == MR {
                 #[cfg(target_arch = "x86_64")]
                 {
-                    pack_a_rows(kc, View { ptr: a.at(i0, 0), ..a }, d);
+                    pack_transposed::<MR>(kc, |i| a.at(i0 + i, 0), d);
                     continue;
                 }
             }
@@ -332,7 +332,7 @@ unsafe fn pack_b_panel(kc: usize, cols: usize, b: View, d: *mut f32) {
         if b.rs == 1 && cols == NR {
             #[cfg(target_arch = "x86_64")]
             {
-                pack_b_transposed(kc, b, d);
+                pack_transposed::<NR>(kc, |j| b.at(0, j), d);
                 return;
             }
         }
@@ -382,27 +382,32 @@ unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
     }
 }
 
-/// One A panel from six row-major rows: for each 8 k, load 8 floats of each row, transpose,
-/// and store the 8 columns of 6 with 8-wide stores that overlap (each overhang is rewritten by
-/// the next store; the last one lands in the next panel or the buffer's slack).
+/// One panel `W` wide from `W` source rows that are contiguous along k (A row-major, or a
+/// transposed B such as the weight of `inp @ W^T`): `d[p*W + i] = row(i)[p]`. For each 8 k,
+/// groups of eight rows are loaded, transposed in registers and stored as 8-wide columns. With
+/// W = 6 the last two lanes (copies of row 5) overhang into the next column and are rewritten by
+/// the next store; the panel's final overhang lands in the next panel or the buffer's slack.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pack_a_rows(kc: usize, a: View, d: *mut f32) {
-    // SAFETY: rows 0..MR and columns 0..kc of `a` are inside A; d has MR*kc + 2 floats.
+unsafe fn pack_transposed<const W: usize>(kc: usize, row: impl Fn(usize) -> *const f32, d: *mut f32) {
+    // Overlapping stores are only safe within one group: W is below 8 or whole groups.
+    const { assert!(W < 8 || W % 8 == 0) };
+    // SAFETY: rows 0..W hold kc floats each; d has W*kc floats plus 2 of slack when W < 8.
     unsafe {
-        let row = |i: usize| a.at(i.min(MR - 1), 0) as *const f32;
+        let row = |i: usize| row(i.min(W - 1));
         let mut p = 0;
         while p + 8 <= kc {
-            let r = std::array::from_fn(|i| _mm256_loadu_ps(row(i).add(p)));
-            let t = transpose8(r);
-            for (j, v) in t.iter().enumerate() {
-                _mm256_storeu_ps(d.add((p + j) * MR), *v);
+            for g in (0..W).step_by(8) {
+                let r = std::array::from_fn(|i| _mm256_loadu_ps(row(g + i).add(p)));
+                for (j, v) in transpose8(r).iter().enumerate() {
+                    _mm256_storeu_ps(d.add((p + j) * W + g), *v);
+                }
             }
             p += 8;
         }
         while p < kc {
-            for i in 0..MR {
-                *d.add(p * MR + i) = *row(i).add(p);
+            for i in 0..W {
+                *d.add(p * W + i) = *row(i).add(p);
             }
             p += 1;
         }
@@ -420,34 +425,6 @@ unsafe fn pack_b_rows(kc: usize, b: View, d: *mut f32) {
             let src = b.at(p, 0);
             _mm256_store_ps(d.add(p * NR), _mm256_loadu_ps(src));
             _mm256_store_ps(d.add(p * NR + 8), _mm256_loadu_ps(src.add(8)));
-        }
-    }
-}
-
-/// One B panel from a transposed B (`B[p][j] = W[j][p]`, W row-major): 8x8 transposes of two
-/// groups of eight W rows.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn pack_b_transposed(kc: usize, b: View, d: *mut f32) {
-    // SAFETY: columns 0..NR and rows 0..kc of B are inside it; d has NR*kc floats.
-    unsafe {
-        let wrow = |j: usize| b.at(0, j) as *const f32;
-        let mut p = 0;
-        while p + 8 <= kc {
-            for half in 0..2 {
-                let r = std::array::from_fn(|i| _mm256_loadu_ps(wrow(half * 8 + i).add(p)));
-                let t = transpose8(r);
-                for (j, v) in t.iter().enumerate() {
-                    _mm256_store_ps(d.add((p + j) * NR + half * 8), *v);
-                }
-            }
-            p += 8;
-        }
-        while p < kc {
-            for j in 0..NR {
-                *d.add(p * NR + j) = *wrow(j).add(p);
-            }
-            p += 1;
         }
     }
 }
