@@ -6,13 +6,49 @@
 use super::math::exp;
 use rayon::prelude::*;
 
-/// Sum with 8 running partial sums (vectorisable; one running sum forces scalar adds).
-fn sum8(it: impl Iterator<Item = f32>) -> f32 {
-    let mut acc = [0f32; 8];
-    for (i, x) in it.enumerate() {
-        acc[i % 8] += x;
+/// Max and sum of `exp(x - max)` of a row, each over 8 lanes (element i goes to lane i % 8)
+/// with the lanes combined at the end. Written over `chunks_exact(8)` so that both loops are
+/// vector loops: an iterator with `f32::max` (which must skip NaNs) and an `i % 8` index ran
+/// scalar, and the forward took 38 ms on a 256 x 50257 row block against the backward's
+/// 10 ms (examples/ce_time.rs). A NaN logit still makes the sum, and so the loss, NaN.
+fn max_and_sum_exp(row: &[f32]) -> (f32, f32) {
+    let chunks = row.chunks_exact(8);
+    let rest = chunks.remainder();
+    let mut m = [f32::NEG_INFINITY; 8];
+    for c in chunks {
+        for j in 0..8 {
+            m[j] = if c[j] > m[j] { c[j] } else { m[j] };
+        }
     }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+    for (j, x) in rest.iter().enumerate() {
+        m[j] = if *x > m[j] { *x } else { m[j] };
+    }
+    let maxv = m.iter().fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    // exp of a block into an L1 scratch (a plain elementwise loop, which the compiler turns
+    // into 8-wide vector code; inlined into the lane sums it came out as 4-wide halves with
+    // scalar loads), then the block's values go to their lanes. Blocks are whole multiples of
+    // 8 and only the row's last block has a remainder, so element i lands in lane i % 8, in
+    // order.
+    let mut acc = [0f32; 8];
+    let mut scratch = [0f32; 512];
+    for block in row.chunks(512) {
+        let e = &mut scratch[..block.len()];
+        for (e, x) in e.iter_mut().zip(block) {
+            *e = exp(x - maxv);
+        }
+        let lanes = e.chunks_exact(8);
+        let rest = lanes.remainder();
+        for c in lanes {
+            for j in 0..8 {
+                acc[j] += c[j];
+            }
+        }
+        for (j, x) in rest.iter().enumerate() {
+            acc[j] += x;
+        }
+    }
+    let sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    (maxv, sum)
 }
 
 /// Per-position loss: losses (N) = -log softmax(logits (N, Vp)[:V])[targets (N)]. Also keeps
@@ -28,8 +64,7 @@ pub fn crossentropy_forward(
 ) {
     losses[..n].par_iter_mut().zip(&mut lse[..n]).enumerate().for_each(|(i, (loss, lse))| {
         let row = &logits[i * vp..i * vp + v];
-        let maxv = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let sum = sum8(row.iter().map(|x| exp(x - maxv)));
+        let (maxv, sum) = max_and_sum_exp(row);
         *lse = sum.ln() + maxv;
         *loss = *lse - row[targets[i] as usize];
     });
@@ -65,8 +100,24 @@ mod tests {
     use crate::cpu::testutil::*;
 
     #[test]
+    fn a_nan_logit_makes_its_row_loss_nan() {
+        // Rows longer than one scratch block and not a multiple of 8, NaN early, late, in the tail.
+        let (n, v) = (3, 1029);
+        let mut logits: Vec<f32> = (0..n * v).map(|i| (i % 17) as f32 * 0.1).collect();
+        logits[3] = f32::NAN;
+        logits[v + 700] = f32::NAN;
+        let (mut losses, mut lse) = (vec![0f32; n], vec![0f32; n]);
+        crossentropy_forward(&mut losses, &mut lse, &logits, &[0, 1, 2], n, v, v);
+        assert!(losses[0].is_nan() && losses[1].is_nan(), "{losses:?}");
+        logits[v + 700] = 0.0;
+        logits[2 * v + 1028] = f32::NAN;
+        crossentropy_forward(&mut losses, &mut lse, &logits, &[0, 1, 2], n, v, v);
+        assert!(losses[1].is_finite() && losses[2].is_nan(), "{losses:?}");
+    }
+
+    #[test]
     fn backward_matches_finite_differences() {
-        for &(n, v, vp) in &[(1, 1, 1), (3, 5, 8), (7, 13, 13), (2, 129, 256)] {
+        for &(n, v, vp) in &[(1, 1, 1), (3, 5, 8), (7, 13, 13), (2, 129, 256), (2, 1029, 1032)] {
             let mut r = TestRng((n * v) as u64);
             let logits: Vec<f32> = r.vec(n * vp).iter().map(|x| x * 3.0).collect();
             let targets: Vec<u32> = (0..n).map(|i| ((i * 5 + 1) % v) as u32).collect();

@@ -1,0 +1,47 @@
+//! Time the step's elementwise ops that are not GEMMs at GPT-2 124M, B=4, T=64 (256 rows): the
+//! cross-entropy forward and backward over the 50257-token vocabulary, and GELU forward and
+//! backward over the 12 layers' (256, 3072) activations. Best of five, all threads.
+//! `cargo run --release --example ops_time`
+use llmrs::cpu::classifier::{crossentropy_forward, crossentropy_softmax_backward_inplace};
+use llmrs::cpu::gelu::{gelu_backward_inplace, gelu_forward};
+use std::time::Instant;
+
+/// Best of five runs of `f`, in ms (this machine's noise only ever adds time).
+fn best_ms(mut f: impl FnMut()) -> f64 {
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+fn main() {
+    let (n, v, vp) = (256, 50257, 50304);
+    let logits: Vec<f32> = (0..n * vp).map(|i| ((i * 7919) % 1000) as f32 * 0.01 - 5.0).collect();
+    let targets: Vec<u32> = (0..n).map(|i| (i * 31 % v) as u32).collect();
+    let (mut losses, mut lse) = (vec![0f32; n], vec![0f32; n]);
+    let mut d = logits.clone();
+    let fwd = best_ms(|| crossentropy_forward(&mut losses, &mut lse, &logits, &targets, n, v, vp));
+    let bwd = best_ms(|| {
+        d.copy_from_slice(&logits);
+        crossentropy_softmax_backward_inplace(&mut d, &lse, &targets, 1.0 / n as f32, n, v, vp)
+    });
+    let copy = best_ms(|| d.copy_from_slice(&logits));
+    println!("cross-entropy ({n} x {v}): forward {fwd:.1} ms, backward {:.1} ms", bwd - copy);
+
+    let len = 256 * 3072;
+    let x: Vec<f32> = (0..len).map(|i| ((i * 7919) % 1000) as f32 * 0.006 - 3.0).collect();
+    let (mut o, mut g) = (vec![0f32; len], vec![1f32; len]);
+    let fwd = best_ms(|| (0..12).for_each(|_| gelu_forward(&mut o, &x)));
+    // Fresh upstream gradients each time: repeated in-place products would drift to denormals.
+    let bwd = best_ms(|| {
+        (0..12).for_each(|_| {
+            g.fill(1.0);
+            gelu_backward_inplace(&mut g, &x)
+        })
+    });
+    let fill = best_ms(|| (0..12).for_each(|_| g.fill(1.0)));
+    println!("GELU (12 x 256 x 3072): forward {fwd:.1} ms, backward {:.1} ms", bwd - fill);
+}
