@@ -1,9 +1,11 @@
 //! Time the step's elementwise ops that are not GEMMs at GPT-2 124M, B=4, T=64 (256 rows): the
-//! cross-entropy forward and backward over the 50257-token vocabulary, and GELU forward and
-//! backward over the 12 layers' (256, 3072) activations. Best of five, all threads.
+//! cross-entropy forward and backward over the 50257-token vocabulary, GELU forward and
+//! backward over the 12 layers' (256, 3072) activations, and the 25 LayerNorms forward and
+//! backward over (256, 768). Best of five, all threads.
 //! `cargo run --release --example ops_time`
 use llmrs::cpu::classifier::{crossentropy_forward, crossentropy_softmax_backward_inplace};
 use llmrs::cpu::gelu::{gelu_backward_inplace, gelu_forward};
+use llmrs::cpu::layernorm::{layernorm_backward, layernorm_forward};
 use std::time::Instant;
 
 /// Best of five runs of `f`, in ms (this machine's noise only ever adds time).
@@ -44,4 +46,15 @@ fn main() {
     });
     let fill = best_ms(|| (0..12).for_each(|_| g.fill(1.0)));
     println!("GELU (12 x 256 x 3072): forward {fwd:.1} ms, backward {:.1} ms", bwd - fill);
+
+    let (n, c) = (256, 768);
+    let x: Vec<f32> = (0..n * c).map(|i| ((i * 7919) % 1000) as f32 * 0.004 - 2.0).collect();
+    let (w, b) = (vec![1.1f32; c], vec![0.1f32; c]);
+    let (mut out, mut mean, mut rstd) = (vec![0f32; n * c], vec![0f32; n], vec![0f32; n]);
+    let fwd = best_ms(|| (0..25).for_each(|_| layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &b, n, c)));
+    let (mut dx, mut dw, mut db) = (vec![0f32; n * c], vec![0f32; c], vec![0f32; c]);
+    let bwd = best_ms(|| {
+        (0..25).for_each(|_| layernorm_backward(&mut dx, &mut dw, &mut db, &out, &x, &w, &mean, &rstd, n, c))
+    });
+    println!("LayerNorm (25 x {n} x {c}): forward {fwd:.1} ms, backward {bwd:.1} ms");
 }

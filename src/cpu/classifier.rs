@@ -3,7 +3,7 @@
 //! Only the first V of the Vp logits take part; the padded columns get zero gradient, so the
 //! padded rows of `wte` are never trained.
 
-use super::math::exp;
+use super::math::{add_lanes, combine_lanes, exp};
 use rayon::prelude::*;
 
 /// Max and sum of `exp(x - max)` of a row, each over 8 lanes (element i goes to lane i % 8)
@@ -36,19 +36,9 @@ fn max_and_sum_exp(row: &[f32]) -> (f32, f32) {
         for (e, x) in e.iter_mut().zip(block) {
             *e = exp(x - maxv);
         }
-        let lanes = e.chunks_exact(8);
-        let rest = lanes.remainder();
-        for c in lanes {
-            for j in 0..8 {
-                acc[j] += c[j];
-            }
-        }
-        for (j, x) in rest.iter().enumerate() {
-            acc[j] += x;
-        }
+        add_lanes(&mut acc, e);
     }
-    let sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    (maxv, sum)
+    (maxv, combine_lanes(acc))
 }
 
 /// Per-position loss: losses (N) = -log softmax(logits (N, Vp)[:V])[targets (N)]. Also keeps

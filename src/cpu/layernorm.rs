@@ -1,8 +1,25 @@
 //! LayerNorm over the channel dimension (eps 1e-5, as PyTorch and llm.c).
 
+use super::math::{add_lanes, combine_lanes};
 use rayon::prelude::*;
 
 const EPS: f32 = 1e-5;
+
+/// Sum of f(x_i) over 8 lanes (see [`combine_lanes`]).
+#[inline(always)]
+fn lane_sum(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let chunks = x.chunks_exact(8);
+    let mut acc = [0f32; 8];
+    for (j, v) in chunks.remainder().iter().enumerate() {
+        acc[j] += f(*v);
+    }
+    for ch in chunks {
+        for j in 0..8 {
+            acc[j] += f(ch[j]);
+        }
+    }
+    combine_lanes(acc)
+}
 /// Rows per rayon task; a row is C floats.
 const ROWS: usize = 16;
 
@@ -25,11 +42,11 @@ pub fn layernorm_forward(
         .zip(inp[..n * c].par_chunks(ROWS * c))
         .for_each(|(((out, mean), rstd), inp)| {
             for (((o, m), r), x) in out.chunks_exact_mut(c).zip(mean).zip(rstd).zip(inp.chunks_exact(c)) {
-                let mu = x.iter().sum::<f32>() / c as f32;
-                let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f32>() / c as f32;
+                let mu = lane_sum(x, |v| v) / c as f32;
+                let var = lane_sum(x, |v| (v - mu) * (v - mu)) / c as f32;
                 let s = 1.0 / (var + EPS).sqrt();
-                for i in 0..c {
-                    o[i] = (x[i] - mu) * s * weight[i] + bias[i];
+                for (((o, x), w), b) in o.iter_mut().zip(x).zip(&weight[..c]).zip(&bias[..c]) {
+                    *o = (x - mu) * s * w + b;
                 }
                 *m = mu;
                 *r = s;
@@ -62,19 +79,32 @@ pub fn layernorm_backward(
             for ((((di, d), x), m), r) in
                 dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c)).zip(mean).zip(rstd)
             {
-                let (mut dnorm_mean, mut dnorm_norm_mean) = (0f32, 0f32);
-                for i in 0..c {
-                    let norm = (x[i] - m) * r;
-                    let dnorm = weight[i] * d[i];
-                    dnorm_mean += dnorm;
-                    dnorm_norm_mean += dnorm * norm;
+                // Every slice cut to exactly c, so the loops below need no bounds checks (with
+                // them they ran scalar).
+                let (weight, d, x, di) = (&weight[..c], &d[..c], &x[..c], &mut di[..c]);
+                // Both means over 8 lanes: the terms of a block of the row go to L1 scratch in
+                // plain elementwise loops, then into the lane sums (with the products inlined
+                // into the lane sums, the loop ran scalar).
+                let (mut sum_d, mut sum_dn) = ([0f32; 8], [0f32; 8]);
+                let (mut dnorm, mut dnorm_norm) = ([0f32; 256], [0f32; 256]);
+                for i0 in (0..c).step_by(256) {
+                    let i1 = (i0 + 256).min(c);
+                    let (dnorm, dnorm_norm) = (&mut dnorm[..i1 - i0], &mut dnorm_norm[..i1 - i0]);
+                    for ((t, w), d) in dnorm.iter_mut().zip(&weight[i0..i1]).zip(&d[i0..i1]) {
+                        *t = w * d;
+                    }
+                    for ((t, dn), x) in dnorm_norm.iter_mut().zip(dnorm.iter()).zip(&x[i0..i1]) {
+                        *t = dn * ((x - m) * r);
+                    }
+                    add_lanes(&mut sum_d, dnorm);
+                    add_lanes(&mut sum_dn, dnorm_norm);
                 }
-                dnorm_mean /= c as f32;
-                dnorm_norm_mean /= c as f32;
-                for i in 0..c {
-                    let norm = (x[i] - m) * r;
-                    let dnorm = weight[i] * d[i];
-                    di[i] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
+                let dnorm_mean = combine_lanes(sum_d) / c as f32;
+                let dnorm_norm_mean = combine_lanes(sum_dn) / c as f32;
+                for (((di, x), w), d) in di.iter_mut().zip(x).zip(weight).zip(d) {
+                    let norm = (x - m) * r;
+                    let dnorm = w * d;
+                    *di += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
                 }
             }
         });
@@ -87,9 +117,9 @@ pub fn layernorm_backward(
             let (m, r) = (mean[row], rstd[row]);
             let x = &inp[row * c + c0..row * c + c0 + dw.len()];
             let d = &dout[row * c + c0..row * c + c0 + dw.len()];
-            for i in 0..dw.len() {
-                dw[i] += (x[i] - m) * r * d[i];
-                db[i] += d[i];
+            for (((dw, db), x), d) in dw.iter_mut().zip(db.iter_mut()).zip(x).zip(d) {
+                *dw += (x - m) * r * d;
+                *db += d;
             }
         }
     });
@@ -102,7 +132,7 @@ mod tests {
 
     #[test]
     fn backward_matches_finite_differences() {
-        for &(n, c) in &[(1, 1), (1, 3), (3, 7), (7, 65), (17, 3)] {
+        for &(n, c) in &[(1, 1), (1, 3), (3, 7), (7, 65), (17, 3), (2, 8), (3, 517)] {
             let mut r = TestRng(n as u64 * 101 + c as u64);
             let inp = r.vec(n * c);
             let w = r.vec(c);

@@ -31,6 +31,31 @@ pub fn exp(x: f32) -> f32 {
     y * f32::from_bits(pow2n)
 }
 
+/// The total of 8 lane sums, combined as a tree. Reductions here run over 8 lanes (element i
+/// in lane i % 8, written as loops over `chunks_exact(8)` that compile to one vector add per
+/// chunk): a single running sum is a chain of dependent scalar adds, 4 cycles each.
+#[inline(always)]
+pub fn combine_lanes(acc: [f32; 8]) -> f32 {
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+/// Add `v` into 8 lane sums, element i into lane i % 8 (see [`combine_lanes`]). Summing a
+/// long vector in pieces keeps that order as long as every piece but the last is a multiple
+/// of 8 long.
+#[inline(always)]
+pub fn add_lanes(acc: &mut [f32; 8], v: &[f32]) {
+    let chunks = v.chunks_exact(8);
+    let rest = chunks.remainder();
+    for ch in chunks {
+        for j in 0..8 {
+            acc[j] += ch[j];
+        }
+    }
+    for (j, x) in rest.iter().enumerate() {
+        acc[j] += x;
+    }
+}
+
 /// tanh(x) = 1 - 2 / (e^(2x) + 1), saturating to +-1.
 #[inline(always)]
 pub fn tanh(x: f32) -> f32 {
