@@ -4,9 +4,9 @@
 //! `qkv[b, t, h*HS .. (h+1)*HS]`, of k at offset C, of v at offset 2*C. The softmax output
 //! `att (B, NH, T, T)` is kept for backward (entries above the diagonal are 0).
 
+use super::math::{add_lanes, combine_lanes};
 use rayon::prelude::*;
 
-#[cfg(test)]
 /// Dot product with 8 independent partial sums, so the compiler can keep them in one SIMD
 /// register (a single running sum would force sequential, scalar adds).
 #[inline]
@@ -83,13 +83,20 @@ fn attention_forward_loops(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usi
 /// softmax(scale * x), the rest (future positions) 0.
 #[inline]
 fn softmax_prefix(row: &mut [f32], live: usize, scale: f32) {
-    let maxv = row[..live].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-    let mut sum = 0f32;
+    // Max and sum over 8 lanes, not one running value (a chain of dependent scalar ops). The
+    // max of x * scale is taken as max(x) * scale: scale > 0 and rounding is monotonic, so it is
+    // the same number. A NaN score still reaches the output through the exps.
+    let mut m = [f32::NEG_INFINITY; 8];
+    for (j, x) in row[..live].iter().enumerate() {
+        m[j % 8] = if *x > m[j % 8] { *x } else { m[j % 8] };
+    }
+    let maxv = m.iter().fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a }) * scale;
     for x in &mut row[..live] {
         *x = super::math::exp(*x * scale - maxv);
-        sum += *x;
     }
-    let inv = 1.0 / sum;
+    let mut acc = [0f32; 8];
+    add_lanes(&mut acc, &row[..live]);
+    let inv = 1.0 / combine_lanes(acc);
     row[..live].iter_mut().for_each(|x| *x *= inv);
     row[live..].fill(0.0);
 }
@@ -211,7 +218,7 @@ fn attention_backward_blocked(
             gemm(r1 - r0, r1, hs, &mut ds[r0 * t..], (ti_, 1), false, &d[r0 * c..], (c_, 1), v, (1, c3));
             for ti in r0..r1 {
                 let (row, pr) = (&mut ds[ti * t..(ti + 1) * t], &p[ti * t..(ti + 1) * t]);
-                let s: f32 = pr[..=ti].iter().zip(&row[..=ti]).map(|(a, b)| a * b).sum();
+                let s = dot(&pr[..=ti], &row[..=ti]);
                 for (x, pv) in row[..=ti].iter_mut().zip(pr) {
                     *x = pv * (*x - s) * scale;
                 }
