@@ -155,9 +155,9 @@ fn aligned(v: &mut Vec<f32>, len: usize) -> *mut f32 {
 /// The depth of the k blocks for a GEMM of depth `k`: k split into as few blocks of at most
 /// KC_MAX as it takes, of equal size (a multiple of 8, which the packers' fast loop wants).
 /// Each block past the first re-reads and re-writes the C tile, so fewer blocks save C
-/// traffic; even blocks avoid a thin last one (k = 768 runs as 2 x 384, not 384 + 384 or
-/// 3 x 256). Measured against a fixed 256 with examples/gemm_shapes-style A/B pairs: 1-4%
-/// faster per shape on the step's GEMMs, 1.5-2% over all of them.
+/// traffic (k = 768 runs as 2 x 384, not 3 x 256); even blocks avoid a thin last one (k = 800
+/// runs as 3 x ~267, not 384 + 384 + 32). Against a fixed 256, switched inside one process:
+/// the step's GEMM shapes ran 1.5-2% faster together; whole steps were within the noise.
 fn depth(k: usize) -> usize {
     k.div_ceil(k.div_ceil(KC_MAX)).next_multiple_of(8)
 }
