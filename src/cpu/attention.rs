@@ -4,7 +4,7 @@
 //! `qkv[b, t, h*HS .. (h+1)*HS]`, of k at offset C, of v at offset 2*C. The softmax output
 //! `att (B, NH, T, T)` is kept for backward (entries above the diagonal are 0).
 
-use super::math::{add_lanes, combine_lanes};
+use super::math::{add_lanes, combine_lanes, max_lanes};
 use rayon::prelude::*;
 
 /// Dot product with 8 independent partial sums, so the compiler can keep them in one SIMD
@@ -21,7 +21,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
             acc[i] += x[i] * y[i];
         }
     }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    let mut s = combine_lanes(acc);
     for (x, y) in ra.iter().zip(rb) {
         s += x * y;
     }
@@ -86,11 +86,7 @@ fn softmax_prefix(row: &mut [f32], live: usize, scale: f32) {
     // Max and sum over 8 lanes, not one running value (a chain of dependent scalar ops). The
     // max of x * scale is taken as max(x) * scale: scale > 0 and rounding is monotonic, so it is
     // the same number. A NaN score still reaches the output through the exps.
-    let mut m = [f32::NEG_INFINITY; 8];
-    for (j, x) in row[..live].iter().enumerate() {
-        m[j % 8] = if *x > m[j % 8] { *x } else { m[j % 8] };
-    }
-    let maxv = m.iter().fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a }) * scale;
+    let maxv = max_lanes(&row[..live]) * scale;
     for x in &mut row[..live] {
         *x = super::math::exp(*x * scale - maxv);
     }

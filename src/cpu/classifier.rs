@@ -3,27 +3,16 @@
 //! Only the first V of the Vp logits take part; the padded columns get zero gradient, so the
 //! padded rows of `wte` are never trained.
 
-use super::math::{add_lanes, combine_lanes, exp};
+use super::math::{add_lanes, combine_lanes, exp, max_lanes};
 use rayon::prelude::*;
 
 /// Max and sum of `exp(x - max)` of a row, each over 8 lanes (element i goes to lane i % 8)
 /// with the lanes combined at the end. Written over `chunks_exact(8)` so that both loops are
 /// vector loops: an iterator with `f32::max` (which must skip NaNs) and an `i % 8` index ran
-/// scalar, and the forward took 38 ms on a 256 x 50257 row block against the backward's
-/// 10 ms (examples/ce_time.rs). A NaN logit still makes the sum, and so the loss, NaN.
+/// scalar, and the forward took 48 ms on a 256 x 50257 row block against the backward's
+/// 15 ms (examples/ops_time.rs). A NaN logit still makes the sum, and so the loss, NaN.
 fn max_and_sum_exp(row: &[f32]) -> (f32, f32) {
-    let chunks = row.chunks_exact(8);
-    let rest = chunks.remainder();
-    let mut m = [f32::NEG_INFINITY; 8];
-    for c in chunks {
-        for j in 0..8 {
-            m[j] = if c[j] > m[j] { c[j] } else { m[j] };
-        }
-    }
-    for (j, x) in rest.iter().enumerate() {
-        m[j] = if *x > m[j] { *x } else { m[j] };
-    }
-    let maxv = m.iter().fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    let maxv = max_lanes(row);
     // exp of a block into an L1 scratch (a plain elementwise loop, which the compiler turns
     // into 8-wide vector code; inlined into the lane sums it came out as 4-wide halves with
     // scalar loads), then the block's values go to their lanes. Blocks are whole multiples of

@@ -1,6 +1,6 @@
 //! LayerNorm over the channel dimension (eps 1e-5, as PyTorch and llm.c).
 
-use super::math::{add_lanes, combine_lanes};
+use super::math::{add_lanes, add_lanes_of, combine_lanes};
 use rayon::prelude::*;
 
 const EPS: f32 = 1e-5;
@@ -8,16 +8,8 @@ const EPS: f32 = 1e-5;
 /// Sum of f(x_i) over 8 lanes (see [`combine_lanes`]).
 #[inline(always)]
 fn lane_sum(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
-    let chunks = x.chunks_exact(8);
     let mut acc = [0f32; 8];
-    for (j, v) in chunks.remainder().iter().enumerate() {
-        acc[j] += f(*v);
-    }
-    for ch in chunks {
-        for j in 0..8 {
-            acc[j] += f(ch[j]);
-        }
-    }
+    add_lanes_of(&mut acc, x, f);
     combine_lanes(acc)
 }
 /// Rows per rayon task; a row is C floats.

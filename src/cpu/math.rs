@@ -39,21 +39,47 @@ pub fn combine_lanes(acc: [f32; 8]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
-/// Add `v` into 8 lane sums, element i into lane i % 8 (see [`combine_lanes`]). Summing a
-/// long vector in pieces keeps that order as long as every piece but the last is a multiple
+/// Add `f(v_i)` into 8 lane sums, element i into lane i % 8 (see [`combine_lanes`]). Summing
+/// a long vector in pieces keeps that order as long as every piece but the last is a multiple
 /// of 8 long.
 #[inline(always)]
-pub fn add_lanes(acc: &mut [f32; 8], v: &[f32]) {
+pub fn add_lanes_of(acc: &mut [f32; 8], v: &[f32], f: impl Fn(f32) -> f32) {
     let chunks = v.chunks_exact(8);
     let rest = chunks.remainder();
     for ch in chunks {
         for j in 0..8 {
-            acc[j] += ch[j];
+            acc[j] += f(ch[j]);
         }
     }
     for (j, x) in rest.iter().enumerate() {
-        acc[j] += x;
+        acc[j] += f(*x);
     }
+}
+
+/// [`add_lanes_of`] the values themselves.
+#[inline(always)]
+pub fn add_lanes(acc: &mut [f32; 8], v: &[f32]) {
+    add_lanes_of(acc, v, |x| x);
+}
+
+/// The largest element, over 8 lanes (a single running max is a chain of dependent scalar
+/// ops; `f32::max` must also skip NaNs, which keeps it scalar). NaNs are skipped here too (a
+/// comparison with NaN is false); callers see them through the exps that follow. -inf for an
+/// empty slice.
+#[inline(always)]
+pub fn max_lanes(x: &[f32]) -> f32 {
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    let mut m = [f32::NEG_INFINITY; 8];
+    for c in chunks {
+        for j in 0..8 {
+            m[j] = if c[j] > m[j] { c[j] } else { m[j] };
+        }
+    }
+    for (j, v) in rest.iter().enumerate() {
+        m[j] = if *v > m[j] { *v } else { m[j] };
+    }
+    m.iter().fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
 }
 
 /// tanh(x) = 1 - 2 / (e^(2x) + 1), saturating to +-1.
