@@ -156,8 +156,8 @@ fn aligned(v: &mut Vec<f32>, len: usize) -> *mut f32 {
 /// KC_MAX as it takes, of equal size (a multiple of 8, which the packers' fast loop wants).
 /// Each block past the first re-reads and re-writes the C tile, so fewer blocks save C
 /// traffic (k = 768 runs as 2 x 384, not 3 x 256); even blocks avoid a thin last one (k = 800
-/// runs as 3 x ~267, not 384 + 384 + 32). Against a fixed 256, switched inside one process:
-/// the step's GEMM shapes ran 1.5-2% faster together; whole steps were within the noise.
+/// runs as 3 x ~267, not 384 + 384 + 32). Against a fixed 256 the step's GEMMs were a little
+/// faster in A/B pairs; whole steps, within this VM's noise.
 fn depth(k: usize) -> usize {
     k.div_ceil(k.div_ceil(KC_MAX)).next_multiple_of(8)
 }
@@ -315,8 +315,8 @@ fn prefetch_b_share(kc: usize, cols: usize, b: View, p0: usize, j0: usize, share
             // `cols` columns of kc contiguous floats, 16 floats a line.
             let lines = kc.div_ceil(16);
             // Walk (column, line) pairs from this share's first to its last without a division
-            // per line: an integer divide per prefetch (perf: 4.7% of a one-thread GEMM in this
-            // function) cost more than the prefetches themselves.
+            // per line: in perf, the integer divides were most of this function's time, more
+            // than the prefetches themselves.
             let (start, end) = (cols * lines * share / shares, cols * lines * (share + 1) / shares);
             let (mut j, mut l) = (start / lines, start % lines);
             for _ in start..end {
