@@ -80,24 +80,25 @@ pub(crate) unsafe fn fma_chains(iters: usize) -> f32 {
     out.iter().sum()
 }
 
-/// The machine's fp32 peak, measured: an FMA loop on every thread of the pool where AVX2+FMA
+/// The machine's fp32 peak, measured: an FMA loop on every thread of the team where AVX2+FMA
 /// exist, else the best of a few large GEMMs. Returns (GFLOP/s, method). The best of several
 /// short trials: on a shared or virtual machine a trial in which one thread lost its core for a
 /// moment reads as half the peak, and a low peak would flatter the MFU.
 pub fn measure_peak() -> (f64, String) {
-    let threads = rayon::current_num_threads();
+    let threads = crate::cpu::team::threads();
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         let iters = 20_000_000;
         let mut best = 0f64;
         for _ in 0..8 {
             let t0 = Instant::now();
-            let sink: f32 = rayon::broadcast(|_| {
+            // The same threads as the training step's loops (see cpu::team).
+            let sink = std::sync::atomic::AtomicU32::new(0);
+            crate::cpu::team::broadcast(&|_| {
                 // SAFETY: AVX2 and FMA were detected above.
-                unsafe { fma_chains(iters) }
-            })
-            .iter()
-            .sum();
+                let s = unsafe { fma_chains(iters) };
+                sink.fetch_add(s.to_bits() & 1, std::sync::atomic::Ordering::Relaxed);
+            });
             std::hint::black_box(sink);
             let flops = (threads * iters * 10 * 8 * 2) as f64;
             best = best.max(flops / t0.elapsed().as_secs_f64());
@@ -201,7 +202,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         num_parameters: model.num_parameters(),
         batch_size: b,
         seq_len: t,
-        threads: rayon::current_num_threads(),
+        threads: crate::cpu::team::threads(),
         steps: cfg.steps,
         ms_median,
         ms_min,

@@ -1,8 +1,8 @@
 //! AdamW (decoupled weight decay) and the global gradient norm.
 
-use rayon::prelude::*;
+use super::team::{self, Disjoint};
 
-/// Elements per rayon task.
+/// Elements per task.
 const CHUNK: usize = 1 << 14;
 
 /// Hyperparameters of one AdamW update.
@@ -25,24 +25,25 @@ pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f
     let wd = if decay { h.weight_decay } else { 0.0 };
     let bc1 = 1.0 - h.beta1.powi(h.t);
     let bc2 = 1.0 - h.beta2.powi(h.t);
-    params
-        .par_chunks_mut(CHUNK)
-        .zip(grads.par_chunks(CHUNK))
-        .zip(m.par_chunks_mut(CHUNK))
-        .zip(v.par_chunks_mut(CHUNK))
-        .for_each(|(((p, g), m), v)| {
-            // Zipped iterators carry no bounds checks, so this loop vectorises (8 lanes).
-            for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                let grad = g * h.grad_scale;
-                let mi = h.beta1 * *m + (1.0 - h.beta1) * grad;
-                let vi = h.beta2 * *v + (1.0 - h.beta2) * grad * grad;
-                *m = mi;
-                *v = vi;
-                let m_hat = mi / bc1;
-                let v_hat = vi / bc2;
-                *p -= h.lr * (m_hat / (v_hat.sqrt() + h.eps) + wd * *p);
-            }
-        });
+    let n = params.len();
+    let (m, v) = (Disjoint::new(&mut m[..n]), Disjoint::new(&mut v[..n]));
+    team::chunks_mut(params, CHUNK, |i, p| {
+        let r = i * CHUNK..i * CHUNK + p.len();
+        // SAFETY: chunk i's moments are this task's alone.
+        let (m, v) = unsafe { (m.part(r.clone()), v.part(r.clone())) };
+        let g = &grads[r];
+        // Zipped iterators carry no bounds checks, so this loop vectorises (8 lanes).
+        for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let grad = g * h.grad_scale;
+            let mi = h.beta1 * *m + (1.0 - h.beta1) * grad;
+            let vi = h.beta2 * *v + (1.0 - h.beta2) * grad * grad;
+            *m = mi;
+            *v = vi;
+            let m_hat = mi / bc1;
+            let v_hat = vi / bc2;
+            *p -= h.lr * (m_hat / (v_hat.sqrt() + h.eps) + wd * *p);
+        }
+    });
 }
 
 /// sqrt(sum of squares) of `grads`. Partial sums go to `partials` (one per CHUNK, allocated by
@@ -50,7 +51,8 @@ pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f
 pub fn global_norm(grads: &[f32], partials: &mut [f64]) -> f32 {
     let nchunks = grads.len().div_ceil(CHUNK);
     let partials = &mut partials[..nchunks];
-    partials.par_iter_mut().zip(grads.par_chunks(CHUNK)).for_each(|(s, g)| {
+    team::chunks_mut(partials, 1, |i, s| {
+        let (s, g) = (&mut s[0], &grads[i * CHUNK..((i + 1) * CHUNK).min(grads.len())]);
         // Eight running sums: one f64 sum is a chain of dependent adds (~4 cycles each) and
         // made this pass compute-bound; eight vectorise and leave it memory-bound.
         let mut acc = [0f64; 8];

@@ -5,6 +5,8 @@
 //! `att (B, NH, T, T)` is kept for backward (entries above the diagonal are 0).
 
 use super::math::{add_lanes, combine_lanes, max_lanes};
+use super::team::{self, Disjoint};
+#[cfg(test)]
 use rayon::prelude::*;
 
 /// Dot product with 8 independent partial sums, so the compiler can keep them in one SIMD
@@ -136,8 +138,10 @@ fn attention_forward_blocked(
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let (c3, ti_, hs_) = (3 * c as isize, t as isize, hs as isize);
-    let planes = att[..b * nh * t * t].par_chunks_mut(t * t).zip(heads[..b * nh * t * hs].par_chunks_mut(t * hs));
-    planes.enumerate().for_each(|(bh, (p, o))| {
+    let heads_d = Disjoint::new(&mut heads[..b * nh * t * hs]);
+    team::chunks_mut(&mut att[..b * nh * t * t], t * t, |bh, p| {
+        // SAFETY: plane bh of the heads is this task's alone.
+        let o = unsafe { heads_d.part(bh * t * hs..(bh + 1) * t * hs) };
         let base = (bh / nh) * t * 3 * c + (bh % nh) * hs;
         let (q, k, v) = (&qkv[base..], &qkv[base + c..], &qkv[base + 2 * c..]);
         for r0 in (0..t).step_by(block) {
@@ -151,7 +155,7 @@ fn attention_forward_blocked(
         }
     });
     let heads = &heads[..b * nh * t * hs];
-    out[..b * t * c].par_chunks_mut(c).enumerate().for_each(|(bt, row)| {
+    team::chunks_mut(&mut out[..b * t * c], c, |bt, row| {
         let (bi, ti) = (bt / t, bt % t);
         for h in 0..nh {
             row[h * hs..(h + 1) * hs].copy_from_slice(&heads[((bi * nh + h) * t + ti) * hs..][..hs]);
@@ -198,9 +202,10 @@ fn attention_backward_blocked(
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let (c_, c3, ti_, hs_) = (c as isize, 3 * c as isize, t as isize, hs as isize);
-    let planes =
-        scratch[..b * nh * t * t].par_chunks_mut(t * t).zip(heads[..b * nh * 3 * t * hs].par_chunks_mut(3 * t * hs));
-    planes.enumerate().for_each(|(bh, (ds, hd))| {
+    let heads_d = Disjoint::new(&mut heads[..b * nh * 3 * t * hs]);
+    team::chunks_mut(&mut scratch[..b * nh * t * t], t * t, |bh, ds| {
+        // SAFETY: plane bh of the heads is this task's alone.
+        let hd = unsafe { heads_d.part(bh * 3 * t * hs..(bh + 1) * 3 * t * hs) };
         let (bi, h) = (bh / nh, bh % nh);
         let base = bi * t * 3 * c + h * hs;
         let (q, k, v) = (&qkv[base..], &qkv[base + c..], &qkv[base + 2 * c..]);
@@ -231,7 +236,7 @@ fn attention_backward_blocked(
         }
     });
     let heads = &heads[..b * nh * 3 * t * hs];
-    dqkv[..b * t * 3 * c].par_chunks_mut(3 * c).enumerate().for_each(|(bt, row)| {
+    team::chunks_mut(&mut dqkv[..b * t * 3 * c], 3 * c, |bt, row| {
         let (bi, ti) = (bt / t, bt % t);
         for h in 0..nh {
             for part in 0..3 {
@@ -266,21 +271,20 @@ pub fn attention_forward_cached(
     let scale = 1.0 / (hs as f32).sqrt();
     let n = pos + tn; // keys visible to the last new position
     let (c_, c3, mt) = (c as isize, 3 * c as isize, max_t as isize);
-    scores[..nh * tn * max_t]
-        .par_chunks_mut(tn * max_t)
-        .zip(head_out[..nh * tn * hs].par_chunks_mut(tn * hs))
-        .enumerate()
-        .for_each(|(h, (sc, ho))| {
-            // sc (tn, n) = Q_h (tn, HS) @ K_h^T (HS, n)
-            let q = &qkv[h * hs..];
-            let k = &k_cache[h * hs..];
-            gemm_strided_serial(tn, n, hs, sc, (mt, 1), false, q, (c3, 1), k, (1, c_));
-            for i in 0..tn {
-                softmax_prefix(&mut sc[i * max_t..i * max_t + n], pos + i + 1, scale);
-            }
-            // ho (tn, HS) = P (tn, n) @ V_h (n, HS)
-            gemm_strided_serial(tn, hs, n, ho, (hs as isize, 1), false, sc, (mt, 1), &v_cache[h * hs..], (c_, 1));
-        });
+    let head_out_d = Disjoint::new(&mut head_out[..nh * tn * hs]);
+    team::chunks_mut(&mut scores[..nh * tn * max_t], tn * max_t, |h, sc| {
+        // SAFETY: head h's output rows are this task's alone.
+        let ho = unsafe { head_out_d.part(h * tn * hs..(h + 1) * tn * hs) };
+        // sc (tn, n) = Q_h (tn, HS) @ K_h^T (HS, n)
+        let q = &qkv[h * hs..];
+        let k = &k_cache[h * hs..];
+        gemm_strided_serial(tn, n, hs, sc, (mt, 1), false, q, (c3, 1), k, (1, c_));
+        for i in 0..tn {
+            softmax_prefix(&mut sc[i * max_t..i * max_t + n], pos + i + 1, scale);
+        }
+        // ho (tn, HS) = P (tn, n) @ V_h (n, HS)
+        gemm_strided_serial(tn, hs, n, ho, (hs as isize, 1), false, sc, (mt, 1), &v_cache[h * hs..], (c_, 1));
+    });
     for i in 0..tn {
         for h in 0..nh {
             out[i * c + h * hs..i * c + (h + 1) * hs]

@@ -4,7 +4,7 @@
 //! padded rows of `wte` are never trained.
 
 use super::math::{add_lanes, combine_lanes, exp, max_lanes};
-use rayon::prelude::*;
+use super::team::{self, Disjoint};
 
 /// Max and sum of `exp(x - max)` of a row, each over 8 lanes (element i goes to lane i % 8)
 /// with the lanes combined at the end. Written over `chunks_exact(8)` so that both loops are
@@ -41,11 +41,14 @@ pub fn crossentropy_forward(
     v: usize,
     vp: usize,
 ) {
-    losses[..n].par_iter_mut().zip(&mut lse[..n]).enumerate().for_each(|(i, (loss, lse))| {
+    let lse = Disjoint::new(&mut lse[..n]);
+    team::chunks_mut(&mut losses[..n], 1, |i, loss| {
         let row = &logits[i * vp..i * vp + v];
         let (maxv, sum) = max_and_sum_exp(row);
+        // SAFETY: position i is this task's alone.
+        let lse = unsafe { &mut lse.part(i..i + 1)[0] };
         *lse = sum.ln() + maxv;
-        *loss = *lse - row[targets[i] as usize];
+        loss[0] = *lse - row[targets[i] as usize];
     });
 }
 
@@ -62,7 +65,7 @@ pub fn crossentropy_softmax_backward_inplace(
     v: usize,
     vp: usize,
 ) {
-    logits[..n * vp].par_chunks_mut(vp).enumerate().for_each(|(i, row)| {
+    team::chunks_mut(&mut logits[..n * vp], vp, |i, row| {
         let (live, pad) = row.split_at_mut(v);
         let lse = lse[i];
         for x in live.iter_mut() {

@@ -1,10 +1,10 @@
 //! Token + position embedding.
 
-use rayon::prelude::*;
+use super::team;
 
 /// out (B, T, C) = wte (Vp, C)[inp (B, T)] + wpe (maxT, C)[t]. Token ids must already be < V.
 pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: &[f32], wpe: &[f32], b: usize, t: usize, c: usize) {
-    out[..b * t * c].par_chunks_mut(c).enumerate().for_each(|(bt, o)| {
+    team::chunks_mut(&mut out[..b * t * c], c, |bt, o| {
         let tok = inp[bt] as usize;
         let pos = bt % t;
         let we = &wte[tok * c..(tok + 1) * c];
@@ -26,7 +26,7 @@ pub fn encoder_backward(dwte: &mut [f32], dwpe: &mut [f32], dout: &[f32], inp: &
             *w += g;
         }
     }
-    dwpe[..t * c].par_chunks_mut(c).enumerate().for_each(|(pos, dp)| {
+    team::chunks_mut(&mut dwpe[..t * c], c, |pos, dp| {
         for bi in 0..b {
             let d = &dout[(bi * t + pos) * c..(bi * t + pos + 1) * c];
             for (w, g) in dp.iter_mut().zip(d) {

@@ -1,6 +1,6 @@
 //! GELU, tanh approximation (`nn.GELU(approximate='tanh')`, as GPT-2 and llm.c).
 
-use rayon::prelude::*;
+use super::team;
 
 const SCALE: f32 = 0.797_884_6; // sqrt(2 / pi)
 const CHUNK: usize = 4096;
@@ -22,8 +22,8 @@ fn gelu_grad(x: f32) -> f32 {
 
 /// out (N) = gelu(inp (N)).
 pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
-    out.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).for_each(|(o, x)| {
-        for (o, x) in o.iter_mut().zip(x) {
+    team::chunks_mut(out, CHUNK, |i, o| {
+        for (o, x) in o.iter_mut().zip(&inp[i * CHUNK..]) {
             *o = gelu(*x);
         }
     });
@@ -31,8 +31,8 @@ pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
 
 /// In place: `d (N) *= gelu'(inp (N))`, turning d(out) into d(inp).
 pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
-    d.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).for_each(|(d, x)| {
-        for (d, x) in d.iter_mut().zip(x) {
+    team::chunks_mut(d, CHUNK, |i, d| {
+        for (d, x) in d.iter_mut().zip(&inp[i * CHUNK..]) {
             *d *= gelu_grad(*x);
         }
     });

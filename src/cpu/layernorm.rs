@@ -1,7 +1,7 @@
 //! LayerNorm over the channel dimension (eps 1e-5, as PyTorch and llm.c).
 
 use super::math::{add_lanes, add_lanes_of, combine_lanes};
-use rayon::prelude::*;
+use super::team::{self, Disjoint};
 
 const EPS: f32 = 1e-5;
 
@@ -12,7 +12,7 @@ fn lane_sum(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     add_lanes_of(&mut acc, x, f);
     combine_lanes(acc)
 }
-/// Rows per rayon task; a row is C floats.
+/// Rows per task; a row is C floats.
 const ROWS: usize = 16;
 
 /// out (N, C) = (inp - mean) * rstd * weight + bias; stores mean (N) and rstd (N) for backward.
@@ -27,23 +27,23 @@ pub fn layernorm_forward(
     n: usize,
     c: usize,
 ) {
-    out[..n * c]
-        .par_chunks_mut(ROWS * c)
-        .zip(mean[..n].par_chunks_mut(ROWS))
-        .zip(rstd[..n].par_chunks_mut(ROWS))
-        .zip(inp[..n * c].par_chunks(ROWS * c))
-        .for_each(|(((out, mean), rstd), inp)| {
-            for (((o, m), r), x) in out.chunks_exact_mut(c).zip(mean).zip(rstd).zip(inp.chunks_exact(c)) {
-                let mu = lane_sum(x, |v| v) / c as f32;
-                let var = lane_sum(x, |v| (v - mu) * (v - mu)) / c as f32;
-                let s = 1.0 / (var + EPS).sqrt();
-                for (((o, x), w), b) in o.iter_mut().zip(x).zip(&weight[..c]).zip(&bias[..c]) {
-                    *o = (x - mu) * s * w + b;
-                }
-                *m = mu;
-                *r = s;
+    let (mean, rstd) = (Disjoint::new(&mut mean[..n]), Disjoint::new(&mut rstd[..n]));
+    team::chunks_mut(&mut out[..n * c], ROWS * c, |i, out| {
+        let rows = i * ROWS..(i * ROWS + ROWS).min(n);
+        // SAFETY: chunk i owns rows i*ROWS.., which no other chunk touches.
+        let (mean, rstd) = unsafe { (mean.part(rows.clone()), rstd.part(rows.clone())) };
+        let inp = &inp[rows.start * c..rows.end * c];
+        for (((o, m), r), x) in out.chunks_exact_mut(c).zip(mean).zip(rstd).zip(inp.chunks_exact(c)) {
+            let mu = lane_sum(x, |v| v) / c as f32;
+            let var = lane_sum(x, |v| (v - mu) * (v - mu)) / c as f32;
+            let s = 1.0 / (var + EPS).sqrt();
+            for (((o, x), w), b) in o.iter_mut().zip(x).zip(&weight[..c]).zip(&bias[..c]) {
+                *o = (x - mu) * s * w + b;
             }
-        });
+            *m = mu;
+            *r = s;
+        }
+    });
 }
 
 /// Backward of [`layernorm_forward`]: `dinp += ...`, `dweight += ...`, `dbias += ...`.
@@ -62,49 +62,50 @@ pub fn layernorm_backward(
     c: usize,
 ) {
     // Input gradient, row-parallel.
-    dinp[..n * c]
-        .par_chunks_mut(ROWS * c)
-        .zip(dout[..n * c].par_chunks(ROWS * c))
-        .zip(inp[..n * c].par_chunks(ROWS * c))
-        .zip(mean[..n].par_chunks(ROWS).zip(rstd[..n].par_chunks(ROWS)))
-        .for_each(|(((dinp, dout), inp), (mean, rstd))| {
-            for ((((di, d), x), m), r) in
-                dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c)).zip(mean).zip(rstd)
-            {
-                // Every slice cut to exactly c, so the loops below need no bounds checks (with
-                // them they ran scalar).
-                let (weight, d, x, di) = (&weight[..c], &d[..c], &x[..c], &mut di[..c]);
-                // Both means over 8 lanes: the terms of a block of the row go to L1 scratch in
-                // plain elementwise loops, then into the lane sums (with the products inlined
-                // into the lane sums, the loop ran scalar).
-                let (mut sum_d, mut sum_dn) = ([0f32; 8], [0f32; 8]);
-                let (mut dnorm, mut dnorm_norm) = ([0f32; 256], [0f32; 256]);
-                for i0 in (0..c).step_by(256) {
-                    let i1 = (i0 + 256).min(c);
-                    let (dnorm, dnorm_norm) = (&mut dnorm[..i1 - i0], &mut dnorm_norm[..i1 - i0]);
-                    for ((t, w), d) in dnorm.iter_mut().zip(&weight[i0..i1]).zip(&d[i0..i1]) {
-                        *t = w * d;
-                    }
-                    for ((t, dn), x) in dnorm_norm.iter_mut().zip(dnorm.iter()).zip(&x[i0..i1]) {
-                        *t = dn * ((x - m) * r);
-                    }
-                    add_lanes(&mut sum_d, dnorm);
-                    add_lanes(&mut sum_dn, dnorm_norm);
+    team::chunks_mut(&mut dinp[..n * c], ROWS * c, |i, dinp| {
+        let rows = i * ROWS..(i * ROWS + ROWS).min(n);
+        let (dout, inp) = (&dout[rows.start * c..rows.end * c], &inp[rows.start * c..rows.end * c]);
+        let (mean, rstd) = (&mean[rows.clone()], &rstd[rows]);
+        for ((((di, d), x), m), r) in
+            dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c)).zip(mean).zip(rstd)
+        {
+            // Every slice cut to exactly c, so the loops below need no bounds checks (with
+            // them they ran scalar).
+            let (weight, d, x, di) = (&weight[..c], &d[..c], &x[..c], &mut di[..c]);
+            // Both means over 8 lanes: the terms of a block of the row go to L1 scratch in
+            // plain elementwise loops, then into the lane sums (with the products inlined
+            // into the lane sums, the loop ran scalar).
+            let (mut sum_d, mut sum_dn) = ([0f32; 8], [0f32; 8]);
+            let (mut dnorm, mut dnorm_norm) = ([0f32; 256], [0f32; 256]);
+            for i0 in (0..c).step_by(256) {
+                let i1 = (i0 + 256).min(c);
+                let (dnorm, dnorm_norm) = (&mut dnorm[..i1 - i0], &mut dnorm_norm[..i1 - i0]);
+                for ((t, w), d) in dnorm.iter_mut().zip(&weight[i0..i1]).zip(&d[i0..i1]) {
+                    *t = w * d;
                 }
-                let dnorm_mean = combine_lanes(sum_d) / c as f32;
-                let dnorm_norm_mean = combine_lanes(sum_dn) / c as f32;
-                for (((di, x), w), d) in di.iter_mut().zip(x).zip(weight).zip(d) {
-                    let norm = (x - m) * r;
-                    let dnorm = w * d;
-                    *di += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
+                for ((t, dn), x) in dnorm_norm.iter_mut().zip(dnorm.iter()).zip(&x[i0..i1]) {
+                    *t = dn * ((x - m) * r);
                 }
+                add_lanes(&mut sum_d, dnorm);
+                add_lanes(&mut sum_dn, dnorm_norm);
             }
-        });
+            let dnorm_mean = combine_lanes(sum_d) / c as f32;
+            let dnorm_norm_mean = combine_lanes(sum_dn) / c as f32;
+            for (((di, x), w), d) in di.iter_mut().zip(x).zip(weight).zip(d) {
+                let norm = (x - m) * r;
+                let dnorm = w * d;
+                *di += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
+            }
+        }
+    });
     // Parameter gradients, column-parallel: each task owns a range of channels and sums over all
     // rows in order, so the result is the same whatever the thread schedule.
     const COLS: usize = 64;
-    dweight[..c].par_chunks_mut(COLS).zip(dbias[..c].par_chunks_mut(COLS)).enumerate().for_each(|(ci, (dw, db))| {
+    let dbias = Disjoint::new(&mut dbias[..c]);
+    team::chunks_mut(&mut dweight[..c], COLS, |ci, dw| {
         let c0 = ci * COLS;
+        // SAFETY: chunk ci owns channels c0..c0 + dw.len() of both gradients.
+        let db = unsafe { dbias.part(c0..c0 + dw.len()) };
         for row in 0..n {
             let (m, r) = (mean[row], rstd[row]);
             let x = &inp[row * c + c0..row * c + c0 + dw.len()];

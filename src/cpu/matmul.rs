@@ -8,15 +8,15 @@ use gemm::{gemm, Parallelism};
 
 /// Thread the GEMM only when there is enough work for it to pay (m*n*k multiply-adds).
 fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
-    if m * n * k >= 1 << 18 && rayon::current_num_threads() > 1 {
-        Parallelism::Rayon(rayon::current_num_threads())
+    if m * n * k >= 1 << 18 && super::team::threads() > 1 {
+        Parallelism::Rayon(super::team::threads())
     } else {
         Parallelism::None
     }
 }
 
 /// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n)` with arbitrary strides (row stride, column stride),
-/// threaded over the rayon pool when large enough.
+/// threaded over the team ([`super::team`]) when large enough.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_strided(
     m: usize,
@@ -184,9 +184,8 @@ pub fn matmul_backward(
 /// dbias (OC) [+]= column sums of dout (N, OC). Split over columns so every thread sums its
 /// columns over all rows in the same order: the result does not depend on scheduling.
 fn bias_backward(dbias: &mut [f32], dout: &[f32], n: usize, oc: usize, accumulate: bool) {
-    use rayon::prelude::*;
     const COLS: usize = 64;
-    dbias[..oc].par_chunks_mut(COLS).enumerate().for_each(|(ci, db)| {
+    super::team::chunks_mut(&mut dbias[..oc], COLS, |ci, db| {
         let (c0, w) = (ci * COLS, db.len());
         if !accumulate {
             db.fill(0.0);

@@ -1,5 +1,5 @@
 //! The CPU backend: one file per layer, forward and backward side by side (fp32, all cores
-//! through rayon). A CUDA backend mirrors these file names.
+//! through the thread team of [`team`]). A CUDA backend mirrors these file names.
 
 pub mod adamw;
 pub mod attention;
@@ -11,6 +11,7 @@ pub mod math;
 pub mod matmul;
 pub mod residual;
 pub mod sgemm;
+pub mod team;
 
 #[cfg(test)]
 pub mod testutil;

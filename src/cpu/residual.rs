@@ -2,14 +2,14 @@
 //! expresses by letting both branches read the same gradient buffer, so there is no
 //! `residual_backward`.
 
-use rayon::prelude::*;
+use super::team;
 
 const CHUNK: usize = 4096;
 
 /// out (N) = a (N) + b (N).
 pub fn residual_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
-    out.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).zip(b.par_chunks(CHUNK)).for_each(|((o, a), b)| {
-        for ((o, a), b) in o.iter_mut().zip(a).zip(b) {
+    team::chunks_mut(out, CHUNK, |i, o| {
+        for ((o, a), b) in o.iter_mut().zip(&a[i * CHUNK..]).zip(&b[i * CHUNK..]) {
             *o = a + b;
         }
     });

@@ -9,13 +9,16 @@
 //!
 //! Every element of C sums its k products in the same order whatever the thread count or the
 //! split, so results do not depend on scheduling. Threads split C into column (or row) ranges
-//! that are multiples of the tile, each packing its own operands in thread-local buffers that
-//! are allocated once and reused: nothing is allocated in the training loop.
+//! that are multiples of the tile (see [`parallel`]); the packing buffers, thread-local and
+//! shared, are allocated once and reused: nothing is allocated in the training loop.
 //!
 //! Without AVX2+FMA (or with a C whose columns are not contiguous) the call falls back to the
 //! `gemm` crate.
 
 use std::cell::RefCell;
+use std::sync::Mutex;
+
+use super::team;
 
 /// Rows of the register tile.
 const MR: usize = 6;
@@ -99,37 +102,234 @@ pub unsafe fn sgemm(
         // SAFETY: forwarded from the caller.
         return unsafe { serial(m, n, k, c, accumulate, bias, a, b) };
     }
-    // Split the longer side of C into ranges of whole tiles: up to four per thread, so that a
-    // thread that loses its core for a moment (shared and virtual machines) is covered by the
-    // others stealing its remaining parts, but no part so thin that re-packing the shared
-    // operand in every part would cost more than the balance gains.
-    let (split_cols, len, tile, min_part) = if n >= m { (true, n, NR, 384) } else { (false, m, MR, 192) };
-    let tiles = len.div_ceil(tile);
-    let parts = (len / min_part).clamp(threads, 4 * threads).min(tiles);
-    use rayon::prelude::*;
+    // SAFETY: forwarded from the caller.
+    unsafe { parallel(m, n, k, c, accumulate, bias, a, b, threads) }
+}
+
+/// Buffers for the shared packed operand, taken by one threaded GEMM at a time and put back:
+/// the training loop reuses one; concurrent GEMMs (tests run in parallel) get one each.
+static SHARED: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+
+/// Run `f` on a 64-byte-aligned shared buffer of at least `len` floats.
+fn with_shared<R>(len: usize, f: impl FnOnce(*mut f32) -> R) -> R {
+    let take = || SHARED.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default();
+    let mut v = take();
+    let r = f(aligned(&mut v, len));
+    SHARED.lock().unwrap_or_else(|e| e.into_inner()).push(v);
+    r
+}
+
+/// Columns from which a GEMM at least as wide as tall shares its packed A.
+const WIDE: usize = 2048;
+
+/// The threaded GEMM, on the [`team`]. Three ways to split it:
+/// - taller than wide: B is packed once per k block, by all threads together, into a shared
+///   buffer; the threads claim guided chunks of C's rows and pack their own A blocks (the
+///   weight gradients: dW = dY^T X);
+/// - wide (at least [`WIDE`] columns, at most 4 MC rows): the same with the roles swapped, A
+///   shared and chunks of columns (the forward and input-gradient GEMMs of the wide layers);
+/// - narrow: whole column parts through all of k, each packing its own A. A shared operand
+///   needs two team loops per k block, and for a narrow C with many k blocks those cost more
+///   than packing A once per part.
+///
+/// Every element of C still sums its k blocks in order, as [`serial`] does, so the result does
+/// not depend on the split or the thread count.
+#[allow(clippy::too_many_arguments)]
+unsafe fn parallel(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: View,
+    accumulate: bool,
+    bias: *const f32,
+    a: View,
+    b: View,
+    threads: usize,
+) {
+    let kcb = depth(k);
+    let nb = k.div_ceil(kcb);
+    let block = |pb: usize| (pb * kcb, kcb.min(k - pb * kcb));
     let bias_addr = bias as usize; // a raw pointer is not Sync; its address is
-    (0..parts).into_par_iter().for_each(|p| {
-        let bias = bias_addr as *const f32;
-        let t0 = tiles * p / parts * tile;
-        let t1 = (tiles * (p + 1) / parts * tile).min(len);
-        if t0 >= t1 {
-            return;
+    if n >= m && (n < WIDE || m > 4 * MC) {
+        // Narrow C: each thread takes whole column parts through all of k, packing its own A
+        // blocks (a shared A would need a barrier per k block, which costs these more than the
+        // repeated packing of A does).
+        let tiles = n.div_ceil(NR);
+        let parts = (n / 384).clamp(threads, 4 * threads).min(tiles);
+        team::for_ranges(parts, 1, 1, |range| {
+            for p in range {
+                let (t0, t1) = (tiles * p / parts * NR, (tiles * (p + 1) / parts * NR).min(n));
+                let bias = bias_addr as *const f32;
+                let bias = if bias.is_null() { bias } else { bias.wrapping_add(t0) };
+                // SAFETY: the column ranges are disjoint; the sub-views start inside the matrices.
+                unsafe {
+                    serial(
+                        m,
+                        t1 - t0,
+                        k,
+                        View { ptr: c.at(0, t0), ..c },
+                        accumulate,
+                        bias,
+                        a,
+                        View { ptr: b.at(0, t0), ..b },
+                    )
+                }
+            }
+        });
+    } else if n >= m {
+        // Shared A, one k block at a time (panel r at its own stride: the vector packer's
+        // overhang must not reach a panel another thread is writing). Each thread reads the
+        // block into its L2 and sweeps it with the B panels of the columns it claims.
+        let panels = m.div_ceil(MR);
+        with_shared(panels * (MR * kcb + 8), |sa| {
+            let sa_addr = sa as usize;
+            for pb in 0..nb {
+                let (pc, kc) = block(pb);
+                let stride = MR * kc + 8;
+                team::for_ranges(panels, 4, usize::MAX, |range| {
+                    for r in range {
+                        let dst = (sa_addr as *mut f32).wrapping_add(r * stride);
+                        // SAFETY: panel r's rows and the block's columns lie inside A; the
+                        // panel's slot (MR*kc + 8 floats) lies inside the shared buffer.
+                        unsafe { pack_a(MR.min(m - r * MR), kc, View { ptr: a.at(r * MR, pc), ..a }, dst) };
+                    }
+                });
+                let acc = accumulate || pb > 0;
+                let bias_addr = if pb == 0 { bias_addr } else { 0 };
+                // Chunks of at least 2 tiles (32 columns) and at most NC columns.
+                team::for_ranges(n.div_ceil(NR), 2, NC / NR, |tiles| {
+                    let (j0, j1) = (tiles.start * NR, (tiles.end * NR).min(n));
+                    PACKS.with(|packs| {
+                        let bp = aligned(&mut packs.borrow_mut().b, KC_MAX * NC);
+                        for ic in (0..m).step_by(MC) {
+                            let mc = MC.min(m - ic);
+                            for jr in (j0..j1).step_by(NR) {
+                                let nr = NR.min(j1 - jr);
+                                // SAFETY: panel jr - j0 of this chunk fits the KC_MAX x NC buffer.
+                                let bpanel = unsafe { bp.add((jr - j0) * kc) };
+                                if ic == 0 {
+                                    unsafe { pack_b_panel(kc, nr, View { ptr: b.at(pc, jr), ..b }, bpanel) };
+                                }
+                                let next = (ic == 0 && jr + NR < j1).then(|| (jr + NR, NR.min(j1 - jr - NR)));
+                                let shares = mc.div_ceil(MR);
+                                let bias = bias_addr as *const f32;
+                                let bias = if bias.is_null() { bias } else { bias.wrapping_add(jr) };
+                                for (share, ir) in (ic..ic + mc).step_by(MR).enumerate() {
+                                    if let Some((jn, cols)) = next {
+                                        prefetch_b_share(kc, cols, b, pc, jn, share, shares);
+                                    }
+                                    let apanel = (sa_addr as *const f32).wrapping_add(ir / MR * stride);
+                                    // SAFETY: (ir, jr) is a tile of C inside the matrix.
+                                    unsafe {
+                                        tile(MR.min(m - ir), nr, kc, apanel, bpanel, c.at(ir, jr), c.rs, acc, bias)
+                                    };
+                                }
+                            }
+                        }
+                    })
+                });
+            }
+        })
+    } else {
+        // Shared B: one (kc, nc) block at a time, panel jr at jr*kc.
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            let panels = nc.div_ceil(NR);
+            with_shared(panels * NR * kcb, |sb| {
+                let sb_addr = sb as usize;
+                for pb in 0..nb {
+                    let (pc, kc) = block(pb);
+                    team::for_ranges(panels, 4, usize::MAX, |range| {
+                        for p in range {
+                            let dst = (sb_addr as *mut f32).wrapping_add(p * NR * kc);
+                            let cols = NR.min(nc - p * NR);
+                            // SAFETY: the panel's rows and columns lie inside B, its slot inside the buffer.
+                            unsafe { pack_b_panel(kc, cols, View { ptr: b.at(pc, jc + p * NR), ..b }, dst) };
+                        }
+                    });
+                    let acc = accumulate || pb > 0;
+                    let bias_addr = if pb == 0 { bias_addr } else { 0 };
+                    // Chunks of at least 16 tiles (96 rows).
+                    team::for_ranges(m.div_ceil(MR), 16, usize::MAX, |tiles| {
+                        let (i0, i1) = (tiles.start * MR, (tiles.end * MR).min(m));
+                        PACKS.with(|packs| {
+                            let ap = aligned(&mut packs.borrow_mut().a, MC * KC_MAX + 8);
+                            for ic in (i0..i1).step_by(MC) {
+                                let mc = MC.min(i1 - ic);
+                                // SAFETY: rows ic..ic+mc and block pb's columns lie inside A.
+                                unsafe { pack_a(mc, kc, View { ptr: a.at(ic, pc), ..a }, ap) };
+                                for p in 0..panels {
+                                    let jr = jc + p * NR;
+                                    let bpanel = (sb_addr as *const f32).wrapping_add(p * NR * kc);
+                                    let bias = bias_addr as *const f32;
+                                    let bias = if bias.is_null() { bias } else { bias.wrapping_add(jr) };
+                                    for ir in (0..mc).step_by(MR) {
+                                        let apanel = ap.wrapping_add(ir * kc);
+                                        // SAFETY: (ic + ir, jr) is a tile of C inside the matrix.
+                                        unsafe {
+                                            tile(
+                                                MR.min(mc - ir),
+                                                NR.min(n - jr),
+                                                kc,
+                                                apanel,
+                                                bpanel,
+                                                c.at(ic + ir, jr),
+                                                c.rs,
+                                                acc,
+                                                bias,
+                                            )
+                                        };
+                                    }
+                                }
+                            }
+                        })
+                    });
+                }
+            })
         }
-        // SAFETY: the ranges [t0, t1) are disjoint, so each thread writes its own part of C;
-        // the sub-views start inside the matrices and keep their strides.
-        unsafe {
-            if split_cols {
-                let cs = View { ptr: c.at(0, t0), ..c };
-                let bs = View { ptr: b.at(0, t0), ..b };
-                let bias = if bias.is_null() { bias } else { bias.add(t0) };
-                serial(m, t1 - t0, k, cs, accumulate, bias, a, bs)
-            } else {
-                let cs = View { ptr: c.at(t0, 0), ..c };
-                let as_ = View { ptr: a.at(t0, 0), ..a };
-                serial(t1 - t0, n, k, cs, accumulate, bias, as_, b)
+    }
+}
+
+/// One `(mr, nr)` tile of C from an A panel and a B panel: full tiles straight into C, partial
+/// ones through a local tile of which only the valid part is written back.
+///
+/// # Safety
+/// `c` addresses `mr` rows of `nr` writable floats at stride `ldc`; the panels hold `kc` steps;
+/// a non-null `bias` has `nr` floats.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn tile(
+    mr: usize,
+    nr: usize,
+    kc: usize,
+    ap: *const f32,
+    bp: *const f32,
+    c: *mut f32,
+    ldc: isize,
+    acc: bool,
+    bias: *const f32,
+) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        if mr == MR && nr == NR {
+            return kernel(kc, ap, bp, c, ldc, acc, bias);
+        }
+        let mut t = [0f32; MR * NR];
+        kernel(kc, ap, bp, t.as_mut_ptr(), NR as isize, false, std::ptr::null());
+        for i in 0..mr {
+            let row = c.offset(i as isize * ldc);
+            for j in 0..nr {
+                let x = t[i * NR + j];
+                *row.add(j) = if acc {
+                    *row.add(j) + x
+                } else if bias.is_null() {
+                    x
+                } else {
+                    x + *bias.add(j)
+                };
             }
         }
-    });
+    }
 }
 
 /// Per-thread packing buffers, grown on first use and then reused.
@@ -220,30 +420,8 @@ unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: 
                             let apanel = unsafe { ap.add(ir * kc) };
                             let cp = unsafe { c.at(ic + ir, jc + jr) };
                             let bp_ = if bias.is_null() { bias } else { unsafe { bias.add(jc + jr) } };
-                            // SAFETY: full tiles lie inside C; partial ones go through a
-                            // local tile and only their valid part is written back.
-                            unsafe {
-                                if mr == MR && nr == NR {
-                                    kernel(kc, apanel, bpanel, cp, c.rs, acc, bp_);
-                                } else {
-                                    let mut tile = [0f32; MR * NR];
-                                    let null = std::ptr::null();
-                                    kernel(kc, apanel, bpanel, tile.as_mut_ptr(), NR as isize, false, null);
-                                    for i in 0..mr {
-                                        let row = cp.offset(i as isize * c.rs);
-                                        for j in 0..nr {
-                                            let t = tile[i * NR + j];
-                                            *row.add(j) = if acc {
-                                                *row.add(j) + t
-                                            } else if bp_.is_null() {
-                                                t
-                                            } else {
-                                                t + *bp_.add(j)
-                                            };
-                                        }
-                                    }
-                                }
-                            }
+                            // SAFETY: (ic + ir, jc + jr) is a tile of C inside the matrix.
+                            unsafe { tile(mr, nr, kc, apanel, bpanel, cp, c.rs, acc, bp_) };
                         }
                     }
                 }
@@ -633,33 +811,45 @@ mod tests {
             eprintln!("sgemm test skipped: this CPU has no AVX2+FMA, so the packed path never runs");
             return;
         }
-        let (m, n, k) = (97, 301, 270);
-        let mut rng = TestRng(5);
-        let (a, b) = (rng.vec(m * k), rng.vec(k * n));
-        let run = |threads| {
-            let mut c = vec![0f32; m * n];
-            // SAFETY: dense row-major buffers of the stated shapes.
-            unsafe {
-                sgemm(
-                    m,
-                    n,
-                    k,
-                    c.as_mut_ptr(),
-                    (n as isize, 1),
-                    false,
-                    std::ptr::null(),
-                    a.as_ptr(),
-                    (k as isize, 1),
-                    b.as_ptr(),
-                    (n as isize, 1),
-                    threads,
-                )
-            };
-            c
-        };
-        let one = run(1);
-        for t in [2, 3, 4] {
-            assert!(one == run(t), "{t} threads changed the result");
+        // Each of parallel()'s splits, with partial tiles and one to three k blocks: narrow
+        // column parts, wide with a shared A (also past NC columns), tall with a shared B (also
+        // past NC columns, and with more than MC rows per chunk).
+        let shapes = [(97, 301, 270), (40, WIDE + 52, 800), (7, NC + 37, 30), (700, 50, 800), (5000, NC + 20, 3)];
+        for (si, &(m, n, k)) in shapes.iter().enumerate() {
+            let mut rng = TestRng(5 + si as u64);
+            let (a, b, c0, bias) = (rng.vec(m * k), rng.vec(k * n), rng.vec(m * n), rng.vec(n));
+            // B row-major (the input-gradient GEMMs) and transposed (the forward's W^T).
+            for b_rows in [true, false] {
+                let bs = if b_rows { (n as isize, 1) } else { (1, k as isize) };
+                for (accumulate, with_bias) in [(false, true), (true, false)] {
+                    let run = |threads| {
+                        let mut c = c0.clone();
+                        let bias = if with_bias { bias.as_ptr() } else { std::ptr::null() };
+                        // SAFETY: dense buffers of the stated shapes.
+                        unsafe {
+                            sgemm(
+                                m,
+                                n,
+                                k,
+                                c.as_mut_ptr(),
+                                (n as isize, 1),
+                                accumulate,
+                                bias,
+                                a.as_ptr(),
+                                (k as isize, 1),
+                                b.as_ptr(),
+                                bs,
+                                threads,
+                            )
+                        };
+                        c
+                    };
+                    let one = run(1);
+                    for t in [2, 3] {
+                        assert!(one == run(t), "({m},{n},{k}) b_rows={b_rows} acc={accumulate}: {t} threads differ");
+                    }
+                }
+            }
         }
     }
 }
