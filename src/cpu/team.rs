@@ -248,4 +248,24 @@ mod tests {
         broadcast(&|_| _ = n.fetch_add(1, Relaxed));
         assert_eq!(n.load(Relaxed), threads());
     }
+
+    #[test]
+    fn loops_from_several_threads_at_once_each_cover_their_range() {
+        // Whichever thread gets the team, the others run inline; none may lose or repeat work.
+        std::thread::scope(|s| {
+            for id in 0..4u64 {
+                s.spawn(move || {
+                    for round in 0..200u64 {
+                        let mut out = vec![0u64; 1000 + round as usize];
+                        chunks_mut(&mut out, 7, |i, c| {
+                            for (j, x) in c.iter_mut().enumerate() {
+                                *x = (i * 7 + j) as u64 * id;
+                            }
+                        });
+                        assert!(out.iter().enumerate().all(|(i, &x)| x == i as u64 * id), "thread {id} round {round}");
+                    }
+                });
+            }
+        });
+    }
 }
