@@ -22,6 +22,7 @@ fn gelu_grad(x: f32) -> f32 {
 
 /// out (N) = gelu(inp (N)).
 pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
+    assert_eq!(out.len(), inp.len(), "gelu_forward: out and inp differ in length");
     team::chunks_mut(out, CHUNK, |i, o| {
         for (o, x) in o.iter_mut().zip(&inp[i * CHUNK..]) {
             *o = gelu(*x);
@@ -31,6 +32,7 @@ pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
 
 /// In place: `d (N) *= gelu'(inp (N))`, turning d(out) into d(inp).
 pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
+    assert_eq!(d.len(), inp.len(), "gelu_backward: d and inp differ in length");
     team::chunks_mut(d, CHUNK, |i, d| {
         for (d, x) in d.iter_mut().zip(&inp[i * CHUNK..]) {
             *d *= gelu_grad(*x);

@@ -8,6 +8,7 @@ const CHUNK: usize = 4096;
 
 /// out (N) = a (N) + b (N).
 pub fn residual_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
+    assert!(a.len() == out.len() && b.len() == out.len(), "residual_forward: lengths differ");
     team::chunks_mut(out, CHUNK, |i, o| {
         for ((o, a), b) in o.iter_mut().zip(&a[i * CHUNK..]).zip(&b[i * CHUNK..]) {
             *o = a + b;

@@ -146,6 +146,7 @@ unsafe fn parallel(
     b: View,
     threads: usize,
 ) {
+    debug_assert!(k > 0, "sgemm sends k = 0 to serial");
     let kcb = depth(k);
     let nb = k.div_ceil(kcb);
     let block = |pb: usize| (pb * kcb, kcb.min(k - pb * kcb));

@@ -25,11 +25,17 @@ use std::time::{Duration, Instant};
 /// How long an idle helper spins before it parks.
 const SPIN: Duration = Duration::from_millis(2);
 
+/// Spinning threads offer their core every this many spins (a few microseconds): with more
+/// threads than cores (`--threads` above the core count, or other busy processes) a spinning
+/// thread would otherwise hold a core that a working one needs until its time slice ends.
+const YIELD_EVERY: u32 = 64;
+
 /// The job of the current loop: `f(worker)` for worker in 0..threads.
 type Job = *const (dyn Fn(usize) + Sync);
 
 struct Team {
-    threads: usize,
+    /// The caller plus the helpers that started (fewer than asked if the OS refused a thread).
+    threads: AtomicUsize,
     /// Taken by the thread that leads a loop; others run their loops alone.
     busy: AtomicBool,
     /// Bumped (after `job` is written) to start a loop.
@@ -59,7 +65,7 @@ fn team() -> &'static Team {
     TEAM.get_or_init(|| {
         let threads = rayon::current_num_threads().max(1);
         let t: &'static Team = Box::leak(Box::new(Team {
-            threads,
+            threads: AtomicUsize::new(1),
             busy: AtomicBool::new(false),
             epoch: AtomicU64::new(0),
             job: UnsafeCell::new(None),
@@ -70,10 +76,12 @@ fn team() -> &'static Team {
             wake: Condvar::new(),
         }));
         for w in 1..threads {
-            std::thread::Builder::new()
-                .name(format!("llmrs-team-{w}"))
-                .spawn(move || helper(t, w))
-                .expect("cannot start a worker thread");
+            let started = std::thread::Builder::new().name(format!("llmrs-team-{w}")).spawn(move || helper(t, w));
+            if started.is_err() {
+                eprintln!("warning: could not start thread {w} of {threads}; running on {w}");
+                break;
+            }
+            t.threads.store(w + 1, Relaxed);
         }
         t
     })
@@ -89,6 +97,9 @@ fn helper(t: &'static Team, w: usize) {
         while t.epoch.load(Acquire) == seen {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
+            if spins % YIELD_EVERY == 0 {
+                std::thread::yield_now();
+            }
             if spins % 1024 == 0 && start.elapsed() > SPIN {
                 t.parked.fetch_add(1, SeqCst);
                 let mut g = t.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -103,7 +114,14 @@ fn helper(t: &'static Team, w: usize) {
         // SAFETY: see `unsafe impl Sync for Team`: the job is set and alive for this epoch.
         let job = unsafe { (*t.job.get()).expect("a loop was started without a job") };
         if let Err(p) = catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(w) })) {
-            *t.panic.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+            let mut slot = t.panic.lock().unwrap_or_else(|e| e.into_inner());
+            if slot.is_none() {
+                *slot = Some(p);
+            } else {
+                // Dropping a second payload here could itself panic and kill this helper,
+                // leaving the leader waiting for it forever.
+                std::mem::forget(p);
+            }
         }
         t.done.fetch_add(1, Release);
     }
@@ -111,16 +129,26 @@ fn helper(t: &'static Team, w: usize) {
 
 /// Number of threads a loop runs on (the team's size).
 pub fn threads() -> usize {
-    team().threads
+    team().threads.load(Relaxed)
 }
 
 /// Run `f(worker)` for every worker in `0..threads()`, on the team when it is free (worker 0
 /// on the calling thread), else one after another on the calling thread.
 pub fn broadcast(f: &(dyn Fn(usize) + Sync)) {
     let t = team();
-    let nested = IN_LOOP.with(|c| c.get());
-    if t.threads == 1 || nested || t.busy.compare_exchange(false, true, Acquire, Relaxed).is_err() {
-        (0..t.threads).for_each(f);
+    let threads = t.threads.load(Relaxed);
+    if IN_LOOP.with(|c| c.get()) {
+        (0..threads).for_each(f);
+        return;
+    }
+    if threads == 1 || t.busy.compare_exchange(false, true, Acquire, Relaxed).is_err() {
+        // Inline, and marked as inside a loop so that loops nested in `f` stay inline too.
+        IN_LOOP.with(|c| c.set(true));
+        let r = catch_unwind(AssertUnwindSafe(|| (0..threads).for_each(f)));
+        IN_LOOP.with(|c| c.set(false));
+        if let Err(p) = r {
+            resume_unwind(p);
+        }
         return;
     }
     // SAFETY: erasing the lifetime is sound because this function does not return before
@@ -139,10 +167,10 @@ pub fn broadcast(f: &(dyn Fn(usize) + Sync)) {
     let mine = catch_unwind(AssertUnwindSafe(|| f(0)));
     IN_LOOP.with(|c| c.set(false));
     let mut spins = 0u32;
-    while t.done.load(Acquire) != t.threads - 1 {
+    while t.done.load(Acquire) != threads - 1 {
         std::hint::spin_loop();
         spins = spins.wrapping_add(1);
-        if spins % 1024 == 0 {
+        if spins % YIELD_EVERY == 0 {
             std::thread::yield_now();
         }
     }
