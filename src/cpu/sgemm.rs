@@ -112,8 +112,7 @@ static SHARED: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
 
 /// Run `f` on a 64-byte-aligned shared buffer of at least `len` floats.
 fn with_shared<R>(len: usize, f: impl FnOnce(*mut f32) -> R) -> R {
-    let take = || SHARED.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default();
-    let mut v = take();
+    let mut v = SHARED.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default();
     let r = f(aligned(&mut v, len));
     SHARED.lock().unwrap_or_else(|e| e.into_inner()).push(v);
     r
@@ -203,29 +202,15 @@ unsafe fn parallel(
                     PACKS.with(|packs| {
                         let bp = aligned(&mut packs.borrow_mut().b, KC_MAX * NC);
                         for ic in (0..m).step_by(MC) {
-                            let mc = MC.min(m - ic);
-                            for jr in (j0..j1).step_by(NR) {
-                                let nr = NR.min(j1 - jr);
-                                // SAFETY: panel jr - j0 of this chunk fits the KC_MAX x NC buffer.
-                                let bpanel = unsafe { bp.add((jr - j0) * kc) };
-                                if ic == 0 {
-                                    unsafe { pack_b_panel(kc, nr, View { ptr: b.at(pc, jr), ..b }, bpanel) };
-                                }
-                                let next = (ic == 0 && jr + NR < j1).then(|| (jr + NR, NR.min(j1 - jr - NR)));
-                                let shares = mc.div_ceil(MR);
-                                let bias = bias_addr as *const f32;
-                                let bias = if bias.is_null() { bias } else { bias.wrapping_add(jr) };
-                                for (share, ir) in (ic..ic + mc).step_by(MR).enumerate() {
-                                    if let Some((jn, cols)) = next {
-                                        prefetch_b_share(kc, cols, b, pc, jn, share, shares);
-                                    }
-                                    let apanel = (sa_addr as *const f32).wrapping_add(ir / MR * stride);
-                                    // SAFETY: (ir, jr) is a tile of C inside the matrix.
-                                    unsafe {
-                                        tile(MR.min(m - ir), nr, kc, apanel, bpanel, c.at(ir, jr), c.rs, acc, bias)
-                                    };
-                                }
-                            }
+                            let ablock = (sa_addr as *const f32).wrapping_add(ic / MR * stride);
+                            let pack = (ic == 0).then_some(b);
+                            let bias = bias_addr as *const f32;
+                            // SAFETY: the shared A block is packed (the loop above has ended);
+                            // the chunk's B panels fit the KC_MAX x NC buffer (chunks are at
+                            // most NC wide); its tiles lie inside C.
+                            unsafe {
+                                sweep(ic, MC.min(m - ic), j0, j1, kc, pc, ablock, stride, bp, pack, c, acc, bias)
+                            };
                         }
                     })
                 });
@@ -259,29 +244,11 @@ unsafe fn parallel(
                                 let mc = MC.min(i1 - ic);
                                 // SAFETY: rows ic..ic+mc and block pb's columns lie inside A.
                                 unsafe { pack_a(mc, kc, View { ptr: a.at(ic, pc), ..a }, ap) };
-                                for p in 0..panels {
-                                    let jr = jc + p * NR;
-                                    let bpanel = (sb_addr as *const f32).wrapping_add(p * NR * kc);
-                                    let bias = bias_addr as *const f32;
-                                    let bias = if bias.is_null() { bias } else { bias.wrapping_add(jr) };
-                                    for ir in (0..mc).step_by(MR) {
-                                        let apanel = ap.wrapping_add(ir * kc);
-                                        // SAFETY: (ic + ir, jr) is a tile of C inside the matrix.
-                                        unsafe {
-                                            tile(
-                                                MR.min(mc - ir),
-                                                NR.min(n - jr),
-                                                kc,
-                                                apanel,
-                                                bpanel,
-                                                c.at(ic + ir, jr),
-                                                c.rs,
-                                                acc,
-                                                bias,
-                                            )
-                                        };
-                                    }
-                                }
+                                let (sb, bias) = (sb_addr as *mut f32, bias_addr as *const f32);
+                                // SAFETY: the shared B block is packed (the loop above has
+                                // ended), panel jr - jc at sb + (jr - jc)*kc; the tiles lie
+                                // inside C.
+                                unsafe { sweep(ic, mc, jc, jc + nc, kc, pc, ap, MR * kc, sb, None, c, acc, bias) };
                             }
                         })
                     });
@@ -329,6 +296,56 @@ unsafe fn tile(
                     x + *bias.add(j)
                 };
             }
+        }
+    }
+}
+
+/// The macro-kernel: the MR-row panels of one packed A block (rows `ic..ic+mc`, panel i at
+/// `a + i*a_stride`) against the B panels of columns `j0..j1` (the panel of column jr at
+/// `bp + (jr - j0)*kc`), into C; `bias` (null for none) is indexed by C's column. With `pack`
+/// (B's view), each B panel is packed just before its first use, so it goes to the kernels hot
+/// in L1, and while the kernels sweep it the source lines of the next one are pulled toward the
+/// cache, a share per kernel call (packing reads a line from each of up to KC_MAX rows, which on
+/// its own waits on memory).
+///
+/// # Safety
+/// The A panels hold `kc` steps; `bp` has room for `(j1 - j0)/NR` panels (and holds them packed
+/// when `pack` is None); rows `ic..ic+mc` and columns `j0..j1` lie inside C and, with `pack`,
+/// columns `j0..j1` and rows `pc..pc+kc` inside B.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn sweep(
+    ic: usize,
+    mc: usize,
+    j0: usize,
+    j1: usize,
+    kc: usize,
+    pc: usize,
+    a: *const f32,
+    a_stride: usize,
+    bp: *mut f32,
+    pack: Option<View>,
+    c: View,
+    acc: bool,
+    bias: *const f32,
+) {
+    let shares = mc.div_ceil(MR);
+    for jr in (j0..j1).step_by(NR) {
+        let nr = NR.min(j1 - jr);
+        let bpanel = bp.wrapping_add((jr - j0) * kc);
+        if let Some(b) = pack {
+            // SAFETY: as the caller guarantees.
+            unsafe { pack_b_panel(kc, nr, View { ptr: b.at(pc, jr), ..b }, bpanel) };
+        }
+        let next = pack.filter(|_| jr + NR < j1).map(|b| (b, jr + NR, NR.min(j1 - jr - NR)));
+        let bias = if bias.is_null() { bias } else { bias.wrapping_add(jr) };
+        for (share, ir) in (0..mc).step_by(MR).enumerate() {
+            if let Some((b, jn, cols)) = next {
+                prefetch_b_share(kc, cols, b, pc, jn, share, shares);
+            }
+            let apanel = a.wrapping_add(share * a_stride);
+            // SAFETY: as the caller guarantees: (ic + ir, jr) is a tile inside C.
+            unsafe { tile(MR.min(mc - ir), nr, kc, apanel, bpanel, c.at(ic + ir, jr), c.rs, acc, bias) };
         }
     }
 }
@@ -400,31 +417,12 @@ unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: 
                     // SAFETY: the packers read only the (mc, kc) / (kc, nr) sub-blocks, which
                     // are inside A and B, and write inside the buffers sized above.
                     unsafe { pack_a(mc, kc, View { ptr: a.at(ic, pc), ..a }, ap) };
-                    for jr in (0..nc).step_by(NR) {
-                        let nr = NR.min(nc - jr);
-                        let bpanel = unsafe { bp.add(jr * kc) };
-                        if ic == 0 {
-                            // Each B panel is packed just before its first use, so it goes to
-                            // the kernels hot in L1 (and most GEMMs here have m <= MC).
-                            unsafe { pack_b_panel(kc, nr, View { ptr: b.at(pc, jc + jr), ..b }, bpanel) };
-                        }
-                        // While the kernels sweep this panel, pull the source lines of the next
-                        // one toward the cache, a share per kernel call: packing reads a line
-                        // from each of up to 256 rows, which on its own waits on memory.
-                        let next = (ic == 0 && jr + NR < nc).then(|| (jr + NR, NR.min(nc - jr - NR)));
-                        let shares = mc.div_ceil(MR);
-                        for (share, ir) in (0..mc).step_by(MR).enumerate() {
-                            if let Some((jn, cols)) = next {
-                                prefetch_b_share(kc, cols, b, pc, jc + jn, share, shares);
-                            }
-                            let mr = MR.min(mc - ir);
-                            let apanel = unsafe { ap.add(ir * kc) };
-                            let cp = unsafe { c.at(ic + ir, jc + jr) };
-                            let bp_ = if bias.is_null() { bias } else { unsafe { bias.add(jc + jr) } };
-                            // SAFETY: (ic + ir, jc + jr) is a tile of C inside the matrix.
-                            unsafe { tile(mr, nr, kc, apanel, bpanel, cp, c.rs, acc, bp_) };
-                        }
-                    }
+                    // SAFETY: the A block is packed above; panel jr of B goes to bp + jr*kc,
+                    // inside the KC_MAX x NC buffer; the tiles lie inside C.
+                    unsafe {
+                        let pack = (ic == 0).then_some(b);
+                        sweep(ic, mc, jc, jc + nc, kc, pc, ap, MR * kc, bp, pack, c, acc, bias)
+                    };
                 }
             }
         }
@@ -705,6 +703,40 @@ mod tests {
         }
     }
 
+    /// [`sgemm`] on slices: C (m, n) at row stride `crs`, A and B at the given strides.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        (m, n, k): (usize, usize, usize),
+        c: &mut [f32],
+        crs: usize,
+        accumulate: bool,
+        bias: Option<&[f32]>,
+        a: &[f32],
+        a_s: (isize, isize),
+        b: &[f32],
+        b_s: (isize, isize),
+        threads: usize,
+    ) {
+        let bias = bias.map_or(std::ptr::null(), |b| b.as_ptr());
+        // SAFETY: every caller sizes the buffers for the shapes and strides it passes.
+        unsafe {
+            sgemm(
+                m,
+                n,
+                k,
+                c.as_mut_ptr(),
+                (crs as isize, 1),
+                accumulate,
+                bias,
+                a.as_ptr(),
+                a_s,
+                b.as_ptr(),
+                b_s,
+                threads,
+            )
+        }
+    }
+
     fn check(m: usize, n: usize, k: usize, threads: usize) {
         let mut rng = TestRng((m * 1000 + n * 10 + k) as u64);
         for a_kind in 0..3 {
@@ -719,24 +751,8 @@ mod tests {
                 // C starts from zero, from its contents, or from the bias.
                 for (accumulate, with_bias) in [(false, false), (true, false), (false, true)] {
                     let mut c = c0.clone();
-                    let bias_ptr = if with_bias { bias.as_ptr() } else { std::ptr::null() };
-                    // SAFETY: the layouts above size every buffer for the strides they return.
-                    unsafe {
-                        sgemm(
-                            m,
-                            n,
-                            k,
-                            c.as_mut_ptr(),
-                            (crs as isize, 1),
-                            accumulate,
-                            bias_ptr,
-                            a.as_ptr(),
-                            (ars, acs),
-                            b.as_ptr(),
-                            (brs, bcs),
-                            threads,
-                        )
-                    };
+                    let bias_arg = with_bias.then_some(&bias[..]);
+                    run((m, n, k), &mut c, crs, accumulate, bias_arg, &a, (ars, acs), &b, (brs, bcs), threads);
                     for i in 0..m {
                         for j in 0..crs {
                             let got = c[i * crs + j];
@@ -823,31 +839,18 @@ mod tests {
             for b_rows in [true, false] {
                 let bs = if b_rows { (n as isize, 1) } else { (1, k as isize) };
                 for (accumulate, with_bias) in [(false, true), (true, false)] {
-                    let run = |threads| {
+                    let with_threads = |threads| {
                         let mut c = c0.clone();
-                        let bias = if with_bias { bias.as_ptr() } else { std::ptr::null() };
-                        // SAFETY: dense buffers of the stated shapes.
-                        unsafe {
-                            sgemm(
-                                m,
-                                n,
-                                k,
-                                c.as_mut_ptr(),
-                                (n as isize, 1),
-                                accumulate,
-                                bias,
-                                a.as_ptr(),
-                                (k as isize, 1),
-                                b.as_ptr(),
-                                bs,
-                                threads,
-                            )
-                        };
+                        let bias = with_bias.then_some(&bias[..]);
+                        run((m, n, k), &mut c, n, accumulate, bias, &a, (k as isize, 1), &b, bs, threads);
                         c
                     };
-                    let one = run(1);
+                    let one = with_threads(1);
                     for t in [2, 3] {
-                        assert!(one == run(t), "({m},{n},{k}) b_rows={b_rows} acc={accumulate}: {t} threads differ");
+                        assert!(
+                            one == with_threads(t),
+                            "({m},{n},{k}) b_rows={b_rows} acc={accumulate}: {t} threads differ"
+                        );
                     }
                 }
             }
