@@ -1,9 +1,9 @@
 //! `llmrs bench`: time full training steps (forward, backward, AdamW) of a model on random tokens,
 //! and put them against the machine's own measured peak.
 
+use crate::backend::Device;
 use crate::model::GPT2;
-use crate::optim::{optimizer_step, OptimConfig};
-use crate::profile;
+use crate::optim::OptimConfig;
 use anyhow::Result;
 use std::time::Instant;
 
@@ -17,11 +17,14 @@ pub struct BenchConfig {
     pub steps: usize,
     /// Steps run first and not measured (page faults, caches, thread start-up).
     pub warmup: usize,
+    pub device: Device,
 }
 
 #[derive(Debug, serde::Serialize)]
 pub struct BenchReport {
     pub model: String,
+    /// The backend that ran (device, kernels, threads).
+    pub backend: String,
     pub num_parameters: usize,
     pub batch_size: usize,
     pub seq_len: usize,
@@ -137,13 +140,14 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// Run the benchmark.
 pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
-    let mut model = crate::source::load_any(&cfg.model, 42)?;
+    let weights = crate::source::load_any(&cfg.model, 42)?;
     let (b, t) = (cfg.batch_size, cfg.seq_len);
-    if t > model.config.max_seq_len {
-        anyhow::bail!("-t {t} is longer than the model's context {}", model.config.max_seq_len);
+    if t > weights.config.max_seq_len {
+        anyhow::bail!("-t {t} is longer than the model's context {}", weights.config.max_seq_len);
     }
-    model.alloc_training_state();
-    model.reserve(b, t);
+    let mut model = GPT2::new(weights, cfg.device)?;
+    model.alloc_training_state()?;
+    model.reserve(b, t)?;
     let v = model.config.vocab_size as u64;
     let mut x = 0x2545_F491_4F6C_DD1Du64;
     let tokens: Vec<u32> = (0..b * t + 1)
@@ -159,20 +163,22 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
     let mut times = vec![];
     let mut phase = [0f64; 3];
     let peak_before = measure_peak().0;
-    profile::reset();
     for step in 0..cfg.warmup + cfg.steps {
         if step == cfg.warmup {
-            profile::enable(true);
-            profile::reset();
+            model.set_profiling(true);
             phase = [0.0; 3];
         }
+        // Each phase ends with a synchronize, so its time is the device's (free on the CPU).
         let t0 = Instant::now();
-        model.zero_grad();
+        model.zero_grad()?;
         model.forward(inputs, Some(targets), b, t)?;
+        model.synchronize()?;
         let t1 = Instant::now();
         model.backward(1.0)?;
+        model.synchronize()?;
         let t2 = Instant::now();
-        optimizer_step(&mut model, &opt, 1e-4, step);
+        model.update(&opt, 1e-4, step)?;
+        model.synchronize()?;
         let t3 = Instant::now();
         if step >= cfg.warmup {
             times.push((t3 - t0).as_secs_f64() * 1e3);
@@ -181,9 +187,10 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
             phase[2] += (t3 - t2).as_secs_f64();
         }
     }
-    profile::enable(false);
+    let totals = model.profile_totals()?;
+    model.set_profiling(false);
     let total: f64 = phase.iter().sum();
-    let kinds = profile::totals().into_iter().map(|(k, s)| (format!("{k:?}").to_lowercase(), s / total)).collect();
+    let kinds = totals.into_iter().map(|(k, s)| (format!("{k:?}").to_lowercase(), s / total)).collect();
     let (ms_min, ms_max) = times.iter().fold((f64::MAX, 0f64), |(a, b), &x| (a.min(x), b.max(x)));
     let ms_median = median(&mut times);
     let tokens_per_s = (b * t) as f64 / (ms_median / 1e3);
@@ -196,6 +203,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
     };
     Ok(BenchReport {
         model: cfg.model.clone(),
+        backend: model.describe_backend(),
         num_parameters: model.num_parameters(),
         batch_size: b,
         seq_len: t,
@@ -232,6 +240,7 @@ impl std::fmt::Display for BenchReport {
             self.threads,
             self.steps
         )?;
+        writeln!(f, "backend     {}", self.backend)?;
         writeln!(f, "ms/step     median {:.1} (min {:.1}, max {:.1})", self.ms_median, self.ms_min, self.ms_max)?;
         writeln!(f, "tokens/s    {:.1}", self.tokens_per_s)?;
         writeln!(
@@ -257,8 +266,15 @@ mod tests {
 
     #[test]
     fn small_bench_reports_consistent_numbers() {
-        let r =
-            run(&BenchConfig { model: "1x16:2:16".into(), batch_size: 2, seq_len: 8, steps: 3, warmup: 1 }).unwrap();
+        let r = run(&BenchConfig {
+            model: "1x16:2:16".into(),
+            batch_size: 2,
+            seq_len: 8,
+            steps: 3,
+            warmup: 1,
+            device: Device::Cpu,
+        })
+        .unwrap();
         assert!(r.ms_min <= r.ms_median && r.ms_median <= r.ms_max);
         assert!(r.peak_gflops > 0.0 && r.mfu > 0.0 && r.mfu < 1.0);
         let phases: f64 = r.phases.iter().map(|x| x.1).sum();

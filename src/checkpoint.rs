@@ -6,7 +6,8 @@
 //! under the final name.
 
 use crate::config::GPT2Config;
-use crate::model::GPT2;
+use crate::model::{Slot, GPT2};
+use crate::params::Weights;
 use anyhow::{bail, Context, Result};
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
@@ -31,7 +32,7 @@ impl Dtype {
             Dtype::BF16 => 5,
         }
     }
-    fn bytes(self) -> usize {
+    pub fn bytes(self) -> usize {
         match self {
             Dtype::F32 => 4,
             Dtype::BF16 => 2,
@@ -69,17 +70,50 @@ pub fn f32s_to_le(vals: &[f32], out: &mut Vec<u8>) {
     }
 }
 
+/// Little-endian bf16 values to f32 (exact).
+pub fn bf16s_from_le(bytes: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+    }
+}
+
+/// f32 values as little-endian bf16 (round to nearest even, as PyTorch's `.bfloat16()`).
+pub fn f32s_to_bf16_le(vals: &[f32], out: &mut Vec<u8>) {
+    out.reserve(vals.len() * 2);
+    for v in vals {
+        out.extend_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
+    }
+}
+
+/// Write `vals` to `w` in `dtype`, a block at a time (no copy of the whole buffer as bytes).
+fn write_values(w: &mut dyn Write, vals: &[f32], dtype: Dtype) -> std::io::Result<()> {
+    let mut bytes = Vec::with_capacity(1 << 16);
+    for block in vals.chunks(1 << 14) {
+        bytes.clear();
+        match dtype {
+            Dtype::F32 => f32s_to_le(block, &mut bytes),
+            Dtype::BF16 => f32s_to_bf16_le(block, &mut bytes),
+        }
+        w.write_all(&bytes)?;
+    }
+    Ok(())
+}
+
 /// Write `chunks` to `path` atomically: temp file in the same directory, fsync, rename.
 pub fn write_atomic(path: &Path, chunks: &[&[u8]]) -> Result<()> {
+    write_atomic_with(path, |w| chunks.iter().try_for_each(|c| w.write_all(c)))
+}
+
+/// Write what `fill` writes to `path` atomically: temp file in the same directory, fsync,
+/// rename, so a crash or a full disk never leaves a half-written file under the final name.
+pub fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create directory {}", dir.display()))?;
     let name = path.file_name().context("output path has no file name")?.to_string_lossy();
     let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
     let result = (|| -> Result<()> {
         let mut f = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
-        for c in chunks {
-            f.write_all(c)?;
-        }
+        fill(&mut f)?;
         let f = f.into_inner().map_err(|e| e.into_error())?;
         f.sync_all()?;
         Ok(())
@@ -146,7 +180,7 @@ fn parse_model_header(h: &[i32; HEADER_INTS], path: &Path) -> Result<(GPT2Config
 }
 
 /// Load an llm.c model file (fp32 or bf16).
-pub fn load_model(path: &Path) -> Result<GPT2> {
+pub fn load_model(path: &Path) -> Result<Weights> {
     let bytes = read_file(path)?;
     let h = parse_header(&bytes, path, "model")?;
     let (cfg, dtype) = parse_model_header(&h, path)?;
@@ -161,32 +195,22 @@ pub fn load_model(path: &Path) -> Result<GPT2> {
             dtype
         );
     }
-    let mut model = GPT2::zeros(cfg)?;
+    let mut w = Weights::zeros(cfg)?;
     let body = &bytes[HEADER_BYTES..];
     match dtype {
-        Dtype::F32 => f32s_from_le(body, &mut model.params),
-        Dtype::BF16 => {
-            for (o, b) in model.params.iter_mut().zip(body.chunks_exact(2)) {
-                *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
-            }
-        }
+        Dtype::F32 => f32s_from_le(body, &mut w.data),
+        Dtype::BF16 => bf16s_from_le(body, &mut w.data),
     }
-    Ok(model)
+    Ok(w)
 }
 
-/// Write the model's parameters as an llm.c model file (bf16 rounds to nearest even).
-pub fn save_model(model: &GPT2, path: &Path, dtype: Dtype) -> Result<()> {
-    let header = model_header(&model.config, dtype);
-    let mut body = Vec::with_capacity(model.params.len() * dtype.bytes());
-    match dtype {
-        Dtype::F32 => f32s_to_le(&model.params, &mut body),
-        Dtype::BF16 => {
-            for p in &model.params {
-                body.extend_from_slice(&half::bf16::from_f32(*p).to_le_bytes());
-            }
-        }
-    }
-    write_atomic(path, &[&header, &body])
+/// Write parameters as an llm.c model file (bf16 rounds to nearest even).
+pub fn save_model(w: &Weights, path: &Path, dtype: Dtype) -> Result<()> {
+    let header = model_header(&w.config, dtype);
+    write_atomic_with(path, |f| {
+        f.write_all(&header)?;
+        write_values(f, &w.data, dtype)
+    })
 }
 
 /// llm.c's debug-state file (`gpt2_124M_debug_state.bin`): one batch with the reference logits,
@@ -255,12 +279,13 @@ pub struct TrainState {
 
 /// Write llm.c's training-state file: header (step, data position), AdamW m and v, and with
 /// shuffling the loader's permutations and RNG.
-pub fn save_state(path: &Path, model: &GPT2, st: &TrainState) -> Result<()> {
+pub fn save_state(path: &Path, model: &mut GPT2, st: &TrainState) -> Result<()> {
     let mut h = [0i32; HEADER_INTS];
+    let (rank, world) = model.rank();
     h[0] = STATE_MAGIC;
     h[1] = 1; // version
-    h[2] = 1; // num_processes
-    h[3] = 0; // process rank
+    h[2] = world as i32; // num_processes
+    h[3] = rank as i32; // process rank
     h[4] = 0; // use_master_weights: fp32 parameters are their own master copy
     h[5] = st.should_shuffle as i32;
     h[10] = st.step as i32;
@@ -272,10 +297,6 @@ pub fn save_state(path: &Path, model: &GPT2, st: &TrainState) -> Result<()> {
     put64(&mut h, 30, st.loader.current_shard_idx as u64);
     put64(&mut h, 32, st.loader.current_sample_idx as u64);
     let header: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let mut m = Vec::new();
-    f32s_to_le(&model.m, &mut m);
-    let mut v = Vec::new();
-    f32s_to_le(&model.v, &mut v);
     let mut tail = Vec::new();
     if st.should_shuffle {
         let l = &st.loader;
@@ -285,11 +306,18 @@ pub fn save_state(path: &Path, model: &GPT2, st: &TrainState) -> Result<()> {
         l.intra_shard_indices.iter().for_each(|x| tail.extend_from_slice(&x.to_le_bytes()));
         tail.extend_from_slice(&l.rng.as_ref().context("shuffling loader without RNG")?.to_bytes());
     }
-    write_atomic(path, &[&header, &m, &v, &tail])
+    // One moment on the host at a time.
+    write_atomic_with(path, |f| {
+        f.write_all(&header)?;
+        for slot in [Slot::AdamM, Slot::AdamV] {
+            write_values(f, &model.read_all(slot).map_err(std::io::Error::other)?, Dtype::F32)?;
+        }
+        f.write_all(&tail)
+    })
 }
 
-/// Read a training-state file into `model.m`/`model.v` (which must be allocated) and return
-/// the step and data position.
+/// Read a training-state file into the model's AdamW moments (which must be allocated) and
+/// return the step and data position.
 pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
     let bytes = read_file(path)?;
     let h = parse_header(&bytes, path, "training-state")?;
@@ -299,8 +327,14 @@ pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
     if h[1] != 1 {
         bail!("{}: training-state version {} is not supported (expected 1)", path.display(), h[1]);
     }
-    if h[2] != 1 || h[3] != 0 {
-        bail!("{}: state of a {}-process run; llmrs resumes single-process runs only", path.display(), h[2]);
+    let (rank, world) = model.rank();
+    if h[2] != world as i32 || h[3] != rank as i32 {
+        bail!(
+            "{}: state of rank {} of a {}-process run; this is rank {rank} of {world}: resume with the same number of processes",
+            path.display(),
+            h[3],
+            h[2]
+        );
     }
     let n = model.num_parameters();
     let mut off = HEADER_BYTES;
@@ -310,12 +344,17 @@ pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
         off += k;
         Ok(s)
     };
-    f32s_from_le(take(4 * n)?, &mut model.m);
-    f32s_from_le(take(4 * n)?, &mut model.v);
+    let mut host = crate::mem::zeroed::<f32>(n);
+    for slot in [Slot::AdamM, Slot::AdamV] {
+        f32s_from_le(take(4 * n)?, &mut host);
+        model.write_all(slot, &host)?;
+    }
     if h[4] == 1 {
         // fp32 master weights from a mixed-precision llm.c run: they are the exact parameters.
-        f32s_from_le(take(4 * n)?, &mut model.params);
+        f32s_from_le(take(4 * n)?, &mut host);
+        model.write_all(Slot::Params, &host)?;
     }
+    drop(host);
     let get64 = |i: usize| (h[i] as u32 as u64) | ((h[i + 1] as u32 as u64) << 32);
     let should_shuffle = h[5] == 1;
     let mut loader = crate::data::LoaderState {
@@ -354,36 +393,48 @@ pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Device;
+
+    fn on_cpu(w: Weights) -> GPT2 {
+        GPT2::new(w, Device::Cpu).unwrap()
+    }
 
     #[test]
     fn model_round_trip_fp32_and_bf16() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = GPT2Config::from_descriptor("2x16:2:8").unwrap();
-        let model = GPT2::random(cfg, 3).unwrap();
+        let w = Weights::random(cfg, 3).unwrap();
         let p = dir.path().join("m.bin");
-        save_model(&model, &p, Dtype::F32).unwrap();
+        save_model(&w, &p, Dtype::F32).unwrap();
+        let back = load_model(&p).unwrap();
+        assert_eq!(back, w);
+        save_model(&w, &p, Dtype::BF16).unwrap();
         let back = load_model(&p).unwrap();
         assert_eq!(back.config, cfg);
-        assert_eq!(back.params, model.params);
-        save_model(&model, &p, Dtype::BF16).unwrap();
-        let back = load_model(&p).unwrap();
-        for (a, b) in back.params.iter().zip(&model.params) {
+        for (a, b) in back.data.iter().zip(&w.data) {
             assert!((a - b).abs() <= b.abs() / 128.0, "bf16 keeps 8 bits of mantissa");
         }
         // Writing bf16 again from the bf16-loaded model is lossless.
         let p2 = dir.path().join("m2.bin");
         save_model(&back, &p2, Dtype::BF16).unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), std::fs::read(&p2).unwrap());
+        // And a model on a device writes the same file as its host weights.
+        let p3 = dir.path().join("m3.bin");
+        save_model(&on_cpu(back.clone()).weights().unwrap(), &p3, Dtype::BF16).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), std::fs::read(&p3).unwrap());
     }
 
     #[test]
     fn training_state_round_trip_and_truncation() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = GPT2Config::from_descriptor("1x8:2:4").unwrap();
-        let mut model = GPT2::random(cfg, 1).unwrap();
-        model.alloc_training_state();
-        model.m.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 0.5);
-        model.v.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 0.25);
+        let mut model = on_cpu(Weights::random(cfg, 1).unwrap());
+        model.alloc_training_state().unwrap();
+        let n = model.num_parameters();
+        let m: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+        let v: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
+        model.write_all(Slot::AdamM, &m).unwrap();
+        model.write_all(Slot::AdamV, &v).unwrap();
         let mut rng = crate::rng::Mt19937::new(42);
         rng.next_u32();
         let loader = crate::data::LoaderState {
@@ -395,13 +446,13 @@ mod tests {
             rng: Some(rng),
         };
         let p = dir.path().join("state.bin");
-        save_state(&p, &model, &TrainState { step: 12, loader: loader.clone(), should_shuffle: true }).unwrap();
-        let mut back = GPT2::random(cfg, 2).unwrap();
-        back.alloc_training_state();
+        save_state(&p, &mut model, &TrainState { step: 12, loader: loader.clone(), should_shuffle: true }).unwrap();
+        let mut back = on_cpu(Weights::random(cfg, 2).unwrap());
+        back.alloc_training_state().unwrap();
         let st = load_state(&p, &mut back).unwrap();
         assert_eq!((st.step, st.should_shuffle), (12, true));
         assert_eq!(st.loader, loader);
-        assert_eq!((back.m.clone(), back.v.clone()), (model.m.clone(), model.v.clone()));
+        assert_eq!((back.read_all(Slot::AdamM).unwrap(), back.read_all(Slot::AdamV).unwrap()), (m, v));
         let bytes = std::fs::read(&p).unwrap();
         std::fs::write(&p, &bytes[..bytes.len() - 5]).unwrap();
         assert!(format!("{:#}", load_state(&p, &mut back).err().unwrap()).contains("truncated"));
@@ -409,10 +460,14 @@ mod tests {
         bad[0] ^= 1;
         std::fs::write(&p, &bad).unwrap();
         assert!(format!("{:#}", load_state(&p, &mut back).err().unwrap()).contains("not an llm.c training-state"));
+        let mut other_world = bytes.clone();
+        other_world[8] = 2; // num_processes = 2
+        std::fs::write(&p, &other_world).unwrap();
+        assert!(format!("{:#}", load_state(&p, &mut back).err().unwrap()).contains("same number of processes"));
         // A state for a bigger model does not load into a smaller one.
-        let mut big = GPT2::random(GPT2Config::from_descriptor("1x16:2:4").unwrap(), 1).unwrap();
-        big.alloc_training_state();
-        save_state(&p, &big, &TrainState { step: 1, loader, should_shuffle: true }).unwrap();
+        let mut big = on_cpu(Weights::random(GPT2Config::from_descriptor("1x16:2:4").unwrap(), 1).unwrap());
+        big.alloc_training_state().unwrap();
+        save_state(&p, &mut big, &TrainState { step: 1, loader, should_shuffle: true }).unwrap();
         assert!(load_state(&p, &mut back).is_err());
     }
 
@@ -421,7 +476,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cfg = GPT2Config::from_descriptor("1x8:2:4").unwrap();
         let p = dir.path().join("m.bin");
-        save_model(&GPT2::random(cfg, 1).unwrap(), &p, Dtype::F32).unwrap();
+        save_model(&Weights::random(cfg, 1).unwrap(), &p, Dtype::F32).unwrap();
         let good = std::fs::read(&p).unwrap();
         let err = |bytes: &[u8]| {
             std::fs::write(&p, bytes).unwrap();

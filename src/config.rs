@@ -128,13 +128,9 @@ impl GPT2Config {
         Ok(())
     }
 
-    /// Number of parameters (llm.c's count, padded vocab included), from the shape alone.
+    /// Number of parameters (llm.c's count, padded vocab included), from the shape alone: the
+    /// sum of the 16 tensors' sizes ([`crate::params::Tensor::numel`]).
     pub fn num_parameters(&self) -> usize {
-        let (c, l) = (self.channels, self.num_layers);
-        (self.padded_vocab_size + self.max_seq_len) * c + l * (12 * c * c + 13 * c) + 2 * c
-    }
-
-    pub fn head_size(&self) -> usize {
-        self.channels / self.num_heads
+        crate::params::Tensor::ALL.iter().map(|t| t.numel(self)).sum()
     }
 }

@@ -95,10 +95,24 @@ pub struct LoaderState {
     pub rng: Option<Mt19937>,
 }
 
+/// Which part of every batch a process reads: llm.c's split of a batch of
+/// `world * B * T` tokens, rank r taking the r-th run of B*T (plus one) tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Split {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Split {
+    /// One process reads whole batches.
+    pub const SINGLE: Split = Split { rank: 0, world: 1 };
+}
+
 /// Serves (B, T) batches of inputs and next-token targets, as llm.c's `DataLoader`.
 pub struct DataLoader {
     pub b: usize,
     pub t: usize,
+    split: Split,
     files: Vec<PathBuf>,
     vocab_size: usize,
     pub num_tokens: usize,
@@ -119,19 +133,36 @@ impl DataLoader {
     /// Open every shard matching `pattern`, validate them all, and position at the start.
     /// Token ids must be below `vocab_size`.
     pub fn new(pattern: &str, b: usize, t: usize, vocab_size: usize, should_shuffle: bool) -> Result<Self> {
+        Self::new_split(pattern, b, t, vocab_size, should_shuffle, Split::SINGLE)
+    }
+
+    /// [`DataLoader::new`] for one process of several: this process reads its part of every
+    /// batch, and (as llm.c) shuffles with its own seed, 42 + rank.
+    pub fn new_split(
+        pattern: &str,
+        b: usize,
+        t: usize,
+        vocab_size: usize,
+        should_shuffle: bool,
+        split: Split,
+    ) -> Result<Self> {
         let files = expand_pattern(pattern)?;
         if b == 0 || t == 0 {
             bail!("batch size and sequence length must be positive (got B={b}, T={t})");
+        }
+        if split.world == 0 || split.rank >= split.world {
+            bail!("process rank {} is not below the number of processes {}", split.rank, split.world);
         }
         let n = files.len();
         let mut dl = DataLoader {
             b,
             t,
+            split,
             files,
             vocab_size,
             num_tokens: 0,
             should_shuffle,
-            rng: Mt19937::new(42), // llm.c: 42 + process_rank
+            rng: Mt19937::new(42 + split.rank as u32),
             shard_indices: (0..n as i32).collect(),
             intra_shard_indices: vec![],
             current_shard_idx: 0,
@@ -144,11 +175,11 @@ impl DataLoader {
         };
         for i in 0..n {
             let ntok = dl.load_shard(i)?;
-            if ntok < b * t + 1 {
+            if ntok < split.world * b * t + 1 {
                 bail!(
-                    "{} holds {ntok} tokens, fewer than one batch needs (B*T+1 = {}): use a smaller -b/-t or more data",
+                    "{} holds {ntok} tokens, fewer than one batch needs (processes*B*T+1 = {}): use a smaller -b/-t or more data",
                     dl.file_name(),
-                    b * t + 1
+                    split.world * b * t + 1
                 );
             }
             dl.num_tokens += ntok;
@@ -173,8 +204,8 @@ impl DataLoader {
         let mut header = vec![0u8; HEADER_BYTES.min(len as usize)];
         f.read_exact(&mut header)?;
         let ntok = check_shard_header(&header, len, &path)?;
-        // One sample is B*T tokens; the last needs one extra token for its final target.
-        self.shard_num_samples = (ntok - 1) / (self.b * self.t);
+        // One sample is B*T tokens per process; the last needs one extra token for its final target.
+        self.shard_num_samples = (ntok - 1) / (self.split.world * self.b * self.t);
         self.file = Some((f, path));
         Ok(ntok)
     }
@@ -222,7 +253,7 @@ impl DataLoader {
             self.current_sample_idx
         };
         let bt = self.b * self.t;
-        let offset = HEADER_BYTES + idx * bt * 2;
+        let offset = HEADER_BYTES + (idx * self.split.world + self.split.rank) * bt * 2;
         let (f, path) = self.file.as_mut().context("data loader has no open shard")?;
         f.seek(SeekFrom::Start(offset as u64))?;
         f.read_exact(&mut self.buffer).with_context(|| format!("cannot read a batch from {}", path.display()))?;
@@ -372,5 +403,26 @@ mod tests {
         assert!(err(&good, 1, 3).contains("out of range"));
         assert!(format!("{:#}", DataLoader::new("/nonexistent/*.bin", 1, 1, 1, false).err().unwrap())
             .contains("no token files"));
+    }
+
+    #[test]
+    fn processes_split_each_batch_as_llmc() {
+        // Two processes with B*T = 6 read the halves of one process's B*T = 12 batches.
+        let dir = tempfile::tempdir().unwrap();
+        let p = shard(dir.path(), "a.bin", &(0..40).collect::<Vec<_>>());
+        let p = p.to_str().unwrap();
+        let mut whole = DataLoader::new(p, 2, 6, 100, false).unwrap();
+        let mut parts: Vec<_> =
+            (0..2).map(|rank| DataLoader::new_split(p, 1, 6, 100, false, Split { rank, world: 2 }).unwrap()).collect();
+        for _ in 0..7 {
+            whole.next_batch().unwrap();
+            for (r, part) in parts.iter_mut().enumerate() {
+                part.next_batch().unwrap();
+                assert_eq!(part.inputs, whole.inputs[6 * r..6 * r + 6]);
+                assert_eq!(part.targets, whole.targets[6 * r..6 * r + 6]);
+            }
+        }
+        assert!(DataLoader::new_split(p, 1, 6, 100, false, Split { rank: 2, world: 2 }).is_err());
+        assert!(DataLoader::new_split(p, 4, 6, 100, false, Split { rank: 0, world: 2 }).is_err(), "too few tokens");
     }
 }

@@ -166,7 +166,7 @@ pub fn score(model: &mut GPT2, examples: &[Example], mut on_progress: impl FnMut
     if longest > max_t {
         bail!("an example has {longest} tokens, more than the model's context of {max_t}");
     }
-    model.reserve(4 * EXAMPLES_PER_BATCH, longest);
+    model.reserve(4 * EXAMPLES_PER_BATCH, longest)?;
     let mut out = Vec::with_capacity(examples.len());
     let (mut inputs, mut targets) = (vec![], vec![]);
     for batch in examples.chunks(EXAMPLES_PER_BATCH) {
@@ -185,6 +185,7 @@ pub fn score(model: &mut GPT2, examples: &[Example], mut on_progress: impl FnMut
             }
         }
         model.forward(&inputs, Some(&targets), rows, t)?;
+        let losses = model.losses()?; // (rows, t): one host read per batch
         for (ei, e) in batch.iter().enumerate() {
             let (mut sum_loss, mut avg_loss) = ([0f32; 4], [0f32; 4]);
             for (k, end) in e.endings.iter().enumerate() {
@@ -192,7 +193,7 @@ pub fn score(model: &mut GPT2, examples: &[Example], mut on_progress: impl FnMut
                 // positions ctx-1 .. ctx+end-2.
                 let r = (4 * ei + k) * t;
                 let from = r + e.ctx.len() - 1;
-                let s: f32 = model.acts.losses[from..from + end.len()].iter().sum();
+                let s: f32 = losses[from..from + end.len()].iter().sum();
                 sum_loss[k] = s;
                 avg_loss[k] = s / end.len() as f32;
             }
@@ -270,7 +271,7 @@ mod tests {
             padded_vocab_size: 128,
             ..crate::config::GPT2Config::from_descriptor("1x16:2:32").unwrap()
         };
-        let mut m = GPT2::random(cfg, 3).unwrap();
+        let mut m = GPT2::new(crate::params::Weights::random(cfg, 3).unwrap(), crate::backend::Device::Cpu).unwrap();
         let e = Example { label: 1, ctx: vec![3, 4, 5], endings: vec![vec![6], vec![7, 8], vec![9, 10, 11], vec![12]] };
         let other = Example { label: 0, ctx: vec![1; 9], endings: vec![vec![2; 5], vec![3], vec![4], vec![5]] };
         let s = score(&mut m, &[other, e.clone()], |_| {}).unwrap();
@@ -280,7 +281,7 @@ mod tests {
             let mut tg = row[1..].to_vec();
             tg.push(0);
             m.forward(&row, Some(&tg), 1, t).unwrap();
-            let want: f32 = m.acts.losses[e.ctx.len() - 1..t - 1].iter().sum();
+            let want: f32 = m.losses().unwrap()[e.ctx.len() - 1..t - 1].iter().sum();
             assert!((s[1].sum_loss[k] - want).abs() < 1e-4, "{} vs {want}", s[1].sum_loss[k]);
             assert!((s[1].avg_loss[k] - want / end.len() as f32).abs() < 1e-4);
         }

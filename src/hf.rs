@@ -5,9 +5,9 @@
 //! `transformer.` prefix is absent in some Hub checkpoints); the LM head is tied to `wte` and
 //! usually not stored. Buffers such as `attn.bias` (the causal mask) are ignored.
 
-use crate::checkpoint::{write_atomic, Dtype};
+use crate::checkpoint::{bf16s_from_le, f32s_from_le, f32s_to_bf16_le, f32s_to_le, write_atomic, Dtype};
 use crate::config::{pad_vocab, GPT2Config};
-use crate::model::GPT2;
+use crate::params::{Tensor, Weights};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype as StDtype, SafeTensors};
@@ -121,15 +121,80 @@ pub fn resolve_paths(path: &Path) -> Result<(PathBuf, PathBuf)> {
     Ok((cfg, st))
 }
 
+/// One tensor of transformers' GPT2LMHeadModel and where it lives in llm.c's layout: the one
+/// table that both import and export follow.
+struct HfTensor {
+    /// Name without the `transformer.` prefix, e.g. `h.3.attn.c_attn.weight`.
+    name: String,
+    /// Its elements in the flat parameter buffer.
+    range: std::ops::Range<usize>,
+    /// Its shape as transformers stores it.
+    shape: Vec<usize>,
+    /// Conv1D weights are (in, out), the transpose of llm.c's (out, in).
+    transposed: bool,
+}
+
+fn hf_tensors(w: &Weights) -> Vec<HfTensor> {
+    let (cfg, lay) = (&w.config, &w.layout);
+    let wte = lay.range(Tensor::Wte);
+    let mut out = vec![
+        // Only the V real rows of the padded embedding.
+        HfTensor {
+            name: "wte.weight".into(),
+            range: wte.start..wte.start + cfg.vocab_size * cfg.channels,
+            shape: vec![cfg.vocab_size, cfg.channels],
+            transposed: false,
+        },
+        HfTensor {
+            name: "wpe.weight".into(),
+            range: lay.range(Tensor::Wpe),
+            shape: Tensor::Wpe.shape(cfg),
+            transposed: false,
+        },
+    ];
+    let per_layer = [
+        ("ln_1.weight", Tensor::Ln1W),
+        ("ln_1.bias", Tensor::Ln1B),
+        ("attn.c_attn.weight", Tensor::QkvW),
+        ("attn.c_attn.bias", Tensor::QkvB),
+        ("attn.c_proj.weight", Tensor::AttProjW),
+        ("attn.c_proj.bias", Tensor::AttProjB),
+        ("ln_2.weight", Tensor::Ln2W),
+        ("ln_2.bias", Tensor::Ln2B),
+        ("mlp.c_fc.weight", Tensor::FcW),
+        ("mlp.c_fc.bias", Tensor::FcB),
+        ("mlp.c_proj.weight", Tensor::FcProjW),
+        ("mlp.c_proj.bias", Tensor::FcProjB),
+    ];
+    for l in 0..cfg.num_layers {
+        for (suffix, t) in per_layer {
+            let mut shape = t.shape(cfg);
+            let transposed = shape.len() == 2;
+            shape.reverse();
+            out.push(HfTensor { name: format!("h.{l}.{suffix}"), range: lay.layer(t, l), shape, transposed });
+        }
+    }
+    for (name, t) in [("ln_f.weight", Tensor::LnfW), ("ln_f.bias", Tensor::LnfB)] {
+        out.push(HfTensor { name: name.into(), range: lay.range(t), shape: t.shape(cfg), transposed: false });
+    }
+    out
+}
+
 /// Convert one stored tensor to f32 (F32, BF16 and F16 are accepted).
 fn to_f32(t: &TensorView, name: &str) -> Result<Vec<f32>> {
     let d = t.data();
-    Ok(match t.dtype() {
-        StDtype::F32 => d.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
-        StDtype::BF16 => d.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        StDtype::F16 => d.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+    let n = t.shape().iter().product();
+    let mut out = vec![0f32; n];
+    match t.dtype() {
+        StDtype::F32 => f32s_from_le(d, &mut out),
+        StDtype::BF16 => bf16s_from_le(d, &mut out),
+        StDtype::F16 => out
+            .iter_mut()
+            .zip(d.chunks_exact(2))
+            .for_each(|(o, b)| *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
         other => bail!("tensor {name} has dtype {other:?}; expected F32, BF16 or F16"),
-    })
+    }
+    Ok(out)
 }
 
 /// The (cols, rows) transpose of a row-major (rows, cols) matrix: between llm.c's (out, in)
@@ -144,8 +209,8 @@ fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     y
 }
 
-/// Load a Hugging Face GPT-2 (directory or `.safetensors` path) as an llmrs model.
-pub fn load_hf(path: &Path) -> Result<GPT2> {
+/// Load a Hugging Face GPT-2 (directory or `.safetensors` path) as llm.c-layout weights.
+pub fn load_hf(path: &Path) -> Result<Weights> {
     let (cfg_path, st_path) = resolve_paths(path)?;
     let hf = HfConfig::parse(
         &std::fs::read_to_string(&cfg_path).with_context(|| format!("cannot read {}", cfg_path.display()))?,
@@ -165,96 +230,59 @@ pub fn load_hf(path: &Path) -> Result<GPT2> {
             cfg.num_parameters()
         );
     }
-    let mut model = GPT2::zeros(cfg)?;
-    let (c, v) = (cfg.channels, cfg.vocab_size);
-    // Fetch a tensor, check its shape, optionally transpose a (rows, cols) matrix.
-    let get = |name: &str, shape: &[usize], transpose: bool| -> Result<Vec<f32>> {
-        let full = format!("{prefix}{name}");
+    let mut w = Weights::zeros(cfg)?;
+    for e in hf_tensors(&w) {
+        let full = format!("{prefix}{}", e.name);
         let t = st.tensor(&full).map_err(|_| anyhow::anyhow!("{}: tensor {full} is missing", st_path.display()))?;
-        if t.shape() != shape {
-            bail!("{}: tensor {full} has shape {:?}, config.json implies {shape:?}", st_path.display(), t.shape());
+        if t.shape() != e.shape {
+            bail!("{}: tensor {full} has shape {:?}, config.json implies {:?}", st_path.display(), t.shape(), e.shape);
         }
         let x = to_f32(&t, &full)?;
-        Ok(if transpose { transposed(&x, shape[0], shape[1]) } else { x })
-    };
-    let lay = model.layout.clone();
-    let p = &mut model.params;
-    lay.wte.of_mut(p)[..v * c].copy_from_slice(&get("wte.weight", &[v, c], false)?);
-    lay.wpe.of_mut(p).copy_from_slice(&get("wpe.weight", &[cfg.max_seq_len, c], false)?);
-    for (l, b) in lay.blocks.iter().enumerate() {
-        let h = |s: &str| format!("h.{l}.{s}");
-        b.ln1_w.of_mut(p).copy_from_slice(&get(&h("ln_1.weight"), &[c], false)?);
-        b.ln1_b.of_mut(p).copy_from_slice(&get(&h("ln_1.bias"), &[c], false)?);
-        b.qkv_w.of_mut(p).copy_from_slice(&get(&h("attn.c_attn.weight"), &[c, 3 * c], true)?);
-        b.qkv_b.of_mut(p).copy_from_slice(&get(&h("attn.c_attn.bias"), &[3 * c], false)?);
-        b.attn_proj_w.of_mut(p).copy_from_slice(&get(&h("attn.c_proj.weight"), &[c, c], true)?);
-        b.attn_proj_b.of_mut(p).copy_from_slice(&get(&h("attn.c_proj.bias"), &[c], false)?);
-        b.ln2_w.of_mut(p).copy_from_slice(&get(&h("ln_2.weight"), &[c], false)?);
-        b.ln2_b.of_mut(p).copy_from_slice(&get(&h("ln_2.bias"), &[c], false)?);
-        b.fc_w.of_mut(p).copy_from_slice(&get(&h("mlp.c_fc.weight"), &[c, 4 * c], true)?);
-        b.fc_b.of_mut(p).copy_from_slice(&get(&h("mlp.c_fc.bias"), &[4 * c], false)?);
-        b.fc_proj_w.of_mut(p).copy_from_slice(&get(&h("mlp.c_proj.weight"), &[4 * c, c], true)?);
-        b.fc_proj_b.of_mut(p).copy_from_slice(&get(&h("mlp.c_proj.bias"), &[c], false)?);
+        let x = if e.transposed { transposed(&x, e.shape[0], e.shape[1]) } else { x };
+        w.data[e.range].copy_from_slice(&x);
     }
-    lay.lnf_w.of_mut(p).copy_from_slice(&get("ln_f.weight", &[c], false)?);
-    lay.lnf_b.of_mut(p).copy_from_slice(&get("ln_f.bias", &[c], false)?);
     if let Ok(head) = st.tensor("lm_head.weight") {
         // A stored head must be the tied embedding.
-        if head.shape() != [v, c] || to_f32(&head, "lm_head.weight")? != lay.wte.of(p)[..v * c] {
+        let (v, c) = (cfg.vocab_size, cfg.channels);
+        if head.shape() != [v, c] || to_f32(&head, "lm_head.weight")? != w.tensor(Tensor::Wte)[..v * c] {
             bail!("{}: lm_head.weight differs from wte: untied heads are not supported", st_path.display());
         }
     }
-    Ok(model)
+    Ok(w)
 }
 
 /// Export to a directory with `model.safetensors` and `config.json` that transformers'
 /// `GPT2LMHeadModel.from_pretrained` loads. The padded vocab rows are dropped.
-pub fn save_hf(model: &GPT2, dir: &Path, dtype: Dtype) -> Result<()> {
-    let cfg = model.config;
-    let (c, v) = (cfg.channels, cfg.vocab_size);
-    let lay = &model.layout;
-    let p = &model.params;
-    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = vec![];
-
-    tensors.push(("transformer.wte.weight".into(), vec![v, c], lay.wte.of(p)[..v * c].to_vec()));
-    tensors.push(("transformer.wpe.weight".into(), vec![cfg.max_seq_len, c], lay.wpe.of(p).to_vec()));
-    for (l, b) in lay.blocks.iter().enumerate() {
-        let h = |s: &str| format!("transformer.h.{l}.{s}");
-        tensors.push((h("ln_1.weight"), vec![c], b.ln1_w.of(p).to_vec()));
-        tensors.push((h("ln_1.bias"), vec![c], b.ln1_b.of(p).to_vec()));
-        // llm.c (out, in) -> Conv1D (in, out)
-        tensors.push((h("attn.c_attn.weight"), vec![c, 3 * c], transposed(b.qkv_w.of(p), 3 * c, c)));
-        tensors.push((h("attn.c_attn.bias"), vec![3 * c], b.qkv_b.of(p).to_vec()));
-        tensors.push((h("attn.c_proj.weight"), vec![c, c], transposed(b.attn_proj_w.of(p), c, c)));
-        tensors.push((h("attn.c_proj.bias"), vec![c], b.attn_proj_b.of(p).to_vec()));
-        tensors.push((h("ln_2.weight"), vec![c], b.ln2_w.of(p).to_vec()));
-        tensors.push((h("ln_2.bias"), vec![c], b.ln2_b.of(p).to_vec()));
-        tensors.push((h("mlp.c_fc.weight"), vec![c, 4 * c], transposed(b.fc_w.of(p), 4 * c, c)));
-        tensors.push((h("mlp.c_fc.bias"), vec![4 * c], b.fc_b.of(p).to_vec()));
-        tensors.push((h("mlp.c_proj.weight"), vec![4 * c, c], transposed(b.fc_proj_w.of(p), c, 4 * c)));
-        tensors.push((h("mlp.c_proj.bias"), vec![c], b.fc_proj_b.of(p).to_vec()));
-    }
-    tensors.push(("transformer.ln_f.weight".into(), vec![c], lay.lnf_w.of(p).to_vec()));
-    tensors.push(("transformer.ln_f.bias".into(), vec![c], lay.lnf_b.of(p).to_vec()));
-    let (st_dtype, bytes): (StDtype, Vec<Vec<u8>>) = match dtype {
-        Dtype::F32 => {
-            (StDtype::F32, tensors.iter().map(|t| t.2.iter().flat_map(|x| x.to_le_bytes()).collect()).collect())
-        }
-        Dtype::BF16 => (
-            StDtype::BF16,
-            tensors.iter().map(|t| t.2.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect()).collect(),
-        ),
+pub fn save_hf(w: &Weights, dir: &Path, dtype: Dtype) -> Result<()> {
+    let table = hf_tensors(w);
+    let st_dtype = match dtype {
+        Dtype::F32 => StDtype::F32,
+        Dtype::BF16 => StDtype::BF16,
     };
-    let views = tensors
+    let bytes: Vec<Vec<u8>> = table
+        .iter()
+        .map(|e| {
+            let x = &w.data[e.range.clone()];
+            // Conv1D (in, out) from llm.c's (out, in) = (shape[1], shape[0]).
+            let x = if e.transposed { transposed(x, e.shape[1], e.shape[0]) } else { x.to_vec() };
+            let mut b = vec![];
+            match dtype {
+                Dtype::F32 => f32s_to_le(&x, &mut b),
+                Dtype::BF16 => f32s_to_bf16_le(&x, &mut b),
+            }
+            b
+        })
+        .collect();
+    let views = table
         .iter()
         .zip(&bytes)
-        .map(|(t, b)| Ok((t.0.clone(), TensorView::new(st_dtype, t.1.clone(), b)?)))
+        .map(|(e, b)| Ok((format!("transformer.{}", e.name), TensorView::new(st_dtype, e.shape.clone(), b)?)))
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     let out = safetensors::serialize(views, Some(meta))?;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     write_atomic(&dir.join("model.safetensors"), &[&out])?;
-    write_atomic(&dir.join("config.json"), &[config_json(&cfg, dtype).as_bytes()])?;
+    write_atomic(&dir.join("config.json"), &[config_json(&w.config, dtype).as_bytes()])?;
     Ok(())
 }
 
@@ -265,14 +293,13 @@ mod tests {
     #[test]
     fn export_import_round_trip() {
         let dir = tempfile::tempdir().unwrap();
-        let model = GPT2::random(GPT2Config::from_descriptor("2x16:2:8").unwrap(), 7).unwrap();
+        let model = Weights::random(GPT2Config::from_descriptor("2x16:2:8").unwrap(), 7).unwrap();
         save_hf(&model, dir.path(), Dtype::F32).unwrap();
         let back = load_hf(dir.path()).unwrap();
-        assert_eq!(back.config, model.config);
-        assert_eq!(back.params, model.params);
+        assert_eq!(back, model);
         save_hf(&model, dir.path(), Dtype::BF16).unwrap();
         let back = load_hf(&dir.path().join("model.safetensors")).unwrap();
-        for (a, b) in back.params.iter().zip(&model.params) {
+        for (a, b) in back.data.iter().zip(&model.data) {
             assert!((a - b).abs() <= b.abs() / 128.0);
         }
     }
@@ -280,7 +307,7 @@ mod tests {
     #[test]
     fn bad_checkpoints_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let model = GPT2::random(GPT2Config::from_descriptor("1x8:2:8").unwrap(), 7).unwrap();
+        let model = Weights::random(GPT2Config::from_descriptor("1x8:2:8").unwrap(), 7).unwrap();
         save_hf(&model, dir.path(), Dtype::F32).unwrap();
         let cfg_path = dir.path().join("config.json");
         let good_cfg = std::fs::read_to_string(&cfg_path).unwrap();

@@ -281,9 +281,10 @@ pub(crate) mod tests {
         (base, log)
     }
 
-    fn model_files(repo: &str) -> (crate::model::GPT2, Vec<(String, Vec<u8>)>) {
+    fn model_files(repo: &str) -> (crate::params::Weights, Vec<(String, Vec<u8>)>) {
         let dir = tempfile::tempdir().unwrap();
-        let m = crate::model::GPT2::random(crate::config::GPT2Config::from_descriptor("1x16:2:8").unwrap(), 3).unwrap();
+        let m =
+            crate::params::Weights::random(crate::config::GPT2Config::from_descriptor("1x16:2:8").unwrap(), 3).unwrap();
         crate::hf::save_hf(&m, dir.path(), crate::checkpoint::Dtype::F32).unwrap();
         let files = MODEL_FILES
             .iter()
@@ -300,7 +301,7 @@ pub(crate) mod tests {
         let r: HubRef = "someone/tiny-gpt2".parse().unwrap();
         let dir = fetch_model(&r, &base, cache.path()).unwrap();
         let back = crate::hf::load_hf(&dir).unwrap();
-        assert_eq!(back.params, m.params);
+        assert_eq!(back, m);
         assert_eq!(log.lock().unwrap().len(), 4, "HEAD + GET per file");
         // Cached: no further requests (the server would not answer them).
         fetch_model(&r, &base, cache.path()).unwrap();
@@ -320,7 +321,7 @@ pub(crate) mod tests {
         let half = std::fs::metadata(&part).unwrap().len();
         assert!(half > 0);
         let dir = fetch_model(&r, &base, cache.path()).unwrap();
-        assert_eq!(crate::hf::load_hf(&dir).unwrap().params, m.params);
+        assert_eq!(crate::hf::load_hf(&dir).unwrap(), m);
         assert!(!part.exists());
         let log = log.lock().unwrap();
         assert!(log.iter().any(|l| l.starts_with("GET") && l.ends_with(&format!("range=Some({half})"))), "{log:?}");

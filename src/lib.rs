@@ -2,6 +2,8 @@
 //!
 //! Dimension names (B, T, C, NH, HS, L, V, Vp, maxT) are defined in [`config`].
 
+pub mod acts;
+pub mod backend;
 pub mod bench;
 pub mod checkpoint;
 pub mod config;

@@ -14,6 +14,9 @@ struct Cli {
     /// Worker threads (default: all cores).
     #[arg(long, global = true)]
     threads: Option<usize>,
+    /// Where the model runs: cpu (cuda and cuda:N are not built yet).
+    #[arg(long, global = true, default_value = "cpu")]
+    device: llmrs::backend::Device,
     #[command(subcommand)]
     cmd: Option<Cmd>,
 }
@@ -348,7 +351,7 @@ fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
     out
 }
 
-fn train_config(a: TrainArgs) -> Result<TrainConfig> {
+fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainConfig> {
     Ok(TrainConfig {
         train_data: a.train_data,
         val_data: a.val_data,
@@ -388,10 +391,11 @@ fn train_config(a: TrainArgs) -> Result<TrainConfig> {
         hellaswag_data: a.hellaswag_data,
         hellaswag_limit: a.hellaswag_limit,
         quiet: false,
+        device,
     })
 }
 
-fn run_generate(a: GenArgs) -> Result<()> {
+fn run_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
     use llmrs::generate::{generate, GenConfig, SamplerConfig, Utf8Stream};
     use std::io::Write;
     let spec = match (a.hf, a.model) {
@@ -399,7 +403,7 @@ fn run_generate(a: GenArgs) -> Result<()> {
         (None, Some(m)) => m,
         (None, None) => bail!("give a model with -e or --hf"),
     };
-    let mut model = llmrs::source::load_any(&spec, 0)?;
+    let mut model = llmrs::model::GPT2::new(llmrs::source::load_any(&spec, 0)?, device)?;
     let tok = llmrs::tokenizer::Tokenizer::gpt2()?;
     let prompt = if a.prompt.is_empty() { vec![tok.eot] } else { tok.encode(&a.prompt)? };
     let g = GenConfig {
@@ -477,23 +481,24 @@ fn real_main(cli: Cli) -> Result<()> {
 }
 
 fn run_command(cli: Cli) -> Result<()> {
+    let device = cli.device;
     match cli.cmd {
         None => {
-            let cfg = TrainConfig::default();
+            let cfg = TrainConfig { device, ..TrainConfig::default() };
             ensure_default_data(&cfg)?;
             run(&cfg).map(|_| ())
         }
         Some(Cmd::Train(a)) => {
-            let cfg = train_config(a)?;
+            let cfg = train_config(a, device)?;
             ensure_default_data(&cfg)?;
             run(&cfg).map(|_| ())
         }
         Some(Cmd::Prepare(PrepareCmd::Tinyshakespeare { input, out })) => {
             prepare_tinyshakespeare(&Source::from_env(input.as_deref()), &out).map(|_| ())
         }
-        Some(Cmd::Generate(a)) => run_generate(a),
+        Some(Cmd::Generate(a)) => run_generate(a, device),
         Some(Cmd::Bench { model, batch_size, seq_len, steps, warmup, json }) => {
-            let cfg = llmrs::bench::BenchConfig { model, batch_size, seq_len, steps: steps.max(1), warmup };
+            let cfg = llmrs::bench::BenchConfig { model, batch_size, seq_len, steps: steps.max(1), warmup, device };
             let r = llmrs::bench::run(&cfg)?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
@@ -514,7 +519,7 @@ fn run_command(cli: Cli) -> Result<()> {
                 (None, Some(m)) => m,
                 (None, None) => bail!("give a model with -e or --hf"),
             };
-            let mut model = llmrs::source::load_any(&spec, 42)?;
+            let mut model = llmrs::model::GPT2::new(llmrs::source::load_any(&spec, 42)?, device)?;
             let data = match data {
                 Some(d) => d,
                 None => llmrs::train::default_hellaswag_path()?,
@@ -550,13 +555,13 @@ fn run_command(cli: Cli) -> Result<()> {
                 (None, Some(i)) => i,
                 _ => bail!("give either an input model or --hf, not both"),
             };
-            let model = llmrs::source::load_any(&spec, seed)?;
+            let weights = llmrs::source::load_any(&spec, seed)?;
             if output.extension().is_some_and(|e| e == "bin") {
-                llmrs::checkpoint::save_model(&model, &output, dtype)?;
+                llmrs::checkpoint::save_model(&weights, &output, dtype)?;
             } else {
-                llmrs::hf::save_hf(&model, &output, dtype)?;
+                llmrs::hf::save_hf(&weights, &output, dtype)?;
             }
-            eprintln!("wrote {} ({} parameters, {:?})", output.display(), model.num_parameters(), dtype);
+            eprintln!("wrote {} ({} parameters, {:?})", output.display(), weights.num_parameters(), dtype);
             Ok(())
         }
         Some(Cmd::Prepare(PrepareCmd::Fineweb { files, edu, version, max_files, out, shards })) => {

@@ -1,475 +1,718 @@
-//! GPT-2: parameters, activations, and the forward / backward / update passes as a list of
-//! layer calls. No autograd: every layer's backward is called by hand, in reverse.
+//! GPT-2: the forward, backward and update passes as llm.c's list of layer calls, on whatever
+//! backend was chosen at start-up. No autograd: every layer's backward is called by hand, in
+//! reverse. The model knows buffers only as [`Buf`] handles; the rest of the crate reaches
+//! parameters, gradients, optimizer state, losses and logits through the methods at the end
+//! (host copies of named tensors, the step's loss, one position's logits).
 
+use crate::acts::{Acts, BackActs, BlockActs, KvCache};
+use crate::backend::comm::{Collectives, Reduce, SingleProcess};
+use crate::backend::{self, AdamWParams, Backend, Buf, DType, Device};
 use crate::config::GPT2Config;
-use crate::cpu::adamw::{adamw_update, global_norm, global_norm_partials, AdamW};
-use crate::cpu::attention::{attention_backward, attention_forward};
-use crate::cpu::classifier::{crossentropy_forward, crossentropy_softmax_backward_inplace};
-use crate::cpu::encoder::{encoder_backward, encoder_forward};
-use crate::cpu::gelu::{gelu_backward_inplace, gelu_forward};
-use crate::cpu::layernorm::{layernorm_backward, layernorm_forward};
-use crate::cpu::matmul::{matmul_backward, matmul_forward};
-use crate::cpu::residual::residual_forward;
-use crate::params::{ParamLayout, Span};
-use crate::rng::Mt19937;
-use anyhow::{bail, Result};
+use crate::optim::OptimConfig;
+use crate::params::{Block, ParamLayout, Tensor, Weights};
+use anyhow::{bail, Context, Result};
 
-/// Charge a layer call's time to its kind (only when `llmrs bench` turns profiling on).
+/// Charge a layer call to its kind in `llmrs bench`'s profile.
 macro_rules! t {
-    ($kind:ident, $e:expr) => {
-        crate::profile::timed(crate::profile::Kind::$kind, || $e)
-    };
+    ($be:expr, $kind:ident, $e:expr) => {{
+        $be.profile_begin(crate::profile::Kind::$kind);
+        $e;
+        $be.profile_end();
+    }};
 }
 
-/// The model: shape, parameter layout, and flat buffers that share that layout.
+/// Which of the model's flat buffers (all in the parameter layout) a host copy is of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    Params,
+    Grads,
+    /// AdamW's first moment.
+    AdamM,
+    /// AdamW's second moment.
+    AdamV,
+}
+
+/// What one optimizer step reports (one host read per step).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepStats {
+    /// The step's mean loss over all its micro-batches (and ranks).
+    pub loss: f32,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f32,
+}
+
+/// Gradients and AdamW moments, each (num_parameters) in the parameter layout.
+#[derive(Clone, Copy, Debug)]
+struct TrainBufs {
+    grads: Buf,
+    m: Buf,
+    v: Buf,
+}
+
+/// The last forward pass: its shape and what its buffers hold now.
+#[derive(Clone, Copy, Debug, Default)]
+struct Last {
+    b: usize,
+    t: usize,
+    /// The logits buffer holds the forward's logits (backward turns them into their gradient).
+    logits: bool,
+    /// The pass had targets: the per-position losses are there.
+    losses: bool,
+    /// The pass had targets and backward has not run on it yet.
+    backward_ready: bool,
+}
+
 pub struct GPT2 {
     pub config: GPT2Config,
-    pub layout: ParamLayout,
-    pub params: Vec<f32>, // (num_parameters)
-    /// Training state, allocated by [`GPT2::alloc_training_state`]; empty for inference.
-    pub grads: Vec<f32>, // (num_parameters)
-    pub m: Vec<f32>,      // (num_parameters) AdamW first moment
-    pub v: Vec<f32>,      // (num_parameters) AdamW second moment
-    norm_partials: Vec<f64>,
+    layout: ParamLayout,
+    be: Box<dyn Backend>,
+    comm: Box<dyn Collectives>,
+    params: Buf, // (num_parameters)
+    /// [loss accumulator, squared gradient norm].
+    stats: Buf, // (2)
+    train: Option<TrainBufs>,
+    acts: Option<Acts>,
+    last: Last,
     /// Set by [`GPT2::zero_grad`]: the next backward overwrites the GEMM-produced gradients.
     grads_overwrite: bool,
-    pub acts: Activations,
 }
 
-/// Which of the 16 tensors (llm.c order) a backward pass writes whole through a matmul: the LM
-/// head's dW covers all of wte (the encoder's scatter-add comes after it), and every block's
-/// qkv, attn_proj, fc and fc_proj weights and biases.
-const WRITTEN_WHOLE_BY_BACKWARD: [bool; 16] =
-    [true, false, false, false, true, true, true, true, false, false, true, true, true, true, false, false];
-
-/// Everything the forward pass keeps for backward, plus one layer's worth of backward scratch.
-/// Sized for a capacity (B, T); a pass over a smaller (b, t) uses a prefix of each buffer.
-#[derive(Default)]
-pub struct Activations {
-    pub cap_b: usize,
-    pub cap_t: usize,
-    /// Shape of the last forward pass, and whether it had targets.
-    pub b: usize,
-    pub t: usize,
-    pub has_targets: bool,
-    pub inputs: Vec<u32>,    // (B, T)
-    pub targets: Vec<u32>,   // (B, T)
-    pub encoded: Vec<f32>,   // (B, T, C)
-    pub ln1: Vec<f32>,       // (L, B, T, C)
-    pub ln1_mean: Vec<f32>,  // (L, B, T)
-    pub ln1_rstd: Vec<f32>,  // (L, B, T)
-    pub qkv: Vec<f32>,       // (L, B, T, 3*C)
-    pub atty: Vec<f32>,      // (L, B, T, C)
-    pub att: Vec<f32>,       // (L, B, NH, T, T)
-    pub residual2: Vec<f32>, // (L, B, T, C)
-    pub ln2: Vec<f32>,       // (L, B, T, C)
-    pub ln2_mean: Vec<f32>,  // (L, B, T)
-    pub ln2_rstd: Vec<f32>,  // (L, B, T)
-    pub fch: Vec<f32>,       // (L, B, T, 4*C)
-    pub fch_gelu: Vec<f32>,  // (L, B, T, 4*C)
-    pub residual3: Vec<f32>, // (L, B, T, C)
-    pub lnf: Vec<f32>,       // (B, T, C)
-    pub lnf_mean: Vec<f32>,  // (B, T)
-    pub lnf_rstd: Vec<f32>,  // (B, T)
-    pub logits: Vec<f32>,    // (B, T, Vp); after backward it holds d(loss)/d(logits)
-    pub losses: Vec<f32>,    // (B, T)
-    pub lse: Vec<f32>,       // (B, T) log-sum-exp of each row of logits
-    pub scratch: Vec<f32>,   // (B, T, C) projection outputs; d(ln) and d(atty) in backward
-    pub dresidual: Vec<f32>, // (B, T, C) gradient of the residual stream
-    pub dfch: Vec<f32>,      // (B, T, 4*C)
-    pub dqkv: Vec<f32>,      // (B, T, 3*C)
-    pub datt: Vec<f32>,      // (B, NH, T, T)
+/// How a block's attention sees its positions.
+#[derive(Clone, Copy)]
+enum Attn {
+    /// B whole sequences of T positions (training and evaluation).
+    Causal { b: usize, t: usize },
+    /// New positions of one sequence after `pos` cached ones; k and v (cap, C) hold the cache.
+    Cached { k: Buf, v: Buf, pos: usize, cap: usize },
 }
 
-impl Activations {
-    fn new(cfg: &GPT2Config, b: usize, t: usize) -> Self {
-        let (c, l, nh, vp) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size);
-        let n = b * t;
-        let z = |len: usize| crate::mem::zeroed::<f32>(len);
-        Activations {
-            cap_b: b,
-            cap_t: t,
-            b: 0,
-            t: 0,
-            has_targets: false,
-            inputs: vec![0; n],
-            targets: vec![0; n],
-            encoded: z(n * c),
-            ln1: z(l * n * c),
-            ln1_mean: z(l * n),
-            ln1_rstd: z(l * n),
-            qkv: z(l * n * 3 * c),
-            atty: z(l * n * c),
-            att: z(l * b * nh * t * t),
-            residual2: z(l * n * c),
-            ln2: z(l * n * c),
-            ln2_mean: z(l * n),
-            ln2_rstd: z(l * n),
-            fch: z(l * n * 4 * c),
-            fch_gelu: z(l * n * 4 * c),
-            residual3: z(l * n * c),
-            lnf: z(n * c),
-            lnf_mean: z(n),
-            lnf_rstd: z(n),
-            logits: z(n * vp),
-            losses: z(n),
-            lse: z(n),
-            scratch: z(n * c),
-            dresidual: z(n * c),
-            dfch: z(n * 4 * c),
-            dqkv: z(n * 3 * c),
-            datt: z(b * nh * t * t),
+/// One transformer block over N positions: residual2 = res_in + attn_proj(attention(qkv(ln1(res_in)))),
+/// residual3 = residual2 + fc_proj(gelu(fc(ln2(residual2)))). The training forward pass and the
+/// KV-cached inference pass both run this.
+fn block_forward(be: &mut dyn Backend, cfg: &GPT2Config, w: &Block<Buf>, x: &BlockActs, n: usize, attn: Attn) {
+    let (c, nh) = (cfg.channels, cfg.num_heads);
+    t!(be, LayerNorm, be.layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.res_in, w.ln1_w, w.ln1_b, n, c));
+    t!(be, Matmul, be.matmul_forward(x.qkv, x.ln1, w.qkv_w, Some(w.qkv_b), n, c, 3 * c));
+    match attn {
+        Attn::Causal { b, t } => {
+            t!(be, Attention, be.attention_forward(x.atty, x.att, x.scratch, x.qkv, b, t, c, nh))
+        }
+        Attn::Cached { k, v, pos, cap } => {
+            t!(be, Attention, be.attention_forward_cached(x.atty, x.att, x.scratch, x.qkv, k, v, pos, n, c, nh, cap))
         }
     }
-
-    /// Views of layer `l`'s activations for a pass over (b, t), plus the shared scratch.
-    fn layer(&mut self, l: usize, b: usize, t: usize, cfg: &GPT2Config) -> LayerActs<'_> {
-        let (c, nh) = (cfg.channels, cfg.num_heads);
-        let n = b * t;
-        fn at(v: &mut [f32], l: usize, sz: usize) -> &mut [f32] {
-            &mut v[l * sz..(l + 1) * sz]
-        }
-        let (prev, cur) = self.residual3.split_at_mut(l * n * c);
-        let res_in: &[f32] = if l == 0 { &self.encoded[..n * c] } else { &prev[(l - 1) * n * c..] };
-        LayerActs {
-            res_in,
-            ln1: at(&mut self.ln1, l, n * c),
-            ln1_mean: at(&mut self.ln1_mean, l, n),
-            ln1_rstd: at(&mut self.ln1_rstd, l, n),
-            qkv: at(&mut self.qkv, l, n * 3 * c),
-            atty: at(&mut self.atty, l, n * c),
-            att: at(&mut self.att, l, b * nh * t * t),
-            residual2: at(&mut self.residual2, l, n * c),
-            ln2: at(&mut self.ln2, l, n * c),
-            ln2_mean: at(&mut self.ln2_mean, l, n),
-            ln2_rstd: at(&mut self.ln2_rstd, l, n),
-            fch: at(&mut self.fch, l, n * 4 * c),
-            fch_gelu: at(&mut self.fch_gelu, l, n * 4 * c),
-            residual3: &mut cur[..n * c],
-            scratch: &mut self.scratch[..n * c],
-            dresidual: &mut self.dresidual[..n * c],
-            dfch: &mut self.dfch[..n * 4 * c],
-            dqkv: &mut self.dqkv[..n * 3 * c],
-            datt: &mut self.datt[..b * nh * t * t],
-        }
-    }
+    t!(be, Matmul, be.matmul_forward(x.scratch, x.atty, w.attn_proj_w, Some(w.attn_proj_b), n, c, c));
+    t!(be, Residual, be.residual_forward(x.residual2, x.res_in, x.scratch));
+    t!(be, LayerNorm, be.layernorm_forward(x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2_w, w.ln2_b, n, c));
+    t!(be, Matmul, be.matmul_forward(x.fch, x.ln2, w.fc_w, Some(w.fc_b), n, c, 4 * c));
+    t!(be, Gelu, be.gelu_forward(x.fch_gelu, x.fch));
+    t!(be, Matmul, be.matmul_forward(x.scratch, x.fch_gelu, w.fc_proj_w, Some(w.fc_proj_b), n, 4 * c, c));
+    t!(be, Residual, be.residual_forward(x.residual3, x.residual2, x.scratch));
 }
 
-/// One block's activations (shapes as in [`Activations`] without the L dimension).
-struct LayerActs<'a> {
-    res_in: &'a [f32],
-    ln1: &'a mut [f32],
-    ln1_mean: &'a mut [f32],
-    ln1_rstd: &'a mut [f32],
-    qkv: &'a mut [f32],
-    atty: &'a mut [f32],
-    att: &'a mut [f32],
-    residual2: &'a mut [f32],
-    ln2: &'a mut [f32],
-    ln2_mean: &'a mut [f32],
-    ln2_rstd: &'a mut [f32],
-    fch: &'a mut [f32],
-    fch_gelu: &'a mut [f32],
-    residual3: &'a mut [f32],
-    scratch: &'a mut [f32],
-    dresidual: &'a mut [f32],
-    dfch: &'a mut [f32],
-    dqkv: &'a mut [f32],
-    datt: &'a mut [f32],
-}
-
-/// Two disjoint tensors of one flat buffer, both mutable (e.g. a weight's and a bias's gradient).
-fn pair<'a>(buf: &'a mut [f32], a: &Span, b: &Span) -> (&'a mut [f32], &'a mut [f32]) {
-    assert!(a.0.end <= b.0.start, "spans must be in buffer order and disjoint");
-    let (lo, hi) = buf.split_at_mut(b.0.start);
-    (&mut lo[a.0.clone()], &mut hi[..b.len()])
+/// Backward of [`block_forward`] (training): d.dresidual holds d(residual3) on entry and
+/// d(res_in) on return; parameter gradients go to `dw` (added to, or overwritten when not `acc`).
+#[allow(clippy::too_many_arguments)]
+fn block_backward(
+    be: &mut dyn Backend,
+    cfg: &GPT2Config,
+    w: &Block<Buf>,
+    dw: &Block<Buf>,
+    x: &BlockActs,
+    d: &BackActs,
+    (b, t): (usize, usize),
+    acc: bool,
+) {
+    let (c, nh, n) = (cfg.channels, cfg.num_heads, b * t);
+    // MLP branch.
+    t!(
+        be,
+        Matmul,
+        be.matmul_backward(
+            Some(d.dfch),
+            dw.fc_proj_w,
+            Some(dw.fc_proj_b),
+            d.dresidual,
+            x.fch_gelu,
+            w.fc_proj_w,
+            n,
+            4 * c,
+            c,
+            acc
+        )
+    );
+    t!(be, Gelu, be.gelu_backward(d.dfch, x.fch));
+    t!(
+        be,
+        Matmul,
+        be.matmul_backward(Some(x.scratch), dw.fc_w, Some(dw.fc_b), d.dfch, x.ln2, w.fc_w, n, c, 4 * c, acc)
+    );
+    t!(
+        be,
+        LayerNorm,
+        be.layernorm_backward(
+            d.dresidual,
+            dw.ln2_w,
+            dw.ln2_b,
+            x.scratch,
+            x.residual2,
+            w.ln2_w,
+            x.ln2_mean,
+            x.ln2_rstd,
+            n,
+            c
+        )
+    );
+    // Attention branch; dfch is free again and serves as the attention workspace.
+    t!(
+        be,
+        Matmul,
+        be.matmul_backward(
+            Some(x.scratch),
+            dw.attn_proj_w,
+            Some(dw.attn_proj_b),
+            d.dresidual,
+            x.atty,
+            w.attn_proj_w,
+            n,
+            c,
+            c,
+            acc
+        )
+    );
+    t!(
+        be,
+        Attention,
+        be.attention_backward(d.dqkv, d.datt, d.dfch.prefix(n * 3 * c), x.scratch, x.qkv, x.att, b, t, c, nh)
+    );
+    t!(
+        be,
+        Matmul,
+        be.matmul_backward(Some(x.scratch), dw.qkv_w, Some(dw.qkv_b), d.dqkv, x.ln1, w.qkv_w, n, c, 3 * c, acc)
+    );
+    t!(
+        be,
+        LayerNorm,
+        be.layernorm_backward(
+            d.dresidual,
+            dw.ln1_w,
+            dw.ln1_b,
+            x.scratch,
+            x.res_in,
+            w.ln1_w,
+            x.ln1_mean,
+            x.ln1_rstd,
+            n,
+            c
+        )
+    );
 }
 
 impl GPT2 {
-    /// A model with all parameters zero (to be filled from a file or by [`GPT2::random`]).
-    pub fn zeros(config: GPT2Config) -> Result<Self> {
-        config.validate()?;
-        let layout = ParamLayout::new(&config);
-        let params = crate::mem::zeroed::<f32>(layout.num_parameters);
+    /// The model with these weights on `device`, as a single process.
+    pub fn new(weights: Weights, device: Device) -> Result<Self> {
+        Self::with_collectives(weights, backend::open(device)?, Box::new(SingleProcess))
+    }
+
+    /// The model on a given backend, as one rank of `comm`.
+    pub fn with_collectives(weights: Weights, mut be: Box<dyn Backend>, comm: Box<dyn Collectives>) -> Result<Self> {
+        let Weights { config, layout, data } = weights;
+        let params = be.alloc(layout.num_parameters, DType::F32)?;
+        be.upload(params, &data);
+        drop(data); // the host copy goes before anything else is allocated
+        let stats = be.alloc(2, DType::F32)?;
+        be.fill(stats, 0.0);
         Ok(GPT2 {
             config,
             layout,
+            be,
+            comm,
             params,
-            grads: vec![],
-            m: vec![],
-            v: vec![],
-            norm_partials: vec![],
+            stats,
+            train: None,
+            acts: None,
+            last: Last::default(),
             grads_overwrite: false,
-            acts: Activations::default(),
         })
     }
 
-    /// llm.c's random init (train_gpt2.cu `gpt_build_from_descriptor`): N(0, 0.02) weights,
-    /// residual projections N(0, 0.02/sqrt(2L)), zero biases, unit LayerNorm weights, drawn from
-    /// the PyTorch-compatible Mersenne Twister in PyTorch's module order.
-    pub fn random(config: GPT2Config, seed: u32) -> Result<Self> {
-        let mut model = Self::zeros(config)?;
-        let (l_n, c, v) = (config.num_layers, config.channels, config.vocab_size);
-        let mut rng = Mt19937::new(seed);
-        let residual_scale = 1.0 / (2.0 * l_n as f32).sqrt();
-        let lay = &model.layout;
-        let p = &mut model.params;
-        for i in [2, 8, 14] {
-            lay.tensors[i].of_mut(p).fill(1.0);
+    /// Forward pass over `inputs (b, t)`: logits (b, t, Vp), and with `targets (b, t)` the
+    /// per-position losses (see [`GPT2::accumulate_loss`], [`GPT2::backward`]).
+    pub fn forward(&mut self, inputs: &[u32], targets: Option<&[u32]>, b: usize, t: usize) -> Result<()> {
+        let cfg = self.config;
+        let (c, v, vp, n) = (cfg.channels, cfg.vocab_size, cfg.padded_vocab_size, b * t);
+        check_tokens(&cfg, inputs, targets, b, t)?;
+        self.reserve(b, t)?;
+        let (a, p, lay, be) = (self.acts.context("no activations")?, self.params, &self.layout, &mut *self.be);
+        let pw = |x: Tensor| p.slice(lay.range(x));
+        let (inp, tgt) = a.tokens(n);
+        be.upload_u32(inp, inputs);
+        t!(be, Encoder, be.encoder_forward(a.encoded.prefix(n * c), inp, pw(Tensor::Wte), pw(Tensor::Wpe), b, t, c));
+        for l in 0..cfg.num_layers {
+            let w = lay.block(l).map(|r| p.slice(r));
+            block_forward(be, &cfg, &w, &a.layer(&cfg, l, b, t), n, Attn::Causal { b, t });
         }
-        rng.normal(&mut lay.wte.of_mut(p)[..v * c], 0.0, 0.02); // only the V real rows
-        rng.normal(lay.wpe.of_mut(p), 0.0, 0.02);
-        for blk in &lay.blocks {
-            rng.normal(blk.qkv_w.of_mut(p), 0.0, 0.02);
-            rng.normal(blk.attn_proj_w.of_mut(p), 0.0, 0.02 * residual_scale);
-            rng.normal(blk.fc_w.of_mut(p), 0.0, 0.02);
-            rng.normal(blk.fc_proj_w.of_mut(p), 0.0, 0.02 * residual_scale);
+        let (lnf, logits) = (a.lnf.prefix(n * c), a.logits.prefix(n * vp));
+        let last = a.layer(&cfg, cfg.num_layers - 1, b, t).residual3;
+        let (lnf_w, lnf_b) = (pw(Tensor::LnfW), pw(Tensor::LnfB));
+        t!(
+            be,
+            LayerNorm,
+            be.layernorm_forward(lnf, a.lnf_mean.prefix(n), a.lnf_rstd.prefix(n), last, lnf_w, lnf_b, n, c)
+        );
+        t!(be, Classifier, be.matmul_forward(logits, lnf, pw(Tensor::Wte), None, n, c, vp));
+        if let Some(y) = targets {
+            be.upload_u32(tgt, y);
+            t!(be, Classifier, be.crossentropy_forward(a.losses.prefix(n), a.lse.prefix(n), logits, tgt, n, v, vp));
         }
-        Ok(model)
+        self.last = Last { b, t, logits: true, losses: targets.is_some(), backward_ready: targets.is_some() };
+        Ok(())
     }
+
+    /// Backward pass of the last forward (which must have had targets), for the objective
+    /// `loss_scale * mean loss` (gradient accumulation over k micro-batches passes 1/k). Adds
+    /// to the gradients (see [`GPT2::zero_grad`]) and that objective to the step's loss.
+    /// Overwrites the logits with their gradient.
+    pub fn backward(&mut self, loss_scale: f32) -> Result<()> {
+        let cfg = self.config;
+        let (c, v, vp, nl) = (cfg.channels, cfg.vocab_size, cfg.padded_vocab_size, cfg.num_layers);
+        let tr = self.train.context("backward needs training state: call alloc_training_state first")?;
+        let Last { b, t, backward_ready: true, .. } = self.last else {
+            bail!("backward needs a forward pass with targets (and runs once per pass)")
+        };
+        self.last = Last { logits: false, backward_ready: false, ..self.last };
+        let acc = !std::mem::take(&mut self.grads_overwrite);
+        let (a, p, g, lay, be) =
+            (self.acts.context("no activations")?, self.params, tr.grads, &self.layout, &mut *self.be);
+        let n = b * t;
+        let (pw, gw) = (|x: Tensor| p.slice(lay.range(x)), |x: Tensor| g.slice(lay.range(x)));
+        let (inp, tgt) = a.tokens(n);
+        let (logits, lse, lnf, scratch) =
+            (a.logits.prefix(n * vp), a.lse.prefix(n), a.lnf.prefix(n * c), a.scratch.prefix(n * c));
+        let d = a.back(&cfg, b, t);
+        be.accumulate_mean(self.stats.prefix(1), a.losses.prefix(n), loss_scale);
+        t!(be, Classifier, be.crossentropy_backward(logits, lse, tgt, loss_scale / n as f32, n, v, vp));
+        t!(
+            be,
+            Classifier,
+            be.matmul_backward(Some(scratch), gw(Tensor::Wte), None, logits, lnf, pw(Tensor::Wte), n, c, vp, acc)
+        );
+        be.fill(d.dresidual, 0.0);
+        let last = a.layer(&cfg, nl - 1, b, t).residual3;
+        let (lnf_mean, lnf_rstd) = (a.lnf_mean.prefix(n), a.lnf_rstd.prefix(n));
+        t!(
+            be,
+            LayerNorm,
+            be.layernorm_backward(
+                d.dresidual,
+                gw(Tensor::LnfW),
+                gw(Tensor::LnfB),
+                scratch,
+                last,
+                pw(Tensor::LnfW),
+                lnf_mean,
+                lnf_rstd,
+                n,
+                c
+            )
+        );
+        for l in (0..nl).rev() {
+            let (w, dw) = (lay.block(l).map(|r| p.slice(r)), lay.block(l).map(|r| g.slice(r)));
+            block_backward(be, &cfg, &w, &dw, &a.layer(&cfg, l, b, t), &d, (b, t), acc);
+        }
+        t!(be, Encoder, be.encoder_backward(gw(Tensor::Wte), gw(Tensor::Wpe), d.dresidual, inp, b, t, c));
+        Ok(())
+    }
+
+    /// Start a step: the step's loss to 0, and a new gradient. Like PyTorch's
+    /// `zero_grad(set_to_none=True)`, the tensors that the next backward writes whole
+    /// ([`Tensor::written_whole_by_backward`]) are overwritten by it instead of being cleared
+    /// now, which saves a pass over all gradients and the read of every weight gradient in the
+    /// backward GEMMs; the rest are zeroed here.
+    pub fn zero_grad(&mut self) -> Result<()> {
+        let tr = self.train.context("zero_grad needs training state: call alloc_training_state first")?;
+        for t in Tensor::ALL.into_iter().filter(|t| !t.written_whole_by_backward()) {
+            self.be.fill(tr.grads.slice(self.layout.range(t)), 0.0);
+        }
+        self.be.fill(self.stats.prefix(1), 0.0);
+        self.grads_overwrite = true;
+        Ok(())
+    }
+
+    /// The optimizer step, queued without waiting on the host: average the gradients and the
+    /// loss over the ranks, take the global gradient norm, then clip and apply AdamW to every
+    /// tensor (weight decay on the 2-D weights). A step whose loss or norm is not finite leaves
+    /// the model unchanged ([`Backend::adamw_update`]); [`GPT2::step_stats`] tells.
+    pub fn update(&mut self, o: &OptimConfig, lr: f32, step: usize) -> Result<()> {
+        let tr = self.train.context("update needs training state: call alloc_training_state first")?;
+        let (be, stats) = (&mut *self.be, self.stats);
+        self.comm.all_reduce(be, tr.grads, Reduce::Mean)?;
+        self.comm.all_reduce(be, stats.prefix(1), Reduce::Mean)?;
+        t!(be, Optimizer, be.global_norm_squared(stats.slice(1..2), tr.grads));
+        for x in Tensor::ALL {
+            let r = self.layout.range(x);
+            let h = AdamWParams {
+                lr,
+                beta1: o.beta1,
+                beta2: o.beta2,
+                eps: o.eps,
+                weight_decay: if x.weight_decay() { o.weight_decay } else { 0.0 },
+                grad_clip: o.grad_clip,
+                t: step as i32 + 1,
+            };
+            let (p, g, m, v) =
+                (self.params.slice(r.clone()), tr.grads.slice(r.clone()), tr.m.slice(r.clone()), tr.v.slice(r));
+            t!(be, Optimizer, be.adamw_update(p, g, m, v, stats, &h));
+        }
+        Ok(())
+    }
+
+    /// The last step's loss and gradient norm: the one host read of a training step.
+    pub fn step_stats(&mut self) -> Result<StepStats> {
+        let mut s = [0f32; 2];
+        self.be.download(self.stats, &mut s)?;
+        Ok(StepStats { loss: s[0], grad_norm: s[1].sqrt() })
+    }
+
+    // ---- set-up ---------------------------------------------------------------------------
 
     pub fn num_parameters(&self) -> usize {
         self.layout.num_parameters
     }
 
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// The backend in use, for logs.
+    pub fn describe_backend(&self) -> String {
+        self.be.describe()
+    }
+
+    /// This process's rank and the number of ranks.
+    pub fn rank(&self) -> (usize, usize) {
+        (self.comm.rank(), self.comm.world())
+    }
+
+    /// Wait until every rank has got here.
+    pub fn barrier(&mut self) -> Result<()> {
+        self.comm.barrier()
+    }
+
     /// Allocate gradients and AdamW moments (zeroed). Call once before training.
-    pub fn alloc_training_state(&mut self) {
-        let n = self.num_parameters();
-        if self.grads.len() != n {
-            self.grads = crate::mem::zeroed(n);
-            self.m = crate::mem::zeroed(n);
-            self.v = crate::mem::zeroed(n);
-            self.norm_partials = vec![0f64; global_norm_partials(n)];
+    pub fn alloc_training_state(&mut self) -> Result<()> {
+        if self.train.is_none() {
+            let n = self.num_parameters();
+            let mut z = || -> Result<Buf> {
+                let b = self.be.alloc(n, DType::F32)?;
+                self.be.fill(b, 0.0);
+                Ok(b)
+            };
+            self.train = Some(TrainBufs { grads: z()?, m: z()?, v: z()? });
+            // Activations sized before training lack the backward buffers.
+            if let Some(a) = self.acts.take() {
+                a.free(&mut *self.be);
+                self.reserve(a.cap_b, a.cap_t)?;
+            }
         }
-    }
-
-    /// Make sure activations can hold a pass over (b, t). Allocates only when they cannot.
-    pub fn reserve(&mut self, b: usize, t: usize) {
-        let a = &self.acts;
-        if a.cap_b * a.cap_t < b * t || a.cap_b < b || a.cap_t < t {
-            self.acts = Activations::new(&self.config, b.max(a.cap_b), t.max(a.cap_t));
-        }
-    }
-
-    /// Forward pass over `inputs (b, t)`. Leaves logits (b, t, Vp) in `acts.logits`; with
-    /// `targets (b, t)` also the per-position losses, and returns their mean.
-    pub fn forward(&mut self, inputs: &[u32], targets: Option<&[u32]>, b: usize, t: usize) -> Result<Option<f32>> {
-        let cfg = self.config;
-        let (c, nh, v, vp) = (cfg.channels, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size);
-        let n = b * t;
-        if b == 0 || t == 0 || t > cfg.max_seq_len {
-            bail!("sequence length {t} must be between 1 and the model's max_seq_len {}", cfg.max_seq_len);
-        }
-        if inputs.len() != n || targets.is_some_and(|y| y.len() != n) {
-            bail!("batch holds {} inputs, expected B*T = {n}", inputs.len());
-        }
-        if let Some(&bad) = inputs.iter().chain(targets.unwrap_or(&[])).find(|&&x| x as usize >= v) {
-            bail!("token id {bad} is out of range for vocab size {v}: the data was tokenized for another vocabulary");
-        }
-        self.reserve(b, t);
-        let p = &self.params;
-        let lay = &self.layout;
-        let a = &mut self.acts;
-        (a.b, a.t, a.has_targets) = (b, t, targets.is_some());
-        a.inputs[..n].copy_from_slice(inputs);
-        t!(Encoder, encoder_forward(&mut a.encoded, inputs, lay.wte.of(p), lay.wpe.of(p), b, t, c));
-        for (l, w) in lay.blocks.iter().enumerate() {
-            let x = a.layer(l, b, t, &cfg);
-            t!(
-                LayerNorm,
-                layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.res_in, w.ln1_w.of(p), w.ln1_b.of(p), n, c)
-            );
-            t!(Matmul, matmul_forward(x.qkv, x.ln1, w.qkv_w.of(p), Some(w.qkv_b.of(p)), n, c, 3 * c));
-            t!(Attention, attention_forward(x.atty, x.att, x.scratch, x.qkv, b, t, c, nh));
-            t!(Matmul, matmul_forward(x.scratch, x.atty, w.attn_proj_w.of(p), Some(w.attn_proj_b.of(p)), n, c, c));
-            t!(Residual, residual_forward(x.residual2, x.res_in, x.scratch));
-            t!(
-                LayerNorm,
-                layernorm_forward(x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2_w.of(p), w.ln2_b.of(p), n, c)
-            );
-            t!(Matmul, matmul_forward(x.fch, x.ln2, w.fc_w.of(p), Some(w.fc_b.of(p)), n, c, 4 * c));
-            t!(Gelu, gelu_forward(x.fch_gelu, x.fch));
-            t!(Matmul, matmul_forward(x.scratch, x.fch_gelu, w.fc_proj_w.of(p), Some(w.fc_proj_b.of(p)), n, 4 * c, c));
-            t!(Residual, residual_forward(x.residual3, x.residual2, x.scratch));
-        }
-        let last = &a.residual3[(cfg.num_layers - 1) * n * c..][..n * c];
-        t!(
-            LayerNorm,
-            layernorm_forward(
-                &mut a.lnf,
-                &mut a.lnf_mean,
-                &mut a.lnf_rstd,
-                last,
-                lay.lnf_w.of(p),
-                lay.lnf_b.of(p),
-                n,
-                c
-            )
-        );
-        t!(Classifier, matmul_forward(&mut a.logits, &a.lnf, lay.wte.of(p), None, n, c, vp));
-        let Some(targets) = targets else {
-            return Ok(None);
-        };
-        a.targets[..n].copy_from_slice(targets);
-        t!(Classifier, crossentropy_forward(&mut a.losses, &mut a.lse, &a.logits, targets, n, v, vp));
-        Ok(Some(a.losses[..n].iter().sum::<f32>() / n as f32))
-    }
-
-    /// Backward pass of the last forward (which must have had targets), accumulating (+=) into
-    /// `grads`. The objective is `loss_scale * mean loss`; gradient accumulation over k
-    /// micro-batches passes `1/k`. Overwrites the logits with their gradient.
-    pub fn backward(&mut self, loss_scale: f32) -> Result<()> {
-        let cfg = self.config;
-        let (c, nh, v, vp) = (cfg.channels, cfg.num_heads, cfg.vocab_size, cfg.padded_vocab_size);
-        if self.grads.len() != self.num_parameters() {
-            bail!("backward needs training state: call alloc_training_state first");
-        }
-        let a = &mut self.acts;
-        if !a.has_targets {
-            bail!("backward needs a forward pass with targets");
-        }
-        a.has_targets = false; // the logits are about to be overwritten
-        let (b, t) = (a.b, a.t);
-        let n = b * t;
-        // After zero_grad the GEMM-produced gradients are overwritten, not added to.
-        let acc = !std::mem::take(&mut self.grads_overwrite);
-        let (p, g, lay) = (&self.params, &mut self.grads, &self.layout);
-        t!(
-            Classifier,
-            crossentropy_softmax_backward_inplace(&mut a.logits, &a.lse, &a.targets, loss_scale / n as f32, n, v, vp)
-        );
-        t!(
-            Classifier,
-            matmul_backward(
-                Some(&mut a.scratch),
-                lay.wte.of_mut(g),
-                None,
-                &a.logits,
-                &a.lnf,
-                lay.wte.of(p),
-                n,
-                c,
-                vp,
-                acc
-            )
-        );
-        a.dresidual[..n * c].fill(0.0);
-        let last = &a.residual3[(cfg.num_layers - 1) * n * c..][..n * c];
-        let (dlnf_w, dlnf_b) = pair(g, &lay.lnf_w, &lay.lnf_b);
-        let (lnf_w, m, r) = (lay.lnf_w.of(p), &a.lnf_mean, &a.lnf_rstd);
-        t!(LayerNorm, layernorm_backward(&mut a.dresidual, dlnf_w, dlnf_b, &a.scratch, last, lnf_w, m, r, n, c));
-        for (l, w) in lay.blocks.iter().enumerate().rev() {
-            let x = a.layer(l, b, t, &cfg);
-            // MLP branch: residual3 = residual2 + fc_proj(gelu(fc(ln2(residual2)))).
-            let (dw, db) = pair(g, &w.fc_proj_w, &w.fc_proj_b);
-            t!(
-                Matmul,
-                matmul_backward(
-                    Some(x.dfch),
-                    dw,
-                    Some(db),
-                    x.dresidual,
-                    x.fch_gelu,
-                    w.fc_proj_w.of(p),
-                    n,
-                    4 * c,
-                    c,
-                    acc
-                )
-            );
-            t!(Gelu, gelu_backward_inplace(x.dfch, x.fch));
-            let (dw, db) = pair(g, &w.fc_w, &w.fc_b);
-            t!(Matmul, matmul_backward(Some(x.scratch), dw, Some(db), x.dfch, x.ln2, w.fc_w.of(p), n, c, 4 * c, acc));
-            let (dw, db) = pair(g, &w.ln2_w, &w.ln2_b);
-            let (ln2_w, mean, rstd) = (w.ln2_w.of(p), &*x.ln2_mean, &*x.ln2_rstd);
-            t!(LayerNorm, layernorm_backward(x.dresidual, dw, db, x.scratch, x.residual2, ln2_w, mean, rstd, n, c));
-            // Attention branch: residual2 = res_in + attn_proj(attention(qkv(ln1(res_in)))).
-            let (dw, db) = pair(g, &w.attn_proj_w, &w.attn_proj_b);
-            t!(
-                Matmul,
-                matmul_backward(Some(x.scratch), dw, Some(db), x.dresidual, x.atty, w.attn_proj_w.of(p), n, c, c, acc)
-            );
-            // dfch (B, T, 4*C) is free again here: it serves as the per-head workspace.
-            t!(Attention, attention_backward(x.dqkv, x.datt, x.dfch, x.scratch, x.qkv, x.att, b, t, c, nh));
-            let (dw, db) = pair(g, &w.qkv_w, &w.qkv_b);
-            t!(Matmul, matmul_backward(Some(x.scratch), dw, Some(db), x.dqkv, x.ln1, w.qkv_w.of(p), n, c, 3 * c, acc));
-            let (dw, db) = pair(g, &w.ln1_w, &w.ln1_b);
-            t!(
-                LayerNorm,
-                layernorm_backward(
-                    x.dresidual,
-                    dw,
-                    db,
-                    x.scratch,
-                    x.res_in,
-                    w.ln1_w.of(p),
-                    x.ln1_mean,
-                    x.ln1_rstd,
-                    n,
-                    c
-                )
-            );
-        }
-        let (dwte, dwpe) = pair(g, &lay.wte, &lay.wpe);
-        t!(Encoder, encoder_backward(dwte, dwpe, &a.dresidual, &a.inputs, b, t, c));
         Ok(())
     }
 
-    /// Start a new gradient: like PyTorch's `zero_grad(set_to_none=True)`, the tensors that the
-    /// next backward writes whole (every matmul weight and bias, and wte through the LM head) are
-    /// overwritten by it instead of being cleared now, which saves a pass over all gradients and
-    /// the read of every weight gradient in the backward GEMMs; the rest are zeroed here. Until
-    /// that backward has run, those tensors in `grads` hold stale values.
-    pub fn zero_grad(&mut self) {
-        for (i, span) in self.layout.tensors.iter().enumerate() {
-            if !WRITTEN_WHOLE_BY_BACKWARD[i] {
-                span.of_mut(&mut self.grads).fill(0.0);
+    /// Make sure activations can hold a pass over (b, t) (with the backward buffers once there
+    /// is training state). Allocates only when they cannot.
+    pub fn reserve(&mut self, b: usize, t: usize) -> Result<()> {
+        let backward = self.train.is_some();
+        if self.acts.is_some_and(|a| a.fits(b, t, backward)) {
+            return Ok(());
+        }
+        let (cb, ct) = self.acts.map_or((b, t), |a| (a.cap_b.max(b), a.cap_t.max(t)));
+        if let Some(a) = self.acts.take() {
+            a.free(&mut *self.be);
+        }
+        self.acts = Some(Acts::new(&mut *self.be, &self.config, cb, ct, backward)?);
+        Ok(())
+    }
+
+    // ---- KV-cached inference --------------------------------------------------------------
+
+    /// A KV cache for one sequence of up to `positions` tokens (at most maxT), fed at most
+    /// `chunk` tokens per call. Release it with [`GPT2::free_kv_cache`] when done.
+    pub fn kv_cache(&mut self, positions: usize, chunk: usize) -> Result<KvCache> {
+        let max_t = self.config.max_seq_len;
+        if positions == 0 || positions > max_t || chunk == 0 {
+            bail!("a KV cache holds 1 to {max_t} positions (asked: {positions}, chunks of {chunk})");
+        }
+        KvCache::new(&mut *self.be, &self.config, positions, chunk.min(positions))
+    }
+
+    pub fn free_kv_cache(&mut self, cache: KvCache) {
+        self.be.free(cache.whole);
+        self.be.free(cache.tokens);
+    }
+
+    /// Feed `tokens` after the cached positions (in chunks); returns the first V logits of the
+    /// last one, read to the host once.
+    pub fn forward_cached<'a>(&mut self, cache: &'a mut KvCache, tokens: &[u32]) -> Result<&'a [f32]> {
+        let cfg = self.config;
+        let (c, vp) = (cfg.channels, cfg.padded_vocab_size);
+        if tokens.is_empty() {
+            bail!("nothing to feed");
+        }
+        if cache.pos + tokens.len() > cache.capacity {
+            bail!(
+                "the sequence would exceed the KV cache's {} positions (the model's context is {})",
+                cache.capacity,
+                cfg.max_seq_len
+            );
+        }
+        check_tokens(&cfg, tokens, None, 1, tokens.len())?;
+        let (p, lay, be) = (self.params, &self.layout, &mut *self.be);
+        let pw = |x: Tensor| p.slice(lay.range(x));
+        let mut tn = 0;
+        for chunk in tokens.chunks(cache.chunk) {
+            let pos = cache.pos;
+            tn = chunk.len();
+            let ids = cache.tokens.prefix(tn);
+            be.upload_u32(ids, chunk);
+            let wpe = pw(Tensor::Wpe).slice(pos * c..(pos + tn) * c); // positions pos..pos+tn
+            t!(be, Encoder, be.encoder_forward(cache.x.res_in.prefix(tn * c), ids, pw(Tensor::Wte), wpe, 1, tn, c));
+            for l in 0..cfg.num_layers {
+                let w = lay.block(l).map(|r| p.slice(r));
+                let (x, k, v) = cache.layer(&cfg, l, tn);
+                block_forward(be, &cfg, &w, &x, tn, Attn::Cached { k, v, pos, cap: cache.capacity });
             }
+            cache.pos += tn;
         }
-        self.grads_overwrite = true;
+        // Only the last position's logits are needed.
+        let last = cache.x.residual3.slice((tn - 1) * c..tn * c);
+        let (lnf_w, lnf_b) = (pw(Tensor::LnfW), pw(Tensor::LnfB));
+        t!(be, LayerNorm, be.layernorm_forward(cache.lnf, cache.lnf_mean, cache.lnf_rstd, last, lnf_w, lnf_b, 1, c));
+        t!(be, Classifier, be.matmul_forward(cache.logits, cache.lnf, pw(Tensor::Wte), None, 1, c, vp));
+        be.download(cache.logits.prefix(cfg.vocab_size), &mut cache.host_logits)?;
+        Ok(&cache.host_logits)
     }
 
-    /// L2 norm of all gradients (deterministic).
-    pub fn grad_norm(&mut self) -> f32 {
-        global_norm(&self.grads, &mut self.norm_partials)
+    // ---- host copies ------------------------------------------------------------------------
+
+    fn slot(&self, slot: Slot) -> Result<Buf> {
+        Ok(match slot {
+            Slot::Params => self.params,
+            _ => {
+                let tr = self.train.with_context(|| format!("{slot:?} need training state"))?;
+                match slot {
+                    Slot::Grads => tr.grads,
+                    Slot::AdamM => tr.m,
+                    _ => tr.v,
+                }
+            }
+        })
     }
 
-    /// One AdamW step on every tensor; weight decay only where the layout says (2-D weights).
-    pub fn update(&mut self, h: &AdamW) {
-        for (span, &decay) in self.layout.tensors.iter().zip(&self.layout.decay) {
-            let r = span.0.clone();
-            let (p, g) = (&mut self.params[r.clone()], &self.grads[r.clone()]);
-            t!(Optimizer, adamw_update(p, g, &mut self.m[r.clone()], &mut self.v[r], h, decay));
-        }
+    /// A host copy of one tensor of a slot (llm.c order, all layers).
+    pub fn read_tensor(&mut self, slot: Slot, t: Tensor) -> Result<Vec<f32>> {
+        let b = self.slot(slot)?.slice(self.layout.range(t));
+        let mut out = vec![0f32; b.len];
+        self.be.download(b, &mut out)?;
+        Ok(out)
     }
+
+    /// A host copy of a whole slot (num_parameters, llm.c order).
+    pub fn read_all(&mut self, slot: Slot) -> Result<Vec<f32>> {
+        let b = self.slot(slot)?;
+        let mut out = crate::mem::zeroed(b.len);
+        self.be.download(b, &mut out)?;
+        Ok(out)
+    }
+
+    /// Overwrite a whole slot from the host (num_parameters, llm.c order).
+    pub fn write_all(&mut self, slot: Slot, data: &[f32]) -> Result<()> {
+        let b = self.slot(slot)?;
+        if data.len() != b.len {
+            bail!("{} values for {slot:?}, the model has {}", data.len(), b.len);
+        }
+        self.be.upload(b, data);
+        Ok(())
+    }
+
+    /// The parameters as host [`Weights`] (for model files and export).
+    pub fn weights(&mut self) -> Result<Weights> {
+        Ok(Weights { config: self.config, layout: self.layout.clone(), data: self.read_all(Slot::Params)? })
+    }
+
+    /// The first V logits of position `row` (0..b*t) of the last forward pass.
+    pub fn logits_at(&mut self, row: usize) -> Result<Vec<f32>> {
+        let (v, vp) = (self.config.vocab_size, self.config.padded_vocab_size);
+        let Last { b, t, logits: true, .. } = self.last else { bail!("no logits: run a forward pass first") };
+        if row >= b * t {
+            bail!("position {row} is outside the last pass's {} positions", b * t);
+        }
+        let a = self.acts.context("no activations")?;
+        let mut out = vec![0f32; v];
+        self.be.download(a.logits.slice(row * vp..row * vp + v), &mut out)?;
+        Ok(out)
+    }
+
+    /// The per-position losses (b*t) of the last forward pass with targets.
+    pub fn losses(&mut self) -> Result<Vec<f32>> {
+        let Last { b, t, losses: true, .. } = self.last else {
+            bail!("no losses: run a forward pass with targets first")
+        };
+        let a = self.acts.context("no activations")?;
+        let mut out = vec![0f32; b * t];
+        self.be.download(a.losses.prefix(b * t), &mut out)?;
+        Ok(out)
+    }
+
+    /// Add `weight * mean loss` of the last forward pass (with targets) to the loss accumulator.
+    pub fn accumulate_loss(&mut self, weight: f32) -> Result<()> {
+        let Last { b, t, losses: true, .. } = self.last else {
+            bail!("no loss: run a forward pass with targets first")
+        };
+        let a = self.acts.context("no activations")?;
+        self.be.accumulate_mean(self.stats.prefix(1), a.losses.prefix(b * t), weight);
+        Ok(())
+    }
+
+    /// Read the loss accumulator and set it back to 0 (one host read).
+    pub fn take_loss(&mut self) -> Result<f32> {
+        let mut s = [0f32];
+        self.be.download(self.stats.prefix(1), &mut s)?;
+        self.be.fill(self.stats.prefix(1), 0.0);
+        Ok(s[0])
+    }
+
+    /// The mean loss of one batch: forward, then read it (evaluation and tests).
+    pub fn loss(&mut self, inputs: &[u32], targets: &[u32], b: usize, t: usize) -> Result<f32> {
+        self.take_loss()?;
+        self.forward(inputs, Some(targets), b, t)?;
+        self.accumulate_loss(1.0)?;
+        self.take_loss()
+    }
+
+    // ---- profiling --------------------------------------------------------------------------
+
+    pub fn set_profiling(&mut self, on: bool) {
+        self.be.set_profiling(on);
+    }
+
+    pub fn profile_totals(&mut self) -> Result<Vec<(crate::profile::Kind, f64)>> {
+        self.be.profile_totals()
+    }
+
+    /// Wait for all queued work (for timing).
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.be.synchronize()
+    }
+}
+
+/// Shapes and token ids of a batch, checked on the host before anything reaches the device.
+fn check_tokens(cfg: &GPT2Config, inputs: &[u32], targets: Option<&[u32]>, b: usize, t: usize) -> Result<()> {
+    let (v, n) = (cfg.vocab_size, b * t);
+    if b == 0 || t == 0 || t > cfg.max_seq_len {
+        bail!("sequence length {t} must be between 1 and the model's max_seq_len {} (and B > 0)", cfg.max_seq_len);
+    }
+    if inputs.len() != n || targets.is_some_and(|y| y.len() != n) {
+        bail!("batch holds {} inputs, expected B*T = {n}", inputs.len());
+    }
+    if let Some(&bad) = inputs.iter().chain(targets.unwrap_or(&[])).find(|&&x| x as usize >= v) {
+        bail!("token id {bad} is out of range for vocab size {v}: the data was tokenized for another vocabulary");
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn model(desc: &str, seed: u32) -> GPT2 {
+        GPT2::new(Weights::random(GPT2Config::from_descriptor(desc).unwrap(), seed).unwrap(), Device::Cpu).unwrap()
+    }
+
     /// zero_grad leaves stale values in the tensors the next backward overwrites; the gradients
     /// must come out bit-identical to clearing everything and accumulating.
     #[test]
     fn zero_grad_then_backward_equals_clearing_everything() {
-        let cfg = GPT2Config::from_descriptor("2x32:2:16").unwrap();
         let (b, t) = (2, 5);
-        let inputs: Vec<u32> = (0..b * t).map(|i| (i * 7 % cfg.vocab_size) as u32).collect();
-        let targets: Vec<u32> = (0..b * t).map(|i| (i * 3 % cfg.vocab_size + 1) as u32).collect();
+        let inputs: Vec<u32> = (0..b * t).map(|i| (i * 7 % 50257) as u32).collect();
+        let targets: Vec<u32> = (0..b * t).map(|i| (i * 3 % 50257 + 1) as u32).collect();
         let mut grads = vec![];
         for stale in [false, true] {
-            let mut model = GPT2::random(cfg, 3).unwrap();
-            model.alloc_training_state();
+            let mut m = model("2x32:2:16", 3);
+            m.alloc_training_state().unwrap();
             if stale {
-                model.grads.iter_mut().enumerate().for_each(|(i, g)| *g = (i % 7) as f32 - 3.0);
-                model.zero_grad();
+                let junk: Vec<f32> = (0..m.num_parameters()).map(|i| (i % 7) as f32 - 3.0).collect();
+                m.write_all(Slot::Grads, &junk).unwrap();
+                m.zero_grad().unwrap();
             }
             for _ in 0..2 {
-                model.forward(&inputs, Some(&targets), b, t).unwrap();
-                model.backward(0.5).unwrap();
+                m.forward(&inputs, Some(&targets), b, t).unwrap();
+                m.backward(0.5).unwrap();
             }
-            grads.push(model.grads);
+            grads.push(m.read_all(Slot::Grads).unwrap());
         }
         assert!(grads[0] == grads[1], "gradients differ after zero_grad over stale values");
+    }
+
+    #[test]
+    fn cached_logits_match_the_full_forward_pass() {
+        let cfg = GPT2Config {
+            vocab_size: 101,
+            padded_vocab_size: 128,
+            ..GPT2Config::from_descriptor("2x24:3:600").unwrap()
+        };
+        let mut m = GPT2::new(Weights::random(cfg, 11).unwrap(), Device::Cpu).unwrap();
+        // 540 tokens: 530 in chunks of 256 (two whole and one partial), then single tokens.
+        let toks: Vec<u32> = (0..540).map(|i| (i * 37 % 101) as u32).collect();
+        let mut cache = m.kv_cache(540, 256).unwrap();
+        let mut cached = vec![m.forward_cached(&mut cache, &toks[..530]).unwrap().to_vec()];
+        for &t in &toks[530..] {
+            cached.push(m.forward_cached(&mut cache, &[t]).unwrap().to_vec());
+        }
+        m.forward(&toks, None, 1, toks.len()).unwrap();
+        for (j, pos) in (529..540).enumerate() {
+            let full = m.logits_at(pos).unwrap();
+            for (a, b) in cached[j].iter().zip(&full) {
+                assert!((a - b).abs() < 1e-5 * b.abs().max(1.0), "pos {pos}: {a} vs {b}");
+            }
+        }
+        assert!(m.forward_cached(&mut cache, &[1]).is_err(), "past the cache's capacity");
+        assert!(m.kv_cache(601, 1).is_err(), "past the model's context");
+        m.free_kv_cache(cache);
+    }
+
+    #[test]
+    fn a_diverged_step_leaves_the_model_unchanged() {
+        let mut m = model("1x16:2:8", 1);
+        m.alloc_training_state().unwrap();
+        let (x, y) = ([1u32, 2, 3, 4], [2u32, 3, 4, 5]);
+        let before = m.read_all(Slot::Params).unwrap();
+        m.zero_grad().unwrap();
+        m.forward(&x, Some(&y), 1, 4).unwrap();
+        m.backward(f32::NAN).unwrap(); // a NaN objective: NaN loss and gradients
+        m.update(&OptimConfig::default(), 1e-3, 0).unwrap();
+        assert!(m.step_stats().unwrap().loss.is_nan());
+        assert!(m.read_all(Slot::Params).unwrap() == before, "parameters moved on a NaN step");
+        m.zero_grad().unwrap();
+        m.forward(&x, Some(&y), 1, 4).unwrap();
+        m.backward(1.0).unwrap();
+        m.update(&OptimConfig::default(), 1e-3, 0).unwrap();
+        let s = m.step_stats().unwrap();
+        assert!(s.loss.is_finite() && s.grad_norm > 0.0);
+        assert!(m.read_all(Slot::Params).unwrap() != before, "a good step moves the parameters");
+    }
+
+    #[test]
+    fn misuse_gives_errors_not_panics() {
+        let mut m = model("1x16:2:8", 1);
+        assert!(m.backward(1.0).is_err(), "backward before training state");
+        assert!(m.logits_at(0).is_err(), "logits before a forward pass");
+        m.alloc_training_state().unwrap();
+        m.forward(&[1, 2], None, 1, 2).unwrap();
+        assert!(m.backward(1.0).is_err(), "backward without targets");
+        assert!(m.logits_at(2).is_err() && m.logits_at(1).is_ok());
+        assert!(m.forward(&[1, 2, 3], None, 1, 2).is_err(), "wrong length");
+        assert!(m.forward(&[1, 60000], None, 1, 2).is_err(), "token out of range");
+        assert!(m.forward(&[1; 9], None, 1, 9).is_err(), "past maxT");
+        assert!(m.write_all(Slot::AdamM, &[0.0; 3]).is_err(), "wrong size");
     }
 }

@@ -1,7 +1,7 @@
 //! The optimizer step as llm.c's training loop does it: global-norm clipping, then AdamW.
 
-use crate::cpu::adamw::AdamW;
-use crate::model::GPT2;
+use crate::model::{StepStats, GPT2};
+use anyhow::Result;
 
 /// Optimizer hyperparameters (defaults are llm.c train_gpt2.cu's).
 #[derive(Clone, Copy, Debug)]
@@ -19,19 +19,9 @@ impl Default for OptimConfig {
     }
 }
 
-/// Clip (if the global norm exceeds `grad_clip`) and apply AdamW for 0-based `step`.
-/// Returns the gradient norm before clipping.
-pub fn optimizer_step(model: &mut GPT2, o: &OptimConfig, lr: f32, step: usize) -> f32 {
-    let norm = model.grad_norm();
-    let grad_scale = if o.grad_clip > 0.0 && norm > o.grad_clip { o.grad_clip / norm } else { 1.0 };
-    model.update(&AdamW {
-        lr,
-        beta1: o.beta1,
-        beta2: o.beta2,
-        eps: o.eps,
-        weight_decay: o.weight_decay,
-        grad_scale,
-        t: step as i32 + 1,
-    });
-    norm
+/// Clip (if the global norm exceeds `grad_clip`) and apply AdamW for 0-based `step`, then read
+/// the step's loss and the gradient norm before clipping.
+pub fn optimizer_step(model: &mut GPT2, o: &OptimConfig, lr: f32, step: usize) -> Result<StepStats> {
+    model.update(o, lr, step)?;
+    model.step_stats()
 }

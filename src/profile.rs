@@ -1,7 +1,8 @@
-//! Opt-in time accounting by layer kind, for `llmrs bench`. Off by default: each timed call then
-//! costs one relaxed atomic load.
+//! Time accounting by layer kind, for `llmrs bench`. The model brackets its calls with the
+//! backend's `profile_begin(kind)` / `profile_end()`; each backend keeps its own timer (wall
+//! time on the CPU, whose ops run to completion; device events on a GPU). [`WallTimer`] is the
+//! host-clock one. Off by default: a bracket then costs a branch.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,30 +29,53 @@ pub const KINDS: [Kind; 8] = [
     Kind::Optimizer,
 ];
 
-static ENABLED: AtomicBool = AtomicBool::new(false);
-static NANOS: [AtomicU64; 8] = [const { AtomicU64::new(0) }; 8];
-
-pub fn enable(on: bool) {
-    ENABLED.store(on, Ordering::Relaxed);
+/// Wall-clock time per kind, for backends whose ops have finished when the call returns.
+#[derive(Debug, Default)]
+pub struct WallTimer {
+    on: bool,
+    seconds: [f64; KINDS.len()],
+    open: Option<(Kind, Instant)>,
 }
 
-pub fn reset() {
-    NANOS.iter().for_each(|n| n.store(0, Ordering::Relaxed));
-}
-
-/// Seconds spent in each kind since the last reset.
-pub fn totals() -> Vec<(Kind, f64)> {
-    KINDS.iter().map(|&k| (k, NANOS[k as usize].load(Ordering::Relaxed) as f64 * 1e-9)).collect()
-}
-
-/// Run `f`, charging its wall time to `kind` when profiling is on.
-#[inline]
-pub fn timed<R>(kind: Kind, f: impl FnOnce() -> R) -> R {
-    if !ENABLED.load(Ordering::Relaxed) {
-        return f();
+impl WallTimer {
+    pub fn set(&mut self, on: bool) {
+        *self = WallTimer { on, ..Default::default() };
     }
-    let t = Instant::now();
-    let r = f();
-    NANOS[kind as usize].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    r
+    #[inline]
+    pub fn begin(&mut self, kind: Kind) {
+        if self.on {
+            self.open = Some((kind, Instant::now()));
+        }
+    }
+    #[inline]
+    pub fn end(&mut self) {
+        if let Some((kind, t)) = self.open.take() {
+            self.seconds[kind as usize] += t.elapsed().as_secs_f64();
+        }
+    }
+    pub fn totals(&self) -> Vec<(Kind, f64)> {
+        KINDS.iter().map(|&k| (k, self.seconds[k as usize])).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn charges_only_while_on() {
+        let mut t = WallTimer::default();
+        t.begin(Kind::Gelu);
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        t.end();
+        assert!(t.totals().iter().all(|x| x.1 == 0.0), "off: nothing charged");
+        t.set(true);
+        t.begin(Kind::Gelu);
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        t.end();
+        let tot = t.totals();
+        assert!(tot[Kind::Gelu as usize].1 >= 0.002 && tot[Kind::Matmul as usize].1 == 0.0, "{tot:?}");
+        t.set(true);
+        assert_eq!(t.totals()[Kind::Gelu as usize].1, 0.0, "turning on clears");
+    }
 }

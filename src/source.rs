@@ -3,11 +3,12 @@
 
 use crate::checkpoint::load_model;
 use crate::config::GPT2Config;
-use crate::model::GPT2;
+use crate::params::Weights;
 use anyhow::Result;
 use std::path::Path;
 
-pub fn load_any(spec: &str, seed: u32) -> Result<GPT2> {
+/// The weights `spec` names, in host memory (a descriptor gives llm.c's random init with `seed`).
+pub fn load_any(spec: &str, seed: u32) -> Result<Weights> {
     if let Some(hub) = spec.strip_prefix("hf:") {
         let dir = crate::hub::fetch_model(&hub.parse()?, &crate::hub::endpoint(), &crate::hub::cache_dir())?;
         return crate::hf::load_hf(&dir);
@@ -19,7 +20,7 @@ pub fn load_any(spec: &str, seed: u32) -> Result<GPT2> {
     if spec.ends_with(".bin") || p.is_file() {
         return load_model(p);
     }
-    GPT2::random(GPT2Config::from_descriptor(spec)?, seed)
+    Weights::random(GPT2Config::from_descriptor(spec)?, seed)
 }
 
 #[cfg(test)]
@@ -32,11 +33,11 @@ mod tests {
         let m = load_any("1x8:2:8", 5).unwrap();
         let bin = dir.path().join("m.bin");
         crate::checkpoint::save_model(&m, &bin, crate::checkpoint::Dtype::F32).unwrap();
-        assert_eq!(load_any(bin.to_str().unwrap(), 0).unwrap().params, m.params);
+        assert_eq!(load_any(bin.to_str().unwrap(), 0).unwrap(), m);
         crate::hf::save_hf(&m, &dir.path().join("hf"), crate::checkpoint::Dtype::F32).unwrap();
-        assert_eq!(load_any(dir.path().join("hf").to_str().unwrap(), 0).unwrap().params, m.params);
+        assert_eq!(load_any(dir.path().join("hf").to_str().unwrap(), 0).unwrap(), m);
         let st = dir.path().join("hf/model.safetensors");
-        assert_eq!(load_any(st.to_str().unwrap(), 0).unwrap().params, m.params);
+        assert_eq!(load_any(st.to_str().unwrap(), 0).unwrap(), m);
         assert!(load_any("hf:not a name", 0).is_err());
         assert!(load_any("nonsense", 0).is_err());
     }

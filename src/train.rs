@@ -2,10 +2,12 @@
 //! steps, a text sample every `sample_every`, checkpoints every `checkpoint_every`, then one
 //! optimizer step over `grad_accum` micro-batches.
 
+use crate::acts::KvCache;
+use crate::backend::Device;
 use crate::checkpoint::{load_model, load_state, save_model, save_state, Dtype, TrainState};
 use crate::data::DataLoader;
-use crate::model::GPT2;
-use crate::optim::{optimizer_step, OptimConfig};
+use crate::model::{StepStats, GPT2};
+use crate::optim::OptimConfig;
 use crate::rng::random_f32;
 use crate::schedule::{LrSchedule, ScheduleKind};
 use crate::tokenizer::Tokenizer;
@@ -15,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Everything a training run is told. Defaults are llm.c train_gpt2.cu's except where marked
-/// "default run": those make `llmrs train` with no arguments a ~5 minute run on 2 CPU cores.
+/// "default run": those make `llmrs train` with no arguments a run of a few minutes on 2 CPU
+/// cores (README gives the measured time).
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
     /// -i  glob of train shards
@@ -76,6 +79,8 @@ pub struct TrainConfig {
     pub hellaswag_limit: Option<usize>,
     /// no per-step lines (tests)
     pub quiet: bool,
+    /// --device: where the model runs (cpu)
+    pub device: Device,
 }
 
 impl Default for TrainConfig {
@@ -110,6 +115,7 @@ impl Default for TrainConfig {
             hellaswag_data: None,
             hellaswag_limit: None,
             quiet: false,
+            device: Device::Cpu,
         }
     }
 }
@@ -124,11 +130,6 @@ pub struct RunSummary {
     pub samples: Vec<String>,
     /// (step, HellaSwag acc_norm) with -h 1.
     pub hellaswag: Vec<(usize, f32)>,
-}
-
-/// Build the model named by `-e` (see [`crate::source::load_any`]).
-pub fn build_model(desc: &str, seed: u32) -> Result<GPT2> {
-    crate::source::load_any(desc, seed)
 }
 
 /// Where HellaSwag is looked for when no path is given: llm.c's eval file from
@@ -152,29 +153,30 @@ pub fn latest_checkpoint(dir: &Path) -> Option<usize> {
     std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("DONE_")?.parse().ok()).max()
 }
 
-fn ckpt_paths(dir: &Path, step: usize) -> [PathBuf; 3] {
+/// The model, this rank's state and the DONE marker of the checkpoint at `step`.
+fn ckpt_paths(dir: &Path, step: usize, rank: usize) -> [PathBuf; 3] {
     [
         dir.join(format!("model_{step:08}.bin")),
-        dir.join(format!("state_{step:08}_00000.bin")),
+        dir.join(format!("state_{step:08}_{rank:05}.bin")),
         dir.join(format!("DONE_{step:08}")),
     ]
 }
 
 /// Sample `n` tokens after <|endoftext|> with llm.c's sampler (xorshift seeded 1337, softmax
-/// over the V real logits, inverse CDF).
-pub fn sample_tokens(model: &mut GPT2, n: usize, eot: u32) -> Result<Vec<u32>> {
-    let (v, vp) = (model.config.vocab_size, model.config.padded_vocab_size);
-    let n = n.min(model.config.max_seq_len);
+/// over the V real logits, inverse CDF), each from the KV-cached pass over the tokens before
+/// it. `cache` must hold `n` positions (see [`sample_cache`]).
+pub fn sample_tokens(model: &mut GPT2, cache: &mut KvCache, n: usize, eot: u32) -> Result<Vec<u32>> {
+    let n = n.min(cache.capacity + 1);
     let mut rng = 1337u64;
-    let mut toks = vec![eot; n];
+    let mut toks = vec![eot; n.max(1)];
+    cache.reset();
     for t in 1..n {
-        model.forward(&toks[..t], None, 1, t)?;
-        let logits = &model.acts.logits[(t - 1) * vp..(t - 1) * vp + v];
+        let logits = model.forward_cached(cache, &toks[t - 1..t])?;
         let maxv = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let norm: f64 = logits.iter().map(|&x| ((x - maxv) as f64).exp()).sum();
         let coin = random_f32(&mut rng) as f64 * norm;
         let mut cdf = 0f64;
-        let mut next = v - 1;
+        let mut next = logits.len() - 1;
         for (i, &x) in logits.iter().enumerate() {
             cdf += ((x - maxv) as f64).exp();
             if coin < cdf {
@@ -185,6 +187,16 @@ pub fn sample_tokens(model: &mut GPT2, n: usize, eot: u32) -> Result<Vec<u32>> {
         toks[t] = next as u32;
     }
     Ok(toks[1..].to_vec())
+}
+
+/// A KV cache for [`sample_tokens`] of `n` tokens (one position at a time), or None when a
+/// sample that short needs no forward pass.
+pub fn sample_cache(model: &mut GPT2, n: usize) -> Result<Option<KvCache>> {
+    let positions = n.min(model.config.max_seq_len + 1).saturating_sub(1);
+    if positions == 0 {
+        return Ok(None);
+    }
+    model.kv_cache(positions, 1).map(Some)
 }
 
 /// Where per-step output goes: a progress bar on a terminal, plain lines otherwise, plus the
@@ -214,13 +226,21 @@ impl Reporter {
     }
 }
 
-/// Run training as configured. Returns the losses it saw.
+/// Run training as configured, as a single process. Returns the losses it saw.
 pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
+    run_with(cfg, Box::new(crate::backend::comm::SingleProcess))
+}
+
+/// Run training as one rank of `comm`: each rank reads its part of every batch (llm.c's split)
+/// and the step averages gradients and loss over the ranks. Only rank 0 writes the log and
+/// checkpoint model files.
+pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectives>) -> Result<RunSummary> {
     let (b, t) = (cfg.batch_size, cfg.seq_len);
-    let tokens_per_micro = b * t;
+    let (rank, world) = (comm.rank(), comm.world());
+    let tokens_per_micro = b * t * world; // over all ranks
     let total = cfg.total_batch_size.unwrap_or(tokens_per_micro);
     if tokens_per_micro == 0 || total % tokens_per_micro != 0 {
-        bail!("total batch size -d {total} must be a multiple of B*T = {tokens_per_micro}");
+        bail!("total batch size -d {total} must be a multiple of B*T*processes = {tokens_per_micro}");
     }
     let grad_accum = total / tokens_per_micro;
     let out = cfg.output_dir.as_deref();
@@ -234,25 +254,28 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
     } else {
         None
     };
-    let mut model = match resume_step {
-        Some(s) => load_model(&ckpt_paths(out.unwrap(), s)[0])?,
-        None => build_model(&cfg.model, cfg.seed)?,
+    let weights = match resume_step {
+        Some(s) => load_model(&ckpt_paths(out.unwrap(), s, rank)[0])?,
+        None => crate::source::load_any(&cfg.model, cfg.seed)?,
     };
-    let mc = model.config;
+    let mc = weights.config;
     if t > mc.max_seq_len {
         bail!("sequence length -t {t} is longer than the model's max_seq_len {}", mc.max_seq_len);
     }
-    model.alloc_training_state();
-    model.reserve(b, t);
+    let mut model = GPT2::with_collectives(weights, crate::backend::open(cfg.device)?, comm)?;
+    model.alloc_training_state()?;
+    model.reserve(b, t)?;
     let train_pattern = if cfg.overfit_single_batch { &cfg.val_data } else { &cfg.train_data };
     let shuffle = cfg.shuffle && !cfg.overfit_single_batch;
-    let mut train = DataLoader::new(train_pattern, b, t, mc.vocab_size, shuffle).context("train data (-i)")?;
-    let mut val = DataLoader::new(&cfg.val_data, b, t, mc.vocab_size, false).context("val data (-j)")?;
+    let split = crate::data::Split { rank, world };
+    let mut train =
+        DataLoader::new_split(train_pattern, b, t, mc.vocab_size, shuffle, split).context("train data (-i)")?;
+    let mut val = DataLoader::new_split(&cfg.val_data, b, t, mc.vocab_size, false, split).context("val data (-j)")?;
     let steps = cfg.max_steps.unwrap_or(train.num_tokens / total);
     let val_batches = cfg.val_max_steps.unwrap_or(val.num_tokens / tokens_per_micro);
     let mut step = 0;
     if let Some(s) = resume_step {
-        let st: TrainState = load_state(&ckpt_paths(out.unwrap(), s)[1], &mut model)?;
+        let st: TrainState = load_state(&ckpt_paths(out.unwrap(), s, rank)[1], &mut model)?;
         if st.should_shuffle != shuffle {
             bail!(
                 "the run being resumed {} its training data; pass the same --no-shuffle setting",
@@ -272,7 +295,7 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
     // Like llm.c, decode samples with ./gpt2_tokenizer.bin when it is there; else the built-in BPE.
     let llmc_tokenizer = Path::new("gpt2_tokenizer.bin");
     let tokenizer = if llmc_tokenizer.is_file() { Tokenizer::load_llmc(llmc_tokenizer)? } else { Tokenizer::gpt2()? };
-    let log = match out {
+    let log = match out.filter(|_| rank == 0) {
         Some(dir) => {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("cannot create output directory {}", dir.display()))?;
@@ -289,8 +312,8 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
     };
     let bar = if cfg.quiet { indicatif::ProgressBar::hidden() } else { crate::progress::bar(steps as u64, "train") };
     bar.set_position(step as u64);
-    let mut rep = Reporter { bar, log, quiet: cfg.quiet };
-    if !cfg.quiet {
+    let mut rep = Reporter { bar, log, quiet: cfg.quiet || rank != 0 };
+    if !rep.quiet {
         rep.line(&format!(
             "model: L={} C={} NH={} maxT={} V={} ({} parameters){}",
             mc.num_layers,
@@ -302,12 +325,12 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
             resume_step.map_or(String::new(), |s| format!(", resumed at step {s}"))
         ));
         rep.line(&format!(
-            "data: {} train tokens in {} shard(s), {} val tokens; B={b} T={t} grad_accum={grad_accum}; {steps} steps; {} threads",
+            "data: {} train tokens in {} shard(s), {} val tokens; B={b} T={t} grad_accum={grad_accum}; {steps} steps",
             train.num_tokens,
             train.num_shards(),
             val.num_tokens,
-            rayon::current_num_threads()
         ));
+        rep.line(&format!("device: {}", model.describe_backend()));
     }
     let hellaswag = if cfg.hellaswag {
         let path = match &cfg.hellaswag_data {
@@ -322,16 +345,18 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
     };
     let mut summary = RunSummary::default();
     let mut resuming = resume_step.is_some();
+    let mut sampler_cache = if cfg.sample_every > 0 { sample_cache(&mut model, cfg.gen_tokens)? } else { None };
     loop {
         let last = step == steps;
         if step % cfg.val_every.max(1) == 0 || last {
             val.reset()?;
-            let mut loss = 0.0;
+            model.take_loss()?;
             for _ in 0..val_batches {
                 val.next_batch()?;
-                loss += model.forward(&val.inputs, Some(&val.targets), b, t)?.unwrap_or(0.0);
+                model.forward(&val.inputs, Some(&val.targets), b, t)?;
+                model.accumulate_loss(1.0 / val_batches as f32)?;
             }
-            loss /= val_batches.max(1) as f32;
+            let loss = model.take_loss()?; // the validation's one host read
             rep.line(&format!("val loss {loss:.6}"));
             rep.json(serde_json::json!({"step": step, "val_loss": loss}))?;
             summary.val_losses.push((step, loss));
@@ -347,7 +372,10 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
             }
         }
         if cfg.sample_every > 0 && ((step > 0 && step % cfg.sample_every == 0) || last) {
-            let toks = sample_tokens(&mut model, cfg.gen_tokens, tokenizer.eot)?;
+            let toks = match &mut sampler_cache {
+                Some(cache) => sample_tokens(&mut model, cache, cfg.gen_tokens, tokenizer.eot)?,
+                None => vec![],
+            };
             let text = tokenizer.decode(&toks);
             rep.line(&format!("generating:\n---\n{text}\n---"));
             summary.samples.push(text);
@@ -355,13 +383,14 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
         if let (Some(dir), true) =
             (out, cfg.checkpoint_every > 0 && !resuming && ((step > 0 && step % cfg.checkpoint_every == 0) || last))
         {
-            write_checkpoint(dir, step, &model, &train, cfg.save_dtype)?;
+            write_checkpoint(dir, step, &mut model, &train, cfg.save_dtype)?;
             let keep = cfg.checkpoints_keep * cfg.checkpoint_every;
-            if cfg.checkpoints_keep > 0 && step > keep {
+            if rank == 0 && cfg.checkpoints_keep > 0 && step > keep {
                 let old = step - keep;
                 if cfg.major_checkpoint_every == 0 || old % cfg.major_checkpoint_every != 0 {
-                    let [m, s, d] = ckpt_paths(dir, old);
-                    for p in [d, s, m] {
+                    let [m, s, d] = ckpt_paths(dir, old, 0);
+                    let others = (1..world).map(|r| ckpt_paths(dir, old, r)[1].clone());
+                    for p in [d, m].into_iter().chain(others).chain([s]) {
                         let _ = std::fs::remove_file(p); // DONE first, so a half-deleted checkpoint is never "complete"
                     }
                 }
@@ -375,23 +404,25 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
         if cfg.overfit_single_batch {
             train.reset()?;
         }
-        model.zero_grad();
-        let mut loss = 0.0f32;
+        // The step: nothing in it waits on the host until its loss and norm are read at the end.
+        model.zero_grad()?;
         for _ in 0..grad_accum {
             train.next_batch()?;
-            loss += model.forward(&train.inputs, Some(&train.targets), b, t)?.unwrap_or(0.0) / grad_accum as f32;
+            model.forward(&train.inputs, Some(&train.targets), b, t)?;
             model.backward(1.0 / grad_accum as f32)?;
         }
+        let lr = sched.lr(step);
+        model.update(&cfg.optim, lr, step)?;
+        let StepStats { loss, grad_norm: norm } = model.step_stats()?;
+        // A step with a non-finite loss or norm left the parameters as they were (see GPT2::update).
         if !loss.is_finite() {
             bail!(
                 "the training loss is {loss} at step {step}: training diverged. Lower the learning rate (-l), keep clipping on \
                  (--grad-clip 1), or resume from the last good checkpoint with -y 1"
             );
         }
-        let lr = sched.lr(step);
-        let norm = optimizer_step(&mut model, &cfg.optim, lr, step);
         if !norm.is_finite() {
-            bail!("the gradient norm is {norm} at step {step}; the parameters are no longer finite. Lower the learning rate (-l) and resume from the last checkpoint with -y 1");
+            bail!("the gradient norm is {norm} at step {step}: training diverged. Lower the learning rate (-l) and resume from the last checkpoint with -y 1");
         }
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let tok_s = (total as f64) / (ms / 1e3);
@@ -405,7 +436,10 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
         step += 1;
     }
     rep.bar.finish_and_clear();
-    if let Some(dir) = out {
+    if let Some(cache) = sampler_cache {
+        model.free_kv_cache(cache);
+    }
+    if let (Some(dir), 0) = (out, rank) {
         drop(rep); // flush and close the log before reading it back
         let run = crate::plot::read_log(&dir.join("log.jsonl"))?;
         let (png, _) = crate::plot::plot(&[run], &dir.join("curves"))?;
@@ -416,12 +450,19 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
     Ok(summary)
 }
 
-/// Model file, state file, then the DONE marker (so a checkpoint without DONE is ignored).
-fn write_checkpoint(dir: &Path, step: usize, model: &GPT2, train: &DataLoader, dtype: Dtype) -> Result<()> {
-    let [m, s, d] = ckpt_paths(dir, step);
-    save_model(model, &m, dtype)?;
+/// As llm.c: rank 0 writes the model file, every rank its state file, then (after all have)
+/// rank 0 the DONE marker, so a checkpoint without DONE is ignored.
+fn write_checkpoint(dir: &Path, step: usize, model: &mut GPT2, train: &DataLoader, dtype: Dtype) -> Result<()> {
+    let rank = model.rank().0;
+    let [m, s, d] = ckpt_paths(dir, step, rank);
+    if rank == 0 {
+        save_model(&model.weights()?, &m, dtype)?;
+    }
     let st = TrainState { step, loader: train.state(), should_shuffle: train.should_shuffle() };
     save_state(&s, model, &st)?;
-    crate::checkpoint::write_atomic(&d, &[])?;
+    model.barrier()?;
+    if rank == 0 {
+        crate::checkpoint::write_atomic(&d, &[])?;
+    }
     Ok(())
 }

@@ -4,9 +4,11 @@
 //! Cases: CASES per strategy (4 strategies), each case picking one of the 6 parsers at random,
 //! so about CASES * 4 / 6 = 2000 cases per parser per run; README states the figures.
 
+use llmrs::backend::Device;
 use llmrs::checkpoint::{load_model, load_state, save_model, save_state, Dtype, TrainState};
 use llmrs::config::GPT2Config;
 use llmrs::model::GPT2;
+use llmrs::params::Weights;
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 
@@ -57,22 +59,29 @@ fn valid() -> &'static Valid {
         let dir = tempfile::tempdir().unwrap();
         let cfg =
             GPT2Config { vocab_size: 50, padded_vocab_size: 64, ..GPT2Config::from_descriptor("1x8:2:8").unwrap() };
-        let mut m = GPT2::random(cfg, 1).unwrap();
-        m.alloc_training_state();
+        let w = Weights::random(cfg, 1).unwrap();
         let model = dir.path().join("model.bin");
-        save_model(&m, &model, Dtype::F32).unwrap();
+        save_model(&w, &model, Dtype::F32).unwrap();
         let shard = dir.path().join("shard.bin");
         llmrs::data::write_shard(&shard, &(0..40).map(|i| i % 50).collect::<Vec<_>>()).unwrap();
         let mut dl = llmrs::data::DataLoader::new(shard.to_str().unwrap(), 1, 4, 50, true).unwrap();
         dl.next_batch().unwrap();
         let state = dir.path().join("state.bin");
-        save_state(&state, &m, &TrainState { step: 3, loader: dl.state(), should_shuffle: true }).unwrap();
+        save_state(&state, &mut trainable(&model), &TrainState { step: 3, loader: dl.state(), should_shuffle: true })
+            .unwrap();
         let tokenizer = dir.path().join("tok.bin");
         llmrs::tokenizer::Tokenizer::gpt2().unwrap().save_llmc(&tokenizer).unwrap();
         let hf_dir = dir.path().join("hf");
-        llmrs::hf::save_hf(&m, &hf_dir, Dtype::F32).unwrap();
+        llmrs::hf::save_hf(&w, &hf_dir, Dtype::F32).unwrap();
         Valid { _dir: dir, model, state, shard, tokenizer, hf_dir }
     })
+}
+
+/// The model file on the CPU backend, ready to take a training state.
+fn trainable(model: &Path) -> GPT2 {
+    let mut m = GPT2::new(load_model(model).unwrap(), Device::Cpu).unwrap();
+    m.alloc_training_state().unwrap();
+    m
 }
 
 /// Every parser, run on `bytes` in place of the valid file of its kind.
@@ -93,11 +102,7 @@ fn parse(kind: Kind, bytes: &[u8]) {
     std::fs::write(&p, bytes).unwrap();
     let _ = match kind {
         Kind::Model => load_model(&p).map(|_| ()),
-        Kind::State => {
-            let mut m = load_model(&v.model).unwrap();
-            m.alloc_training_state();
-            load_state(&p, &mut m).map(|_| ())
-        }
+        Kind::State => load_state(&p, &mut trainable(&v.model)).map(|_| ()),
         Kind::Shard => {
             let _ = llmrs::data::read_shard(&p);
             llmrs::data::DataLoader::new(p.to_str().unwrap(), 2, 3, 50, true).and_then(|mut d| d.next_batch())
@@ -174,9 +179,7 @@ proptest! {
 fn valid_files_parse() {
     // The fuzzing above starts from these; make sure they are indeed accepted.
     let v = valid();
-    let mut m = load_model(&v.model).unwrap();
-    m.alloc_training_state();
-    load_state(&v.state, &mut m).unwrap();
+    load_state(&v.state, &mut trainable(&v.model)).unwrap();
     llmrs::data::read_shard(&v.shard).unwrap();
     llmrs::tokenizer::Tokenizer::load_llmc(&v.tokenizer).unwrap();
     llmrs::hf::load_hf(&v.hf_dir).unwrap();

@@ -2,9 +2,11 @@
 //! llm.c's hellaswag.py logic) on a random-init model: the same tokens, per-ending losses and
 //! predictions for the first 300 validation examples.
 
+use llmrs::backend::Device;
 use llmrs::config::GPT2Config;
 use llmrs::hellaswag::{accuracy, load_jsonl, score};
 use llmrs::model::GPT2;
+use llmrs::params::Weights;
 use llmrs::tokenizer::Tokenizer;
 
 #[test]
@@ -14,7 +16,8 @@ fn losses_and_predictions_match_the_pytorch_scorer() {
     let want: serde_json::Value = serde_json::from_str(&text).unwrap();
     let n = want["n"].as_u64().unwrap() as usize;
     // The fixture's model is `llmrs convert 2x64:4:256 --seed 42`: our random init.
-    let mut model = GPT2::random(GPT2Config::from_descriptor("2x64:4:256").unwrap(), 42).unwrap();
+    let weights = Weights::random(GPT2Config::from_descriptor("2x64:4:256").unwrap(), 42).unwrap();
+    let mut model = GPT2::new(weights, Device::Cpu).unwrap();
     let data = llmrs::testdata::data_dir().join("hellaswag/hellaswag_val.preprocessed.jsonl");
     let mut ex = load_jsonl(&data, &Tokenizer::gpt2().unwrap()).unwrap();
     assert_eq!(ex.len(), 10042);

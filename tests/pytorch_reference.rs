@@ -6,11 +6,12 @@
 //! `|a - b| <= atol + rtol * |b|`, rtol = 1e-5 and an absolute floor scaled to each tensor's
 //! magnitude (1e-5 of its max), because values near zero have no meaningful relative error.
 
+use llmrs::backend::Device;
 use llmrs::checkpoint::{load_debug_state, load_model};
 use llmrs::config::GPT2Config;
-use llmrs::model::GPT2;
+use llmrs::model::{Slot, GPT2};
 use llmrs::optim::{optimizer_step, OptimConfig};
-use llmrs::params::TENSOR_NAMES;
+use llmrs::params::{Tensor, Weights};
 use llmrs::schedule::{LrSchedule, ScheduleKind};
 use std::path::PathBuf;
 
@@ -40,11 +41,11 @@ fn random_init_matches_pytorch() {
     // differ from the scalar formula by a few ulps of its intermediates: about 2.5e-8 absolute
     // seen, so allow 2e-7 = 1e-5 of the std 0.02. (llm.c's scalar path is what we implement.)
     let reference = load_model(&fixture("ref_init.bin")).unwrap();
-    let ours = GPT2::random(reference.config, 42).unwrap();
+    let ours = Weights::random(reference.config, 42).unwrap();
     let mut exact = 0;
-    for (name, span) in TENSOR_NAMES.iter().zip(&ours.layout.tensors) {
-        for (i, (x, y)) in span.of(&ours.params).iter().zip(span.of(&reference.params)).enumerate() {
-            assert!((x - y).abs() <= 2e-7, "{name}[{i}]: {x} vs {y}");
+    for t in Tensor::ALL {
+        for (i, (x, y)) in ours.tensor(t).iter().zip(reference.tensor(t)).enumerate() {
+            assert!((x - y).abs() <= 2e-7, "{}[{i}]: {x} vs {y}", t.name());
             exact += (x.to_bits() == y.to_bits()) as usize;
         }
     }
@@ -54,27 +55,36 @@ fn random_init_matches_pytorch() {
 
 #[test]
 fn logits_loss_and_all_16_gradients_match() {
-    let mut model = load_model(&fixture("ref_model.bin")).unwrap();
-    let st = load_debug_state(&fixture("ref_debug_state.bin"), &model.config).unwrap();
-    let GPT2Config { vocab_size: v, padded_vocab_size: vp, .. } = model.config;
-    model.alloc_training_state();
-    let loss = model.forward(&st.inputs, Some(&st.targets), st.b, st.t).unwrap().unwrap();
-    let logits: Vec<f32> = model.acts.logits[..st.b * st.t * vp].chunks(vp).flat_map(|r| r[..v].to_vec()).collect();
+    let weights = load_model(&fixture("ref_model.bin")).unwrap();
+    let st = load_debug_state(&fixture("ref_debug_state.bin"), &weights.config).unwrap();
+    let GPT2Config { vocab_size: v, .. } = weights.config;
+    let mut model = GPT2::new(weights, Device::Cpu).unwrap();
+    model.alloc_training_state().unwrap();
+    model.forward(&st.inputs, Some(&st.targets), st.b, st.t).unwrap();
+    let logits: Vec<f32> = (0..st.b * st.t).flat_map(|row| model.logits_at(row).unwrap()).collect();
+    assert_eq!(logits.len(), st.b * st.t * v);
     compare(&logits, &st.logits, 1e-5, "logits");
+    model.accumulate_loss(1.0).unwrap();
+    let loss = model.take_loss().unwrap();
     assert!((loss - st.loss).abs() <= 1e-5 * st.loss, "loss {loss} vs {}", st.loss);
-    model.zero_grad();
+    model.zero_grad().unwrap();
     model.backward(1.0).unwrap();
-    for (name, span) in TENSOR_NAMES.iter().zip(&model.layout.tensors) {
-        compare(span.of(&model.grads), span.of(&st.grads), 1e-4, name);
+    let grads = model.read_all(Slot::Grads).unwrap();
+    let layout = model.layout().clone();
+    for t in Tensor::ALL {
+        compare(&grads[layout.range(t)], &st.grads[layout.range(t)], 1e-4, t.name());
     }
+    // The loss of the objective that backward differentiated is the step's loss.
+    let stats_loss = model.step_stats().unwrap().loss;
+    assert!((stats_loss - st.loss).abs() <= 1e-5 * st.loss, "step loss {stats_loss} vs {}", st.loss);
 }
 
 #[test]
 fn ten_adamw_steps_follow_pytorch() {
     let text = std::fs::read_to_string(fixture("ref_trajectory.json")).unwrap();
     let j: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let mut model = load_model(&fixture("ref_model.bin")).unwrap();
-    model.alloc_training_state();
+    let mut model = GPT2::new(load_model(&fixture("ref_model.bin")).unwrap(), Device::Cpu).unwrap();
+    model.alloc_training_state().unwrap();
     let (b, t) = (j["B"].as_u64().unwrap() as usize, j["T"].as_u64().unwrap() as usize);
     let accum = j["grad_accum_steps"].as_u64().unwrap() as usize;
     let o = &j["optimizer"];
@@ -100,15 +110,15 @@ fn ten_adamw_steps_follow_pytorch() {
     let want = |k: &str| -> Vec<f32> { j[k].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect() };
     let (want_loss, want_norm, want_lr) = (want("losses"), want("grad_norms"), want("lrs"));
     for step in 0..steps {
-        model.zero_grad();
-        let mut loss = 0.0;
+        model.zero_grad().unwrap();
         for micro in 0..accum {
             let i = step * accum + micro;
-            loss += model.forward(&toks("inputs", i), Some(&toks("targets", i)), b, t).unwrap().unwrap() / accum as f32;
+            model.forward(&toks("inputs", i), Some(&toks("targets", i)), b, t).unwrap();
             model.backward(1.0 / accum as f32).unwrap();
         }
         let lr = sched.lr(step);
-        let norm = optimizer_step(&mut model, &opt, lr, step);
+        let stats = optimizer_step(&mut model, &opt, lr, step).unwrap();
+        let (loss, norm) = (stats.loss, stats.grad_norm);
         // fp32 on both sides: agreement to ~1e-6 relative is expected; 1e-5 is the bar.
         assert!((lr - want_lr[step]).abs() <= 1e-6 * want_lr[step], "step {step} lr {lr} vs {}", want_lr[step]);
         assert!(

@@ -46,9 +46,14 @@ pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f
     });
 }
 
-/// sqrt(sum of squares) of `grads`. Partial sums go to `partials` (one per CHUNK, allocated by
-/// the caller) and are added in order, so the result is the same on every run.
+/// sqrt(sum of squares) of `grads` (see [`sum_of_squares`]).
 pub fn global_norm(grads: &[f32], partials: &mut [f64]) -> f32 {
+    sum_of_squares(grads, partials).sqrt() as f32
+}
+
+/// The sum of squares of `grads`, in f64. Partial sums go to `partials` (one per CHUNK,
+/// allocated by the caller) and are added in order, so the result is the same on every run.
+pub fn sum_of_squares(grads: &[f32], partials: &mut [f64]) -> f64 {
     let nchunks = grads.len().div_ceil(CHUNK);
     let partials = &mut partials[..nchunks];
     team::chunks_mut(partials, 1, |i, s| {
@@ -67,7 +72,7 @@ pub fn global_norm(grads: &[f32], partials: &mut [f64]) -> f32 {
         }
         *s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     });
-    partials.iter().sum::<f64>().sqrt() as f32
+    partials.iter().sum::<f64>()
 }
 
 /// How many partial sums [`global_norm`] needs for `n` gradients.

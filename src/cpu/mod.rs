@@ -3,6 +3,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod backend;
 pub mod classifier;
 pub mod encoder;
 pub mod gelu;

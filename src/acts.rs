@@ -1,0 +1,287 @@
+//! Where the activations live: named views into one backend allocation per plan.
+//!
+//! [`Acts`] holds everything a training forward pass keeps for backward, plus the backward
+//! pass's per-layer scratch, sized for a capacity (B, T); a pass over a smaller (b, t) uses a
+//! prefix of each buffer, laid out for (b, t). [`KvCache`] holds one sequence's keys and values
+//! and the workspace of the KV-cached inference pass. Both hand the model a [`BlockActs`] per
+//! layer, so one block function serves training and inference.
+
+use crate::backend::{Backend, Buf, DType};
+use crate::config::GPT2Config;
+use anyhow::Result;
+
+/// Cut consecutive views of the given lengths out of one new allocation.
+fn carve<const K: usize>(be: &mut dyn Backend, lens: [usize; K]) -> Result<(Buf, [Buf; K])> {
+    let whole = be.alloc(lens.iter().sum(), DType::F32)?;
+    let mut off = 0;
+    let views = lens.map(|len| {
+        off += len;
+        whole.slice(off - len..off)
+    });
+    Ok((whole, views))
+}
+
+/// One block's activations for a pass over N = B*T positions (shapes without the L dimension).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockActs {
+    pub res_in: Buf,    // (N, C) the residual stream entering the block
+    pub ln1: Buf,       // (N, C)
+    pub ln1_mean: Buf,  // (N)
+    pub ln1_rstd: Buf,  // (N)
+    pub qkv: Buf,       // (N, 3*C)
+    pub atty: Buf,      // (N, C)
+    pub att: Buf,       // (B, NH, T, T) probabilities; KV-cached: scores (NH, TN, maxT)
+    pub residual2: Buf, // (N, C)
+    pub ln2: Buf,       // (N, C)
+    pub ln2_mean: Buf,  // (N)
+    pub ln2_rstd: Buf,  // (N)
+    pub fch: Buf,       // (N, 4*C)
+    pub fch_gelu: Buf,  // (N, 4*C)
+    pub residual3: Buf, // (N, C) the residual stream leaving the block
+    pub scratch: Buf,   // (N, C) attention workspace, then projection outputs; d(ln), d(atty) in backward
+}
+
+/// The backward pass's per-layer buffers (shared by all layers).
+#[derive(Clone, Copy, Debug)]
+pub struct BackActs {
+    pub dresidual: Buf, // (N, C) gradient of the residual stream
+    pub dfch: Buf,      // (N, 4*C)
+    pub dqkv: Buf,      // (N, 3*C)
+    pub datt: Buf,      // (B, NH, T, T)
+}
+
+/// A training (or evaluation) pass's activations, for capacity (B, T).
+#[derive(Clone, Copy, Debug)]
+pub struct Acts {
+    pub cap_b: usize,
+    pub cap_t: usize,
+    /// Whether the backward buffers exist.
+    pub backward: bool,
+    pub whole: Buf,
+    pub tokens: Buf,    // u32 (2, B, T): inputs then targets
+    pub encoded: Buf,   // (B, T, C)
+    pub ln1: Buf,       // (L, B, T, C)
+    pub ln1_mean: Buf,  // (L, B, T)
+    pub ln1_rstd: Buf,  // (L, B, T)
+    pub qkv: Buf,       // (L, B, T, 3*C)
+    pub atty: Buf,      // (L, B, T, C)
+    pub att: Buf,       // (L, B, NH, T, T)
+    pub residual2: Buf, // (L, B, T, C)
+    pub ln2: Buf,       // (L, B, T, C)
+    pub ln2_mean: Buf,  // (L, B, T)
+    pub ln2_rstd: Buf,  // (L, B, T)
+    pub fch: Buf,       // (L, B, T, 4*C)
+    pub fch_gelu: Buf,  // (L, B, T, 4*C)
+    pub residual3: Buf, // (L, B, T, C)
+    pub lnf: Buf,       // (B, T, C)
+    pub lnf_mean: Buf,  // (B, T)
+    pub lnf_rstd: Buf,  // (B, T)
+    pub logits: Buf,    // (B, T, Vp); after backward, d(loss)/d(logits)
+    pub losses: Buf,    // (B, T)
+    pub lse: Buf,       // (B, T) log-sum-exp of each row of logits
+    pub scratch: Buf,   // (B, T, C)
+    pub dresidual: Buf, // (B, T, C)     backward only (else empty)
+    pub dfch: Buf,      // (B, T, 4*C)   backward only
+    pub dqkv: Buf,      // (B, T, 3*C)   backward only
+    pub datt: Buf,      // (B, NH, T, T) backward only
+}
+
+impl Acts {
+    pub fn new(be: &mut dyn Backend, cfg: &GPT2Config, b: usize, t: usize, backward: bool) -> Result<Self> {
+        let (c, l, nh, vp) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size);
+        let n = b * t;
+        let bw = |len: usize| if backward { len } else { 0 };
+        #[rustfmt::skip]
+        let lens = [
+            n * c, l * n * c, l * n, l * n, l * n * 3 * c, l * n * c, l * b * nh * t * t, l * n * c,
+            l * n * c, l * n, l * n, l * n * 4 * c, l * n * 4 * c, l * n * c,
+            n * c, n, n, n * vp, n, n, n * c,
+            bw(n * c), bw(n * 4 * c), bw(n * 3 * c), bw(b * nh * t * t),
+        ];
+        let (whole, v) = carve(be, lens)?;
+        let tokens = be.alloc(2 * n, DType::U32)?;
+        Ok(Acts {
+            cap_b: b,
+            cap_t: t,
+            backward,
+            whole,
+            tokens,
+            encoded: v[0],
+            ln1: v[1],
+            ln1_mean: v[2],
+            ln1_rstd: v[3],
+            qkv: v[4],
+            atty: v[5],
+            att: v[6],
+            residual2: v[7],
+            ln2: v[8],
+            ln2_mean: v[9],
+            ln2_rstd: v[10],
+            fch: v[11],
+            fch_gelu: v[12],
+            residual3: v[13],
+            lnf: v[14],
+            lnf_mean: v[15],
+            lnf_rstd: v[16],
+            logits: v[17],
+            losses: v[18],
+            lse: v[19],
+            scratch: v[20],
+            dresidual: v[21],
+            dfch: v[22],
+            dqkv: v[23],
+            datt: v[24],
+        })
+    }
+
+    /// Whether a pass over (b, t) fits (and, when `backward`, the backward buffers exist).
+    pub fn fits(&self, b: usize, t: usize, backward: bool) -> bool {
+        b <= self.cap_b && t <= self.cap_t && (self.backward || !backward)
+    }
+
+    pub fn free(&self, be: &mut dyn Backend) {
+        be.free(self.whole);
+        be.free(self.tokens);
+    }
+
+    /// Token ids of a pass over N positions: (inputs (N), targets (N)).
+    pub fn tokens(&self, n: usize) -> (Buf, Buf) {
+        let cap = self.tokens.len / 2;
+        (self.tokens.prefix(n), self.tokens.slice(cap..cap + n))
+    }
+
+    /// Layer `l`'s views for a pass over (b, t) (layers laid out at the pass's own size).
+    pub fn layer(&self, cfg: &GPT2Config, l: usize, b: usize, t: usize) -> BlockActs {
+        let (c, nh, n) = (cfg.channels, cfg.num_heads, b * t);
+        BlockActs {
+            res_in: if l == 0 { self.encoded.prefix(n * c) } else { self.residual3.part(l - 1, n * c) },
+            ln1: self.ln1.part(l, n * c),
+            ln1_mean: self.ln1_mean.part(l, n),
+            ln1_rstd: self.ln1_rstd.part(l, n),
+            qkv: self.qkv.part(l, n * 3 * c),
+            atty: self.atty.part(l, n * c),
+            att: self.att.part(l, b * nh * t * t),
+            residual2: self.residual2.part(l, n * c),
+            ln2: self.ln2.part(l, n * c),
+            ln2_mean: self.ln2_mean.part(l, n),
+            ln2_rstd: self.ln2_rstd.part(l, n),
+            fch: self.fch.part(l, n * 4 * c),
+            fch_gelu: self.fch_gelu.part(l, n * 4 * c),
+            residual3: self.residual3.part(l, n * c),
+            scratch: self.scratch.prefix(n * c),
+        }
+    }
+
+    /// The backward buffers for a pass over (b, t).
+    pub fn back(&self, cfg: &GPT2Config, b: usize, t: usize) -> BackActs {
+        let (c, nh, n) = (cfg.channels, cfg.num_heads, b * t);
+        BackActs {
+            dresidual: self.dresidual.prefix(n * c),
+            dfch: self.dfch.prefix(n * 4 * c),
+            dqkv: self.dqkv.prefix(n * 3 * c),
+            datt: self.datt.prefix(b * nh * t * t),
+        }
+    }
+}
+
+/// One sequence's keys and values for every layer, and the workspace of the KV-cached
+/// inference pass for up to `chunk` new positions at a time. Made by
+/// [`crate::model::GPT2::kv_cache`] on the model's backend.
+#[derive(Debug)]
+pub struct KvCache {
+    /// Positions the cache can hold (at most the model's maxT).
+    pub capacity: usize,
+    /// Most positions fed in one pass.
+    pub chunk: usize,
+    /// Positions already in the cache.
+    pub pos: usize,
+    pub(crate) whole: Buf,
+    pub(crate) tokens: Buf,   // u32 (CH)
+    pub(crate) k: Buf,        // (L, cap, C)
+    pub(crate) v: Buf,        // (L, cap, C)
+    pub(crate) x: BlockActs,  // for CH positions; res_in and residual3 are the same stream buffer
+    pub(crate) lnf: Buf,      // (1, C) the last position only
+    pub(crate) lnf_mean: Buf, // (1)
+    pub(crate) lnf_rstd: Buf, // (1)
+    pub(crate) logits: Buf,   // (Vp)
+    /// The first V logits of the last position fed, on the host.
+    pub(crate) host_logits: Vec<f32>,
+}
+
+impl KvCache {
+    pub(crate) fn new(be: &mut dyn Backend, cfg: &GPT2Config, capacity: usize, chunk: usize) -> Result<Self> {
+        let (c, l, nh, vp, ch) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size, chunk);
+        // k, v, then the block's buffers in BlockActs order (one stream buffer for res_in and
+        // residual3: each op reads it before the block's last one writes it), then the head.
+        #[rustfmt::skip]
+        let lens = [
+            l * capacity * c, l * capacity * c,
+            ch * c, ch * c, ch, ch, ch * 3 * c, ch * c, nh * ch * capacity, ch * c,
+            ch * c, ch, ch, ch * 4 * c, ch * 4 * c, ch * c,
+            c, 1, 1, vp,
+        ];
+        let (whole, v) = carve(be, lens)?;
+        let tokens = be.alloc(ch, DType::U32)?;
+        let x = BlockActs {
+            res_in: v[2],
+            ln1: v[3],
+            ln1_mean: v[4],
+            ln1_rstd: v[5],
+            qkv: v[6],
+            atty: v[7],
+            att: v[8],
+            residual2: v[9],
+            ln2: v[10],
+            ln2_mean: v[11],
+            ln2_rstd: v[12],
+            fch: v[13],
+            fch_gelu: v[14],
+            residual3: v[2],
+            scratch: v[15],
+        };
+        Ok(KvCache {
+            capacity,
+            chunk,
+            pos: 0,
+            whole,
+            tokens,
+            k: v[0],
+            v: v[1],
+            x,
+            lnf: v[16],
+            lnf_mean: v[17],
+            lnf_rstd: v[18],
+            logits: v[19],
+            host_logits: vec![0.0; cfg.vocab_size],
+        })
+    }
+
+    /// Start a new sequence (the memory is kept).
+    pub fn reset(&mut self) {
+        self.pos = 0;
+    }
+
+    /// Layer `l`'s views for `tn` new positions, and its key and value rows (cap, C).
+    pub(crate) fn layer(&self, cfg: &GPT2Config, l: usize, tn: usize) -> (BlockActs, Buf, Buf) {
+        let (c, nh, cap) = (cfg.channels, cfg.num_heads, self.capacity);
+        let x = &self.x;
+        let acts = BlockActs {
+            res_in: x.res_in.prefix(tn * c),
+            ln1: x.ln1.prefix(tn * c),
+            ln1_mean: x.ln1_mean.prefix(tn),
+            ln1_rstd: x.ln1_rstd.prefix(tn),
+            qkv: x.qkv.prefix(tn * 3 * c),
+            atty: x.atty.prefix(tn * c),
+            att: x.att.prefix(nh * tn * cap),
+            residual2: x.residual2.prefix(tn * c),
+            ln2: x.ln2.prefix(tn * c),
+            ln2_mean: x.ln2_mean.prefix(tn),
+            ln2_rstd: x.ln2_rstd.prefix(tn),
+            fch: x.fch.prefix(tn * 4 * c),
+            fch_gelu: x.fch_gelu.prefix(tn * 4 * c),
+            residual3: x.residual3.prefix(tn * c),
+            scratch: x.scratch.prefix(tn * c),
+        };
+        (acts, self.k.part(l, cap * c), self.v.part(l, cap * c))
+    }
+}

@@ -1,0 +1,351 @@
+//! The seam between the model and the device it runs on.
+//!
+//! The model ([`crate::model`]) is a list of llm.c's layer calls on [`Buf`] handles into memory
+//! that a [`Backend`] owns. One backend is chosen at start-up ([`Device`], `--device`) and
+//! reached through a `Box<dyn Backend>`; a training step makes a few hundred calls, so the
+//! dynamic dispatch costs nothing measurable. Adding a device means adding its files (e.g.
+//! `src/cuda/backend.rs` and one kernel file per layer kind) and an arm in [`open`]; the model,
+//! the training loop and everything above them do not change.
+//!
+//! Conventions of every op: outputs first, inputs next, shapes last (the dimension names of
+//! [`crate::config`]); every buffer has exactly the length its shape says (the CPU backend
+//! checks this, and that no output overlaps another buffer of the same call). An op only
+//! queues work: results reach the host through [`Backend::download`], which waits for
+//! everything queued before it. Ops never fail on valid shapes; a device error surfaces at
+//! the next download or [`Backend::synchronize`].
+
+pub mod comm;
+
+use crate::profile::Kind;
+use anyhow::{bail, Result};
+use std::ops::Range;
+
+/// Element type of a buffer. Parameters and activations are f32 today; bf16 comes with the GPU
+/// backend (fp32 master weights beside bf16 parameters); token ids are u32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    BF16,
+    U32,
+}
+
+impl DType {
+    pub fn bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::U32 => 4,
+            DType::BF16 => 2,
+        }
+    }
+}
+
+/// A handle to `len` elements of type `dtype` at element `off` of one backend allocation.
+/// Small and `Copy`, so the model passes handles around freely; it carries no lifetime, and the
+/// backend checks it against its allocation on every use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Buf {
+    pub alloc: u32,
+    pub off: usize,
+    pub len: usize,
+    pub dtype: DType,
+}
+
+impl Buf {
+    /// Elements `r` of this buffer.
+    pub fn slice(self, r: Range<usize>) -> Buf {
+        assert!(r.start <= r.end && r.end <= self.len, "slice {r:?} of a buffer of {} elements", self.len);
+        Buf { off: self.off + r.start, len: r.end - r.start, ..self }
+    }
+
+    /// The first `n` elements.
+    pub fn prefix(self, n: usize) -> Buf {
+        self.slice(0..n)
+    }
+
+    /// The `i`-th of consecutive pieces of `size` elements (e.g. layer l of an (L, N, C) buffer).
+    pub fn part(self, i: usize, size: usize) -> Buf {
+        self.slice(i * size..(i + 1) * size)
+    }
+
+    /// Whether two handles share an element.
+    pub fn overlaps(self, other: Buf) -> bool {
+        self.alloc == other.alloc
+            && self.len > 0
+            && other.len > 0
+            && self.off < other.off + other.len
+            && other.off < self.off + self.len
+    }
+}
+
+/// Where the model runs, chosen once at start-up (`--device`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    /// fp32 on every core ([`crate::cpu`]).
+    #[default]
+    Cpu,
+    /// An NVIDIA GPU by index (not built yet).
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => match s.strip_prefix("cuda:").map(str::parse) {
+                Some(Ok(i)) => Ok(Device::Cuda(i)),
+                _ => bail!("unknown device '{s}': use cpu, cuda or cuda:N"),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// Environment variable that turns on the CPU backend's NaN-checking mode (see
+/// [`crate::cpu::backend`]): every op's outputs are filled with NaN before it runs, and an op
+/// that leaves one unwritten, or lets one reach its outputs, stops the program.
+pub const NAN_CHECK_ENV: &str = "LLMRS_NAN_CHECK";
+
+/// The backend for `device`.
+pub fn open(device: Device) -> Result<Box<dyn Backend>> {
+    match device {
+        Device::Cpu => {
+            let check = std::env::var_os(NAN_CHECK_ENV).is_some_and(|v| !v.is_empty() && v != "0");
+            Ok(Box::new(crate::cpu::backend::CpuBackend::new(check)))
+        }
+        Device::Cuda(_) => {
+            bail!("--device {device}: llmrs has no CUDA backend yet; run on the CPU (--device cpu, the default)")
+        }
+    }
+}
+
+/// Hyperparameters of one AdamW update of one tensor.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWParams {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Already chosen for the tensor (0 for those without decay).
+    pub weight_decay: f32,
+    /// Clip the global gradient norm to this (0: no clipping).
+    pub grad_clip: f32,
+    /// 1-based step, for bias correction.
+    pub t: i32,
+}
+
+/// A device: memory, transfers, and llm.c's layer ops on buffers it owns.
+///
+/// Buffer roles in the op docs: *out* is overwritten whole and never read; *inout* is read and
+/// updated (`+=` for gradients); *scratch* is workspace the op may overwrite as it likes. All
+/// other buffers are read only.
+#[allow(clippy::too_many_arguments)]
+pub trait Backend {
+    /// What runs, for logs and `llmrs bench` (e.g. "cpu: packed AVX2+FMA GEMM, 2 threads").
+    fn describe(&self) -> String;
+
+    // ---- memory -------------------------------------------------------------------------
+
+    /// A new allocation of `len` elements. Its contents are undefined (zero on the CPU, NaN in
+    /// the NaN-checking mode); write before reading.
+    fn alloc(&mut self, len: usize, dtype: DType) -> Result<Buf>;
+    /// Release the allocation that `buf` points into (its other handles become invalid).
+    fn free(&mut self, buf: Buf);
+    /// dst = src, converted to dst's dtype.
+    fn upload(&mut self, dst: Buf, src: &[f32]);
+    /// dst = src for a u32 buffer (token ids).
+    fn upload_u32(&mut self, dst: Buf, src: &[u32]);
+    /// dst = src converted to f32, after everything queued before has run.
+    fn download(&mut self, src: Buf, dst: &mut [f32]) -> Result<()>;
+    /// Every element of dst (out) = value.
+    fn fill(&mut self, dst: Buf, value: f32);
+    /// Wait for everything queued.
+    fn synchronize(&mut self) -> Result<()>;
+
+    // ---- profiling (`llmrs bench`) ----------------------------------------------------------
+
+    /// Turn time accounting by layer kind on or off (and clear it).
+    fn set_profiling(&mut self, on: bool);
+    /// The ops queued from now until [`Backend::profile_end`] are charged to `kind`.
+    fn profile_begin(&mut self, kind: Kind);
+    fn profile_end(&mut self);
+    /// Seconds charged to each kind since profiling was turned on.
+    fn profile_totals(&mut self) -> Result<Vec<(Kind, f64)>>;
+
+    // ---- layers ---------------------------------------------------------------------------
+
+    /// out (B, T, C) = wte (Vp, C)[inp (B, T)] + wpe (maxT, C)[t]. Ids must be < V.
+    fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Buf, b: usize, t: usize, c: usize);
+    /// dwte (Vp, C) and dwpe (maxT, C) (inout) += the scatter of dout (B, T, C) by token and position.
+    fn encoder_backward(&mut self, dwte: Buf, dwpe: Buf, dout: Buf, inp: Buf, b: usize, t: usize, c: usize);
+
+    /// out (N, C) = (inp - mean) * rstd * weight + bias; mean (N) and rstd (N) kept for backward.
+    fn layernorm_forward(
+        &mut self,
+        out: Buf,
+        mean: Buf,
+        rstd: Buf,
+        inp: Buf,
+        weight: Buf,
+        bias: Buf,
+        n: usize,
+        c: usize,
+    );
+    /// dinp (N, C), dweight (C), dbias (C): all inout, `+=`.
+    fn layernorm_backward(
+        &mut self,
+        dinp: Buf,
+        dweight: Buf,
+        dbias: Buf,
+        dout: Buf,
+        inp: Buf,
+        weight: Buf,
+        mean: Buf,
+        rstd: Buf,
+        n: usize,
+        c: usize,
+    );
+
+    /// out (N) = a (N) + b (N). Its backward is the identity, so there is no residual_backward.
+    fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf);
+    /// residual (N, C) = a + b, then its LayerNorm into ln, mean, rstd: llm.c's fused residual
+    /// forward. A device that fuses the two overrides this; the default makes the two calls.
+    fn residual_layernorm_forward(
+        &mut self,
+        residual: Buf,
+        ln: Buf,
+        mean: Buf,
+        rstd: Buf,
+        a: Buf,
+        b: Buf,
+        weight: Buf,
+        bias: Buf,
+        n: usize,
+        c: usize,
+    ) {
+        self.residual_forward(residual, a, b);
+        self.layernorm_forward(ln, mean, rstd, residual, weight, bias, n, c);
+    }
+
+    /// out (N, OC) = inp (N, C) @ weight (OC, C)^T [+ bias (OC)].
+    fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize);
+    /// dinp (N, C) (out) = dout @ weight; dweight (OC, C) = dout^T @ inp and dbias (OC) = the
+    /// column sums of dout (N, OC), added to (inout) when `accumulate`, else overwritten (out).
+    fn matmul_backward(
+        &mut self,
+        dinp: Option<Buf>,
+        dweight: Buf,
+        dbias: Option<Buf>,
+        dout: Buf,
+        inp: Buf,
+        weight: Buf,
+        n: usize,
+        c: usize,
+        oc: usize,
+        accumulate: bool,
+    );
+
+    /// out (N) = gelu(inp (N)), tanh approximation.
+    fn gelu_forward(&mut self, out: Buf, inp: Buf);
+    /// d (N, inout) *= gelu'(inp (N)): d(out) becomes d(inp).
+    fn gelu_backward(&mut self, d: Buf, inp: Buf);
+
+    /// Causal self-attention: out (B, T, C) and the probabilities att (B, NH, T, T) (zero above
+    /// the diagonal, kept for backward) from qkv (B, T, 3*C). workspace (B, T, C): scratch.
+    fn attention_forward(
+        &mut self,
+        out: Buf,
+        att: Buf,
+        workspace: Buf,
+        qkv: Buf,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    );
+    /// dqkv (B, T, 3*C) (out) from dout (B, T, C). datt (B, NH, T, T) and workspace
+    /// (B, T, 3*C): scratch.
+    fn attention_backward(
+        &mut self,
+        dqkv: Buf,
+        datt: Buf,
+        workspace: Buf,
+        dout: Buf,
+        qkv: Buf,
+        att: Buf,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    );
+    /// Attention of `tn` new positions of one sequence against a KV cache: the new keys and
+    /// values in qkv (TN, 3*C) go to rows pos..pos+tn of k_cache and v_cache (maxT, C) (inout),
+    /// then out (TN, C) = attention of each new position over cache rows 0..=its own. scores
+    /// (NH, TN, maxT) and workspace (TN, C): scratch.
+    fn attention_forward_cached(
+        &mut self,
+        out: Buf,
+        scores: Buf,
+        workspace: Buf,
+        qkv: Buf,
+        k_cache: Buf,
+        v_cache: Buf,
+        pos: usize,
+        tn: usize,
+        c: usize,
+        nh: usize,
+        max_t: usize,
+    );
+
+    /// losses (N) = -log softmax(logits (N, Vp)[:, :V])[targets (N)]; lse (N) = each row's
+    /// log-sum-exp, kept for backward.
+    fn crossentropy_forward(&mut self, losses: Buf, lse: Buf, logits: Buf, targets: Buf, n: usize, v: usize, vp: usize);
+    /// In place, logits (N, Vp) (inout) become d(loss)/d(logits) = (softmax - onehot) * dloss
+    /// over the first V columns, 0 over the padding.
+    fn crossentropy_backward(&mut self, logits: Buf, lse: Buf, targets: Buf, dloss: f32, n: usize, v: usize, vp: usize);
+    /// acc (1) (inout) += weight * mean(x (N)), summed in a fixed order.
+    fn accumulate_mean(&mut self, acc: Buf, x: Buf, weight: f32);
+
+    /// out (1) = the sum of squares of grads (N), in a fixed order.
+    fn global_norm_squared(&mut self, out: Buf, grads: Buf);
+    /// One AdamW step on one tensor: params, m, v (N) (inout) from grads (N). `stats` (2)
+    /// holds the step's [mean loss, squared global gradient norm]: the gradients are scaled by
+    /// grad_clip / norm when the norm exceeds a non-zero grad_clip, and nothing is updated
+    /// when either value is not finite, so a diverged step leaves the model as it was.
+    fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_slice_and_overlap() {
+        let b = Buf { alloc: 1, off: 10, len: 100, dtype: DType::F32 };
+        assert_eq!(b.slice(5..15), Buf { alloc: 1, off: 15, len: 10, dtype: DType::F32 });
+        assert_eq!(b.part(3, 20).off, 70);
+        assert!(b.prefix(10).overlaps(b.slice(9..11)));
+        assert!(!b.prefix(10).overlaps(b.slice(10..11)));
+        assert!(!b.prefix(10).overlaps(Buf { alloc: 2, ..b }));
+        assert!(!b.slice(5..5).overlaps(b), "an empty handle overlaps nothing");
+        assert!(std::panic::catch_unwind(|| b.slice(90..101)).is_err());
+    }
+
+    #[test]
+    fn devices_parse() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+        assert!("tpu".parse::<Device>().is_err() && "cuda:x".parse::<Device>().is_err());
+        let e = open(Device::Cuda(0)).err().unwrap().to_string();
+        assert!(e.contains("no CUDA backend yet") && e.contains("--device cpu"), "{e}");
+    }
+}

@@ -1,0 +1,597 @@
+//! The CPU backend: buffers are host vectors, and every op turns its handles into slices (the
+//! one checked place, [`CpuBackend::run`]) and calls the layer functions of [`crate::cpu`]
+//! unchanged. Ops run to completion on the calling thread and the team.
+//!
+//! **NaN-checking mode** (`LLMRS_NAN_CHECK=1`, see [`crate::backend::NAN_CHECK_ENV`]): new
+//! allocations, and every op's outputs and scratch buffers before it runs, are filled with a
+//! NaN that carries a marker payload. After the op, an output element that still holds the
+//! marker was never written, and any output holding a marked NaN got it from memory that no op
+//! wrote (NaNs keep their payload through arithmetic); either stops the program with the op's
+//! name. A NaN that a computation makes itself (0/0, inf - inf) has no marker and is left to the
+//! training loop's divergence checks. Gradient and loss buffers are op outputs, so a NaN that
+//! reaches a loss or a gradient from unwritten memory is caught at the op that put it there.
+
+use super::{adamw, attention, classifier, encoder, gelu, layernorm, matmul, residual};
+use crate::backend::{AdamWParams, Backend, Buf, DType};
+use crate::profile::{Kind, WallTimer};
+use anyhow::{bail, Result};
+
+/// The marker NaN (quiet, payload 0xDEAD); its sign may flip in a computation.
+const POISON_BITS: u32 = 0x7FC0_DEAD;
+
+fn is_poison(x: f32) -> bool {
+    x.to_bits() & 0x7FFF_FFFF == POISON_BITS
+}
+
+enum Storage {
+    F32(Vec<f32>),
+    U32(Vec<u32>),
+}
+
+/// How an op uses an output buffer.
+#[derive(Clone, Copy)]
+enum Out {
+    /// Overwritten whole, never read: poisoned before, checked whole after.
+    W(Buf),
+    /// Read and updated: checked for marked NaNs after.
+    Rw(Buf),
+    /// Workspace: poisoned before, not checked.
+    Scratch(Buf),
+}
+
+impl Out {
+    fn buf(self) -> Buf {
+        match self {
+            Out::W(b) | Out::Rw(b) | Out::Scratch(b) => b,
+        }
+    }
+}
+use Out::{Rw, Scratch, W};
+
+pub struct CpuBackend {
+    /// Allocations by id; freed ones are None (ids are not reused, so a stale handle fails).
+    allocs: Vec<Option<Storage>>,
+    nan_check: bool,
+    timer: WallTimer,
+    /// Partial sums of the global norm, one per chunk (grown on first use).
+    norm_partials: Vec<f64>,
+}
+
+/// A zero-length handle that overlaps nothing, for an absent optional input.
+const NONE: Buf = Buf { alloc: u32::MAX, off: 0, len: 0, dtype: DType::F32 };
+
+impl CpuBackend {
+    pub fn new(nan_check: bool) -> Self {
+        CpuBackend { allocs: vec![], nan_check, timer: WallTimer::default(), norm_partials: vec![] }
+    }
+
+    fn storage(&mut self, b: Buf) -> &mut Storage {
+        match self.allocs.get_mut(b.alloc as usize).and_then(Option::as_mut) {
+            Some(s) => s,
+            None => panic!("buffer {b:?} is not an allocation of this backend (freed, or from another one)"),
+        }
+    }
+
+    /// Pointer to the first element of an f32 buffer (bounds checked).
+    fn ptr_f32(&mut self, b: Buf) -> *mut f32 {
+        if b.len == 0 {
+            return std::ptr::NonNull::dangling().as_ptr();
+        }
+        match self.storage(b) {
+            Storage::F32(v) if b.dtype == DType::F32 && b.off + b.len <= v.len() => {
+                // SAFETY: off + len <= v.len(), so the offset stays inside the vector.
+                unsafe { v.as_mut_ptr().add(b.off) }
+            }
+            _ => panic!("buffer {b:?} is not an f32 range of its allocation"),
+        }
+    }
+
+    fn ptr_u32(&mut self, b: Buf) -> *mut u32 {
+        if b.len == 0 {
+            return std::ptr::NonNull::dangling().as_ptr();
+        }
+        match self.storage(b) {
+            Storage::U32(v) if b.dtype == DType::U32 && b.off + b.len <= v.len() => {
+                // SAFETY: off + len <= v.len(), so the offset stays inside the vector.
+                unsafe { v.as_mut_ptr().add(b.off) }
+            }
+            _ => panic!("buffer {b:?} is not a u32 range of its allocation"),
+        }
+    }
+
+    /// Run one op: check that no output overlaps any other buffer of the call, poison outputs
+    /// in the NaN-checking mode, hand `f` slices of every buffer, then check the outputs.
+    fn run<const O: usize, const I: usize, const K: usize>(
+        &mut self,
+        op: &'static str,
+        outs: [Out; O],
+        ins: [Buf; I],
+        toks: [Buf; K],
+        f: impl FnOnce([&mut [f32]; O], [&[f32]; I], [&[u32]; K]),
+    ) {
+        for (i, o) in outs.iter().enumerate() {
+            let o = o.buf();
+            let others = outs.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, x)| x.buf());
+            if let Some(x) = others.chain(ins).chain(toks).find(|x| x.overlaps(o)) {
+                panic!("{op}: output {o:?} overlaps {x:?}");
+            }
+        }
+        if self.nan_check {
+            for o in outs {
+                if let W(b) | Scratch(b) = o {
+                    let p = self.ptr_f32(b);
+                    // SAFETY: p addresses b.len floats of a live allocation (checked above),
+                    // and nothing else refers to them during this call.
+                    unsafe { std::slice::from_raw_parts_mut(p, b.len) }.fill(f32::from_bits(POISON_BITS));
+                }
+            }
+        }
+        let out_ptrs = outs.map(|o| (self.ptr_f32(o.buf()), o.buf().len));
+        let in_ptrs = ins.map(|b| (self.ptr_f32(b) as *const f32, b.len));
+        let tok_ptrs = toks.map(|b| (self.ptr_u32(b) as *const u32, b.len));
+        // SAFETY: every pointer addresses `len` elements inside a live allocation (bounds
+        // checked by ptr_f32 / ptr_u32). No output overlaps another output or an input (checked
+        // above), so each `&mut` slice is the only reference to its elements; inputs may
+        // overlap each other, which shared slices allow. `&mut self` is held for the whole
+        // call, so no other code reaches the allocations meanwhile, and no allocation is resized
+        // or freed while the slices live.
+        let (o, i, k) = unsafe {
+            (
+                out_ptrs.map(|(p, n)| std::slice::from_raw_parts_mut(p, n)),
+                in_ptrs.map(|(p, n)| std::slice::from_raw_parts(p, n)),
+                tok_ptrs.map(|(p, n)| std::slice::from_raw_parts(p, n)),
+            )
+        };
+        f(o, i, k);
+        if self.nan_check {
+            for (k, o) in outs.iter().enumerate() {
+                let b = match *o {
+                    W(b) | Rw(b) => b,
+                    Scratch(_) => continue,
+                };
+                let p = self.ptr_f32(b);
+                // SAFETY: as above; the op's slices are gone.
+                let s = unsafe { std::slice::from_raw_parts(p, b.len) };
+                if let Some(at) = s.iter().position(|x| is_poison(*x)) {
+                    panic!(
+                        "NaN check: {op} left element {at} of its output #{k} ({} elements) unwritten, or computed \
+                         it from memory that no op wrote",
+                        b.len
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Panic unless every named buffer has the length its shape gives (a bug in the caller).
+macro_rules! lens {
+    ($op:expr; $($buf:expr => $len:expr),* $(,)?) => {
+        $(assert_eq!($buf.len, $len, "{}: {} has {} elements, its shape says {}", $op, stringify!($buf), $buf.len, $len);)*
+    };
+}
+
+impl Backend for CpuBackend {
+    fn describe(&self) -> String {
+        let gemm =
+            if super::sgemm::fast_path_available() { "packed AVX2+FMA GEMM" } else { "portable GEMM (the gemm crate)" };
+        let check = if self.nan_check { ", NaN-checking mode" } else { "" };
+        format!("cpu: fp32, {gemm}, {} threads{check}", super::team::threads())
+    }
+
+    fn alloc(&mut self, len: usize, dtype: DType) -> Result<Buf> {
+        let storage = match dtype {
+            DType::F32 => {
+                let mut v = crate::mem::zeroed::<f32>(len);
+                if self.nan_check {
+                    v.fill(f32::from_bits(POISON_BITS));
+                }
+                Storage::F32(v)
+            }
+            DType::U32 => Storage::U32(vec![0; len]),
+            DType::BF16 => bail!("the CPU backend computes in fp32; bf16 buffers come with the GPU backend"),
+        };
+        let id = u32::try_from(self.allocs.len()).ok().filter(|&i| i != u32::MAX);
+        let Some(alloc) = id else { bail!("too many allocations") };
+        self.allocs.push(Some(storage));
+        Ok(Buf { alloc, off: 0, len, dtype })
+    }
+
+    fn free(&mut self, buf: Buf) {
+        if let Some(slot) = self.allocs.get_mut(buf.alloc as usize) {
+            *slot = None;
+        }
+    }
+
+    fn upload(&mut self, dst: Buf, src: &[f32]) {
+        lens!("upload"; dst => src.len());
+        self.run("upload", [W(dst)], [], [], |[d], [], []| d.copy_from_slice(src));
+    }
+
+    fn upload_u32(&mut self, dst: Buf, src: &[u32]) {
+        lens!("upload_u32"; dst => src.len());
+        let p = self.ptr_u32(dst);
+        // SAFETY: p addresses dst.len u32s of a live allocation; `&mut self` excludes others.
+        unsafe { std::slice::from_raw_parts_mut(p, dst.len) }.copy_from_slice(src);
+    }
+
+    fn download(&mut self, src: Buf, dst: &mut [f32]) -> Result<()> {
+        lens!("download"; src => dst.len());
+        let p = self.ptr_f32(src);
+        // SAFETY: p addresses src.len floats of a live allocation; `&mut self` excludes others.
+        dst.copy_from_slice(unsafe { std::slice::from_raw_parts(p, src.len) });
+        Ok(())
+    }
+
+    fn fill(&mut self, dst: Buf, value: f32) {
+        self.run("fill", [W(dst)], [], [], |[d], [], []| d.fill(value));
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn set_profiling(&mut self, on: bool) {
+        self.timer.set(on);
+    }
+    fn profile_begin(&mut self, kind: Kind) {
+        self.timer.begin(kind);
+    }
+    fn profile_end(&mut self) {
+        self.timer.end();
+    }
+    fn profile_totals(&mut self) -> Result<Vec<(Kind, f64)>> {
+        Ok(self.timer.totals())
+    }
+
+    fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Buf, b: usize, t: usize, c: usize) {
+        lens!("encoder_forward"; out => b * t * c, inp => b * t);
+        assert!(wte.len % c == 0 && wpe.len >= t * c, "encoder_forward: embedding shapes");
+        self.run("encoder_forward", [W(out)], [wte, wpe], [inp], |[o], [wte, wpe], [inp]| {
+            encoder::encoder_forward(o, inp, wte, wpe, b, t, c)
+        });
+    }
+
+    fn encoder_backward(&mut self, dwte: Buf, dwpe: Buf, dout: Buf, inp: Buf, b: usize, t: usize, c: usize) {
+        lens!("encoder_backward"; dout => b * t * c, inp => b * t);
+        assert!(dwte.len % c == 0 && dwpe.len >= t * c, "encoder_backward: embedding shapes");
+        self.run("encoder_backward", [Rw(dwte), Rw(dwpe)], [dout], [inp], |[dwte, dwpe], [dout], [inp]| {
+            encoder::encoder_backward(dwte, dwpe, dout, inp, b, t, c)
+        });
+    }
+
+    fn layernorm_forward(
+        &mut self,
+        out: Buf,
+        mean: Buf,
+        rstd: Buf,
+        inp: Buf,
+        weight: Buf,
+        bias: Buf,
+        n: usize,
+        c: usize,
+    ) {
+        lens!("layernorm_forward"; out => n * c, mean => n, rstd => n, inp => n * c, weight => c, bias => c);
+        self.run(
+            "layernorm_forward",
+            [W(out), W(mean), W(rstd)],
+            [inp, weight, bias],
+            [],
+            |[o, m, r], [x, w, b], []| layernorm::layernorm_forward(o, m, r, x, w, b, n, c),
+        );
+    }
+
+    fn layernorm_backward(
+        &mut self,
+        dinp: Buf,
+        dweight: Buf,
+        dbias: Buf,
+        dout: Buf,
+        inp: Buf,
+        weight: Buf,
+        mean: Buf,
+        rstd: Buf,
+        n: usize,
+        c: usize,
+    ) {
+        lens!("layernorm_backward"; dinp => n * c, dweight => c, dbias => c, dout => n * c, inp => n * c,
+              weight => c, mean => n, rstd => n);
+        self.run(
+            "layernorm_backward",
+            [Rw(dinp), Rw(dweight), Rw(dbias)],
+            [dout, inp, weight, mean, rstd],
+            [],
+            |[di, dw, db], [d, x, w, m, r], []| layernorm::layernorm_backward(di, dw, db, d, x, w, m, r, n, c),
+        );
+    }
+
+    fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf) {
+        lens!("residual_forward"; a => out.len, b => out.len);
+        self.run("residual_forward", [W(out)], [a, b], [], |[o], [a, b], []| residual::residual_forward(o, a, b));
+    }
+
+    fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize) {
+        lens!("matmul_forward"; out => n * oc, inp => n * c, weight => oc * c);
+        if let Some(b) = bias {
+            lens!("matmul_forward"; b => oc);
+        }
+        let has_bias = bias.is_some();
+        self.run("matmul_forward", [W(out)], [inp, weight, bias.unwrap_or(NONE)], [], |[o], [x, w, b], []| {
+            matmul::matmul_forward(o, x, w, has_bias.then_some(b), n, c, oc)
+        });
+    }
+
+    fn matmul_backward(
+        &mut self,
+        dinp: Option<Buf>,
+        dweight: Buf,
+        dbias: Option<Buf>,
+        dout: Buf,
+        inp: Buf,
+        weight: Buf,
+        n: usize,
+        c: usize,
+        oc: usize,
+        accumulate: bool,
+    ) {
+        lens!("matmul_backward"; dweight => oc * c, dout => n * oc, inp => n * c, weight => oc * c);
+        if let Some(d) = dinp {
+            lens!("matmul_backward"; d => n * c);
+        }
+        if let Some(d) = dbias {
+            lens!("matmul_backward"; d => oc);
+        }
+        let grad = |b: Buf| if accumulate { Rw(b) } else { W(b) };
+        let (has_dinp, has_dbias) = (dinp.is_some(), dbias.is_some());
+        let outs = [dinp.map_or(W(NONE), W), grad(dweight), dbias.map_or(W(NONE), grad)];
+        self.run("matmul_backward", outs, [dout, inp, weight], [], |[di, dw, db], [d, x, w], []| {
+            let (di, db) = (has_dinp.then_some(di), has_dbias.then_some(db));
+            matmul::matmul_backward(di, dw, db, d, x, w, n, c, oc, accumulate)
+        });
+    }
+
+    fn gelu_forward(&mut self, out: Buf, inp: Buf) {
+        lens!("gelu_forward"; inp => out.len);
+        self.run("gelu_forward", [W(out)], [inp], [], |[o], [x], []| gelu::gelu_forward(o, x));
+    }
+
+    fn gelu_backward(&mut self, d: Buf, inp: Buf) {
+        lens!("gelu_backward"; inp => d.len);
+        self.run("gelu_backward", [Rw(d)], [inp], [], |[d], [x], []| gelu::gelu_backward_inplace(d, x));
+    }
+
+    fn attention_forward(
+        &mut self,
+        out: Buf,
+        att: Buf,
+        workspace: Buf,
+        qkv: Buf,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) {
+        lens!("attention_forward"; out => b * t * c, att => b * nh * t * t, workspace => b * t * c, qkv => b * t * 3 * c);
+        self.run("attention_forward", [W(out), W(att), Scratch(workspace)], [qkv], [], |[o, a, ws], [qkv], []| {
+            attention::attention_forward(o, a, ws, qkv, b, t, c, nh)
+        });
+    }
+
+    fn attention_backward(
+        &mut self,
+        dqkv: Buf,
+        datt: Buf,
+        workspace: Buf,
+        dout: Buf,
+        qkv: Buf,
+        att: Buf,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) {
+        lens!("attention_backward"; dqkv => b * t * 3 * c, datt => b * nh * t * t, workspace => b * t * 3 * c,
+              dout => b * t * c, qkv => b * t * 3 * c, att => b * nh * t * t);
+        self.run(
+            "attention_backward",
+            [W(dqkv), Scratch(datt), Scratch(workspace)],
+            [dout, qkv, att],
+            [],
+            |[dqkv, datt, ws], [dout, qkv, att], []| {
+                attention::attention_backward(dqkv, datt, ws, dout, qkv, att, b, t, c, nh)
+            },
+        );
+    }
+
+    fn attention_forward_cached(
+        &mut self,
+        out: Buf,
+        scores: Buf,
+        workspace: Buf,
+        qkv: Buf,
+        k_cache: Buf,
+        v_cache: Buf,
+        pos: usize,
+        tn: usize,
+        c: usize,
+        nh: usize,
+        max_t: usize,
+    ) {
+        lens!("attention_forward_cached"; out => tn * c, scores => nh * tn * max_t, workspace => tn * c,
+              qkv => tn * 3 * c, k_cache => max_t * c, v_cache => max_t * c);
+        assert!(tn > 0 && pos + tn <= max_t, "attention_forward_cached: positions {pos}+{tn} past {max_t}");
+        // Rows past pos+tn are not written yet: hand the op only the rows it may read.
+        let (k_cache, v_cache) = (k_cache.prefix((pos + tn) * c), v_cache.prefix((pos + tn) * c));
+        self.run(
+            "attention_forward_cached",
+            [W(out), Scratch(scores), Scratch(workspace), Rw(k_cache), Rw(v_cache)],
+            [qkv],
+            [],
+            |[o, sc, ws, kc, vc], [qkv], []| {
+                for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
+                    let at = (pos + i) * c;
+                    kc[at..at + c].copy_from_slice(&row[c..2 * c]);
+                    vc[at..at + c].copy_from_slice(&row[2 * c..]);
+                }
+                attention::attention_forward_cached(o, sc, ws, qkv, kc, vc, pos, tn, c, nh, max_t)
+            },
+        );
+    }
+
+    fn crossentropy_forward(
+        &mut self,
+        losses: Buf,
+        lse: Buf,
+        logits: Buf,
+        targets: Buf,
+        n: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        lens!("crossentropy_forward"; losses => n, lse => n, logits => n * vp, targets => n);
+        self.run("crossentropy_forward", [W(losses), W(lse)], [logits], [targets], |[l, s], [x], [y]| {
+            classifier::crossentropy_forward(l, s, x, y, n, v, vp)
+        });
+    }
+
+    fn crossentropy_backward(
+        &mut self,
+        logits: Buf,
+        lse: Buf,
+        targets: Buf,
+        dloss: f32,
+        n: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        lens!("crossentropy_backward"; logits => n * vp, lse => n, targets => n);
+        self.run("crossentropy_backward", [Rw(logits)], [lse], [targets], |[x], [s], [y]| {
+            classifier::crossentropy_softmax_backward_inplace(x, s, y, dloss, n, v, vp)
+        });
+    }
+
+    fn accumulate_mean(&mut self, acc: Buf, x: Buf, weight: f32) {
+        lens!("accumulate_mean"; acc => 1);
+        self.run("accumulate_mean", [Rw(acc)], [x], [], |[acc], [x], []| {
+            acc[0] += weight * (x.iter().sum::<f32>() / x.len().max(1) as f32)
+        });
+    }
+
+    fn global_norm_squared(&mut self, out: Buf, grads: Buf) {
+        lens!("global_norm_squared"; out => 1);
+        let mut partials = std::mem::take(&mut self.norm_partials);
+        partials.resize(adamw::global_norm_partials(grads.len), 0.0);
+        self.run("global_norm_squared", [W(out)], [grads], [], |[o], [g], []| {
+            o[0] = adamw::sum_of_squares(g, &mut partials) as f32
+        });
+        self.norm_partials = partials;
+    }
+
+    fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
+        lens!("adamw_update"; grads => params.len, m => params.len, v => params.len, stats => 2);
+        let h = *h;
+        self.run("adamw_update", [Rw(params), Rw(m), Rw(v)], [grads, stats], [], |[p, m, v], [g, stats], []| {
+            let (loss, norm_sq) = (stats[0], stats[1]);
+            if !loss.is_finite() || !norm_sq.is_finite() {
+                return; // a diverged step: leave the model as it was
+            }
+            let norm = norm_sq.sqrt();
+            let grad_scale = if h.grad_clip > 0.0 && norm > h.grad_clip { h.grad_clip / norm } else { 1.0 };
+            let a = adamw::AdamW {
+                lr: h.lr,
+                beta1: h.beta1,
+                beta2: h.beta2,
+                eps: h.eps,
+                weight_decay: h.weight_decay,
+                grad_scale,
+                t: h.t,
+            };
+            adamw::adamw_update(p, g, m, v, &a, true)
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buf(be: &mut CpuBackend, vals: &[f32]) -> Buf {
+        let b = be.alloc(vals.len(), DType::F32).unwrap();
+        be.upload(b, vals);
+        b
+    }
+
+    #[test]
+    fn overlapping_outputs_are_refused() {
+        let mut be = CpuBackend::new(false);
+        let a = buf(&mut be, &[1.0; 8]);
+        be.residual_forward(a.slice(0..4), a.slice(4..8), a.slice(4..8)); // disjoint: fine
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            be.residual_forward(a.slice(0..4), a.slice(2..6), a.slice(4..8))
+        }));
+        assert!(r.is_err(), "an output that overlaps an input must be refused");
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.gelu_forward(a.prefix(4), a.prefix(3))));
+        assert!(r.is_err(), "a length that does not fit the shape must be refused");
+    }
+
+    #[test]
+    fn stale_and_foreign_handles_are_refused() {
+        let mut be = CpuBackend::new(false);
+        let a = buf(&mut be, &[1.0; 4]);
+        let mut out = [0f32; 4];
+        be.free(a);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.download(a, &mut out)));
+        assert!(r.is_err(), "a freed buffer");
+        let t = be.alloc(4, DType::U32).unwrap();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.download(t, &mut out)));
+        assert!(r.is_err(), "a u32 buffer read as f32");
+        assert!(be.alloc(4, DType::BF16).is_err());
+    }
+
+    #[test]
+    fn nan_check_catches_an_op_that_skips_part_of_its_output() {
+        let mut be = CpuBackend::new(true);
+        let a = be.alloc(8, DType::F32).unwrap();
+        let mut host = [0f32; 8];
+        be.download(a, &mut host).unwrap();
+        assert!(host.iter().all(|x| is_poison(*x)), "new memory is poisoned");
+        be.fill(a, 1.0);
+        // An op that writes only half its output.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            be.run("half", [W(a)], [], [], |[o], [], []| o[..4].fill(2.0))
+        }));
+        let msg = *r.unwrap_err().downcast::<String>().unwrap();
+        assert!(msg.contains("half left element 4"), "{msg}");
+        // An op that reads memory nobody wrote: the marker reaches its output.
+        let (x, y) = (be.alloc(4, DType::F32).unwrap(), be.alloc(4, DType::F32).unwrap());
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.gelu_forward(y, x)));
+        assert!(r.is_err(), "gelu of unwritten memory");
+        // Correct ops pass, and a NaN they compute themselves is not mistaken for the marker.
+        be.fill(x, f32::INFINITY);
+        be.residual_forward(y, x, x);
+        let z = be.alloc(4, DType::F32).unwrap();
+        be.upload(z, &[f32::NEG_INFINITY; 4]);
+        be.residual_forward(y, x, z);
+        be.download(y, &mut host[..4]).unwrap();
+        assert!(host[..4].iter().all(|v| v.is_nan() && !is_poison(*v)));
+    }
+
+    #[test]
+    fn adamw_skips_a_step_whose_loss_or_norm_is_not_finite() {
+        let mut be = CpuBackend::new(false);
+        let (p, g) = (buf(&mut be, &[1.0, 2.0]), buf(&mut be, &[0.5, -0.5]));
+        let (m, v) = (buf(&mut be, &[0.0; 2]), buf(&mut be, &[0.0; 2]));
+        let h = AdamWParams { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0, grad_clip: 1.0, t: 1 };
+        let mut out = [0f32; 2];
+        for bad in [[f32::NAN, 1.0], [1.0, f32::INFINITY]] {
+            let stats = buf(&mut be, &bad);
+            be.adamw_update(p, g, m, v, stats, &h);
+            be.download(p, &mut out).unwrap();
+            assert_eq!(out, [1.0, 2.0], "skipped");
+        }
+        let stats = buf(&mut be, &[2.0, 0.5]);
+        be.adamw_update(p, g, m, v, stats, &h);
+        be.download(p, &mut out).unwrap();
+        assert!((out[0] - 0.9).abs() < 1e-6 && (out[1] - 2.1).abs() < 1e-6, "{out:?}");
+    }
+}
