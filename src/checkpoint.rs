@@ -480,7 +480,7 @@ mod tests {
         let good = std::fs::read(&p).unwrap();
         let err = |bytes: &[u8]| {
             std::fs::write(&p, bytes).unwrap();
-            format!("{:#}", load_model(&p).err().expect("must fail"))
+            format!("{:#}", load_model(&p).map(|_| ()).expect_err("must fail"))
         };
         assert!(err(&good[..good.len() - 1]).contains("truncated"));
         assert!(err(&good[..100]).contains("too short"));

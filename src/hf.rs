@@ -311,7 +311,7 @@ mod tests {
         save_hf(&model, dir.path(), Dtype::F32).unwrap();
         let cfg_path = dir.path().join("config.json");
         let good_cfg = std::fs::read_to_string(&cfg_path).unwrap();
-        let err = || format!("{:#}", load_hf(dir.path()).err().expect("must fail"));
+        let err = || format!("{:#}", load_hf(dir.path()).map(|_| ()).expect_err("must fail"));
         std::fs::write(&cfg_path, good_cfg.replace("\"n_embd\": 8", "\"n_embd\": 16")).unwrap();
         assert!(err().contains("fewer than"), "{}", err());
         std::fs::write(&cfg_path, good_cfg.replace("\"n_positions\": 8", "\"n_positions\": 4")).unwrap();

@@ -1,19 +1,32 @@
-//! Access to the real public data for tests, through `LLMRS_DATA_DIR` (which `.ci/run` and the
-//! README's test command set). Tests that need it fail with a clear message when it is unset.
+//! Where tests find the real public data: `$LLMRS_DATA_DIR` when set (CI points it at a shared
+//! copy), else the clone's own `data/`, where the first README command (`llmrs train`) puts
+//! `tinyshakespeare/input.txt`. Everything else the tests need ships in `tests/fixtures`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
+/// The data directory: `$LLMRS_DATA_DIR`, else `<repository>/data`.
 pub fn data_dir() -> PathBuf {
     match std::env::var_os(crate::prepare::DATA_DIR_ENV) {
         Some(d) => PathBuf::from(d),
-        None => panic!(
-            "this test reads the public data set: set LLMRS_DATA_DIR to a directory with tinyshakespeare/input.txt \
-             (e.g. LLMRS_DATA_DIR=../shared/data cargo test --release)"
-        ),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("data"),
     }
 }
 
+/// Tiny Shakespeare's text, with a message saying how to get it when it is missing.
 pub fn tinyshakespeare_text() -> String {
     let p = data_dir().join("tinyshakespeare/input.txt");
-    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("cannot read {}: {e}", p.display()))
+    std::fs::read_to_string(&p).unwrap_or_else(|e| {
+        panic!(
+            "cannot read {}: {e}. The tests read Tiny Shakespeare: run `cargo run --release -- prepare \
+             tinyshakespeare` (or the README's train command) once, or set LLMRS_DATA_DIR to a directory \
+             holding tinyshakespeare/input.txt",
+            p.display()
+        )
+    })
+}
+
+/// `data_dir()`, after checking that it holds Tiny Shakespeare (same message as above).
+pub fn data_dir_with_tinyshakespeare() -> PathBuf {
+    tinyshakespeare_text();
+    data_dir()
 }

@@ -37,7 +37,7 @@ fn same_losses_as_llmc_train_gpt2c() {
         "same model file as llm.c used"
     );
     let data = dir.path().join("data");
-    let src = Source { file: None, data_dir: Some(llmrs::testdata::data_dir()), url: "" };
+    let src = Source { file: None, data_dir: Some(llmrs::testdata::data_dir_with_tinyshakespeare()), url: "" };
     let (train, val) = prepare_tinyshakespeare(&src, &data).unwrap();
 
     let cfg = TrainConfig {

@@ -28,7 +28,7 @@ fn encodes_like_tiktoken_and_round_trips() {
 fn tinyshakespeare_shards_are_byte_identical_to_llmc() {
     let want = fixture("tinyshakespeare_shards.json");
     let dir = tempfile::tempdir().unwrap();
-    let data_dir = Some(llmrs::testdata::data_dir());
+    let data_dir = Some(llmrs::testdata::data_dir_with_tinyshakespeare());
     let (train, val) = prepare_tinyshakespeare(&Source { file: None, data_dir, url: "" }, dir.path()).unwrap();
     for (path, key) in [(train, "train"), (val, "val")] {
         let bytes = std::fs::read(path).unwrap();

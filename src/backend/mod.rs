@@ -216,24 +216,6 @@ pub trait Backend {
 
     /// out (N) = a (N) + b (N). Its backward is the identity, so there is no residual_backward.
     fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf);
-    /// residual (N, C) = a + b, then its LayerNorm into ln, mean, rstd: llm.c's fused residual
-    /// forward. A device that fuses the two overrides this; the default makes the two calls.
-    fn residual_layernorm_forward(
-        &mut self,
-        residual: Buf,
-        ln: Buf,
-        mean: Buf,
-        rstd: Buf,
-        a: Buf,
-        b: Buf,
-        weight: Buf,
-        bias: Buf,
-        n: usize,
-        c: usize,
-    ) {
-        self.residual_forward(residual, a, b);
-        self.layernorm_forward(ln, mean, rstd, residual, weight, bias, n, c);
-    }
 
     /// out (N, OC) = inp (N, C) @ weight (OC, C)^T [+ bias (OC)].
     fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize);

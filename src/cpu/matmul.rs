@@ -1,7 +1,8 @@
 //! Matmul with bias: `out = inp @ W^T + b`, the layer behind every Linear in GPT-2.
 //!
 //! Backed by our packed AVX2 GEMM ([`super::sgemm`]) where the CPU has AVX2+FMA, else by the
-//! `gemm` crate. Transposes are expressed with strides, so no operand is ever copied.
+//! `gemm` crate. Transposes are expressed with strides rather than copies (the GEMMs pack
+//! blocks of their operands internally, as every fast GEMM does).
 
 use super::sgemm;
 use gemm::{gemm, Parallelism};
@@ -70,14 +71,29 @@ fn gemm_impl(
     if m == 0 || n == 0 {
         return;
     }
-    // The largest element index each operand's strides can reach must be in bounds; this is
-    // what makes the raw-pointer call below sound.
-    let last = |rows: usize, cols: usize, rs: isize, cs: isize| (rows - 1) as isize * rs + (cols - 1) as isize * cs;
-    assert!(dst_rs >= 0 && dst_cs >= 0 && lhs_rs >= 0 && lhs_cs >= 0 && rhs_rs >= 0 && rhs_cs >= 0);
-    assert!((last(m, n, dst_rs, dst_cs) as usize) < dst.len());
+    // What makes the raw-pointer calls below sound for every input: the largest element index
+    // each operand's strides reach is in bounds (computed without overflow), and no two
+    // elements of dst share an address, since threads write disjoint parts of dst at once.
+    assert!(
+        reach(m, n, dst_rs, dst_cs).is_some_and(|x| x < dst.len()),
+        "gemm: dst ({m}, {n}) with strides ({dst_rs}, {dst_cs}) reaches past its {} elements",
+        dst.len()
+    );
+    assert!(
+        rows_and_cols_disjoint(m, n, dst_rs as usize, dst_cs as usize),
+        "gemm: dst strides ({dst_rs}, {dst_cs}) make elements of a ({m}, {n}) result share memory"
+    );
     if k > 0 {
-        assert!((last(m, k, lhs_rs, lhs_cs) as usize) < lhs.len());
-        assert!((last(k, n, rhs_rs, rhs_cs) as usize) < rhs.len());
+        assert!(
+            reach(m, k, lhs_rs, lhs_cs).is_some_and(|x| x < lhs.len()),
+            "gemm: lhs ({m}, {k}) with strides ({lhs_rs}, {lhs_cs}) reaches past its {} elements",
+            lhs.len()
+        );
+        assert!(
+            reach(k, n, rhs_rs, rhs_cs).is_some_and(|x| x < rhs.len()),
+            "gemm: rhs ({k}, {n}) with strides ({rhs_rs}, {rhs_cs}) reaches past its {} elements",
+            rhs.len()
+        );
     }
     let bias = if accumulate { None } else { bias.map(|b| &b[..n]) };
     if dst_cs == 1 && sgemm::fast_path_available() {
@@ -136,6 +152,29 @@ fn gemm_impl(
             false,
             par,
         )
+    }
+}
+
+/// The largest element index of a (rows, cols) operand with strides (rs, cs), both >= 0;
+/// None when a stride is negative or the index overflows. rows, cols >= 1.
+fn reach(rows: usize, cols: usize, rs: isize, cs: isize) -> Option<usize> {
+    let (rs, cs) = (usize::try_from(rs).ok()?, usize::try_from(cs).ok()?);
+    let x = (rows - 1).checked_mul(rs)?.checked_add((cols - 1).checked_mul(cs)?)?;
+    // Offsets are formed as isize from here on.
+    isize::try_from(x).ok().map(|_| x)
+}
+
+/// Whether (i, j) -> i*rs + j*cs is one-to-one on a (rows, cols) grid with both strides at
+/// least 1 where they matter: one stride steps over the whole extent of the other dimension.
+fn rows_and_cols_disjoint(rows: usize, cols: usize, rs: usize, cs: usize) -> bool {
+    match (rows > 1, cols > 1) {
+        (false, false) => true,
+        (true, false) => rs >= 1,
+        (false, true) => cs >= 1,
+        (true, true) => {
+            (cs >= 1 && cols.checked_mul(cs).is_some_and(|w| rs >= w))
+                || (rs >= 1 && rows.checked_mul(rs).is_some_and(|h| cs >= h))
+        }
     }
 }
 
@@ -215,6 +254,36 @@ mod tests {
             }
         }
         out
+    }
+
+    /// Strides that would let two elements of dst share memory, or reach past an operand
+    /// (also by overflowing), are refused before any thread starts.
+    #[test]
+    fn gemm_strided_refuses_unsound_strides() {
+        let (lhs, rhs) = (vec![1f32; 64 * 64], vec![1f32; 64 * 64]);
+        let run = |m, n, dst_len, dst_s, lhs_s: (isize, isize), rhs_s: (isize, isize)| {
+            let (lhs, rhs) = (&lhs, &rhs);
+            std::panic::catch_unwind(move || {
+                let mut dst = vec![0f32; dst_len];
+                gemm_strided(m, n, 64, &mut dst, dst_s, false, lhs, lhs_s, rhs, rhs_s);
+                dst
+            })
+        };
+        // Sound: row-major and column-major results, broadcast (stride 0) inputs.
+        assert!(run(64, 64, 64 * 64, (64, 1), (64, 1), (64, 1)).is_ok_and(|d| d.iter().all(|&x| x == 64.0)));
+        assert!(run(64, 64, 64 * 64, (1, 64), (64, 1), (64, 1)).is_ok());
+        assert!(run(64, 64, 64 * 64, (64, 1), (0, 1), (0, 0)).is_ok());
+        assert!(run(1, 64, 64, (0, 1), (64, 1), (64, 1)).is_ok());
+        // Rows overlapping (row stride < row width), a zero column stride, both zero.
+        assert!(run(64, 64, 64 * 64, (32, 1), (64, 1), (64, 1)).is_err());
+        assert!(run(64, 64, 64 * 64, (64, 0), (64, 1), (64, 1)).is_err());
+        assert!(run(64, 1, 64, (0, 0), (64, 1), (64, 1)).is_err());
+        // Reaching past dst or an input, negative strides, and strides whose reach overflows.
+        assert!(run(64, 64, 64 * 64 - 1, (64, 1), (64, 1), (64, 1)).is_err());
+        assert!(run(64, 64, 64 * 64, (64, 1), (65, 1), (64, 1)).is_err());
+        assert!(run(64, 64, 64 * 64, (64, 1), (64, 1), (-64, 1)).is_err());
+        assert!(run(2, 2, 4, (isize::MAX / 2 + 1, 1), (64, 1), (64, 1)).is_err());
+        assert!(run(2, 2, 4, (2, 1), (isize::MAX, 1), (64, 1)).is_err());
     }
 
     #[test]

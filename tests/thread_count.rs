@@ -1,0 +1,107 @@
+//! Results do not depend on the number of threads. The CPU team's size is fixed per process
+//! (rayon's pool size, from `RAYON_NUM_THREADS`), so the test runs itself again as child
+//! processes with 1, 2, 3 and 4 threads and compares bit-exact digests of: GEMMs shaped to take
+//! each of the packed GEMM's parallel splits (column parts, shared A, shared B), and two
+//! training steps of a small model (every op of forward, backward and AdamW).
+
+use llmrs::backend::Device;
+use llmrs::config::GPT2Config;
+use llmrs::model::{Slot, GPT2};
+use llmrs::optim::{optimizer_step, OptimConfig};
+use llmrs::params::Weights;
+use std::process::Command;
+
+const CHILD_ENV: &str = "LLMRS_THREAD_COUNT_CHILD";
+
+/// FNV-1a over the values' bits.
+fn digest(xs: &[f32]) -> u64 {
+    xs.iter().fold(0xcbf29ce484222325u64, |h, x| (h ^ x.to_bits() as u64).wrapping_mul(0x100000001b3))
+}
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+/// The digests this process computes, one line each.
+fn digests() -> Vec<String> {
+    let mut out = vec![];
+    // (m, n, k): narrow (column parts), wide with a shared A (past 2048 and 4096 columns), tall
+    // with a shared B (also past 4096 columns), each with partial tiles.
+    let shapes = [(97, 301, 270), (40, 2100, 800), (7, 4133, 30), (700, 50, 800), (5000, 4116, 3)];
+    for (i, &(m, n, k)) in shapes.iter().enumerate() {
+        let (a, w, bias) = (values(m * k, 3 * i as u64), values(n * k, 3 * i as u64 + 1), values(n, 3 * i as u64 + 2));
+        // c = a @ w^T + bias (the forward's layout), then c += a @ w read as (k, n) row-major
+        // (the input-gradient GEMMs' layout).
+        let mut c = vec![0f32; m * n];
+        llmrs::cpu::matmul::matmul_forward(&mut c, &a, &w, Some(&bias), m, k, n);
+        let (ki, ni) = (k as isize, n as isize);
+        llmrs::cpu::matmul::gemm_strided(m, n, k, &mut c, (ni, 1), true, &a, (ki, 1), &w, (ni, 1));
+        out.push(format!("gemm {m}x{n}x{k} {:016x}", digest(&c)));
+    }
+    let cfg =
+        GPT2Config { vocab_size: 1000, padded_vocab_size: 1024, ..GPT2Config::from_descriptor("2x64:4:64").unwrap() };
+    let mut model = GPT2::new(Weights::random(cfg, 7).unwrap(), Device::Cpu).unwrap();
+    model.alloc_training_state().unwrap();
+    let (b, t) = (3, 37);
+    let opt = OptimConfig::default();
+    for step in 0..2 {
+        let tokens: Vec<u32> = (0..b * t + 1).map(|i| ((i * 31 + step * 7) % 1000) as u32).collect();
+        model.zero_grad().unwrap();
+        model.forward(&tokens[..b * t], Some(&tokens[1..]), b, t).unwrap();
+        model.backward(1.0).unwrap();
+        let s = optimizer_step(&mut model, &opt, 1e-3, step).unwrap();
+        out.push(format!("step {step} loss {:08x} norm {:08x}", s.loss.to_bits(), s.grad_norm.to_bits()));
+    }
+    for slot in [Slot::Params, Slot::Grads, Slot::AdamM, Slot::AdamV] {
+        out.push(format!("{slot:?} {:016x}", digest(&model.read_all(slot).unwrap())));
+    }
+    out
+}
+
+#[test]
+fn results_do_not_depend_on_the_thread_count() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        let threads = llmrs::cpu::team::threads();
+        for d in digests() {
+            println!("DIGEST threads={threads} {d}");
+        }
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut runs: Vec<(usize, Vec<String>)> = vec![];
+    for threads in [1, 2, 3, 4] {
+        let out = Command::new(&exe)
+            .args(["results_do_not_depend_on_the_thread_count", "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, "1")
+            .env("RAYON_NUM_THREADS", threads.to_string())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "child with {threads} threads failed:\n{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let prefix = format!("DIGEST threads={threads} ");
+        // (The test harness prints "test ... " on the line of the first digest.)
+        let lines: Vec<String> =
+            text.lines().filter_map(|l| l.find(&prefix).map(|i| l[i + prefix.len()..].to_string())).collect();
+        // The child really ran with its thread count, and said something about every case.
+        assert_eq!(lines.len(), 5 + 2 + 4, "child with {threads} threads printed:\n{text}");
+        runs.push((threads, lines));
+    }
+    let (_, first) = &runs[0];
+    for (threads, lines) in &runs[1..] {
+        for (a, b) in first.iter().zip(lines) {
+            assert_eq!(a, b, "1 thread vs {threads} threads");
+        }
+    }
+}
