@@ -581,6 +581,13 @@ impl GPT2 {
         Ok(s[0])
     }
 
+    /// [`GPT2::take_loss`] of the accumulator averaged over the ranks (validation, where each
+    /// rank evaluates its part of every batch).
+    pub fn take_mean_loss(&mut self) -> Result<f32> {
+        self.comm.all_reduce(&mut *self.be, self.stats.prefix(1), Reduce::Mean)?;
+        self.take_loss()
+    }
+
     /// The mean loss of one batch: forward, then read it (evaluation and tests).
     pub fn loss(&mut self, inputs: &[u32], targets: &[u32], b: usize, t: usize) -> Result<f32> {
         self.take_loss()?;

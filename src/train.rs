@@ -356,7 +356,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
                 model.forward(&val.inputs, Some(&val.targets), b, t)?;
                 model.accumulate_loss(1.0 / val_batches as f32)?;
             }
-            let loss = model.take_loss()?; // the validation's one host read
+            let loss = model.take_mean_loss()?; // the validation's one host read, averaged over the ranks
             rep.line(&format!("val loss {loss:.6}"));
             rep.json(serde_json::json!({"step": step, "val_loss": loss}))?;
             summary.val_losses.push((step, loss));

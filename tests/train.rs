@@ -148,3 +148,41 @@ fn hellaswag_during_training_is_logged_at_validation_steps() {
     let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
     assert_eq!(log.lines().filter(|l| l.contains("\"hellaswag\"")).count(), 2);
 }
+
+/// Two ranks on threads (`local_group`), each reading its half of every batch as llm.c splits
+/// it, train as one process with the whole batch: the same train and val losses, up to the
+/// order of float sums (the gradient is averaged over ranks instead of over one batch).
+#[test]
+fn two_ranks_train_as_one_process_with_the_whole_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    let base = TrainConfig {
+        output_dir: None,
+        shuffle: false,
+        total_batch_size: Some(128),
+        ..small(dir.path(), &train, &val)
+    };
+    let one = run(&TrainConfig { batch_size: 4, ..base.clone() }).unwrap();
+    let ranks: Vec<_> = llmrs::backend::comm::local_group(2)
+        .into_iter()
+        .map(|comm| {
+            let cfg = TrainConfig { batch_size: 2, ..base.clone() };
+            std::thread::spawn(move || llmrs::train::run_with(&cfg, Box::new(comm)).unwrap())
+        })
+        .collect();
+    let two: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(one.train_losses.len(), 12);
+    let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 * b.abs();
+    for r in &two {
+        assert_eq!(r.train_losses.len(), one.train_losses.len());
+        for ((s, a), (_, b)) in r.train_losses.iter().zip(&one.train_losses) {
+            assert!(close(*a, *b), "step {s}: train loss {a} on 2 ranks vs {b} on one");
+        }
+        assert_eq!(r.val_losses.len(), one.val_losses.len());
+        for ((s, a), (_, b)) in r.val_losses.iter().zip(&one.val_losses) {
+            assert!(close(*a, *b), "step {s}: val loss {a} on 2 ranks vs {b} on one");
+        }
+    }
+    // Training moved the loss, so agreement is not that of two untrained models.
+    assert!(one.train_losses[11].1 < one.train_losses[0].1 - 0.5, "{:?}", one.train_losses);
+}
