@@ -277,6 +277,9 @@ pub struct TrainState {
     pub should_shuffle: bool,
 }
 
+/// The error [`save_state`] gives for AdamW moments that are not finite (a diverged run).
+pub const NON_FINITE_STATE: &str = "the AdamW state holds non-finite values";
+
 /// Write llm.c's training-state file: header (step, data position), AdamW m and v, and with
 /// shuffling the loader's permutations and RNG.
 pub fn save_state(path: &Path, model: &mut GPT2, st: &TrainState) -> Result<()> {
@@ -306,11 +309,15 @@ pub fn save_state(path: &Path, model: &mut GPT2, st: &TrainState) -> Result<()> 
         l.intra_shard_indices.iter().for_each(|x| tail.extend_from_slice(&x.to_le_bytes()));
         tail.extend_from_slice(&l.rng.as_ref().context("shuffling loader without RNG")?.to_bytes());
     }
-    // One moment on the host at a time.
+    // One moment on the host at a time; a non-finite one aborts the write (nothing is left).
     write_atomic_with(path, |f| {
         f.write_all(&header)?;
         for slot in [Slot::AdamM, Slot::AdamV] {
-            write_values(f, &model.read_all(slot).map_err(std::io::Error::other)?, Dtype::F32)?;
+            let vals = model.read_all(slot).map_err(std::io::Error::other)?;
+            if vals.iter().any(|x| !x.is_finite()) {
+                return Err(std::io::Error::other(NON_FINITE_STATE));
+            }
+            write_values(f, &vals, Dtype::F32)?;
         }
         f.write_all(&tail)
     })

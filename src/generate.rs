@@ -21,6 +21,21 @@ pub struct SamplerConfig {
     pub seed: u64,
 }
 
+impl SamplerConfig {
+    /// Refuse settings that have no meaning (a NaN temperature would sample garbage silently).
+    pub fn validate(&self) -> Result<()> {
+        let t = self.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            bail!("--temperature {t}: must be a finite number >= 0 (0 = greedy)");
+        }
+        let p = self.top_p;
+        if !(p > 0.0 && p <= 1.0) {
+            bail!("--top-p {p}: must be in (0, 1] (1 = all tokens)");
+        }
+        Ok(())
+    }
+}
+
 impl Default for SamplerConfig {
     fn default() -> Self {
         SamplerConfig { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 1337 }
@@ -92,6 +107,7 @@ pub fn generate(
     g: &GenConfig,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
+    g.sampler.validate()?;
     if prompt.is_empty() {
         bail!("the prompt is empty (an empty text prompt starts from <|endoftext|>)");
     }

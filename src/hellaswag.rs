@@ -137,11 +137,27 @@ pub fn load_bin(path: &Path) -> Result<Vec<Example>> {
 
 /// Load either format by extension (`.bin` = llm.c's, otherwise JSON lines).
 pub fn load(path: &Path, tok: &Tokenizer) -> Result<Vec<Example>> {
-    if path.extension().is_some_and(|e| e == "bin") {
-        load_bin(path)
-    } else {
-        load_jsonl(path, tok)
+    let ex = if path.extension().is_some_and(|e| e == "bin") { load_bin(path)? } else { load_jsonl(path, tok)? };
+    check(&ex).with_context(|| format!("{}", path.display()))?;
+    Ok(ex)
+}
+
+/// Every example can be scored: a context and four endings, none empty (an ending is scored
+/// by the losses of its tokens given everything before them, so both need a token), and a
+/// label among the endings.
+pub fn check(examples: &[Example]) -> Result<()> {
+    for (i, e) in examples.iter().enumerate() {
+        if e.ctx.is_empty() {
+            bail!("HellaSwag example {i} has an empty context; every ending is scored given the context");
+        }
+        if e.endings.len() != 4 || e.endings.iter().any(|x| x.is_empty()) {
+            bail!("HellaSwag example {i} needs 4 non-empty endings (has {})", e.endings.len());
+        }
+        if e.label >= 4 {
+            bail!("HellaSwag example {i} has label {} (must be 0..3)", e.label);
+        }
     }
+    Ok(())
 }
 
 /// The model's verdict on one example.
@@ -160,6 +176,7 @@ fn argmin(x: &[f32; 4]) -> usize {
 
 /// Score examples, several per forward pass; `on_progress(done)` after each batch.
 pub fn score(model: &mut GPT2, examples: &[Example], mut on_progress: impl FnMut(usize)) -> Result<Vec<Scored>> {
+    check(examples)?;
     let max_t = model.config.max_seq_len;
     let longest =
         examples.iter().flat_map(|e| e.endings.iter().map(move |end| e.ctx.len() + end.len())).max().unwrap_or(1);
@@ -252,6 +269,25 @@ mod tests {
         m[0] ^= 1;
         std::fs::write(&p, &m).unwrap();
         assert!(format!("{:#}", load_bin(&p).unwrap_err()).contains("bad magic"));
+    }
+
+    #[test]
+    fn unscorable_examples_are_refused_not_panicked_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = Tokenizer::gpt2().unwrap();
+        let p = dir.path().join("h.jsonl");
+        std::fs::write(&p, r#"{"ctx": "", "label": 0, "endings": ["a", "b", "c", "d"]}"#).unwrap();
+        assert!(format!("{:#}", load(&p, &tok).unwrap_err()).contains("example 0 has an empty context"));
+        let bin = dir.path().join("h.bin");
+        let empty_end = Example { label: 0, ctx: vec![1], endings: vec![vec![2], vec![], vec![3], vec![4]] };
+        write_bin(&bin, std::slice::from_ref(&empty_end)).unwrap();
+        assert!(format!("{:#}", load(&bin, &tok).unwrap_err()).contains("4 non-empty endings"));
+        let cfg = crate::config::GPT2Config::from_descriptor("1x16:2:32").unwrap();
+        let mut m = GPT2::new(crate::params::Weights::random(cfg, 3).unwrap(), crate::backend::Device::Cpu).unwrap();
+        let no_ctx = Example { ctx: vec![], ..empty_end.clone() };
+        for e in [no_ctx, empty_end, Example { label: 4, ctx: vec![1], endings: vec![vec![2]; 4] }] {
+            assert!(score(&mut m, &[e], |_| {}).is_err());
+        }
     }
 
     #[test]

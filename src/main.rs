@@ -172,6 +172,7 @@ enum EvalCmd {
 }
 
 #[derive(Args)]
+#[command(allow_negative_numbers = true)]
 struct GenArgs {
     /// Model: llm.c .bin, Hugging Face directory or .safetensors, or hf:owner/name.
     #[arg(short = 'e', long = "model", required_unless_present = "hf")]
@@ -218,9 +219,10 @@ thread_local! {
 }
 
 /// Flags follow llm.c's train_gpt2.cu; defaults differ only where the default run needs a
-/// smaller setup (marked "default run").
+/// smaller setup (marked "default run"). Negative values may follow a flag after a space
+/// (`-l -1`), so that they reach the validation and its message rather than a parse error.
 #[derive(Args)]
-#[command(disable_help_flag = true)]
+#[command(disable_help_flag = true, allow_negative_numbers = true)]
 struct TrainArgs {
     /// Print help.
     #[arg(long, action = clap::ArgAction::Help)]
@@ -278,7 +280,7 @@ struct TrainArgs {
     /// Steps to train (-1 = one epoch). Default run: 500 (llm.c: -1).
     #[arg(short = 'x', long = "max-steps", default_value_t = D.with(|d| d.max_steps.map_or(-1, |x| x as i64)), allow_negative_numbers = true)]
     max_steps: i64,
-    /// Validate every N steps. Default run: 50 (llm.c: 20).
+    /// Validate every N steps (0 = never). Default run: 50 (llm.c: 20).
     #[arg(short = 'v', long = "val-every", default_value_t = D.with(|d| d.val_every))]
     val_every: usize,
     /// Validation batches (-1 = the whole val split).
@@ -352,7 +354,24 @@ fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
 }
 
 fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainConfig> {
-    Ok(TrainConfig {
+    for (flag, v) in
+        [("-y/--resume", a.resume), ("-a/--overfit-single-batch", a.overfit), ("-h/--hellaswag", a.hellaswag)]
+    {
+        if v > 1 {
+            bail!("{flag} {v}: must be 0 or 1");
+        }
+    }
+    // -1 means "the default" (one epoch, the whole val split, B*T); -m 0 is refused by validate.
+    for (flag, v, min) in [
+        ("-x/--max-steps", a.max_steps, 0),
+        ("-m/--val-max-steps", a.val_max_steps, 0),
+        ("-d/--total-batch-size", a.total_batch_size, 1),
+    ] {
+        if v < min && v != -1 {
+            bail!("{flag} {v}: give a number >= {min}, or -1 for the default");
+        }
+    }
+    let cfg = TrainConfig {
         train_data: a.train_data,
         val_data: a.val_data,
         model: match a.hf {
@@ -392,7 +411,9 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
         hellaswag_limit: a.hellaswag_limit,
         quiet: false,
         device,
-    })
+    };
+    cfg.validate()?;
+    Ok(cfg)
 }
 
 fn run_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
@@ -459,7 +480,18 @@ fn ensure_default_data(cfg: &TrainConfig) -> Result<()> {
 }
 
 fn main() {
-    let args = translate_llmc_args(std::env::args().collect());
+    // std::env::args panics on an argument that is not UTF-8; say which one instead.
+    let mut args = vec![];
+    for (i, a) in std::env::args_os().enumerate() {
+        match a.into_string() {
+            Ok(a) => args.push(a),
+            Err(a) => {
+                eprintln!("error: argument {i} ({}) is not valid UTF-8 text", a.to_string_lossy());
+                std::process::exit(1);
+            }
+        }
+    }
+    let args = translate_llmc_args(args);
     let cli = Cli::parse_from(args);
     if let Err(e) = real_main(cli) {
         eprintln!("error: {e:#}");

@@ -9,6 +9,34 @@
 /// Buffers smaller than this gain nothing from huge pages.
 const HUGE_MIN_BYTES: usize = 4 << 20;
 
+/// Refuse an allocation of `bytes` that this machine cannot hold (more than its available
+/// memory and free swap), with a message saying how much was asked for: the alternative is an
+/// abort, or the OOM killer once the pages are touched. Where the OS does not say (not Linux),
+/// everything is allowed.
+pub fn check_available(bytes: usize, what: &str) -> anyhow::Result<()> {
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    if let Some(avail) = available_bytes() {
+        if bytes as u64 > avail {
+            anyhow::bail!(
+                "{what} needs {:.2} GiB, but this machine has {:.2} GiB of memory available",
+                gib(bytes as f64),
+                gib(avail as f64)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// MemAvailable + SwapFree from /proc/meminfo.
+fn available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = info.lines().find(|l| l.starts_with(name))?;
+        Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+    };
+    Some(field("MemAvailable:")? + field("SwapFree:").unwrap_or(0))
+}
+
 /// A zeroed `Vec` of `len` elements, advised onto huge pages when large.
 pub fn zeroed<T: Clone + Default>(len: usize) -> Vec<T> {
     let v = vec![T::default(); len];
@@ -37,6 +65,15 @@ fn advise_huge<T>(_: &[T]) {}
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn impossible_allocations_are_refused_with_their_size() {
+        super::check_available(1 << 20, "a small buffer").unwrap();
+        if super::available_bytes().is_some() {
+            let e = super::check_available(usize::MAX / 2, "the activations").unwrap_err().to_string();
+            assert!(e.contains("the activations needs") && e.contains("GiB"), "{e}");
+        }
+    }
+
     #[test]
     fn zeroed_buffers_are_zero_and_writable() {
         for len in [0, 1, 1000, (8 << 20) / 4 + 3] {

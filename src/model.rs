@@ -426,10 +426,19 @@ impl GPT2 {
             return Ok(());
         }
         let (cb, ct) = self.acts.map_or((b, t), |a| (a.cap_b.max(b), a.cap_t.max(t)));
+        // A bound on every activation size Acts computes, so that none of them overflows.
+        let cfg = &self.config;
+        let wide = (4 * cfg.channels).max(cfg.padded_vocab_size);
+        let per_position = ct.checked_mul(cfg.num_heads).and_then(|x| x.checked_add(wide));
+        let per_position = per_position.and_then(|x| x.checked_mul(16 * (cfg.num_layers + 2)));
+        if per_position.and_then(|p| cb.checked_mul(ct)?.checked_mul(p)).is_none() {
+            bail!("B={cb} x T={ct} is far more than any machine can hold activations for; lower -b or -t");
+        }
         if let Some(a) = self.acts.take() {
             a.free(&mut *self.be);
         }
-        self.acts = Some(Acts::new(&mut *self.be, &self.config, cb, ct, backward)?);
+        let acts = Acts::new(&mut *self.be, &self.config, cb, ct, backward);
+        self.acts = Some(acts.with_context(|| format!("activations for B={cb} x T={ct}: lower -b or -t"))?);
         Ok(())
     }
 

@@ -30,3 +30,11 @@ pub fn data_dir_with_tinyshakespeare() -> PathBuf {
     tinyshakespeare_text();
     data_dir()
 }
+
+/// Say loudly that a test did not check what it exists for (data or an ISA this host lacks).
+/// Written to the process's stderr directly rather than through `eprintln!`, which the test
+/// harness captures and hides for tests that pass.
+pub fn skipped(test: &str, why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}

@@ -53,7 +53,7 @@ pub struct TrainConfig {
     pub schedule: ScheduleKind,
     /// -x  (default run: 500; llm.c: one epoch)
     pub max_steps: Option<usize>,
-    /// -v  (default run: 50; llm.c: 20)
+    /// -v  (default run: 50; llm.c: 20) 0 = never
     pub val_every: usize,
     /// -m 20 batches (None = the whole val split)
     pub val_max_steps: Option<usize>,
@@ -117,6 +117,37 @@ impl Default for TrainConfig {
             quiet: false,
             device: Device::Cpu,
         }
+    }
+}
+
+impl TrainConfig {
+    /// Refuse settings that cannot train sensibly, naming the flag, before anything is
+    /// allocated or read (a NaN or negative learning rate would otherwise show up steps later
+    /// as a diverged run, or train by gradient ascent).
+    pub fn validate(&self) -> Result<()> {
+        let finite = |x: f32, flag: &str, what: &str, ok: bool| -> Result<()> {
+            if !x.is_finite() || !ok {
+                bail!("{flag} {x}: must be {what}");
+            }
+            Ok(())
+        };
+        let lr = self.learning_rate;
+        finite(lr, "-l/--lr", "a finite number >= 0", lr >= 0.0)?;
+        let q = self.final_lr_frac;
+        finite(q, "-q/--final-lr-frac", "a finite number in [0, 1]", (0.0..=1.0).contains(&q))?;
+        let o = &self.optim;
+        finite(o.beta1, "--beta1", "in [0, 1)", (0.0..1.0).contains(&o.beta1))?;
+        finite(o.beta2, "--beta2", "in [0, 1)", (0.0..1.0).contains(&o.beta2))?;
+        finite(o.eps, "--eps", "a finite number > 0", o.eps > 0.0)?;
+        finite(o.weight_decay, "-c/--weight-decay", "a finite number >= 0", o.weight_decay >= 0.0)?;
+        finite(o.grad_clip, "--grad-clip", "a finite number >= 0 (0 = no clipping)", o.grad_clip >= 0.0)?;
+        if self.batch_size == 0 || self.seq_len == 0 {
+            bail!("-b {} -t {}: the batch size and sequence length must be at least 1", self.batch_size, self.seq_len);
+        }
+        if self.val_max_steps == Some(0) {
+            bail!("-m 0: validation would average no batches; give -m N >= 1, -m -1 for the whole val split, or -v 0 for no validation");
+        }
+        Ok(())
     }
 }
 
@@ -235,6 +266,7 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
 /// and the step averages gradients and loss over the ranks. Only rank 0 writes the log and
 /// checkpoint model files.
 pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectives>) -> Result<RunSummary> {
+    cfg.validate()?;
     let (b, t) = (cfg.batch_size, cfg.seq_len);
     let (rank, world) = (comm.rank(), comm.world());
     let tokens_per_micro = b * t * world; // over all ranks
@@ -262,15 +294,16 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
     if t > mc.max_seq_len {
         bail!("sequence length -t {t} is longer than the model's max_seq_len {}", mc.max_seq_len);
     }
-    let mut model = GPT2::with_collectives(weights, crate::backend::open(cfg.device)?, comm)?;
-    model.alloc_training_state()?;
-    model.reserve(b, t)?;
+    // The data first: a batch larger than the data is refused before anything big is allocated.
     let train_pattern = if cfg.overfit_single_batch { &cfg.val_data } else { &cfg.train_data };
     let shuffle = cfg.shuffle && !cfg.overfit_single_batch;
     let split = crate::data::Split { rank, world };
     let mut train =
         DataLoader::new_split(train_pattern, b, t, mc.vocab_size, shuffle, split).context("train data (-i)")?;
     let mut val = DataLoader::new_split(&cfg.val_data, b, t, mc.vocab_size, false, split).context("val data (-j)")?;
+    let mut model = GPT2::with_collectives(weights, crate::backend::open(cfg.device)?, comm)?;
+    model.alloc_training_state()?;
+    model.reserve(b, t)?;
     let steps = cfg.max_steps.unwrap_or(train.num_tokens / total);
     let val_batches = cfg.val_max_steps.unwrap_or(val.num_tokens / tokens_per_micro);
     let mut step = 0;
@@ -348,7 +381,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let mut sampler_cache = if cfg.sample_every > 0 { sample_cache(&mut model, cfg.gen_tokens)? } else { None };
     loop {
         let last = step == steps;
-        if step % cfg.val_every.max(1) == 0 || last {
+        if cfg.val_every > 0 && (step % cfg.val_every == 0 || last) {
             val.reset()?;
             model.take_loss()?;
             for _ in 0..val_batches {
@@ -362,7 +395,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
             summary.val_losses.push((step, loss));
         }
         if let Some(ex) = &hellaswag {
-            if (step > 0 && step % cfg.val_every.max(1) == 0) || last {
+            if cfg.val_every > 0 && ((step > 0 && step % cfg.val_every == 0) || last) {
                 let scored = crate::hellaswag::score(&mut model, ex, |_| {})?;
                 let (_, cn, n) = crate::hellaswag::accuracy(&scored);
                 let acc = cn as f32 / n as f32;
@@ -452,17 +485,102 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
 
 /// As llm.c: rank 0 writes the model file, every rank its state file, then (after all have)
 /// rank 0 the DONE marker, so a checkpoint without DONE is ignored.
+/// Write the checkpoint of `step`: this rank's state, rank 0's model file, then the DONE marker.
+/// A diverged model (non-finite parameters or AdamW moments) is refused before anything is
+/// written, so the newest complete checkpoint is always one that can be resumed.
 fn write_checkpoint(dir: &Path, step: usize, model: &mut GPT2, train: &DataLoader, dtype: Dtype) -> Result<()> {
     let rank = model.rank().0;
     let [m, s, d] = ckpt_paths(dir, step, rank);
-    if rank == 0 {
-        save_model(&model.weights()?, &m, dtype)?;
+    let weights = model.weights()?;
+    let diverged = |what: &str| {
+        let newest = latest_checkpoint(dir).map_or("there is no earlier checkpoint".to_string(), |s| {
+            format!(
+                "the newest complete checkpoint is step {s}: resume it with -y 1 after lowering the learning rate (-l)"
+            )
+        });
+        anyhow::anyhow!(
+            "step {step}: {what} not finite: training diverged and no checkpoint was written for this step; {newest}"
+        )
+    };
+    if let Some(t) = crate::params::Tensor::ALL.into_iter().find(|&t| weights.tensor(t).iter().any(|x| !x.is_finite()))
+    {
+        return Err(diverged(&format!("parameter {} is", t.name())));
     }
     let st = TrainState { step, loader: train.state(), should_shuffle: train.should_shuffle() };
-    save_state(&s, model, &st)?;
+    // save_state refuses non-finite moments and then writes nothing.
+    if let Err(e) = save_state(&s, model, &st) {
+        return Err(if format!("{e:#}").contains(crate::checkpoint::NON_FINITE_STATE) {
+            diverged("the AdamW state is")
+        } else {
+            e
+        });
+    }
+    if rank == 0 {
+        save_model(&weights, &m, dtype)?;
+    }
     model.barrier()?;
     if rank == 0 {
         crate::checkpoint::write_atomic(&d, &[])?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Slot;
+
+    #[test]
+    fn a_diverged_model_is_never_checkpointed() {
+        let dir = tempfile::tempdir().unwrap();
+        let shard = dir.path().join("shard.bin");
+        crate::data::write_shard(&shard, &(0..200).map(|i| i % 50).collect::<Vec<_>>()).unwrap();
+        let dl = DataLoader::new(shard.to_str().unwrap(), 2, 8, 50, false).unwrap();
+        let cfg = crate::config::GPT2Config::from_descriptor("1x16:2:32").unwrap();
+        let mut model = GPT2::new(crate::params::Weights::random(cfg, 1).unwrap(), Device::Cpu).unwrap();
+        model.alloc_training_state().unwrap();
+        let out = dir.path().join("run");
+        write_checkpoint(&out, 3, &mut model, &dl, Dtype::F32).unwrap();
+        assert_eq!(latest_checkpoint(&out), Some(3));
+        let files = || std::fs::read_dir(&out).unwrap().count();
+        assert_eq!(files(), 3);
+        // A NaN parameter, then an infinite AdamW moment: refused, nothing written, and the
+        // message points at the last good checkpoint.
+        for slot in [Slot::Params, Slot::AdamV] {
+            let good = model.read_all(slot).unwrap();
+            let mut bad = good.clone();
+            bad[good.len() / 2] = if slot == Slot::Params { f32::NAN } else { f32::INFINITY };
+            model.write_all(slot, &bad).unwrap();
+            let e = format!("{:#}", write_checkpoint(&out, 4, &mut model, &dl, Dtype::F32).unwrap_err());
+            assert!(e.contains("not finite") && e.contains("newest complete checkpoint is step 3"), "{e}");
+            assert_eq!((files(), latest_checkpoint(&out)), (3, Some(3)), "{slot:?}: something was written");
+            model.write_all(slot, &good).unwrap();
+        }
+        write_checkpoint(&out, 4, &mut model, &dl, Dtype::F32).unwrap();
+        assert_eq!(latest_checkpoint(&out), Some(4));
+    }
+
+    #[test]
+    fn settings_that_cannot_train_are_refused_naming_the_flag() {
+        let ok = TrainConfig::default();
+        ok.validate().unwrap();
+        let o = ok.optim;
+        let bad = [
+            (TrainConfig { learning_rate: -1.0, ..ok.clone() }, "-l/--lr"),
+            (TrainConfig { learning_rate: f32::NAN, ..ok.clone() }, "-l/--lr"),
+            (TrainConfig { final_lr_frac: f32::NAN, ..ok.clone() }, "-q/--final-lr-frac"),
+            (TrainConfig { final_lr_frac: 1.5, ..ok.clone() }, "-q/--final-lr-frac"),
+            (TrainConfig { optim: OptimConfig { beta1: 2.0, ..o }, ..ok.clone() }, "--beta1"),
+            (TrainConfig { optim: OptimConfig { beta2: 1.0, ..o }, ..ok.clone() }, "--beta2"),
+            (TrainConfig { optim: OptimConfig { eps: 0.0, ..o }, ..ok.clone() }, "--eps"),
+            (TrainConfig { optim: OptimConfig { weight_decay: -0.1, ..o }, ..ok.clone() }, "--weight-decay"),
+            (TrainConfig { optim: OptimConfig { grad_clip: f32::NAN, ..o }, ..ok.clone() }, "--grad-clip"),
+            (TrainConfig { batch_size: 0, ..ok.clone() }, "-b 0"),
+            (TrainConfig { val_max_steps: Some(0), ..ok.clone() }, "-m 0"),
+        ];
+        for (cfg, flag) in bad {
+            let e = format!("{:#}", cfg.validate().unwrap_err());
+            assert!(e.contains(flag), "{flag}: {e}");
+        }
+    }
 }

@@ -71,6 +71,57 @@ fn bad_input_gives_a_one_line_error_and_exit_1() {
     assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("--grad-clip"));
 }
 
+/// Flags that cannot make sense, non-UTF-8 arguments and impossible sizes: a one-line error
+/// naming the flag and exit 1, before any training or allocation (never a panic or an abort).
+#[test]
+fn nonsense_flags_and_arguments_are_refused_at_start_up() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
+    llmrs::data::write_shard(&dir.path().join("d.bin"), &toks).unwrap();
+    let refused = |args: &[&std::ffi::OsStr], want: &str| {
+        let o = llmrs().current_dir(dir.path()).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.starts_with("error: ") && err.trim().lines().count() == 1, "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: wanted {want:?} in {err}");
+        assert!(!dir.path().join("out").exists(), "{args:?} started a run");
+    };
+    let train = ["train", "-i", "d.bin", "-j", "d.bin", "-e", "1x16:2:16", "-t", "8", "-s", "0"];
+    let os = |v: &[&str]| v.iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
+    for (flags, want) in [
+        (&["-l", "-1"][..], "-l/--lr -1: must be a finite number >= 0"),
+        (&["--lr=-1"], "-l/--lr -1"),
+        (&["-l", "NaN"], "-l/--lr NaN"),
+        (&["-q", "NaN"], "-q/--final-lr-frac NaN"),
+        (&["--beta1", "2"], "--beta1 2"),
+        (&["--eps", "0"], "--eps 0"),
+        (&["--grad-clip", "NaN"], "--grad-clip NaN"),
+        (&["-x", "-5"], "-x/--max-steps -5"),
+        (&["-m", "0"], "-m 0"),
+        (&["-y", "2"], "-y/--resume 2: must be 0 or 1"),
+        (&["-b", "100000"], "fewer than one batch needs"),
+    ] {
+        let args: Vec<_> = os(&train).into_iter().chain(os(flags)).collect();
+        refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), want);
+    }
+    for (flags, want) in [(&["--temperature", "NaN"][..], "--temperature NaN"), (&["--top-p", "1.5"], "--top-p 1.5")] {
+        let args: Vec<_> = os(&["generate", "-e", "1x16:2:16", "-n", "2"]).into_iter().chain(os(flags)).collect();
+        refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), want);
+    }
+    let bad = std::ffi::OsStr::from_bytes(b"abc\xff");
+    refused(
+        &[
+            std::ffi::OsStr::new("generate"),
+            std::ffi::OsStr::new("-e"),
+            std::ffi::OsStr::new("1x16:2:16"),
+            std::ffi::OsStr::new("-p"),
+            bad,
+        ],
+        "argument 5",
+    );
+}
+
 #[test]
 fn a_full_disk_leaves_no_half_written_shard() {
     // RLIMIT_FSIZE stands in for a full disk: writes past 64 blocks fail with EFBIG (SIGXFSZ

@@ -59,10 +59,13 @@ fn json_lines_tokenize_as_the_reference() {
 fn the_whole_validation_set_tokenizes_as_the_reference() {
     let data = llmrs::testdata::data_dir().join("hellaswag/hellaswag_val.preprocessed.jsonl");
     if !data.exists() {
-        eprintln!(
-            "SKIPPED the_whole_validation_set_tokenizes_as_the_reference: {} is not here (set LLMRS_DATA_DIR to \
-             a data directory with hellaswag/); the first 20 examples are checked from the fixture",
-            data.display()
+        llmrs::testdata::skipped(
+            "the_whole_validation_set_tokenizes_as_the_reference",
+            &format!(
+                "{} is not here (set LLMRS_DATA_DIR to a data directory with hellaswag/); the first 20 examples \
+                 are checked from the fixture",
+                data.display()
+            ),
         );
         return;
     }

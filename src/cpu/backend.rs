@@ -14,7 +14,7 @@
 use super::{adamw, attention, classifier, encoder, gelu, layernorm, matmul, residual};
 use crate::backend::{AdamWParams, Backend, Buf, DType};
 use crate::profile::{Kind, WallTimer};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 /// The marker NaN (quiet, payload 0xDEAD); its sign may flip in a computation.
 const POISON_BITS: u32 = 0x7FC0_DEAD;
@@ -180,6 +180,8 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&mut self, len: usize, dtype: DType) -> Result<Buf> {
+        let bytes = len.checked_mul(4).context("a buffer of more than usize::MAX bytes")?;
+        crate::mem::check_available(bytes, &format!("a buffer of {len} values"))?;
         let storage = match dtype {
             DType::F32 => {
                 let mut v = crate::mem::zeroed::<f32>(len);

@@ -796,7 +796,7 @@ mod tests {
     #[test]
     fn matches_f64_reference_on_edge_shapes_and_layouts() {
         if !fast_path_available() {
-            eprintln!("SKIPPED (sgemm): this CPU has no AVX2+FMA, so the packed path never runs here");
+            crate::testdata::skipped("sgemm", "this CPU has no AVX2+FMA, so the packed path never runs here");
             return;
         }
         // Tiles exact and not, k across the 8-wide pack and one to three k blocks (even and
@@ -828,7 +828,7 @@ mod tests {
         // column parts the narrow split makes. The team's own size is fixed per process:
         // tests/thread_count.rs runs processes of 1 to 4 threads against each other.
         if !fast_path_available() {
-            eprintln!("SKIPPED (sgemm): this CPU has no AVX2+FMA, so the packed path never runs here");
+            crate::testdata::skipped("sgemm", "this CPU has no AVX2+FMA, so the packed path never runs here");
             return;
         }
         // Each of parallel()'s splits, with partial tiles and one to three k blocks: narrow
