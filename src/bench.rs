@@ -177,7 +177,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         model.backward(1.0)?;
         model.synchronize()?;
         let t2 = Instant::now();
-        model.update(&opt, 1e-4, step)?;
+        model.update(&opt, 1e-4, step, crate::backend::SkipAbove::NON_FINITE)?;
         model.synchronize()?;
         let t3 = Instant::now();
         if step >= cfg.warmup {

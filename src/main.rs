@@ -301,6 +301,12 @@ struct TrainArgs {
     /// Clip the global gradient norm to this (0 disables).
     #[arg(long = "grad-clip", default_value_t = D.with(|d| d.optim.grad_clip))]
     grad_clip: f32,
+    /// Skip the update when the loss's z-score over the last 128 steps exceeds this (0 = off). llm.c: -sl.
+    #[arg(long = "skip-loss-z", default_value_t = D.with(|d| d.skip_loss_z))]
+    skip_loss_z: f32,
+    /// Skip the update when the gradient norm's z-score exceeds this (0 = off). llm.c: -sg.
+    #[arg(long = "skip-grad-z", default_value_t = D.with(|d| d.skip_grad_z))]
+    skip_grad_z: f32,
     #[arg(long, default_value_t = D.with(|d| d.optim.beta1))]
     beta1: f32,
     #[arg(long, default_value_t = D.with(|d| d.optim.beta2))]
@@ -327,7 +333,7 @@ struct TrainArgs {
     hellaswag_limit: Option<usize>,
 }
 
-/// llm.c spells some flags with two letters after one dash (-nk, -nm); map them to long names.
+/// llm.c spells some flags with two letters after one dash (-nk, -nm, -sl, -sg); map them to long names.
 /// GPU-only llm.c flags are accepted and ignored on the CPU, with a note.
 fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
     const GPU_ONLY: [&str; 12] = ["-f", "-w", "-z", "-r", "-ge", "-lg", "-pn", "-pr", "-pg", "-pi", "-pf", "-ps"];
@@ -337,12 +343,8 @@ fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
         match a.as_str() {
             "-nk" => out.push("--checkpoints-keep".into()),
             "-nm" => out.push("--major-checkpoint-every".into()),
-            "-sl" | "-sg" => {
-                let v = it.next().unwrap_or_default();
-                if !v.parse::<f32>().is_ok_and(|x| x == 0.0) {
-                    eprintln!("note: {a} (outlier skipping) is not supported by llmrs yet; ignored");
-                }
-            }
+            "-sl" => out.push("--skip-loss-z".into()),
+            "-sg" => out.push("--skip-grad-z".into()),
             g if GPU_ONLY.contains(&g) => {
                 let v = it.next().unwrap_or_default();
                 eprintln!("note: {g} {v} is a GPU setting of llm.c; ignored on the CPU");
@@ -403,6 +405,8 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
             weight_decay: a.weight_decay,
             grad_clip: a.grad_clip,
         },
+        skip_loss_z: a.skip_loss_z,
+        skip_grad_z: a.skip_grad_z,
         seed: a.seed,
         shuffle: !a.no_shuffle,
         save_dtype: parse_dtype(&a.save_dtype)?,

@@ -6,7 +6,7 @@
 
 use crate::acts::{Acts, BackActs, BlockActs, KvCache};
 use crate::backend::comm::{Collectives, Reduce, SingleProcess};
-use crate::backend::{self, AdamWParams, Backend, Buf, DType, Device};
+use crate::backend::{self, AdamWParams, Backend, Buf, DType, Device, SkipAbove};
 use crate::config::GPT2Config;
 use crate::optim::OptimConfig;
 use crate::params::{Block, ParamLayout, Tensor, Weights};
@@ -39,6 +39,8 @@ pub struct StepStats {
     pub loss: f32,
     /// The global gradient norm before clipping.
     pub grad_norm: f32,
+    /// The update was skipped (a value not finite, or above the step's [`SkipAbove`]).
+    pub skipped: bool,
 }
 
 /// Gradients and AdamW moments, each (num_parameters) in the parameter layout.
@@ -75,6 +77,8 @@ pub struct GPT2 {
     last: Last,
     /// Set by [`GPT2::zero_grad`]: the next backward overwrites the GEMM-produced gradients.
     grads_overwrite: bool,
+    /// The limits of the last update, for step_stats to tell whether it was skipped.
+    skip: SkipAbove,
 }
 
 /// How a block's attention sees its positions.
@@ -233,6 +237,7 @@ impl GPT2 {
             acts: None,
             last: Last::default(),
             grads_overwrite: false,
+            skip: SkipAbove::NON_FINITE,
         })
     }
 
@@ -341,10 +346,12 @@ impl GPT2 {
 
     /// The optimizer step, queued without waiting on the host: average the gradients and the
     /// loss over the ranks, take the global gradient norm, then clip and apply AdamW to every
-    /// tensor (weight decay on the 2-D weights). A step whose loss or norm is not finite leaves
-    /// the model unchanged ([`Backend::adamw_update`]); [`GPT2::step_stats`] tells.
-    pub fn update(&mut self, o: &OptimConfig, lr: f32, step: usize) -> Result<()> {
+    /// tensor (weight decay on the 2-D weights). A step whose loss or norm is not finite, or
+    /// above `skip`, leaves the model unchanged ([`Backend::adamw_update`]);
+    /// [`GPT2::step_stats`] tells.
+    pub fn update(&mut self, o: &OptimConfig, lr: f32, step: usize, skip: SkipAbove) -> Result<()> {
         let tr = self.train.context("update needs training state: call alloc_training_state first")?;
+        self.skip = skip;
         let (be, stats) = (&mut *self.be, self.stats);
         self.comm.all_reduce(be, tr.grads, Reduce::Mean)?;
         self.comm.all_reduce(be, stats.prefix(1), Reduce::Mean)?;
@@ -359,6 +366,7 @@ impl GPT2 {
                 weight_decay: if x.weight_decay() { o.weight_decay } else { 0.0 },
                 grad_clip: o.grad_clip,
                 t: step as i32 + 1,
+                skip,
             };
             let (p, g, m, v) =
                 (self.params.slice(r.clone()), tr.grads.slice(r.clone()), tr.m.slice(r.clone()), tr.v.slice(r));
@@ -371,7 +379,7 @@ impl GPT2 {
     pub fn step_stats(&mut self) -> Result<StepStats> {
         let mut s = [0f32; 2];
         self.be.download(self.stats, &mut s)?;
-        Ok(StepStats { loss: s[0], grad_norm: s[1].sqrt() })
+        Ok(StepStats { loss: s[0], grad_norm: s[1].sqrt(), skipped: self.skip.skips(s[0], s[1]) })
     }
 
     // ---- set-up ---------------------------------------------------------------------------
@@ -705,15 +713,24 @@ mod tests {
         m.zero_grad().unwrap();
         m.forward(&x, Some(&y), 1, 4).unwrap();
         m.backward(f32::NAN).unwrap(); // a NaN objective: NaN loss and gradients
-        m.update(&OptimConfig::default(), 1e-3, 0).unwrap();
-        assert!(m.step_stats().unwrap().loss.is_nan());
+        m.update(&OptimConfig::default(), 1e-3, 0, SkipAbove::NON_FINITE).unwrap();
+        let s = m.step_stats().unwrap();
+        assert!(s.loss.is_nan() && s.skipped);
         assert!(m.read_all(Slot::Params).unwrap() == before, "parameters moved on a NaN step");
+        // An outlier: finite, but above the step's limit (llm.c's -sl).
         m.zero_grad().unwrap();
         m.forward(&x, Some(&y), 1, 4).unwrap();
         m.backward(1.0).unwrap();
-        m.update(&OptimConfig::default(), 1e-3, 0).unwrap();
+        m.update(&OptimConfig::default(), 1e-3, 0, SkipAbove { loss: 0.5, norm_sq: f32::INFINITY }).unwrap();
         let s = m.step_stats().unwrap();
-        assert!(s.loss.is_finite() && s.grad_norm > 0.0);
+        assert!(s.loss > 0.5 && s.skipped, "{s:?}");
+        assert!(m.read_all(Slot::Params).unwrap() == before, "parameters moved on a skipped step");
+        m.zero_grad().unwrap();
+        m.forward(&x, Some(&y), 1, 4).unwrap();
+        m.backward(1.0).unwrap();
+        m.update(&OptimConfig::default(), 1e-3, 0, SkipAbove::NON_FINITE).unwrap();
+        let s = m.step_stats().unwrap();
+        assert!(s.loss.is_finite() && s.grad_norm > 0.0 && !s.skipped);
         assert!(m.read_all(Slot::Params).unwrap() != before, "a good step moves the parameters");
     }
 

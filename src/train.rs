@@ -7,7 +7,7 @@ use crate::backend::Device;
 use crate::checkpoint::{load_model, load_state, save_model, save_state, Dtype, TrainState};
 use crate::data::DataLoader;
 use crate::model::{StepStats, GPT2};
-use crate::optim::OptimConfig;
+use crate::optim::{skip_limits, OptimConfig, OutlierDetector};
 use crate::rng::random_f32;
 use crate::schedule::{LrSchedule, ScheduleKind};
 use crate::tokenizer::Tokenizer;
@@ -65,6 +65,10 @@ pub struct TrainConfig {
     pub overfit_single_batch: bool,
     /// -c weight decay, --beta1/2, --eps, --grad-clip
     pub optim: OptimConfig,
+    /// -sl skip the update when the loss's z-score over the last 128 steps exceeds this (0 = off)
+    pub skip_loss_z: f32,
+    /// -sg the same for the gradient norm (0 = off)
+    pub skip_grad_z: f32,
     /// --seed for random init (llm.c: 42)
     pub seed: u32,
     /// --no-shuffle turns off llm.c's permuted train order
@@ -108,6 +112,8 @@ impl Default for TrainConfig {
             gen_tokens: 64,
             overfit_single_batch: false,
             optim: OptimConfig::default(),
+            skip_loss_z: 0.0,
+            skip_grad_z: 0.0,
             seed: 42,
             shuffle: true,
             save_dtype: Dtype::F32,
@@ -141,6 +147,8 @@ impl TrainConfig {
         finite(o.eps, "--eps", "a finite number > 0", o.eps > 0.0)?;
         finite(o.weight_decay, "-c/--weight-decay", "a finite number >= 0", o.weight_decay >= 0.0)?;
         finite(o.grad_clip, "--grad-clip", "a finite number >= 0 (0 = no clipping)", o.grad_clip >= 0.0)?;
+        finite(self.skip_loss_z, "-sl", "a finite z-score >= 0 (0 = off)", self.skip_loss_z >= 0.0)?;
+        finite(self.skip_grad_z, "-sg", "a finite z-score >= 0 (0 = off)", self.skip_grad_z >= 0.0)?;
         if self.batch_size == 0 || self.seq_len == 0 {
             bail!("-b {} -t {}: the batch size and sequence length must be at least 1", self.batch_size, self.seq_len);
         }
@@ -379,6 +387,10 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let mut summary = RunSummary::default();
     let mut resuming = resume_step.is_some();
     let mut sampler_cache = if cfg.sample_every > 0 { sample_cache(&mut model, cfg.gen_tokens)? } else { None };
+    // llm.c's outlier detectors (-sl, -sg). A loss this far above uniform guessing's ln(V) is
+    // no longer training: stop, whatever the detectors say.
+    let (mut loss_window, mut norm_window) = (OutlierDetector::default(), OutlierDetector::default());
+    let exploded = 2.0 * (mc.vocab_size as f32).ln();
     loop {
         let last = step == steps;
         if cfg.val_every > 0 && (step % cfg.val_every == 0 || last) {
@@ -445,8 +457,9 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
             model.backward(1.0 / grad_accum as f32)?;
         }
         let lr = sched.lr(step);
-        model.update(&cfg.optim, lr, step)?;
-        let StepStats { loss, grad_norm: norm } = model.step_stats()?;
+        let skip = skip_limits(&loss_window, cfg.skip_loss_z, &norm_window, cfg.skip_grad_z);
+        model.update(&cfg.optim, lr, step, skip)?;
+        let StepStats { loss, grad_norm: norm, skipped } = model.step_stats()?;
         // A step with a non-finite loss or norm left the parameters as they were (see GPT2::update).
         if !loss.is_finite() {
             bail!(
@@ -457,13 +470,30 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
         if !norm.is_finite() {
             bail!("the gradient norm is {norm} at step {step}: training diverged. Lower the learning rate (-l) and resume from the last checkpoint with -y 1");
         }
+        if loss > exploded {
+            bail!(
+                "the training loss is {loss} at step {step}, more than twice the {:.2} of guessing uniformly: training \
+                 diverged. Lower the learning rate (-l), keep clipping on (--grad-clip 1), or skip outlier steps (-sl, -sg)",
+                exploded / 2.0
+            );
+        }
+        if skipped {
+            let (zl, zg) = (loss_window.z(loss as f64), norm_window.z(norm as f64));
+            rep.line(&format!("step {}: update skipped (loss z-score {zl:.2}, grad norm z-score {zg:.2})", step + 1));
+        }
+        loss_window.push(loss as f64);
+        norm_window.push(norm as f64);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let tok_s = (total as f64) / (ms / 1e3);
         rep.line(&format!(
             "step {:4}/{steps} | loss {loss:.6} | norm {norm:.4} | lr {lr:.2e} | {ms:.2} ms | {tok_s:.0} tok/s",
             step + 1
         ));
-        rep.json(serde_json::json!({"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "ms": ms, "tok_per_s": tok_s}))?;
+        let mut line = serde_json::json!({"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "ms": ms, "tok_per_s": tok_s});
+        if skipped {
+            line["skipped"] = true.into();
+        }
+        rep.json(line)?;
         rep.bar.inc(1);
         summary.train_losses.push((step, loss));
         step += 1;

@@ -121,9 +121,58 @@ fn bad_settings_and_data_are_refused_clearly() {
         optim: llmrs::optim::OptimConfig { grad_clip: 0.0, ..Default::default() },
         warmup: 0,
         max_steps: Some(5),
-        ..base
+        ..base.clone()
     });
     assert!(e.contains("diverged") || e.contains("no longer finite"), "{e}");
+    // One that explodes to huge but finite losses (1e17 seen before this check) is stopped
+    // too, and the checkpoints it wrote before then are finite.
+    let out = dir.path().join("exploding");
+    let e = err(TrainConfig {
+        learning_rate: 1e8,
+        optim: llmrs::optim::OptimConfig { grad_clip: 0.0, ..Default::default() },
+        warmup: 0,
+        max_steps: Some(30),
+        checkpoint_every: 1,
+        output_dir: Some(out.clone()),
+        ..base
+    });
+    assert!(e.contains("more than twice the") && e.contains("diverged"), "{e}");
+    let last = llmrs::train::latest_checkpoint(&out).expect("checkpoints before the explosion");
+    assert!(last < 30, "ran to the end");
+    let w = llmrs::checkpoint::load_model(&out.join(format!("model_{last:08}.bin"))).unwrap();
+    assert!(w.data.iter().all(|x| x.is_finite()));
+}
+
+/// llm.c's -sl: after the 128-step window fills, a step whose loss is a z-score outlier is
+/// skipped (logged, parameters unchanged) and the run goes on.
+#[test]
+fn outlier_steps_are_skipped_with_sl() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    let out = dir.path().join("run");
+    // A flat loss (tiny learning rate: only the batches' noise moves it) and a very low
+    // threshold: once the window is full, steps above about the window's mean are skipped.
+    let cfg = TrainConfig {
+        learning_rate: 1e-6,
+        skip_loss_z: 0.01,
+        max_steps: Some(140),
+        val_every: 0,
+        total_batch_size: None,
+        ..small(&out, &train, &val)
+    };
+    let s = run(&cfg).unwrap();
+    assert_eq!(s.train_losses.len(), 140);
+    let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
+    let skipped: Vec<u64> = log
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v.get("skipped").is_some())
+        .map(|v| v["step"].as_u64().unwrap())
+        .collect();
+    assert!(skipped.len() >= 2 && skipped.iter().all(|&s| s >= 128), "{skipped:?}");
+    // Off by default: the same run skips nothing.
+    let s2 = run(&TrainConfig { skip_loss_z: 0.0, output_dir: None, ..cfg }).unwrap();
+    assert_eq!(s2.train_losses[..128], s.train_losses[..128]);
 }
 
 #[test]

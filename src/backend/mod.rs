@@ -140,6 +140,28 @@ pub struct AdamWParams {
     pub grad_clip: f32,
     /// 1-based step, for bias correction.
     pub t: i32,
+    /// When the step is skipped instead of applied.
+    pub skip: SkipAbove,
+}
+
+/// The limits above which a step is skipped (llm.c's `-sl`/`-sg` outlier skipping, turned into
+/// bounds on the host before the step so that the device decides without a host round trip).
+/// A step whose loss or squared gradient norm is not finite is always skipped.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SkipAbove {
+    pub loss: f32,
+    pub norm_sq: f32,
+}
+
+impl SkipAbove {
+    /// Skip only non-finite steps.
+    pub const NON_FINITE: SkipAbove = SkipAbove { loss: f32::INFINITY, norm_sq: f32::INFINITY };
+
+    /// Whether a step with this mean loss and squared gradient norm is skipped. Every backend
+    /// decides with exactly this comparison, so the host can tell from the step's statistics.
+    pub fn skips(&self, loss: f32, norm_sq: f32) -> bool {
+        !(loss.is_finite() && norm_sq.is_finite() && loss <= self.loss && norm_sq <= self.norm_sq)
+    }
 }
 
 /// A device: memory, transfers, and llm.c's layer ops on buffers it owns.
@@ -301,7 +323,8 @@ pub trait Backend {
     /// One AdamW step on one tensor: params, m, v (N) (inout) from grads (N). `stats` (2)
     /// holds the step's [mean loss, squared global gradient norm]: the gradients are scaled by
     /// grad_clip / norm when the norm exceeds a non-zero grad_clip, and nothing is updated
-    /// when either value is not finite, so a diverged step leaves the model as it was.
+    /// when `h.skip` skips the step ([`SkipAbove::skips`]: a value not finite or above its
+    /// limit), so a diverged or outlier step leaves the model as it was.
     fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams);
 }
 

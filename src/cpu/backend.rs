@@ -494,8 +494,8 @@ impl Backend for CpuBackend {
         let h = *h;
         self.run("adamw_update", [Rw(params), Rw(m), Rw(v)], [grads, stats], [], |[p, m, v], [g, stats], []| {
             let (loss, norm_sq) = (stats[0], stats[1]);
-            if !loss.is_finite() || !norm_sq.is_finite() {
-                return; // a diverged step: leave the model as it was
+            if h.skip.skips(loss, norm_sq) {
+                return; // a diverged or outlier step: leave the model as it was
             }
             let norm = norm_sq.sqrt();
             let grad_scale = if h.grad_clip > 0.0 && norm > h.grad_clip { h.grad_clip / norm } else { 1.0 };
@@ -516,6 +516,7 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::SkipAbove;
 
     fn buf(be: &mut CpuBackend, vals: &[f32]) -> Buf {
         let b = be.alloc(vals.len(), DType::F32).unwrap();
@@ -583,7 +584,16 @@ mod tests {
         let mut be = CpuBackend::new(false);
         let (p, g) = (buf(&mut be, &[1.0, 2.0]), buf(&mut be, &[0.5, -0.5]));
         let (m, v) = (buf(&mut be, &[0.0; 2]), buf(&mut be, &[0.0; 2]));
-        let h = AdamWParams { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0, grad_clip: 1.0, t: 1 };
+        let mut h = AdamWParams {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            grad_clip: 1.0,
+            t: 1,
+            skip: SkipAbove::NON_FINITE,
+        };
         let mut out = [0f32; 2];
         for bad in [[f32::NAN, 1.0], [1.0, f32::INFINITY]] {
             let stats = buf(&mut be, &bad);
@@ -591,6 +601,15 @@ mod tests {
             be.download(p, &mut out).unwrap();
             assert_eq!(out, [1.0, 2.0], "skipped");
         }
+        // Above a limit (outlier skipping): skipped; at the limit: applied.
+        let stats = buf(&mut be, &[2.0, 0.5]);
+        for skip in [SkipAbove { loss: 1.9, norm_sq: 1.0 }, SkipAbove { loss: 3.0, norm_sq: 0.49 }] {
+            h.skip = skip;
+            be.adamw_update(p, g, m, v, stats, &h);
+            be.download(p, &mut out).unwrap();
+            assert_eq!(out, [1.0, 2.0], "skipped by {skip:?}");
+        }
+        h.skip = SkipAbove { loss: 2.0, norm_sq: 0.5 };
         let stats = buf(&mut be, &[2.0, 0.5]);
         be.adamw_update(p, g, m, v, stats, &h);
         be.download(p, &mut out).unwrap();
