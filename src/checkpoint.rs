@@ -10,7 +10,7 @@ use crate::model::{Slot, GPT2};
 use crate::params::Weights;
 use anyhow::{bail, Context, Result};
 use std::fs::File;
-use std::io::{BufWriter, Read, Write};
+use std::io::{BufWriter, Write};
 use std::path::Path;
 
 pub const MODEL_MAGIC: i32 = 20240326;
@@ -42,7 +42,19 @@ impl Dtype {
 
 /// Read a whole file, with an error that names it.
 pub fn read_file(path: &Path) -> Result<Vec<u8>> {
+    check_regular(path)?;
     std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+/// Refuse anything but a regular file (after symlinks): reading a FIFO or a device would block
+/// or never end, and a directory is a mistake worth naming.
+pub fn check_regular(path: &Path) -> Result<()> {
+    let md = std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    if !md.is_file() {
+        let kind = if md.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device?)" };
+        bail!("{} is {kind}; give the path of a file", path.display());
+    }
+    Ok(())
 }
 
 /// Parse the 256-int header at the start of `bytes`.
@@ -227,8 +239,7 @@ pub struct DebugState {
 
 /// Read a debug-state file for a model of shape `cfg`.
 pub fn load_debug_state(path: &Path, cfg: &GPT2Config) -> Result<DebugState> {
-    let mut bytes = Vec::new();
-    File::open(path).with_context(|| format!("cannot open {}", path.display()))?.read_to_end(&mut bytes)?;
+    let bytes = read_file(path)?;
     let h = parse_header(&bytes, path, "debug-state")?;
     if h[0] != DEBUG_STATE_MAGIC {
         bail!("{} is not an llm.c debug-state file (magic {})", path.display(), h[0]);

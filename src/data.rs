@@ -199,6 +199,7 @@ impl DataLoader {
     fn load_shard(&mut self, shard: usize) -> Result<usize> {
         let idx = if self.should_shuffle { self.shard_indices[shard] as usize } else { shard };
         let path = self.files.get(idx).context("shard index out of range")?.clone();
+        crate::checkpoint::check_regular(&path)?;
         let mut f = File::open(&path).with_context(|| format!("cannot open token shard {}", path.display()))?;
         let len = f.metadata()?.len();
         let mut header = vec![0u8; HEADER_BYTES.min(len as usize)];

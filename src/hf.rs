@@ -212,10 +212,9 @@ fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// Load a Hugging Face GPT-2 (directory or `.safetensors` path) as llm.c-layout weights.
 pub fn load_hf(path: &Path) -> Result<Weights> {
     let (cfg_path, st_path) = resolve_paths(path)?;
-    let hf = HfConfig::parse(
-        &std::fs::read_to_string(&cfg_path).with_context(|| format!("cannot read {}", cfg_path.display()))?,
-        &cfg_path,
-    )?;
+    let cfg_text = String::from_utf8(crate::checkpoint::read_file(&cfg_path)?)
+        .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", cfg_path.display()))?;
+    let hf = HfConfig::parse(&cfg_text, &cfg_path)?;
     let cfg = hf.to_llmc().with_context(|| format!("{}: bad model shape", cfg_path.display()))?;
     let bytes = crate::checkpoint::read_file(&st_path)?;
     let st = SafeTensors::deserialize(&bytes)

@@ -24,6 +24,7 @@ pub mod prepare;
 pub mod profile;
 pub mod progress;
 pub mod rng;
+pub mod rundir;
 pub mod schedule;
 pub mod source;
 #[doc(hidden)]

@@ -313,6 +313,9 @@ struct TrainArgs {
     beta2: f32,
     #[arg(long, default_value_t = D.with(|d| d.optim.eps))]
     eps: f32,
+    /// Delete the checkpoints of an earlier run in the output directory (else a fresh run there is refused).
+    #[arg(long)]
+    overwrite: bool,
     /// Read training batches in order instead of llm.c's shuffled order.
     #[arg(long = "no-shuffle")]
     no_shuffle: bool,
@@ -413,6 +416,7 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
         hellaswag: a.hellaswag == 1,
         hellaswag_data: a.hellaswag_data,
         hellaswag_limit: a.hellaswag_limit,
+        overwrite: a.overwrite,
         quiet: false,
         device,
     };

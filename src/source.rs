@@ -17,7 +17,8 @@ pub fn load_any(spec: &str, seed: u32) -> Result<Weights> {
     if p.is_dir() || spec.ends_with(".safetensors") {
         return crate::hf::load_hf(p);
     }
-    if spec.ends_with(".bin") || p.is_file() {
+    // Anything that exists is read as a file (a FIFO or device is refused by name).
+    if spec.ends_with(".bin") || p.exists() {
         return load_model(p);
     }
     Weights::random(GPT2Config::from_descriptor(spec)?, seed)

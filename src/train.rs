@@ -9,6 +9,7 @@ use crate::data::DataLoader;
 use crate::model::{StepStats, GPT2};
 use crate::optim::{skip_limits, OptimConfig, OutlierDetector};
 use crate::rng::random_f32;
+use crate::rundir::{Existing, RunDir};
 use crate::schedule::{LrSchedule, ScheduleKind};
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
@@ -81,6 +82,8 @@ pub struct TrainConfig {
     pub hellaswag_data: Option<PathBuf>,
     /// Score only the first N HellaSwag examples (default: all)
     pub hellaswag_limit: Option<usize>,
+    /// --overwrite: a fresh run deletes the checkpoints it finds in output_dir (else refuses)
+    pub overwrite: bool,
     /// no per-step lines (tests)
     pub quiet: bool,
     /// --device: where the model runs (cpu)
@@ -120,6 +123,7 @@ impl Default for TrainConfig {
             hellaswag: false,
             hellaswag_data: None,
             hellaswag_limit: None,
+            overwrite: false,
             quiet: false,
             device: Device::Cpu,
         }
@@ -287,13 +291,19 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
     if cfg.checkpoint_every > 0 && out.is_none() {
         bail!("checkpoints (-n) need an output directory (-o)");
     }
-    // Resume or start fresh.
-    let resume_step = if cfg.resume {
-        let dir = out.context("-y 1 needs the output directory (-o) of the run to resume")?;
-        latest_checkpoint(dir)
-    } else {
-        None
+    // Lock the output directory (rank 0), then resume or start fresh.
+    if cfg.resume && out.is_none() {
+        bail!("-y 1 needs the output directory (-o) of the run to resume");
+    }
+    let existing = if cfg.overwrite { Existing::Delete } else { Existing::Refuse };
+    let run_dir = match out {
+        Some(dir) if rank == 0 => Some(RunDir::open(dir, cfg.resume, existing)?),
+        _ => None,
     };
+    let resume_step = if cfg.resume { out.and_then(latest_checkpoint) } else { None };
+    if let (Some(rd), Some(s)) = (&run_dir, resume_step) {
+        rd.trim_log(s)?;
+    }
     let weights = match resume_step {
         Some(s) => load_model(&ckpt_paths(out.unwrap(), s, rank)[0])?,
         None => crate::source::load_any(&cfg.model, cfg.seed)?,
@@ -316,7 +326,16 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let val_batches = cfg.val_max_steps.unwrap_or(val.num_tokens / tokens_per_micro);
     let mut step = 0;
     if let Some(s) = resume_step {
-        let st: TrainState = load_state(&ckpt_paths(out.unwrap(), s, rank)[1], &mut model)?;
+        let state_path = &ckpt_paths(out.unwrap(), s, rank)[1];
+        let st: TrainState = load_state(state_path, &mut model)?;
+        if st.step != s {
+            bail!(
+                "{} holds the state of step {}, not of checkpoint {s}: the checkpoint's files do not belong together; \
+                 resume from another checkpoint (delete DONE_{s:08}) or start afresh",
+                state_path.display(),
+                st.step
+            );
+        }
         if st.should_shuffle != shuffle {
             bail!(
                 "the run being resumed {} its training data; pass the same --no-shuffle setting",

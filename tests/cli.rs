@@ -85,7 +85,7 @@ fn nonsense_flags_and_arguments_are_refused_at_start_up() {
         assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
         assert!(err.starts_with("error: ") && err.trim().lines().count() == 1, "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: wanted {want:?} in {err}");
-        assert!(!dir.path().join("out").exists(), "{args:?} started a run");
+        assert!(!dir.path().join("out/log.jsonl").exists(), "{args:?} started a run");
     };
     let train = ["train", "-i", "d.bin", "-j", "d.bin", "-e", "1x16:2:16", "-t", "8", "-s", "0"];
     let os = |v: &[&str]| v.iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
@@ -108,6 +108,21 @@ fn nonsense_flags_and_arguments_are_refused_at_start_up() {
     for (flags, want) in [(&["--temperature", "NaN"][..], "--temperature NaN"), (&["--top-p", "1.5"], "--top-p 1.5")] {
         let args: Vec<_> = os(&["generate", "-e", "1x16:2:16", "-n", "2"]).into_iter().chain(os(flags)).collect();
         refused(&args.iter().map(|a| a.as_os_str()).collect::<Vec<_>>(), want);
+    }
+    // A FIFO as the model: refused by name, not read forever (`timeout` guards the test).
+    let fifo = dir.path().join("m.bin");
+    let c = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    for model in ["m.bin", "./m.bin"] {
+        let o = Command::new("timeout")
+            .current_dir(dir.path())
+            .args(["20", env!("CARGO_BIN_EXE_llmrs"), "generate", "-e", model, "-n", "1"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("not a regular file"), "{err}");
     }
     let bad = std::ffi::OsStr::from_bytes(b"abc\xff");
     refused(

@@ -74,9 +74,20 @@ fn stopped_and_resumed_run_is_bit_identical() {
     let tail: Vec<_> = full.val_losses.iter().filter(|(s, _)| *s > 5).collect();
     let rtail: Vec<_> = resumed.val_losses.iter().filter(|(s, _)| *s > 5).collect();
     assert_eq!(tail, rtail);
-    // The JSON log was appended to, not truncated: 12 + 7 train lines.
+    // The JSON log kept steps 0..4 of the first run and has steps 5..11 once each, as the
+    // uninterrupted run wrote them (the first run's later lines were dropped on resume).
     let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
-    assert_eq!(log.lines().filter(|l| l.contains("train_loss")).count(), 19);
+    let lines: Vec<serde_json::Value> = log.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let train: Vec<(usize, f32)> = lines
+        .iter()
+        .filter(|v| v.get("train_loss").is_some())
+        .map(|v| (v["step"].as_u64().unwrap() as usize, v["train_loss"].as_f64().unwrap() as f32))
+        .collect();
+    let want = full.train_losses.clone();
+    assert_eq!(train, want);
+    let val_steps: Vec<u64> =
+        lines.iter().filter(|v| v.get("val_loss").is_some()).map(|v| v["step"].as_u64().unwrap()).collect();
+    assert_eq!(val_steps, [0, 4, 8, 12]);
 }
 
 #[test]
@@ -234,4 +245,28 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     }
     // Training moved the loss, so agreement is not that of two untrained models.
     assert!(one.train_losses[11].1 < one.train_losses[0].1 - 0.5, "{:?}", one.train_losses);
+}
+
+/// A fresh run does not mix with an earlier run's checkpoints, and a checkpoint whose state
+/// file is another step's is refused, not resumed at the wrong step.
+#[test]
+fn the_output_directory_is_guarded() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    let out = dir.path().join("run");
+    let cfg = TrainConfig { checkpoint_every: 5, max_steps: Some(10), ..small(&out, &train, &val) };
+    run(&cfg).unwrap();
+    let err = |c: &TrainConfig| format!("{:#}", run(c).unwrap_err());
+    let e = err(&cfg);
+    assert!(e.contains("holds checkpoints of an earlier run") && e.contains("-y 1"), "{e}");
+    assert!(out.join("DONE_00000010").exists(), "refusing deleted the earlier run");
+    // A state file from another step in the newest checkpoint.
+    std::fs::copy(out.join("state_00000005_00000.bin"), out.join("state_00000010_00000.bin")).unwrap();
+    let e = err(&TrainConfig { resume: true, ..cfg.clone() });
+    assert!(e.contains("holds the state of step 5, not of checkpoint 10"), "{e}");
+    // --overwrite starts afresh: the old checkpoints are gone, the new ones are there.
+    let again = run(&TrainConfig { overwrite: true, checkpoint_every: 3, max_steps: Some(4), ..cfg.clone() }).unwrap();
+    assert_eq!(again.train_losses.len(), 4);
+    assert_eq!(llmrs::train::latest_checkpoint(&out), Some(4));
+    assert!(!out.join("model_00000005.bin").exists() && out.join("model_00000003.bin").exists());
 }
