@@ -4,6 +4,7 @@ use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::Path;
+use std::time::Duration;
 
 /// A public file we know the exact contents of.
 pub struct Remote {
@@ -17,6 +18,33 @@ pub const TINY_SHAKESPEARE: Remote = Remote {
     sha256: "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
 };
 
+/// How long a connection may take to open, and a response or any read of its body may stall,
+/// before a download fails (with a message saying to run again) instead of hanging.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+pub const STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[cfg(test)]
+thread_local! {
+    /// Tests shorten the stall timeout on their own thread.
+    pub(crate) static STALL_OVERRIDE: std::cell::Cell<Option<Duration>> = const { std::cell::Cell::new(None) };
+}
+
+/// The HTTP client of every download: timeouts on connecting and on stalls (a server that
+/// accepts and never answers must not hang llmrs), redirects followed or not.
+pub fn agent(follow_redirects: bool) -> ureq::Agent {
+    let stall = STALL_TIMEOUT;
+    #[cfg(test)]
+    let stall = STALL_OVERRIDE.with(|o| o.get()).unwrap_or(stall);
+    ureq::Agent::config_builder()
+        .max_redirects(if follow_redirects { 10 } else { 0 })
+        .http_status_as_error(follow_redirects)
+        .timeout_connect(Some(CONNECT_TIMEOUT))
+        .timeout_recv_response(Some(stall))
+        .timeout_per_read(Some(stall))
+        .build()
+        .into()
+}
+
 pub fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -25,7 +53,7 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 /// terminal. Nothing is left under `dest` unless the whole file arrived and matched.
 pub fn download(url: &str, dest: &Path, sha256: Option<&str>) -> Result<()> {
     eprintln!("downloading {url}");
-    let resp = ureq::get(url).call().with_context(|| {
+    let resp = agent(true).get(url).call().with_context(|| {
         format!(
             "cannot download {url}; if this machine is offline, put the file at {} (or set LLMRS_DATA_DIR)",
             dest.display()

@@ -58,9 +58,15 @@ pub fn fetch_model(r: &HubRef, endpoint: &str, cache: &Path) -> Result<PathBuf> 
     let dir = cache.join("hub").join(r.repo.replace('/', "--")).join(&r.revision);
     for f in MODEL_FILES {
         let dest = dir.join(f);
+        // A cached file that no longer checks out (cached by an older llmrs, or damaged) is fetched again.
+        if dest.is_file() && valid_model_file(&dest).is_err() {
+            eprintln!("the cached {} is broken; fetching it again", dest.display());
+            std::fs::remove_file(&dest).with_context(|| format!("cannot remove {}", dest.display()))?;
+        }
         if !dest.is_file() {
             let url = format!("{endpoint}/{}/resolve/{}/{f}", r.repo, r.revision);
-            fetch_file(&url, &dest).with_context(|| format!("cannot fetch {f} of {}@{}", r.repo, r.revision))?;
+            fetch_file(&url, &dest, &valid_model_file)
+                .with_context(|| format!("cannot fetch {f} of {}@{}", r.repo, r.revision))?;
         }
     }
     Ok(dir)
@@ -69,7 +75,7 @@ pub fn fetch_model(r: &HubRef, endpoint: &str, cache: &Path) -> Result<PathBuf> 
 /// Files of a dataset repository under `dir` (the Hub's tree API), sorted by path.
 pub fn list_dataset_files(repo: &str, revision: &str, dir: &str, endpoint: &str) -> Result<Vec<String>> {
     let url = format!("{endpoint}/api/datasets/{repo}/tree/{revision}/{dir}");
-    let mut resp = ureq::get(&url).call().with_context(|| format!("cannot list {url}"))?;
+    let mut resp = crate::download::agent(true).get(&url).call().with_context(|| format!("cannot list {url}"))?;
     let v: serde_json::Value =
         serde_json::from_reader(resp.body_mut().as_reader()).with_context(|| format!("{url}: not a file listing"))?;
     let mut files: Vec<String> = v
@@ -101,7 +107,7 @@ pub fn fetch_dataset_files(
             }
             let dest = base.join(f);
             if !dest.is_file() {
-                fetch_file(&format!("{endpoint}/datasets/{repo}/resolve/{revision}/{f}"), &dest)?;
+                fetch_file(&format!("{endpoint}/datasets/{repo}/resolve/{revision}/{f}"), &dest, &any_file)?;
             }
             Ok(dest)
         })
@@ -115,7 +121,7 @@ struct Meta {
 }
 
 fn head(url: &str) -> Result<Meta> {
-    let agent: ureq::Agent = ureq::Agent::config_builder().max_redirects(0).http_status_as_error(false).build().into();
+    let agent = crate::download::agent(false);
     let resp =
         agent.head(url).call().with_context(|| format!("cannot reach {url}; check the network or set HF_ENDPOINT"))?;
     let status = resp.status().as_u16();
@@ -140,12 +146,34 @@ fn head(url: &str) -> Result<Meta> {
     Ok(Meta { size, sha256 })
 }
 
-/// Download `url` to `dest`, resuming `dest.part` if an earlier attempt stopped.
-pub fn fetch_file(url: &str, dest: &Path) -> Result<()> {
-    let meta = head(url)?;
+/// Download `url` to `dest`, resuming `dest.part` if an earlier attempt stopped. Processes
+/// fetching the same file take turns (a lock beside it): the second finds it complete.
+/// `valid` checks the whole file before it gets its final name (for files the Hub sends
+/// without a hash).
+pub fn fetch_file(url: &str, dest: &Path, valid: &dyn Fn(&Path) -> Result<()>) -> Result<()> {
     let dir = dest.parent().context("destination has no directory")?;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let part = dest.with_file_name(format!("{}.part", dest.file_name().unwrap().to_string_lossy()));
+    let name = dest.file_name().context("destination has no file name")?.to_string_lossy();
+    let lock_path = dest.with_file_name(format!(".{name}.lock"));
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("cannot create {}", lock_path.display()))?;
+    // SAFETY: flock on a descriptor owned here; it touches no memory.
+    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        eprintln!("waiting for another llmrs process downloading {name}");
+        // SAFETY: as above.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } != 0 {
+            bail!("cannot lock {}", lock_path.display());
+        }
+    }
+    if dest.is_file() {
+        return Ok(()); // the other process finished it
+    }
+    let meta = head(url)?;
+    let part = dest.with_file_name(format!("{name}.part"));
     let mut offset = std::fs::metadata(&part).map(|m| m.len()).unwrap_or(0);
     if meta.size.is_some_and(|s| offset > s) {
         offset = 0; // a stale partial from another version of the file
@@ -203,7 +231,38 @@ pub fn fetch_file(url: &str, dest: &Path) -> Result<()> {
             bail!("{url}: SHA-256 {got} does not match the Hub's {want}; the partial download was removed, run again");
         }
     }
+    if let Err(e) = valid(&part) {
+        let _ = std::fs::remove_file(&part);
+        return Err(e.context(format!("{url} served a broken file; it was removed, run again")));
+    }
     std::fs::rename(&part, dest).with_context(|| format!("cannot move {} into place", part.display()))?;
+    Ok(())
+}
+
+/// Accept any file (those checked by size and hash, or read later with their own checks).
+pub fn any_file(_: &Path) -> Result<()> {
+    Ok(())
+}
+
+/// What [`fetch_model`] accepts for each model file: `config.json` must be a GPT-2 config and
+/// `model.safetensors` must have a readable header (the Hub sends config.json without a hash).
+fn valid_model_file(path: &Path) -> Result<()> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    if name.starts_with("config.json") {
+        let text = String::from_utf8(crate::checkpoint::read_file(path)?).context("config.json is not UTF-8")?;
+        crate::hf::HfConfig::parse(&text, path)?.to_llmc()?;
+    } else {
+        let mut f = std::fs::File::open(path)?;
+        let mut n = [0u8; 8];
+        f.read_exact(&mut n).context("too short for a safetensors file")?;
+        let len = u64::from_le_bytes(n);
+        if len == 0 || len > 100 << 20 {
+            bail!("not a safetensors file (header length {len})");
+        }
+        let mut header = vec![0u8; len as usize];
+        f.read_exact(&mut header).context("safetensors header cut short")?;
+        serde_json::from_slice::<serde_json::Value>(&header).context("safetensors header is not JSON")?;
+    }
     Ok(())
 }
 
@@ -352,6 +411,61 @@ pub(crate) mod tests {
             assert_eq!(std::fs::read(p).unwrap(), pq);
         }
         assert!(fetch_dataset_files("a/b", "main", &["../x".into()], &base, cache.path()).is_err());
+    }
+
+    #[test]
+    fn a_server_that_never_answers_fails_the_download_instead_of_hanging() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            let held: Vec<_> = listener.incoming().take(2).collect(); // accept, never answer
+            std::thread::sleep(std::time::Duration::from_secs(30));
+            drop(held);
+        });
+        crate::download::STALL_OVERRIDE.with(|o| o.set(Some(std::time::Duration::from_millis(300))));
+        let cache = tempfile::tempdir().unwrap();
+        let t0 = std::time::Instant::now();
+        let e = fetch_model(&"a/b".parse().unwrap(), &base, cache.path()).unwrap_err();
+        crate::download::STALL_OVERRIDE.with(|o| o.set(None));
+        assert!(t0.elapsed().as_secs() < 10, "took {:?}", t0.elapsed());
+        assert!(format!("{e:#}").contains("cannot reach"), "{e:#}");
+    }
+
+    #[test]
+    fn a_broken_config_is_never_cached_and_a_cached_one_is_fetched_again() {
+        let (m, mut files) = model_files("a/b");
+        let good_config = files[0].1.clone();
+        files[0].1 = b"<html>rate limited</html>".to_vec();
+        let (base, _) = hub_server(files.clone(), false, 4);
+        let cache = tempfile::tempdir().unwrap();
+        let r: HubRef = "a/b".parse().unwrap();
+        let e = fetch_model(&r, &base, cache.path()).unwrap_err();
+        assert!(format!("{e:#}").contains("broken file"), "{e:#}");
+        let cached = cache.path().join("hub/a--b/main/config.json");
+        assert!(!cached.exists() && !cached.with_file_name("config.json.part").exists());
+        // A broken file already in the cache (from an older llmrs) is replaced.
+        std::fs::write(&cached, b"{not json").unwrap();
+        files[0].1 = good_config;
+        let (base, _) = hub_server(files, false, 4);
+        let dir = fetch_model(&r, &base, cache.path()).unwrap();
+        assert_eq!(crate::hf::load_hf(&dir).unwrap(), m);
+    }
+
+    #[test]
+    fn two_fetches_of_one_model_take_turns() {
+        let (m, files) = model_files("a/b");
+        let (base, log) = hub_server(files, false, 8);
+        let cache = tempfile::tempdir().unwrap();
+        let r: HubRef = "a/b".parse().unwrap();
+        std::thread::scope(|s| {
+            let a = s.spawn(|| fetch_model(&r, &base, cache.path()));
+            let b = s.spawn(|| fetch_model(&r, &base, cache.path()));
+            for h in [a, b] {
+                assert_eq!(crate::hf::load_hf(&h.join().unwrap().unwrap()).unwrap(), m);
+            }
+        });
+        let log = log.lock().unwrap();
+        assert_eq!(log.iter().filter(|l| l.starts_with("GET")).count(), 2, "each file downloaded once: {log:?}");
     }
 
     #[test]

@@ -66,11 +66,11 @@ enum Cmd {
     /// Convert a model between llm.c .bin and Hugging Face safetensors. OUT ending in .bin is an
     /// llm.c model file; anything else is a directory with model.safetensors + config.json.
     Convert {
-        /// Input: llm.c .bin, HF directory or .safetensors, a descriptor such as d12 for random
-        /// init (or use --hf).
-        #[arg(required_unless_present = "hf")]
-        input: Option<String>,
-        output: PathBuf,
+        /// INPUT OUTPUT, or only OUTPUT with --hf. INPUT: llm.c .bin, HF directory or
+        /// .safetensors, or a descriptor such as d12 for random init. OUTPUT: *.bin for llm.c's
+        /// format, else a Hugging Face directory.
+        #[arg(required = true, num_args = 1..=2, value_names = ["INPUT", "OUTPUT"])]
+        paths: Vec<String>,
         /// Take the input from the Hugging Face Hub: owner/name[@revision].
         #[arg(long)]
         hf: Option<String>,
@@ -588,12 +588,13 @@ fn run_command(cli: Cli) -> Result<()> {
             eprintln!("wrote {} examples to {}", ex.len(), dest.display());
             Ok(())
         }
-        Some(Cmd::Convert { input, output, hf, dtype, seed }) => {
+        Some(Cmd::Convert { paths, hf, dtype, seed }) => {
             let dtype = parse_dtype(&dtype)?;
-            let spec = match (hf, input) {
-                (Some(h), None) => format!("hf:{h}"),
-                (None, Some(i)) => i,
-                _ => bail!("give either an input model or --hf, not both"),
+            let (spec, output) = match (hf, &paths[..]) {
+                (Some(h), [out]) => (format!("hf:{h}"), PathBuf::from(out)),
+                (None, [input, out]) => (input.clone(), PathBuf::from(out)),
+                (Some(_), _) => bail!("with --hf, give only the output path: llmrs convert --hf owner/name OUT"),
+                (None, _) => bail!("give the input model and the output path: llmrs convert IN OUT"),
             };
             let weights = llmrs::source::load_any(&spec, seed)?;
             if output.extension().is_some_and(|e| e == "bin") {
@@ -653,5 +654,27 @@ fn run_command(cli: Cli) -> Result<()> {
             }
             prepare_text(&files, &out, val_tokens).map(|_| ())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn convert_takes_one_path_with_hf_and_two_without() {
+        let parse = |args: &[&str]| Cli::try_parse_from(args.iter().copied());
+        let Some(Cmd::Convert { paths, hf, .. }) = parse(&["llmrs", "convert", "--hf", "a/b", "out.bin"]).unwrap().cmd
+        else {
+            panic!("not convert")
+        };
+        assert_eq!((paths, hf), (vec!["out.bin".to_string()], Some("a/b".to_string())));
+        let Some(Cmd::Convert { paths, hf, .. }) = parse(&["llmrs", "convert", "in.bin", "out_dir"]).unwrap().cmd
+        else {
+            panic!("not convert")
+        };
+        assert_eq!((paths, hf), (vec!["in.bin".to_string(), "out_dir".to_string()], None));
+        assert!(parse(&["llmrs", "convert"]).is_err());
+        assert!(parse(&["llmrs", "convert", "a", "b", "c"]).is_err());
     }
 }
