@@ -193,7 +193,24 @@ pub fn default_hellaswag_path() -> Result<PathBuf> {
 
 /// Steps of the newest complete checkpoint (`DONE_%08d`) in `dir`.
 pub fn latest_checkpoint(dir: &Path) -> Option<usize> {
-    std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("DONE_")?.parse().ok()).max()
+    checkpoint_steps(dir, false).into_iter().max()
+}
+
+/// Steps of the complete checkpoints in `dir` (`DONE_%08d`), or with `partial` of any
+/// checkpoint file (`model_%08d.bin`, `state_%08d_%05d.bin` too), without repeats.
+fn checkpoint_steps(dir: &Path, partial: bool) -> Vec<usize> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return vec![] };
+    let step = |name: &str| -> Option<usize> {
+        if let Some(s) = name.strip_prefix("DONE_") {
+            return s.parse().ok();
+        }
+        let rest = name.strip_prefix("model_").or_else(|| name.strip_prefix("state_")).filter(|_| partial)?;
+        rest.get(..8)?.parse().ok()
+    };
+    let mut steps: Vec<usize> = entries.filter_map(|e| step(e.ok()?.file_name().to_str()?)).collect();
+    steps.sort_unstable();
+    steps.dedup();
+    steps
 }
 
 /// The model, this rank's state and the DONE marker of the checkpoint at `step`.
@@ -450,8 +467,10 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
             write_checkpoint(dir, step, &mut model, &train, cfg.save_dtype)?;
             let keep = cfg.checkpoints_keep * cfg.checkpoint_every;
             if rank == 0 && cfg.checkpoints_keep > 0 && step > keep {
-                let old = step - keep;
-                if cfg.major_checkpoint_every == 0 || old % cfg.major_checkpoint_every != 0 {
+                // llm.c deletes the checkpoint `keep` steps back; every older one goes too, also
+                // the files of one whose deletion a kill interrupted (its DONE already gone).
+                let major = |s: usize| cfg.major_checkpoint_every > 0 && s % cfg.major_checkpoint_every == 0;
+                for old in checkpoint_steps(dir, true).into_iter().filter(|&s| s <= step - keep && !major(s)) {
                     let [m, s, d] = ckpt_paths(dir, old, 0);
                     let others = (1..world).map(|r| ckpt_paths(dir, old, r)[1].clone());
                     for p in [d, m].into_iter().chain(others).chain([s]) {

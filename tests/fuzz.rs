@@ -1,8 +1,9 @@
 //! Property-based fuzzing of every file parser: random bytes, random byte mutations and
 //! truncations of a valid file, and extreme header values. Each parser must return Ok or a
 //! clear error, never panic, and never allocate from a header more than the file could back.
-//! Cases: CASES per strategy (4 strategies), each case picking one of the 6 parsers at random,
-//! so about CASES * 4 / 6 = 2000 cases per parser per run; README states the figures.
+//! Cases: `cases()` per strategy (4 strategies), each case picking one of the 6 parsers at
+//! random, so about cases * 4 / 6 per parser: 2000 per parser in every test run, and as many as
+//! asked with `LLMRS_FUZZ_CASES` (1500000 gives a million per parser; README has the command).
 
 use llmrs::backend::Device;
 use llmrs::checkpoint::{load_model, load_state, save_model, save_state, Dtype, TrainState};
@@ -12,7 +13,10 @@ use llmrs::params::Weights;
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 
-const CASES: u32 = 3000;
+/// Cases per strategy: 3000, or `$LLMRS_FUZZ_CASES` for a long opt-in run.
+fn cases() -> u32 {
+    std::env::var("LLMRS_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(3000)
+}
 
 /// Fail (abort) on any single allocation over 64 MiB: every valid file here is tiny, so a larger
 /// request can only come from trusting a header field.
@@ -141,7 +145,7 @@ fn kind() -> impl Strategy<Value = Kind> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: CASES, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn random_bytes(k in kind(), bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
