@@ -122,6 +122,7 @@ pub fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut dyn Write) -> std::
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create directory {}", dir.display()))?;
     let name = path.file_name().context("output path has no file name")?.to_string_lossy();
+    remove_dead_temps(dir, &name);
     let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
     let result = (|| -> Result<()> {
         let mut f = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
@@ -140,6 +141,26 @@ pub fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut dyn Write) -> std::
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// Remove `.NAME.tmpPID` files in `dir` left by write_atomic_with in processes that no longer
+/// run (killed mid-write, or by SIGXFSZ on a full disk); a live process's write is left alone.
+pub fn remove_dead_temps(dir: &Path, name: &str) {
+    let prefix = format!(".{name}.tmp");
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let f = e.file_name();
+        let Some(pid) = f.to_str().and_then(|f| f.strip_prefix(&prefix)).and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
+        // SAFETY: kill with signal 0 only checks whether the process exists.
+        let gone = pid > 0
+            && unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// The model-file header for `cfg`.
@@ -411,6 +432,20 @@ pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn temporary_files_of_dead_writers_are_removed_and_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let (stale, live) = (dir.path().join(format!(".x.bin.tmp{dead}")), dir.path().join(".x.bin.tmp1"));
+        std::fs::write(&stale, b"half").unwrap();
+        std::fs::write(&live, b"init's write").unwrap(); // pid 1 always runs
+        write_atomic(&dir.path().join("x.bin"), &[b"whole"]).unwrap();
+        assert!(!stale.exists() && live.exists());
+        assert_eq!(std::fs::read(dir.path().join("x.bin")).unwrap(), b"whole");
+    }
     use crate::backend::Device;
 
     fn on_cpu(w: Weights) -> GPT2 {

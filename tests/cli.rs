@@ -161,6 +161,26 @@ fn a_full_disk_leaves_no_half_written_shard() {
         .filter(|n| n.ends_with(".bin") || n.contains(".tmp"))
         .collect();
     assert!(left.is_empty(), "{left:?}");
+    // Killed by SIGXFSZ instead (the default action): the temporary file stays behind, and the
+    // next run that writes the same shards removes it.
+    let o = Command::new("sh")
+        .current_dir(dir.path())
+        .arg("-c")
+        .arg(format!("ulimit -f 64; exec '{exe}' prepare docs in.jsonl -o out --shard-size 1000000"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), None, "not killed: {}", String::from_utf8_lossy(&o.stderr));
+    let temps = || -> Vec<String> {
+        std::fs::read_dir(dir.path().join("out"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".tmp"))
+            .collect()
+    };
+    assert!(!temps().is_empty(), "the kill left no temporary file to clean up");
+    let o = llmrs().current_dir(dir.path()).args(["prepare", "docs", "in.jsonl", "-o", "out"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(temps().is_empty(), "{:?}", temps());
 }
 
 #[test]
