@@ -513,10 +513,11 @@ fn real_main(cli: Cli) -> Result<()> {
         pool = pool.num_threads(n);
     }
     pool.build_global().context("cannot set up the worker threads")?;
-    // The pool's size also sizes the training step's thread team (cpu::team), made on first
-    // use. Commands run on a worker of the pool: rayon's loops (data preparation) then fork
-    // from a worker that takes its own share at once, instead of the main thread handing each
-    // loop to the pool and sleeping until it is done.
+    llmrs::cpu::simd::init()?; // the kernels' instruction set; a bad LLMRS_CPU_ISA is an error here
+                               // The pool's size also sizes the training step's thread team (cpu::team), made on first
+                               // use. Commands run on a worker of the pool: rayon's loops (data preparation) then fork
+                               // from a worker that takes its own share at once, instead of the main thread handing each
+                               // loop to the pool and sleeping until it is done.
     rayon::scope(|_| run_command(cli))
 }
 

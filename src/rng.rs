@@ -112,7 +112,7 @@ impl Mt19937 {
                 fill16(&mut out[i..i + 16]);
                 i += 16;
             }
-            if n % 16 != 0 {
+            if !n.is_multiple_of(16) {
                 // Redo the last 16 (overlapping) elements with fresh uniforms, as torch does.
                 let tail = &mut out[n - 16..];
                 for x in tail.iter_mut() {

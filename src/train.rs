@@ -191,6 +191,24 @@ pub fn default_hellaswag_path() -> Result<PathBuf> {
     bail!("HellaSwag data not found: run `llmrs prepare hellaswag` (or pass its path)")
 }
 
+/// `-nk`: after the checkpoint of `step`, delete the one `keep` checkpoints back, as llm.c
+/// does, and every older one too, also the files of one whose deletion a kill interrupted
+/// (its DONE already gone); checkpoints at multiples of `-nm` stay.
+fn prune_checkpoints(dir: &Path, step: usize, cfg: &TrainConfig, world: usize) {
+    let keep = cfg.checkpoints_keep * cfg.checkpoint_every;
+    if cfg.checkpoints_keep == 0 || step <= keep {
+        return;
+    }
+    let major = |s: usize| cfg.major_checkpoint_every > 0 && s.is_multiple_of(cfg.major_checkpoint_every);
+    for old in checkpoint_steps(dir, true).into_iter().filter(|&s| s <= step - keep && !major(s)) {
+        let [m, s, d] = ckpt_paths(dir, old, 0);
+        let others = (1..world).map(|r| ckpt_paths(dir, old, r)[1].clone());
+        for p in [d, m].into_iter().chain(others).chain([s]) {
+            let _ = std::fs::remove_file(p); // DONE first, so a half-deleted checkpoint is never "complete"
+        }
+    }
+}
+
 /// Steps of the newest complete checkpoint (`DONE_%08d`) in `dir`.
 pub fn latest_checkpoint(dir: &Path) -> Option<usize> {
     checkpoint_steps(dir, false).into_iter().max()
@@ -300,7 +318,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let (rank, world) = (comm.rank(), comm.world());
     let tokens_per_micro = b * t * world; // over all ranks
     let total = cfg.total_batch_size.unwrap_or(tokens_per_micro);
-    if tokens_per_micro == 0 || total % tokens_per_micro != 0 {
+    if tokens_per_micro == 0 || !total.is_multiple_of(tokens_per_micro) {
         bail!("total batch size -d {total} must be a multiple of B*T*processes = {tokens_per_micro}");
     }
     let grad_accum = total / tokens_per_micro;
@@ -465,18 +483,13 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
             (out, cfg.checkpoint_every > 0 && !resuming && ((step > 0 && step % cfg.checkpoint_every == 0) || last))
         {
             write_checkpoint(dir, step, &mut model, &train, cfg.save_dtype)?;
-            let keep = cfg.checkpoints_keep * cfg.checkpoint_every;
-            if rank == 0 && cfg.checkpoints_keep > 0 && step > keep {
-                // llm.c deletes the checkpoint `keep` steps back; every older one goes too, also
-                // the files of one whose deletion a kill interrupted (its DONE already gone).
-                let major = |s: usize| cfg.major_checkpoint_every > 0 && s % cfg.major_checkpoint_every == 0;
-                for old in checkpoint_steps(dir, true).into_iter().filter(|&s| s <= step - keep && !major(s)) {
-                    let [m, s, d] = ckpt_paths(dir, old, 0);
-                    let others = (1..world).map(|r| ckpt_paths(dir, old, r)[1].clone());
-                    for p in [d, m].into_iter().chain(others).chain([s]) {
-                        let _ = std::fs::remove_file(p); // DONE first, so a half-deleted checkpoint is never "complete"
-                    }
-                }
+        }
+        // After a checkpoint, and on resuming (a kill may have come between the newest
+        // checkpoint and the deletions that should have followed it).
+        if let (Some(dir), 0) = (out, rank) {
+            if cfg.checkpoint_every > 0 && (resuming || (step > 0 && step.is_multiple_of(cfg.checkpoint_every)) || last)
+            {
+                prune_checkpoints(dir, step, cfg, world);
             }
         }
         resuming = false;

@@ -1,11 +1,15 @@
-//! Results do not depend on the number of threads. The CPU team's size is fixed per process
-//! (rayon's pool size, from `RAYON_NUM_THREADS`), so the test runs itself again as child
-//! processes with 1, 2, 3 and 4 threads and compares bit-exact digests of: GEMMs shaped to take
-//! each of the packed GEMM's parallel splits (column parts, shared A, shared B), and two
-//! training steps of a small model (every op of forward, backward and AdamW).
+//! Results depend neither on the number of threads nor on the kernels' instruction set. Both
+//! are fixed per process (the team's size by `RAYON_NUM_THREADS`, the instruction set by
+//! `LLMRS_CPU_ISA`), so the test runs itself again as child processes with 1, 2, 3 and 4
+//! threads, and with each vector instruction set this CPU has (AVX-512, AVX2), and compares
+//! bit-exact digests of: GEMMs shaped to take each of the packed GEMM's parallel splits
+//! (column parts, shared A, shared B), and two training steps of a small model (every op of
+//! forward, backward and AdamW). The portable path computes its GEMMs with another library,
+//! so it is checked against the references instead (CI runs the suite with it).
 
 use llmrs::backend::Device;
 use llmrs::config::GPT2Config;
+use llmrs::cpu::simd::Isa;
 use llmrs::model::{Slot, GPT2};
 use llmrs::optim::{optimizer_step, OptimConfig};
 use llmrs::params::Weights;
@@ -70,18 +74,29 @@ fn digests() -> Vec<String> {
 fn results_do_not_depend_on_the_thread_count() {
     if std::env::var_os(CHILD_ENV).is_some() {
         let threads = llmrs::cpu::team::threads();
+        println!("DIGEST threads={threads} isa {}", llmrs::cpu::simd::init().unwrap().name());
         for d in digests() {
             println!("DIGEST threads={threads} {d}");
         }
         return;
     }
     let exe = std::env::current_exe().unwrap();
-    let mut runs: Vec<(usize, Vec<String>)> = vec![];
-    for threads in [1, 2, 3, 4] {
+    let mut runs: Vec<(String, Vec<String>)> = vec![];
+    let isas: Vec<Isa> = [Isa::Avx512, Isa::Avx2].into_iter().filter(|i| i.supported()).collect();
+    if isas.len() < 2 {
+        llmrs::testdata::skipped(
+            "results_do_not_depend_on_the_thread_count (instruction sets)",
+            &format!("this CPU has {} of AVX-512 and AVX2, so no two vector paths are compared", isas.len()),
+        );
+    }
+    let default = isas.first().map_or("portable", |i| i.name());
+    let cases = [1, 2, 3, 4].map(|t| (t, default)).into_iter().chain(isas.iter().skip(1).map(|i| (2, i.name())));
+    for (threads, isa) in cases {
         let out = Command::new(&exe)
             .args(["results_do_not_depend_on_the_thread_count", "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, "1")
             .env("RAYON_NUM_THREADS", threads.to_string())
+            .env(llmrs::cpu::simd::ISA_ENV, isa)
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
@@ -95,13 +110,14 @@ fn results_do_not_depend_on_the_thread_count() {
         let lines: Vec<String> =
             text.lines().filter_map(|l| l.find(&prefix).map(|i| l[i + prefix.len()..].to_string())).collect();
         // The child really ran with its thread count, and said something about every case.
-        assert_eq!(lines.len(), 5 + 2 + 4, "child with {threads} threads printed:\n{text}");
-        runs.push((threads, lines));
+        assert_eq!(lines.len(), 1 + 5 + 2 + 4, "child with {threads} threads printed:\n{text}");
+        assert_eq!(lines[0], format!("isa {isa}"), "the child did not run the instruction set asked for");
+        runs.push((format!("{threads} threads, {isa}"), lines[1..].to_vec()));
     }
-    let (_, first) = &runs[0];
-    for (threads, lines) in &runs[1..] {
+    let (first_name, first) = &runs[0];
+    for (name, lines) in &runs[1..] {
         for (a, b) in first.iter().zip(lines) {
-            assert_eq!(a, b, "1 thread vs {threads} threads");
+            assert_eq!(a, b, "{first_name} vs {name}");
         }
     }
 }

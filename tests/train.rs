@@ -270,3 +270,35 @@ fn the_output_directory_is_guarded() {
     assert_eq!(llmrs::train::latest_checkpoint(&out), Some(4));
     assert!(!out.join("model_00000005.bin").exists() && out.join("model_00000003.bin").exists());
 }
+
+/// A kill between the newest checkpoint and the `-nk` deletions after it: resuming deletes
+/// what should have gone, even when there is no step left to run.
+#[test]
+fn resuming_finishes_the_deletions_a_kill_interrupted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    let out = dir.path().join("run");
+    let cfg = TrainConfig { checkpoint_every: 1, checkpoints_keep: 2, max_steps: Some(6), ..small(&out, &train, &val) };
+    run(&cfg).unwrap();
+    let steps = || -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("DONE_") || n.starts_with("model_") || n.starts_with("state_"))
+            .collect();
+        v.sort();
+        v
+    };
+    let kept = steps();
+    assert_eq!(kept.len(), 6, "{kept:?}"); // steps 5 and 6
+                                           // Checkpoint 4 as if its deletion never happened, and a half-deleted 3 (DONE gone).
+    for (from, to) in [("00000005", "00000004"), ("00000005", "00000003")] {
+        for (a, b) in [("model_", ".bin"), ("state_", "_00000.bin")] {
+            std::fs::copy(out.join(format!("{a}{from}{b}")), out.join(format!("{a}{to}{b}"))).unwrap();
+        }
+    }
+    std::fs::write(out.join("DONE_00000004"), b"").unwrap();
+    let resumed = run(&TrainConfig { resume: true, ..cfg }).unwrap();
+    assert!(resumed.train_losses.is_empty(), "nothing left to run");
+    assert_eq!(steps(), kept);
+}

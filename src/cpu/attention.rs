@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 /// Dot product with 8 independent partial sums, so the compiler can keep them in one SIMD
 /// register (a single running sum would force sequential, scalar adds).
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
@@ -83,7 +83,7 @@ fn attention_forward_loops(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usi
 
 /// The causal softmax of one row of raw scores: the first `live` entries become
 /// softmax(scale * x), the rest (future positions) 0.
-#[inline]
+#[inline(always)]
 fn softmax_prefix(row: &mut [f32], live: usize, scale: f32) {
     // Max and sum over 8 lanes, not one running value (a chain of dependent scalar ops). The
     // max of x * scale is taken as max(x) * scale: scale > 0 and rounding is monotonic, so it is

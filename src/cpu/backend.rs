@@ -176,7 +176,8 @@ impl Backend for CpuBackend {
         let gemm =
             if super::sgemm::fast_path_available() { "packed AVX2+FMA GEMM" } else { "portable GEMM (the gemm crate)" };
         let check = if self.nan_check { ", NaN-checking mode" } else { "" };
-        format!("cpu: fp32, {gemm}, {} threads{check}", super::team::threads())
+        let isa = super::simd::isa().name();
+        format!("cpu: fp32, {isa} kernels, {gemm}, {} threads{check}", super::team::threads())
     }
 
     fn alloc(&mut self, len: usize, dtype: DType) -> Result<Buf> {
@@ -248,7 +249,7 @@ impl Backend for CpuBackend {
 
     fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Buf, b: usize, t: usize, c: usize) {
         lens!("encoder_forward"; out => b * t * c, inp => b * t);
-        assert!(wte.len % c == 0 && wpe.len >= t * c, "encoder_forward: embedding shapes");
+        assert!(wte.len.is_multiple_of(c) && wpe.len >= t * c, "encoder_forward: embedding shapes");
         self.run("encoder_forward", [W(out)], [wte, wpe], [inp], |[o], [wte, wpe], [inp]| {
             encoder::encoder_forward(o, inp, wte, wpe, b, t, c)
         });
@@ -256,7 +257,7 @@ impl Backend for CpuBackend {
 
     fn encoder_backward(&mut self, dwte: Buf, dwpe: Buf, dout: Buf, inp: Buf, b: usize, t: usize, c: usize) {
         lens!("encoder_backward"; dout => b * t * c, inp => b * t);
-        assert!(dwte.len % c == 0 && dwpe.len >= t * c, "encoder_backward: embedding shapes");
+        assert!(dwte.len.is_multiple_of(c) && dwpe.len >= t * c, "encoder_backward: embedding shapes");
         self.run("encoder_backward", [Rw(dwte), Rw(dwpe)], [dout], [inp], |[dwte, dwpe], [dout], [inp]| {
             encoder::encoder_backward(dwte, dwpe, dout, inp, b, t, c)
         });

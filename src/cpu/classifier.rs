@@ -11,6 +11,7 @@ use super::team::{self, Disjoint};
 /// vector loops: an iterator with `f32::max` (which must skip NaNs) and an `i % 8` index ran
 /// scalar, and the forward took 48 ms on a 256 x 50257 row block against the backward's
 /// 15 ms (examples/ops_time.rs). A NaN logit still makes the sum, and so the loss, NaN.
+#[inline(always)]
 fn max_and_sum_exp(row: &[f32]) -> (f32, f32) {
     let maxv = max_lanes(row);
     // exp of a block into an L1 scratch (a plain elementwise loop, which the compiler turns

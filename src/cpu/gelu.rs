@@ -5,13 +5,13 @@ use super::team;
 const SCALE: f32 = 0.797_884_6; // sqrt(2 / pi)
 const CHUNK: usize = 4096;
 
-#[inline]
+#[inline(always)]
 fn gelu(x: f32) -> f32 {
     let cube = 0.044715 * x * x * x;
     0.5 * x * (1.0 + super::math::tanh(SCALE * (x + cube)))
 }
 
-#[inline]
+#[inline(always)]
 fn gelu_grad(x: f32) -> f32 {
     let cube = 0.044715 * x * x * x;
     let arg = SCALE * (x + cube);

@@ -12,6 +12,7 @@ pub mod math;
 pub mod matmul;
 pub mod residual;
 pub mod sgemm;
+pub mod simd;
 pub mod team;
 
 #[cfg(test)]

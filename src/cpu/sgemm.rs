@@ -36,15 +36,9 @@ const NC: usize = 4096;
 const PARALLEL_MIN: usize = 1 << 18;
 
 /// True when the packed AVX2 path can run on this CPU.
+/// (AVX2 and FMA, and the kernels' instruction set, [`super::simd`], is not forced to portable.)
 pub fn fast_path_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    cfg!(target_arch = "x86_64") && super::simd::isa() != super::simd::Isa::Portable
 }
 
 /// A raw matrix view: element (i, j) is at `ptr + i*rs + j*cs`.
@@ -91,7 +85,7 @@ pub unsafe fn sgemm(
     threads: usize,
 ) {
     let bias = if accumulate { std::ptr::null() } else { bias };
-    debug_assert!(dst_cs == 1 && fast_path_available());
+    debug_assert!(dst_cs == 1 && super::simd::Isa::Avx2.supported());
     let c = View { ptr: dst, rs: dst_rs, cs: dst_cs };
     let a = View { ptr: lhs as *mut f32, rs: lhs_rs, cs: lhs_cs };
     let b = View { ptr: rhs as *mut f32, rs: rhs_rs, cs: rhs_cs };
@@ -382,6 +376,7 @@ fn depth(k: usize) -> usize {
 
 /// The single-threaded blocked GEMM (the loops of Goto's algorithm).
 #[allow(clippy::too_many_arguments)]
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
 unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: *const f32, a: View, b: View) {
     if k == 0 {
         if !accumulate {
@@ -431,6 +426,7 @@ unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: 
 
 /// Pack `A (mc, kc)` into MR-row panels: panel r holds `A[r*MR + i][p]` at `p*MR + i`,
 /// zero-padded to whole panels.
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
 unsafe fn pack_a(mc: usize, kc: usize, a: View, dst: *mut f32) {
     for (r, i0) in (0..mc).step_by(MR).enumerate() {
         let rows = MR.min(mc - i0);
@@ -511,6 +507,7 @@ fn prefetch_b_share(kc: usize, cols: usize, b: View, p0: usize, j0: usize, share
 
 /// Pack one `B (kc, cols)` panel (cols <= NR): `B[p][j]` goes to `p*NR + j`, zero-padded to
 /// NR columns.
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
 unsafe fn pack_b_panel(kc: usize, cols: usize, b: View, d: *mut f32) {
     // SAFETY: rows 0..kc and columns 0..cols of `b` are inside B; d has NR*kc floats.
     unsafe {
@@ -590,7 +587,7 @@ unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn pack_transposed<const W: usize>(kc: usize, row: impl Fn(usize) -> *const f32, d: *mut f32) {
     // Overlapping stores are only safe within one group: W is below 8 or whole groups.
-    const { assert!(W < 8 || W % 8 == 0) };
+    const { assert!(W < 8 || W.is_multiple_of(8)) };
     // SAFETY: rows 0..W hold kc floats each; d has W*kc floats plus 2 of slack when W < 8.
     unsafe {
         let row = |i: usize| row(i.min(W - 1));
@@ -786,7 +783,7 @@ mod tests {
     fn k_blocks_are_few_even_and_bounded() {
         for k in 1..5000 {
             let d = depth(k);
-            assert!(d <= KC_MAX && d % 8 == 0, "k={k}: depth {d}");
+            assert!(d <= KC_MAX && d.is_multiple_of(8), "k={k}: depth {d}");
             assert_eq!(k.div_ceil(d), k.div_ceil(KC_MAX), "k={k}: no more blocks than needed");
         }
         assert_eq!(depth(768), 384);
@@ -795,7 +792,7 @@ mod tests {
 
     #[test]
     fn matches_f64_reference_on_edge_shapes_and_layouts() {
-        if !fast_path_available() {
+        if !crate::cpu::simd::Isa::Avx2.supported() {
             crate::testdata::skipped("sgemm", "this CPU has no AVX2+FMA, so the packed path never runs here");
             return;
         }
@@ -827,7 +824,7 @@ mod tests {
         // The parallel path against the serial one (threads = 1); `threads` also sets how many
         // column parts the narrow split makes. The team's own size is fixed per process:
         // tests/thread_count.rs runs processes of 1 to 4 threads against each other.
-        if !fast_path_available() {
+        if !crate::cpu::simd::Isa::Avx2.supported() {
             crate::testdata::skipped("sgemm", "this CPU has no AVX2+FMA, so the packed path never runs here");
             return;
         }

@@ -97,10 +97,10 @@ fn helper(t: &'static Team, w: usize) {
         while t.epoch.load(Acquire) == seen {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
-            if spins % YIELD_EVERY == 0 {
+            if spins.is_multiple_of(YIELD_EVERY) {
                 std::thread::yield_now();
             }
-            if spins % 1024 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
                 t.parked.fetch_add(1, SeqCst);
                 let mut g = t.lock.lock().unwrap_or_else(|e| e.into_inner());
                 while t.epoch.load(SeqCst) == seen {
@@ -170,7 +170,7 @@ pub fn broadcast(f: &(dyn Fn(usize) + Sync)) {
     while t.done.load(Acquire) != threads - 1 {
         std::hint::spin_loop();
         spins = spins.wrapping_add(1);
-        if spins % YIELD_EVERY == 0 {
+        if spins.is_multiple_of(YIELD_EVERY) {
             std::thread::yield_now();
         }
     }
@@ -190,9 +190,11 @@ pub fn broadcast(f: &(dyn Fn(usize) + Sync)) {
 /// leaves little for the others to wait on.
 pub fn for_ranges(count: usize, min: usize, max: usize, f: impl Fn(Range<usize>) + Sync) {
     let min = min.max(1);
+    // Each range runs through simd::with_isa: `f` is compiled for every instruction set and the
+    // CPU's version runs (the loops of every kernel get AVX2 or AVX-512 this way).
     if count <= min {
         if count > 0 {
-            f(0..count);
+            super::simd::with_isa(|| f(0..count));
         }
         return;
     }
@@ -210,7 +212,7 @@ pub fn for_ranges(count: usize, min: usize, max: usize, f: impl Fn(Range<usize>)
                 Err(now) => start = now,
             }
         };
-        f(start..start + take);
+        super::simd::with_isa(|| f(start..start + take));
     });
 }
 
