@@ -31,8 +31,14 @@ pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f
         let r = i * CHUNK..i * CHUNK + p.len();
         // SAFETY: chunk i's moments are this task's alone.
         let (m, v) = unsafe { (m.part(r.clone()), v.part(r.clone())) };
-        let g = &grads[r];
-        // Zipped iterators carry no bounds checks, so this loop vectorises (8 lanes).
+        adamw_chunk(p, &grads[r], m, v, *h, wd, bc1, bc2);
+    });
+}
+
+crate::simd_fn! {
+    /// One chunk of [`adamw_update`].
+    fn adamw_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: AdamW, wd: f32, bc1: f32, bc2: f32) {
+        // Zipped iterators carry no bounds checks, so this loop vectorises.
         for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
             let grad = g * h.grad_scale;
             let mi = h.beta1 * *m + (1.0 - h.beta1) * grad;
@@ -43,7 +49,26 @@ pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f
             let v_hat = vi / bc2;
             *p -= h.lr * (m_hat / (v_hat.sqrt() + h.eps) + wd * *p);
         }
-    });
+    }
+}
+
+crate::simd_fn! {
+    /// The sum of squares of one chunk, in f64 over 8 lanes: one f64 sum is a chain of
+    /// dependent adds (~4 cycles each) and made this pass compute-bound; eight vectorise and
+    /// leave it memory-bound.
+    fn sum_of_squares_chunk(g: &[f32]) -> f64 {
+        let mut acc = [0f64; 8];
+        let mut it = g.chunks_exact(8);
+        for x in &mut it {
+            for (a, x) in acc.iter_mut().zip(x) {
+                *a += (*x as f64) * (*x as f64);
+            }
+        }
+        for (a, x) in acc.iter_mut().zip(it.remainder()) {
+            *a += (*x as f64) * (*x as f64);
+        }
+        ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+    }
 }
 
 /// sqrt(sum of squares) of `grads` (see [`sum_of_squares`]).
@@ -57,20 +82,7 @@ pub fn sum_of_squares(grads: &[f32], partials: &mut [f64]) -> f64 {
     let nchunks = grads.len().div_ceil(CHUNK);
     let partials = &mut partials[..nchunks];
     team::chunks_mut(partials, 1, |i, s| {
-        let (s, g) = (&mut s[0], &grads[i * CHUNK..((i + 1) * CHUNK).min(grads.len())]);
-        // Eight running sums: one f64 sum is a chain of dependent adds (~4 cycles each) and
-        // made this pass compute-bound; eight vectorise and leave it memory-bound.
-        let mut acc = [0f64; 8];
-        let mut it = g.chunks_exact(8);
-        for x in &mut it {
-            for (a, x) in acc.iter_mut().zip(x) {
-                *a += (*x as f64) * (*x as f64);
-            }
-        }
-        for (a, x) in acc.iter_mut().zip(it.remainder()) {
-            *a += (*x as f64) * (*x as f64);
-        }
-        *s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        s[0] = sum_of_squares_chunk(&grads[i * CHUNK..((i + 1) * CHUNK).min(grads.len())]);
     });
     partials.iter().sum::<f64>()
 }

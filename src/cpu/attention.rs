@@ -81,9 +81,9 @@ fn attention_forward_loops(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usi
     });
 }
 
+crate::simd_fn! {
 /// The causal softmax of one row of raw scores: the first `live` entries become
 /// softmax(scale * x), the rest (future positions) 0.
-#[inline(always)]
 fn softmax_prefix(row: &mut [f32], live: usize, scale: f32) {
     // Max and sum over 8 lanes, not one running value (a chain of dependent scalar ops). The
     // max of x * scale is taken as max(x) * scale: scale > 0 and rounding is monotonic, so it is
@@ -97,6 +97,19 @@ fn softmax_prefix(row: &mut [f32], live: usize, scale: f32) {
     let inv = 1.0 / combine_lanes(acc);
     row[..live].iter_mut().for_each(|x| *x *= inv);
     row[live..].fill(0.0);
+}
+}
+
+crate::simd_fn! {
+    /// One row of the softmax backward: row (the scores' gradient dP over the first `live`
+    /// keys) becomes dS = P * (dP - <P, dP>) * scale, zero beyond.
+    fn softmax_backward_row(row: &mut [f32], p: &[f32], live: usize, scale: f32) {
+        let s = dot(&p[..live], &row[..live]);
+        for (x, pv) in row[..live].iter_mut().zip(p) {
+            *x = pv * (*x - s) * scale;
+        }
+        row[live..].fill(0.0);
+    }
 }
 
 /// Query rows per causal block: each block of queries is multiplied only with the keys it can
@@ -218,12 +231,7 @@ fn attention_backward_blocked(
             // dP and dS of query rows r0..r1 over the keys 0..r1 they saw (zero beyond).
             gemm(r1 - r0, r1, hs, &mut ds[r0 * t..], (ti_, 1), false, &d[r0 * c..], (c_, 1), v, (1, c3));
             for ti in r0..r1 {
-                let (row, pr) = (&mut ds[ti * t..(ti + 1) * t], &p[ti * t..(ti + 1) * t]);
-                let s = dot(&pr[..=ti], &row[..=ti]);
-                for (x, pv) in row[..=ti].iter_mut().zip(pr) {
-                    *x = pv * (*x - s) * scale;
-                }
-                row[ti + 1..].fill(0.0);
+                softmax_backward_row(&mut ds[ti * t..(ti + 1) * t], &p[ti * t..(ti + 1) * t], ti + 1, scale);
             }
             gemm(r1 - r0, hs, r1, &mut dq[r0 * hs..], (hs_, 1), false, &ds[r0 * t..], (ti_, 1), k, (c3, 1));
         }

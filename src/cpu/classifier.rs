@@ -6,12 +6,12 @@
 use super::math::{add_lanes, combine_lanes, exp, max_lanes};
 use super::team::{self, Disjoint};
 
+crate::simd_fn! {
 /// Max and sum of `exp(x - max)` of a row, each over 8 lanes (element i goes to lane i % 8)
 /// with the lanes combined at the end. Written over `chunks_exact(8)` so that both loops are
 /// vector loops: an iterator with `f32::max` (which must skip NaNs) and an `i % 8` index ran
 /// scalar, and the forward took 48 ms on a 256 x 50257 row block against the backward's
 /// 15 ms (examples/ops_time.rs). A NaN logit still makes the sum, and so the loss, NaN.
-#[inline(always)]
 fn max_and_sum_exp(row: &[f32]) -> (f32, f32) {
     let maxv = max_lanes(row);
     // exp of a block into an L1 scratch (a plain elementwise loop, which the compiler turns
@@ -29,6 +29,16 @@ fn max_and_sum_exp(row: &[f32]) -> (f32, f32) {
         add_lanes(&mut acc, e);
     }
     (maxv, combine_lanes(acc))
+}
+}
+
+crate::simd_fn! {
+    /// One row of the backward: the first V logits become softmax * dloss.
+    fn softmax_times(live: &mut [f32], lse: f32, dloss: f32) {
+        for x in live.iter_mut() {
+            *x = exp(*x - lse) * dloss;
+        }
+    }
 }
 
 /// Per-position loss: losses (N) = -log softmax(logits (N, Vp)[:V])[targets (N)]. Also keeps
@@ -68,10 +78,7 @@ pub fn crossentropy_softmax_backward_inplace(
 ) {
     team::chunks_mut(&mut logits[..n * vp], vp, |i, row| {
         let (live, pad) = row.split_at_mut(v);
-        let lse = lse[i];
-        for x in live.iter_mut() {
-            *x = exp(*x - lse) * dloss;
-        }
+        softmax_times(live, lse[i], dloss);
         live[targets[i] as usize] -= dloss;
         pad.fill(0.0);
     });

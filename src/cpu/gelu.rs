@@ -20,24 +20,34 @@ fn gelu_grad(x: f32) -> f32 {
     0.5 * (1.0 + th) + x * 0.5 * sech2 * SCALE * (1.0 + 3.0 * 0.044715 * x * x)
 }
 
+crate::simd_fn! {
+    /// One chunk of [`gelu_forward`].
+    fn gelu_chunk(out: &mut [f32], inp: &[f32]) {
+        for (o, x) in out.iter_mut().zip(inp) {
+            *o = gelu(*x);
+        }
+    }
+}
+
+crate::simd_fn! {
+    /// One chunk of [`gelu_backward_inplace`].
+    fn gelu_grad_chunk(d: &mut [f32], inp: &[f32]) {
+        for (d, x) in d.iter_mut().zip(inp) {
+            *d *= gelu_grad(*x);
+        }
+    }
+}
+
 /// out (N) = gelu(inp (N)).
 pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
     assert_eq!(out.len(), inp.len(), "gelu_forward: out and inp differ in length");
-    team::chunks_mut(out, CHUNK, |i, o| {
-        for (o, x) in o.iter_mut().zip(&inp[i * CHUNK..]) {
-            *o = gelu(*x);
-        }
-    });
+    team::chunks_mut(out, CHUNK, |i, o| gelu_chunk(o, &inp[i * CHUNK..]));
 }
 
 /// In place: `d (N) *= gelu'(inp (N))`, turning d(out) into d(inp).
 pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
     assert_eq!(d.len(), inp.len(), "gelu_backward: d and inp differ in length");
-    team::chunks_mut(d, CHUNK, |i, d| {
-        for (d, x) in d.iter_mut().zip(&inp[i * CHUNK..]) {
-            *d *= gelu_grad(*x);
-        }
-    });
+    team::chunks_mut(d, CHUNK, |i, d| gelu_grad_chunk(d, &inp[i * CHUNK..]));
 }
 
 #[cfg(test)]

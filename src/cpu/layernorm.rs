@@ -32,7 +32,13 @@ pub fn layernorm_forward(
         let rows = i * ROWS..(i * ROWS + ROWS).min(n);
         // SAFETY: chunk i owns rows i*ROWS.., which no other chunk touches.
         let (mean, rstd) = unsafe { (mean.part(rows.clone()), rstd.part(rows.clone())) };
-        let inp = &inp[rows.start * c..rows.end * c];
+        forward_rows(out, mean, rstd, &inp[rows.start * c..rows.end * c], weight, bias, c);
+    });
+}
+
+crate::simd_fn! {
+    /// Rows of [`layernorm_forward`].
+    fn forward_rows(out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], inp: &[f32], weight: &[f32], bias: &[f32], c: usize) {
         for (((o, m), r), x) in out.chunks_exact_mut(c).zip(mean).zip(rstd).zip(inp.chunks_exact(c)) {
             let mu = lane_sum(x, |v| v) / c as f32;
             let var = lane_sum(x, |v| (v - mu) * (v - mu)) / c as f32;
@@ -43,7 +49,7 @@ pub fn layernorm_forward(
             *m = mu;
             *r = s;
         }
-    });
+    }
 }
 
 /// Backward of [`layernorm_forward`]: `dinp += ...`, `dweight += ...`, `dbias += ...`.
@@ -66,6 +72,31 @@ pub fn layernorm_backward(
         let rows = i * ROWS..(i * ROWS + ROWS).min(n);
         let (dout, inp) = (&dout[rows.start * c..rows.end * c], &inp[rows.start * c..rows.end * c]);
         let (mean, rstd) = (&mean[rows.clone()], &rstd[rows]);
+        backward_rows(dinp, dout, inp, weight, mean, rstd, c);
+    });
+    // Parameter gradients, column-parallel: each task owns a range of channels and sums over all
+    // rows in order, so the result is the same whatever the thread schedule.
+    const COLS: usize = 64;
+    let dbias = Disjoint::new(&mut dbias[..c]);
+    team::chunks_mut(&mut dweight[..c], COLS, |ci, dw| {
+        let c0 = ci * COLS;
+        // SAFETY: chunk ci owns channels c0..c0 + dw.len() of both gradients.
+        let db = unsafe { dbias.part(c0..c0 + dw.len()) };
+        for row in 0..n {
+            let (m, r) = (mean[row], rstd[row]);
+            let x = &inp[row * c + c0..row * c + c0 + dw.len()];
+            let d = &dout[row * c + c0..row * c + c0 + dw.len()];
+            for (((dw, db), x), d) in dw.iter_mut().zip(db.iter_mut()).zip(x).zip(d) {
+                *dw += (x - m) * r * d;
+                *db += d;
+            }
+        }
+    });
+}
+
+crate::simd_fn! {
+    /// Input-gradient rows of [`layernorm_backward`].
+    fn backward_rows(dinp: &mut [f32], dout: &[f32], inp: &[f32], weight: &[f32], mean: &[f32], rstd: &[f32], c: usize) {
         for ((((di, d), x), m), r) in
             dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c)).zip(mean).zip(rstd)
         {
@@ -97,25 +128,7 @@ pub fn layernorm_backward(
                 *di += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
             }
         }
-    });
-    // Parameter gradients, column-parallel: each task owns a range of channels and sums over all
-    // rows in order, so the result is the same whatever the thread schedule.
-    const COLS: usize = 64;
-    let dbias = Disjoint::new(&mut dbias[..c]);
-    team::chunks_mut(&mut dweight[..c], COLS, |ci, dw| {
-        let c0 = ci * COLS;
-        // SAFETY: chunk ci owns channels c0..c0 + dw.len() of both gradients.
-        let db = unsafe { dbias.part(c0..c0 + dw.len()) };
-        for row in 0..n {
-            let (m, r) = (mean[row], rstd[row]);
-            let x = &inp[row * c + c0..row * c + c0 + dw.len()];
-            let d = &dout[row * c + c0..row * c + c0 + dw.len()];
-            for (((dw, db), x), d) in dw.iter_mut().zip(db.iter_mut()).zip(x).zip(d) {
-                *dw += (x - m) * r * d;
-                *db += d;
-            }
-        }
-    });
+    }
 }
 
 #[cfg(test)]

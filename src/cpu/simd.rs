@@ -135,6 +135,46 @@ unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Define a function compiled once per instruction set and dispatched on [`isa`] at each call.
+/// The body goes into an `#[inline(always)]` function that is inlined into `#[target_feature]`
+/// copies, so the loops in it are vectorised for AVX-512 and AVX2 (a closure handed to
+/// [`with_isa`] is not always inlined into the trampoline, and then runs as baseline code).
+/// Arguments are plain `name: Type` pairs; keep such functions at the level of a row or a
+/// chunk, where the dispatch (one load and a branch) is noise.
+#[macro_export]
+macro_rules! simd_fn {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$m])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            #[allow(clippy::too_many_arguments)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                body($($arg),*)
+            }
+            match $crate::cpu::simd::isa() {
+                // SAFETY: isa() returns only instruction sets this CPU has (Isa::supported).
+                #[cfg(target_arch = "x86_64")]
+                $crate::cpu::simd::Isa::Avx512 => unsafe { avx512($($arg),*) },
+                // SAFETY: as above.
+                #[cfg(target_arch = "x86_64")]
+                $crate::cpu::simd::Isa::Avx2 => unsafe { avx2($($arg),*) },
+                _ => body($($arg),*),
+            }
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,5 +189,11 @@ mod tests {
         }
         // The trampolines run their closure and return its value on every path.
         assert_eq!(with_isa(|| (1..=10).sum::<i32>()), 55);
+        crate::simd_fn! {
+            fn dot3(a: &[f32], b: &[f32]) -> f32 {
+                a.iter().zip(b).map(|(x, y)| x * y).sum()
+            }
+        }
+        assert_eq!(dot3(&[1.0, 2.0, 3.0], &[4.0, 5.0, 6.0]), 32.0);
     }
 }

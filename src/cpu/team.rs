@@ -190,11 +190,9 @@ pub fn broadcast(f: &(dyn Fn(usize) + Sync)) {
 /// leaves little for the others to wait on.
 pub fn for_ranges(count: usize, min: usize, max: usize, f: impl Fn(Range<usize>) + Sync) {
     let min = min.max(1);
-    // Each range runs through simd::with_isa: `f` is compiled for every instruction set and the
-    // CPU's version runs (the loops of every kernel get AVX2 or AVX-512 this way).
     if count <= min {
         if count > 0 {
-            super::simd::with_isa(|| f(0..count));
+            f(0..count);
         }
         return;
     }
@@ -212,7 +210,7 @@ pub fn for_ranges(count: usize, min: usize, max: usize, f: impl Fn(Range<usize>)
                 Err(now) => start = now,
             }
         };
-        super::simd::with_isa(|| f(start..start + take));
+        f(start..start + take);
     });
 }
 
