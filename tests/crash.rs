@@ -2,30 +2,11 @@
 //! many land inside checkpoint writes), each followed by `-y 1`, must end with the same
 //! per-step losses as a run that was never interrupted, bit for bit, and leave no stray files.
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
-
-/// Token shards of a repeating pattern with noise.
-fn make_data(dir: &Path) {
-    let mut x = 99u64;
-    let mut toks = |n: usize| -> Vec<u32> {
-        (0..n)
-            .map(|i| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                if i % 4 == 3 {
-                    (x % 50257) as u32
-                } else {
-                    (i % 97) as u32 * 3
-                }
-            })
-            .collect()
-    };
-    llmrs::data::write_shard(&dir.join("train.bin"), &toks(4000)).unwrap();
-    llmrs::data::write_shard(&dir.join("val.bin"), &toks(800)).unwrap();
-}
 
 fn train(dir: &Path, out: &str) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_llmrs"));
@@ -79,7 +60,7 @@ fn losses(log: &Path) -> (Losses, Losses) {
 #[test]
 fn twenty_sigkills_resume_to_the_uninterrupted_run() {
     let dir = tempfile::tempdir().unwrap();
-    make_data(dir.path());
+    common::make_data(dir.path(), 99, 4000, 800);
     let t0 = Instant::now();
     let o = train(dir.path(), "ref").output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

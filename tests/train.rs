@@ -1,31 +1,14 @@
 //! End-to-end training runs on small shapes: exact resume, learning, bad input.
 
-use llmrs::data::write_shard;
+mod common;
+
 use llmrs::schedule::ScheduleKind;
 use llmrs::train::{run, TrainConfig};
 use std::path::Path;
 
-/// Token shards of a repeating pattern with noise, so a model can learn something quickly.
+/// The shards every test here trains on.
 fn make_data(dir: &Path) -> (String, String) {
-    let mut x = 12345u64;
-    let mut toks = |n: usize| -> Vec<u32> {
-        (0..n)
-            .map(|i| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                if i % 4 == 3 {
-                    (x % 50257) as u32
-                } else {
-                    (i % 97) as u32 * 3
-                }
-            })
-            .collect()
-    };
-    let (tr, va) = (dir.join("train.bin"), dir.join("val.bin"));
-    write_shard(&tr, &toks(3000)).unwrap();
-    write_shard(&va, &toks(600)).unwrap();
-    (tr.to_str().unwrap().into(), va.to_str().unwrap().into())
+    common::make_data(dir, 12345, 3000, 600)
 }
 
 fn small(dir: &Path, train: &str, val: &str) -> TrainConfig {

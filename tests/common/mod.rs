@@ -1,0 +1,28 @@
+//! Helpers shared by the integration tests.
+
+use std::path::Path;
+
+/// `train.bin` and `val.bin` in `dir`: token shards of a repeating pattern with noise (every
+/// fourth token random), so a model can learn something quickly. `seed` picks the noise.
+/// Returns their paths.
+pub fn make_data(dir: &Path, seed: u64, train_tokens: usize, val_tokens: usize) -> (String, String) {
+    let mut x = seed;
+    let mut toks = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                if i % 4 == 3 {
+                    (x % 50257) as u32
+                } else {
+                    (i % 97) as u32 * 3
+                }
+            })
+            .collect()
+    };
+    let (tr, va) = (dir.join("train.bin"), dir.join("val.bin"));
+    llmrs::data::write_shard(&tr, &toks(train_tokens)).unwrap();
+    llmrs::data::write_shard(&va, &toks(val_tokens)).unwrap();
+    (tr.to_str().unwrap().into(), va.to_str().unwrap().into())
+}
