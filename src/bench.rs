@@ -18,6 +18,8 @@ pub struct BenchConfig {
     /// Steps run first and not measured (page faults, caches, thread start-up).
     pub warmup: usize,
     pub device: Device,
+    /// ZeRO stage when several processes run (`mpirun -np N llmrs bench -z S`).
+    pub zero_stage: usize,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -29,14 +31,26 @@ pub struct BenchReport {
     pub batch_size: usize,
     pub seq_len: usize,
     pub threads: usize,
+    /// Processes (ranks), each stepping B*T tokens, and the ZeRO stage.
+    pub processes: usize,
+    pub zero_stage: usize,
+    /// The rank that made this report (rank 0 prints it).
+    pub rank: usize,
     pub steps: usize,
     pub ms_median: f64,
     pub ms_min: f64,
     pub ms_max: f64,
+    /// All ranks together.
     pub tokens_per_s: f64,
+    pub tokens_per_s_per_rank: f64,
+    /// Median time per step in collectives (this rank).
+    pub comm_ms: f64,
+    /// This rank's model state by role.
+    pub memory_per_rank: crate::model::MemoryUse,
     /// Model FLOPs per token as llm.c and PaLM count them: 6N + 6*L*C*T.
     pub flops_per_token: f64,
     pub achieved_gflops: f64,
+    /// This rank's share of the machine's peak (measured by all ranks at once).
     pub peak_gflops: f64,
     pub peak_method: String,
     pub mfu: f64,
@@ -169,18 +183,24 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// Run the benchmark.
+/// Run the benchmark as a single process.
 pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
+    run_with(cfg, Box::new(crate::backend::comm::SingleProcess))
+}
+
+/// Run the benchmark as one rank of `comm` (each rank steps its own B*T random tokens).
+pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectives>) -> Result<BenchReport> {
     let weights = crate::source::load_any(&cfg.model, 42)?;
     let (b, t) = (cfg.batch_size, cfg.seq_len);
     if t > weights.config.max_seq_len {
         anyhow::bail!("-t {t} is longer than the model's context {}", weights.config.max_seq_len);
     }
-    let mut model = GPT2::new(weights, cfg.device)?;
+    let (rank, world) = (comm.rank(), comm.world());
+    let mut model = GPT2::with_collectives(weights, crate::backend::open(cfg.device)?, comm, cfg.zero_stage)?;
     model.alloc_training_state()?;
     model.reserve(b, t)?;
     let v = model.config.vocab_size as u64;
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (rank as u64) << 32;
     let tokens: Vec<u32> = (0..b * t + 1)
         .map(|_| {
             x ^= x << 13;
@@ -191,16 +211,18 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         .collect();
     let (inputs, targets) = (&tokens[..b * t], &tokens[1..]);
     let opt = OptimConfig::default();
-    let mut times = vec![];
+    let (mut times, mut comm_ms) = (vec![], vec![]);
     let mut phase = [0f64; 3];
+    model.barrier()?; // every rank measures its share of the machine at the same time
     let peak_before = measure_peak().0;
+    model.barrier()?;
     for step in 0..cfg.warmup + cfg.steps {
         if step == cfg.warmup {
             model.set_profiling(true);
             phase = [0.0; 3];
         }
         // Each phase ends with a synchronize, so its time is the device's (free on the CPU).
-        let t0 = Instant::now();
+        let (t0, c0) = (Instant::now(), model.comm_seconds());
         model.zero_grad()?;
         model.forward(inputs, Some(targets), b, t)?;
         model.synchronize()?;
@@ -213,6 +235,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         let t3 = Instant::now();
         if step >= cfg.warmup {
             times.push((t3 - t0).as_secs_f64() * 1e3);
+            comm_ms.push((model.comm_seconds() - c0) * 1e3);
             phase[0] += (t1 - t0).as_secs_f64();
             phase[1] += (t2 - t1).as_secs_f64();
             phase[2] += (t3 - t2).as_secs_f64();
@@ -224,14 +247,16 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
     let kinds = totals.into_iter().map(|(k, s)| (format!("{k:?}").to_lowercase(), s / total)).collect();
     let (ms_min, ms_max) = times.iter().fold((f64::MAX, 0f64), |(a, b), &x| (a.min(x), b.max(x)));
     let ms_median = median(&mut times);
-    let tokens_per_s = (b * t) as f64 / (ms_median / 1e3);
+    let tokens_per_s_per_rank = (b * t) as f64 / (ms_median / 1e3);
     let fpt = flops_per_token(&model, t);
-    let achieved = fpt * tokens_per_s / 1e9;
+    let achieved = fpt * tokens_per_s_per_rank / 1e9;
     // Measured once before and once after the steps; the higher reading is the peak.
+    model.barrier()?;
     let (peak, method) = {
         let (after, method) = measure_peak();
         (after.max(peak_before), method)
     };
+    model.barrier()?;
     Ok(BenchReport {
         model: cfg.model.clone(),
         backend: model.describe_backend(),
@@ -239,11 +264,17 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
         batch_size: b,
         seq_len: t,
         threads: crate::cpu::team::threads(),
+        processes: world,
+        zero_stage: model.zero_stage(),
+        rank,
         steps: cfg.steps,
         ms_median,
         ms_min,
         ms_max,
-        tokens_per_s,
+        tokens_per_s: tokens_per_s_per_rank * world as f64,
+        tokens_per_s_per_rank,
+        comm_ms: median(&mut comm_ms),
+        memory_per_rank: model.memory(),
         flops_per_token: fpt,
         achieved_gflops: achieved,
         peak_gflops: peak,
@@ -273,7 +304,13 @@ impl std::fmt::Display for BenchReport {
         )?;
         writeln!(f, "backend     {}", self.backend)?;
         writeln!(f, "ms/step     median {:.1} (min {:.1}, max {:.1})", self.ms_median, self.ms_min, self.ms_max)?;
-        writeln!(f, "tokens/s    {:.1}", self.tokens_per_s)?;
+        if self.processes > 1 {
+            writeln!(f, "processes   {} (ZeRO stage {})", self.processes, self.zero_stage)?;
+            writeln!(f, "tokens/s    {:.1} ({:.1} per rank)", self.tokens_per_s, self.tokens_per_s_per_rank)?;
+            writeln!(f, "collectives {:.1} ms/step (rank {})", self.comm_ms, self.rank)?;
+        } else {
+            writeln!(f, "tokens/s    {:.1}", self.tokens_per_s)?;
+        }
         writeln!(
             f,
             "throughput  {:.1} GFLOP/s of model FLOPs ({:.3} GFLOP/token: 6N + 6LCT)",
@@ -282,6 +319,18 @@ impl std::fmt::Display for BenchReport {
         )?;
         writeln!(f, "peak        {:.1} GFLOP/s fp32 ({})", self.peak_gflops, self.peak_method)?;
         writeln!(f, "MFU         {:.1}%", 100.0 * self.mfu)?;
+        let m = &self.memory_per_rank;
+        let mb = |x: usize| x as f64 / 1e6;
+        writeln!(
+            f,
+            "memory      {:.1} MB: parameters {:.1}, gradients {:.1}, AdamW {:.1}, ZeRO buffers {:.1}, activations {:.1}",
+            mb(m.total()),
+            mb(m.params),
+            mb(m.grads),
+            mb(m.adamw),
+            mb(m.buffers),
+            mb(m.activations)
+        )?;
         writeln!(f, "peak RSS    {:.0} MiB", self.peak_rss_mib)?;
         let pct = |v: &[(String, f64)]| {
             v.iter().map(|(n, x)| format!("{n} {:.1}%", 100.0 * x)).collect::<Vec<_>>().join(", ")
@@ -304,6 +353,7 @@ mod tests {
             steps: 3,
             warmup: 1,
             device: Device::Cpu,
+            zero_stage: 0,
         })
         .unwrap();
         assert!(r.ms_min <= r.ms_median && r.ms_median <= r.ms_max);

@@ -301,6 +301,10 @@ pub fn load_debug_state(path: &Path, cfg: &GPT2Config) -> Result<DebugState> {
 }
 
 pub const STATE_MAGIC: i32 = 20240527;
+/// Header slot of the ZeRO stage in a training-state file (llmrs only: padding in llm.c's),
+/// stored as STATE_ZERO_MARK | stage.
+const STATE_ZERO_STAGE: usize = 6;
+const STATE_ZERO_MARK: i32 = 0x5A00;
 
 /// Everything besides the weights that a resumed run needs.
 pub struct TrainState {
@@ -323,6 +327,9 @@ pub fn save_state(path: &Path, model: &mut GPT2, st: &TrainState) -> Result<()> 
     h[3] = rank as i32; // process rank
     h[4] = 0; // use_master_weights: fp32 parameters are their own master copy
     h[5] = st.should_shuffle as i32;
+    // Not in llm.c's header (its slot is padding there): the ZeRO stage, which decides what
+    // the moments below hold.
+    h[STATE_ZERO_STAGE] = STATE_ZERO_MARK | model.zero_stage() as i32;
     h[10] = st.step as i32;
     // h[20..24]: llm.c's stochastic-rounding RNG state; unused in fp32, left 0.
     let put64 = |h: &mut [i32; HEADER_INTS], i: usize, v: u64| {
@@ -375,7 +382,18 @@ pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
             h[2]
         );
     }
-    let n = model.num_parameters();
+    // llm.c's files do not record their stage (-z 0 or 1, which the user must repeat on resume);
+    // llmrs's carry it with a marker.
+    let n = model.slot_len(Slot::AdamM)?;
+    let marked = h[STATE_ZERO_STAGE] & !0xFF == STATE_ZERO_MARK;
+    let stage = if marked { h[STATE_ZERO_STAGE] & 0xFF } else { model.zero_stage() as i32 };
+    if stage != model.zero_stage() as i32 {
+        bail!(
+            "{}: state of a run with ZeRO stage {stage} (-z {stage}); this run has -z {}: resume with the same -z",
+            path.display(),
+            model.zero_stage()
+        );
+    }
     let mut off = HEADER_BYTES;
     let mut take = |k: usize| -> Result<&[u8]> {
         let s =
@@ -389,9 +407,10 @@ pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
         model.write_all(slot, &host)?;
     }
     if h[4] == 1 {
-        // fp32 master weights from a mixed-precision llm.c run: they are the exact parameters.
+        // fp32 master weights from a mixed-precision llm.c run: they are the exact parameters
+        // (this rank's part of them under ZeRO).
         f32s_from_le(take(4 * n)?, &mut host);
-        model.write_all(Slot::Params, &host)?;
+        model.write_param_shard(&host)?;
     }
     drop(host);
     let get64 = |i: usize| (h[i] as u32 as u64) | ((h[i + 1] as u32 as u64) << 32);

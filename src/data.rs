@@ -137,7 +137,10 @@ impl DataLoader {
     }
 
     /// [`DataLoader::new`] for one process of several: this process reads its part of every
-    /// batch, and (as llm.c) shuffles with its own seed, 42 + rank.
+    /// batch. Every rank shuffles with the seed 42, so the ranks permute the same samples and
+    /// together read exactly the batches one process reads with B * world. (llm.c seeds rank r
+    /// with 42 + r, so its ranks' parts of a batch come from different samples; a resumed llm.c
+    /// run keeps its order, which its state files carry.)
     pub fn new_split(
         pattern: &str,
         b: usize,
@@ -162,7 +165,7 @@ impl DataLoader {
             vocab_size,
             num_tokens: 0,
             should_shuffle,
-            rng: Mt19937::new(42 + split.rank as u32),
+            rng: Mt19937::new(42),
             shard_indices: (0..n as i32).collect(),
             intra_shard_indices: vec![],
             current_shard_idx: 0,

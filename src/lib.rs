@@ -31,3 +31,4 @@ pub mod source;
 pub mod testdata;
 pub mod tokenizer;
 pub mod train;
+pub mod zero;

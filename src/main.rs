@@ -11,9 +11,14 @@ use std::path::PathBuf;
 #[derive(Parser)]
 #[command(name = "llmrs", version, about = "GPT-2 training from scratch in pure Rust (llm.c compatible)")]
 struct Cli {
-    /// Worker threads (default: all cores).
+    /// Worker threads (default: all cores; under mpirun, the cores this process may use
+    /// divided among the ranks on its machine).
     #[arg(long, global = true)]
     threads: Option<usize>,
+    /// Under mpirun: seconds one collective may wait for the other ranks before this process
+    /// stops with an error (a rank died or hangs).
+    #[arg(long, global = true, default_value_t = 600)]
+    comm_timeout: u64,
     /// Where the model runs: cpu (cuda and cuda:N are not built yet).
     #[arg(long, global = true, default_value = "cpu")]
     device: llmrs::backend::Device,
@@ -57,6 +62,9 @@ enum Cmd {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// ZeRO stage when launched by mpirun (0-3, as train's -z).
+        #[arg(short = 'z', long = "zero-stage", default_value_t = 0)]
+        zero_stage: usize,
     },
     /// Evaluate a model.
     #[command(subcommand)]
@@ -334,12 +342,19 @@ struct TrainArgs {
     /// Score only the first N HellaSwag examples during training.
     #[arg(long)]
     hellaswag_limit: Option<usize>,
+    /// ZeRO stage over the processes of an `mpirun` launch (llm.c -z): 0 = gradients
+    /// all-reduced, 1 = AdamW state sharded, 2 = + gradients, 3 = + parameters.
+    #[arg(short = 'z', long = "zero-stage", default_value_t = D.with(|d| d.zero_stage))]
+    zero_stage: usize,
 }
 
 /// llm.c spells some flags with two letters after one dash (-nk, -nm, -sl, -sg); map them to long names.
 /// GPU-only llm.c flags are accepted and ignored on the CPU, with a note.
 fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
-    const GPU_ONLY: [&str; 12] = ["-f", "-w", "-z", "-r", "-ge", "-lg", "-pn", "-pr", "-pg", "-pi", "-pf", "-ps"];
+    const GPU_ONLY: [&str; 5] = ["-f", "-w", "-r", "-ge", "-lg"];
+    // llm.c's process-group flags (processes, rank, GPUs per node, init method, paths): llmrs
+    // takes its ranks from the MPI launcher.
+    const PROCESS_GROUP: [&str; 6] = ["-pn", "-pr", "-pg", "-pi", "-pf", "-ps"];
     let mut out = Vec::with_capacity(args.len());
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
@@ -351,6 +366,12 @@ fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
             g if GPU_ONLY.contains(&g) => {
                 let v = it.next().unwrap_or_default();
                 eprintln!("note: {g} {v} is a GPU setting of llm.c; ignored on the CPU");
+            }
+            g if PROCESS_GROUP.contains(&g) => {
+                let v = it.next().unwrap_or_default();
+                eprintln!(
+                    "note: {g} {v} is ignored: llmrs takes its processes from mpirun (README: Several processes)"
+                );
             }
             _ => out.push(a),
         }
@@ -416,6 +437,7 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
         hellaswag: a.hellaswag == 1,
         hellaswag_data: a.hellaswag_data,
         hellaswag_limit: a.hellaswag_limit,
+        zero_stage: a.zero_stage,
         overwrite: a.overwrite,
         quiet: false,
         device,
@@ -508,9 +530,13 @@ fn main() {
 }
 
 fn real_main(cli: Cli) -> Result<()> {
+    // The processes first: under mpirun the thread team is sized by the ranks on this machine.
+    let comm = llmrs::backend::comm::open(std::time::Duration::from_secs(cli.comm_timeout.max(1)))?;
     let mut pool = rayon::ThreadPoolBuilder::new();
     if let Some(n) = cli.threads {
         pool = pool.num_threads(n);
+    } else if comm.world() > 1 {
+        pool = pool.num_threads(threads_per_rank(comm.local_world()));
     }
     pool.build_global().context("cannot set up the worker threads")?;
     llmrs::cpu::simd::init()?; // the kernels' instruction set; a bad LLMRS_CPU_ISA is an error here
@@ -518,11 +544,23 @@ fn real_main(cli: Cli) -> Result<()> {
                                // use. Commands run on a worker of the pool: rayon's loops (data preparation) then fork
                                // from a worker that takes its own share at once, instead of the main thread handing each
                                // loop to the pool and sleeping until it is done.
-    rayon::scope(|_| run_command(cli))
+    rayon::scope(|_| run_command(cli, comm))
 }
 
-fn run_command(cli: Cli) -> Result<()> {
+/// Threads for one of `local` ranks on this machine: its cores shared evenly, and no more than
+/// the cores this process may run on (mpirun may have bound it to some).
+fn threads_per_rank(local: usize) -> usize {
+    let allowed = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // SAFETY: sysconf only reads a system setting.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
+    (online / local.max(1)).min(allowed).max(1)
+}
+
+fn run_command(cli: Cli, comm: Box<dyn llmrs::backend::comm::Collectives>) -> Result<()> {
     let device = cli.device;
+    if comm.world() > 1 && !matches!(cli.cmd, Some(Cmd::Train(_)) | Some(Cmd::Bench { .. })) {
+        bail!("only `llmrs train` and `llmrs bench` run as several processes; run this command without mpirun");
+    }
     match cli.cmd {
         None => {
             let cfg = TrainConfig { device, ..TrainConfig::default() };
@@ -531,16 +569,31 @@ fn run_command(cli: Cli) -> Result<()> {
         }
         Some(Cmd::Train(a)) => {
             let cfg = train_config(a, device)?;
-            ensure_default_data(&cfg)?;
-            run(&cfg).map(|_| ())
+            let mut comm = comm;
+            if comm.rank() == 0 {
+                ensure_default_data(&cfg)?;
+            }
+            comm.barrier()?; // the other ranks wait for the data rank 0 prepares
+            llmrs::train::run_with(&cfg, comm).map(|_| ())
         }
         Some(Cmd::Prepare(PrepareCmd::Tinyshakespeare { input, out })) => {
             prepare_tinyshakespeare(&Source::from_env(input.as_deref()), &out).map(|_| ())
         }
         Some(Cmd::Generate(a)) => run_generate(a, device),
-        Some(Cmd::Bench { model, batch_size, seq_len, steps, warmup, json }) => {
-            let cfg = llmrs::bench::BenchConfig { model, batch_size, seq_len, steps: steps.max(1), warmup, device };
-            let r = llmrs::bench::run(&cfg)?;
+        Some(Cmd::Bench { model, batch_size, seq_len, steps, warmup, json, zero_stage }) => {
+            let cfg = llmrs::bench::BenchConfig {
+                model,
+                batch_size,
+                seq_len,
+                steps: steps.max(1),
+                warmup,
+                device,
+                zero_stage,
+            };
+            let r = llmrs::bench::run_with(&cfg, comm)?;
+            if r.rank != 0 {
+                return Ok(());
+            }
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {

@@ -5,11 +5,12 @@
 //! (host copies of named tensors, the step's loss, one position's logits).
 
 use crate::acts::{Acts, BackActs, BlockActs, KvCache};
-use crate::backend::comm::{Collectives, Reduce, SingleProcess};
+use crate::backend::comm::{with_host, Collectives, Reduce, SingleProcess};
 use crate::backend::{self, AdamWParams, Backend, Buf, DType, Device, SkipAbove};
 use crate::config::GPT2Config;
 use crate::optim::OptimConfig;
 use crate::params::{Block, ParamLayout, Tensor, Weights};
+use crate::zero::{Piece, Sharding, EMBED};
 use anyhow::{bail, Context, Result};
 
 /// Charge a layer call to its kind in `llmrs bench`'s profile.
@@ -43,12 +44,46 @@ pub struct StepStats {
     pub skipped: bool,
 }
 
-/// Gradients and AdamW moments, each (num_parameters) in the parameter layout.
+/// Gradients and AdamW moments: (num_parameters) in the parameter layout, or this rank's shard
+/// (num_parameters / world) in the shard layout of [`crate::zero`] where the stage shards them.
 #[derive(Clone, Copy, Debug)]
 struct TrainBufs {
     grads: Buf,
+    /// ZeRO-2/3: backward's gradients of the embedding tensors (wte, wpe, lnf) and of one block
+    /// before they are reduce-scattered into `grads`.
+    buckets: Option<(Buf, Buf)>,
     m: Buf,
     v: Buf,
+}
+
+/// ZeRO-3: the full parameters gathered for the current pass, in one allocation: the
+/// embedding tensors (wte, wpe, lnf), then one block.
+#[derive(Clone, Copy, Debug)]
+struct Gathered {
+    whole: Buf,
+    embed: Buf,
+    block: Buf,
+    /// `embed` holds the current embedding weights.
+    embed_valid: bool,
+    /// `block` holds this block's current weights.
+    block_held: Option<usize>,
+}
+
+/// Bytes of the model's state on this rank, by role (`llmrs bench`, the log).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryUse {
+    pub params: usize,
+    pub grads: usize,
+    pub adamw: usize,
+    /// ZeRO buckets and gathered parameters.
+    pub buffers: usize,
+    pub activations: usize,
+}
+
+impl MemoryUse {
+    pub fn total(&self) -> usize {
+        self.params + self.grads + self.adamw + self.buffers + self.activations
+    }
 }
 
 /// The last forward pass: its shape and what its buffers hold now.
@@ -69,9 +104,15 @@ pub struct GPT2 {
     layout: ParamLayout,
     be: Box<dyn Backend>,
     comm: Box<dyn Collectives>,
-    params: Buf, // (num_parameters)
+    zero: Sharding,
+    /// Every piece of the parameters with this rank's part ([`crate::zero`]).
+    pieces: Vec<Piece>,
+    params: Buf, // (num_parameters), or this rank's shard under ZeRO-3
+    gathered: Option<Gathered>,
     /// [loss accumulator, squared gradient norm].
     stats: Buf, // (2)
+    /// Flags that the ranks agree on (checkpoint checks).
+    flags: Buf, // (2)
     train: Option<TrainBufs>,
     acts: Option<Acts>,
     last: Last,
@@ -215,24 +256,48 @@ fn block_backward(
 impl GPT2 {
     /// The model with these weights on `device`, as a single process.
     pub fn new(weights: Weights, device: Device) -> Result<Self> {
-        Self::with_collectives(weights, backend::open(device)?, Box::new(SingleProcess))
+        Self::with_collectives(weights, backend::open(device)?, Box::new(SingleProcess), 0)
     }
 
-    /// The model on a given backend, as one rank of `comm`.
-    pub fn with_collectives(weights: Weights, mut be: Box<dyn Backend>, comm: Box<dyn Collectives>) -> Result<Self> {
+    /// The model on a given backend, as one rank of `comm`, with ZeRO stage `zero` (0-3).
+    pub fn with_collectives(
+        weights: Weights,
+        mut be: Box<dyn Backend>,
+        comm: Box<dyn Collectives>,
+        zero: usize,
+    ) -> Result<Self> {
         let Weights { config, layout, data } = weights;
-        let params = be.alloc(layout.num_parameters, DType::F32)?;
-        be.upload(params, &data);
+        let zero = Sharding::new(zero, comm.rank(), comm.world(), config)?;
+        let pieces = zero.pieces();
+        let params = be.alloc(zero.len_at(3), DType::F32)?;
+        let mut gathered = None;
+        if zero.stage == 3 {
+            for p in &pieces {
+                be.upload(params.slice(p.shard.clone()), &data[p.owned.clone()]);
+            }
+            let (e, b) = (zero.embed_bucket().1, zero.block_bucket().1);
+            let whole = be.alloc(e + b, DType::F32)?;
+            let (embed, block) = (whole.prefix(e), whole.slice(e..e + b));
+            gathered = Some(Gathered { whole, embed, block, embed_valid: false, block_held: None });
+        } else {
+            be.upload(params, &data);
+        }
         drop(data); // the host copy goes before anything else is allocated
         let stats = be.alloc(2, DType::F32)?;
         be.fill(stats, 0.0);
+        let flags = be.alloc(2, DType::F32)?;
+        be.fill(flags, 0.0);
         Ok(GPT2 {
             config,
             layout,
             be,
             comm,
+            zero,
+            pieces,
             params,
+            gathered,
             stats,
+            flags,
             train: None,
             acts: None,
             last: Last::default(),
@@ -248,24 +313,25 @@ impl GPT2 {
         let (c, v, vp, n) = (cfg.channels, cfg.vocab_size, cfg.padded_vocab_size, b * t);
         check_tokens(&cfg, inputs, targets, b, t)?;
         self.reserve(b, t)?;
-        let (a, p, lay, be) = (self.acts.context("no activations")?, self.params, &self.layout, &mut *self.be);
-        let pw = |x: Tensor| p.slice(lay.range(x));
+        let a = self.acts.context("no activations")?;
+        let [wte, wpe, lnf_w, lnf_b] = self.embed_weights()?;
+        let be = &mut *self.be;
         let (inp, tgt) = a.tokens(n);
         be.upload_u32(inp, inputs);
-        t!(be, Encoder, be.encoder_forward(a.encoded.prefix(n * c), inp, pw(Tensor::Wte), pw(Tensor::Wpe), b, t, c));
+        t!(be, Encoder, be.encoder_forward(a.encoded.prefix(n * c), inp, wte, wpe, b, t, c));
         for l in 0..cfg.num_layers {
-            let w = lay.block(l).map(|r| p.slice(r));
-            block_forward(be, &cfg, &w, &a.layer(&cfg, l, b, t), n, Attn::Causal { b, t });
+            let w = self.block_weights(l)?;
+            block_forward(&mut *self.be, &cfg, &w, &a.layer(&cfg, l, b, t), n, Attn::Causal { b, t });
         }
+        let be = &mut *self.be;
         let (lnf, logits) = (a.lnf.prefix(n * c), a.logits.prefix(n * vp));
         let last = a.layer(&cfg, cfg.num_layers - 1, b, t).residual3;
-        let (lnf_w, lnf_b) = (pw(Tensor::LnfW), pw(Tensor::LnfB));
         t!(
             be,
             LayerNorm,
             be.layernorm_forward(lnf, a.lnf_mean.prefix(n), a.lnf_rstd.prefix(n), last, lnf_w, lnf_b, n, c)
         );
-        t!(be, Classifier, be.matmul_forward(logits, lnf, pw(Tensor::Wte), None, n, c, vp));
+        t!(be, Classifier, be.matmul_forward(logits, lnf, wte, None, n, c, vp));
         if let Some(y) = targets {
             be.upload_u32(tgt, y);
             t!(be, Classifier, be.crossentropy_forward(a.losses.prefix(n), a.lse.prefix(n), logits, tgt, n, v, vp));
@@ -277,67 +343,60 @@ impl GPT2 {
     /// Backward pass of the last forward (which must have had targets), for the objective
     /// `loss_scale * mean loss` (gradient accumulation over k micro-batches passes 1/k). Adds
     /// to the gradients (see [`GPT2::zero_grad`]) and that objective to the step's loss.
-    /// Overwrites the logits with their gradient.
+    /// Overwrites the logits with their gradient. Under ZeRO-2/3 each block's gradients are
+    /// reduce-scattered into this rank's shard as soon as the block is done.
     pub fn backward(&mut self, loss_scale: f32) -> Result<()> {
         let cfg = self.config;
         let (c, v, vp, nl) = (cfg.channels, cfg.vocab_size, cfg.padded_vocab_size, cfg.num_layers);
-        let tr = self.train.context("backward needs training state: call alloc_training_state first")?;
+        self.train.context("backward needs training state: call alloc_training_state first")?;
         let Last { b, t, backward_ready: true, .. } = self.last else {
             bail!("backward needs a forward pass with targets (and runs once per pass)")
         };
         self.last = Last { logits: false, backward_ready: false, ..self.last };
-        let acc = !std::mem::take(&mut self.grads_overwrite);
-        let (a, p, g, lay, be) =
-            (self.acts.context("no activations")?, self.params, tr.grads, &self.layout, &mut *self.be);
-        let n = b * t;
-        let (pw, gw) = (|x: Tensor| p.slice(lay.range(x)), |x: Tensor| g.slice(lay.range(x)));
+        let acc = !std::mem::take(&mut self.grads_overwrite) && self.zero.stage < 2;
+        let a = self.acts.context("no activations")?;
+        let [wte, _, lnf_w, _] = self.embed_weights()?;
+        let [dwte, dwpe, dlnf_w, dlnf_b] = self.embed_grads();
+        let (be, n) = (&mut *self.be, b * t);
         let (inp, tgt) = a.tokens(n);
         let (logits, lse, lnf, scratch) =
             (a.logits.prefix(n * vp), a.lse.prefix(n), a.lnf.prefix(n * c), a.scratch.prefix(n * c));
         let d = a.back(&cfg, b, t);
         be.accumulate_mean(self.stats.prefix(1), a.losses.prefix(n), loss_scale);
         t!(be, Classifier, be.crossentropy_backward(logits, lse, tgt, loss_scale / n as f32, n, v, vp));
-        t!(
-            be,
-            Classifier,
-            be.matmul_backward(Some(scratch), gw(Tensor::Wte), None, logits, lnf, pw(Tensor::Wte), n, c, vp, acc)
-        );
+        t!(be, Classifier, be.matmul_backward(Some(scratch), dwte, None, logits, lnf, wte, n, c, vp, acc));
         be.fill(d.dresidual, 0.0);
         let last = a.layer(&cfg, nl - 1, b, t).residual3;
         let (lnf_mean, lnf_rstd) = (a.lnf_mean.prefix(n), a.lnf_rstd.prefix(n));
         t!(
             be,
             LayerNorm,
-            be.layernorm_backward(
-                d.dresidual,
-                gw(Tensor::LnfW),
-                gw(Tensor::LnfB),
-                scratch,
-                last,
-                pw(Tensor::LnfW),
-                lnf_mean,
-                lnf_rstd,
-                n,
-                c
-            )
+            be.layernorm_backward(d.dresidual, dlnf_w, dlnf_b, scratch, last, lnf_w, lnf_mean, lnf_rstd, n, c)
         );
         for l in (0..nl).rev() {
-            let (w, dw) = (lay.block(l).map(|r| p.slice(r)), lay.block(l).map(|r| g.slice(r)));
-            block_backward(be, &cfg, &w, &dw, &a.layer(&cfg, l, b, t), &d, (b, t), acc);
+            let (w, dw) = (self.block_weights(l)?, self.block_grads(l));
+            block_backward(&mut *self.be, &cfg, &w, &dw, &a.layer(&cfg, l, b, t), &d, (b, t), acc);
+            self.reduce_grads(&Tensor::BLOCK, l)?;
         }
-        t!(be, Encoder, be.encoder_backward(gw(Tensor::Wte), gw(Tensor::Wpe), d.dresidual, inp, b, t, c));
-        Ok(())
+        let be = &mut *self.be;
+        t!(be, Encoder, be.encoder_backward(dwte, dwpe, d.dresidual, inp, b, t, c));
+        self.reduce_grads(&EMBED, 0)
     }
 
     /// Start a step: the step's loss to 0, and a new gradient. Like PyTorch's
     /// `zero_grad(set_to_none=True)`, the tensors that the next backward writes whole
     /// ([`Tensor::written_whole_by_backward`]) are overwritten by it instead of being cleared
     /// now, which saves a pass over all gradients and the read of every weight gradient in the
-    /// backward GEMMs; the rest are zeroed here.
+    /// backward GEMMs; the rest are zeroed here. Under ZeRO-2/3 the shard is cleared (backward
+    /// adds each micro-batch's reduced gradients to it).
     pub fn zero_grad(&mut self) -> Result<()> {
         let tr = self.train.context("zero_grad needs training state: call alloc_training_state first")?;
-        for t in Tensor::ALL.into_iter().filter(|t| !t.written_whole_by_backward()) {
-            self.be.fill(tr.grads.slice(self.layout.range(t)), 0.0);
+        if self.zero.stage >= 2 {
+            self.be.fill(tr.grads, 0.0);
+        } else {
+            for t in Tensor::ALL.into_iter().filter(|t| !t.written_whole_by_backward()) {
+                self.be.fill(tr.grads.slice(self.layout.range(t)), 0.0);
+            }
         }
         self.be.fill(self.stats.prefix(1), 0.0);
         self.grads_overwrite = true;
@@ -346,31 +405,147 @@ impl GPT2 {
 
     /// The optimizer step, queued without waiting on the host: average the gradients and the
     /// loss over the ranks, take the global gradient norm, then clip and apply AdamW to every
-    /// tensor (weight decay on the 2-D weights). A step whose loss or norm is not finite, or
-    /// above `skip`, leaves the model unchanged ([`Backend::adamw_update`]);
-    /// [`GPT2::step_stats`] tells.
+    /// tensor (weight decay on the 2-D weights): to everything (stage 0), or to this rank's
+    /// parts, which are then all-gathered (stages 1-2) or stay sharded (stage 3). A step whose
+    /// loss or norm is not finite, or above `skip`, leaves the model unchanged
+    /// ([`Backend::adamw_update`]); [`GPT2::step_stats`] tells.
     pub fn update(&mut self, o: &OptimConfig, lr: f32, step: usize, skip: SkipAbove) -> Result<()> {
         let tr = self.train.context("update needs training state: call alloc_training_state first")?;
         self.skip = skip;
-        let (be, stats) = (&mut *self.be, self.stats);
-        self.comm.all_reduce(be, tr.grads, Reduce::Mean)?;
+        let (be, stats, stage, params) = (&mut *self.be, self.stats, self.zero.stage, self.params);
+        let norm = stats.slice(1..2);
         self.comm.all_reduce(be, stats.prefix(1), Reduce::Mean)?;
-        t!(be, Optimizer, be.global_norm_squared(stats.slice(1..2), tr.grads));
-        for x in Tensor::ALL {
-            let r = self.layout.range(x);
-            let h = AdamWParams {
-                lr,
-                beta1: o.beta1,
-                beta2: o.beta2,
-                eps: o.eps,
-                weight_decay: if x.weight_decay() { o.weight_decay } else { 0.0 },
-                grad_clip: o.grad_clip,
-                t: step as i32 + 1,
-                skip,
+        match stage {
+            0 => {
+                self.comm.all_reduce(be, tr.grads, Reduce::Mean)?;
+                t!(be, Optimizer, be.global_norm_squared(norm, tr.grads, false));
+            }
+            1 => {
+                for (i, p) in self.pieces.iter().enumerate() {
+                    let own = tr.grads.slice(p.owned.clone());
+                    self.comm.reduce_scatter(be, tr.grads.slice(p.full.clone()), own, Reduce::Mean, false)?;
+                    t!(be, Optimizer, be.global_norm_squared(norm, own, i > 0));
+                }
+                self.comm.all_reduce(be, norm, Reduce::Sum)?;
+            }
+            _ => {
+                t!(be, Optimizer, be.global_norm_squared(norm, tr.grads, false));
+                self.comm.all_reduce(be, norm, Reduce::Sum)?;
+            }
+        }
+        let h = |x: Tensor| AdamWParams {
+            lr,
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            weight_decay: if x.weight_decay() { o.weight_decay } else { 0.0 },
+            grad_clip: o.grad_clip,
+            t: step as i32 + 1,
+            skip,
+        };
+        if stage == 0 {
+            for x in Tensor::ALL {
+                let r = self.layout.range(x);
+                let (p, g, m, v) =
+                    (params.slice(r.clone()), tr.grads.slice(r.clone()), tr.m.slice(r.clone()), tr.v.slice(r));
+                t!(be, Optimizer, be.adamw_update(p, g, m, v, stats, &h(x)));
+            }
+            return Ok(());
+        }
+        for pc in &self.pieces {
+            let p = params.slice(if stage == 3 { pc.shard.clone() } else { pc.owned.clone() });
+            let g = tr.grads.slice(if stage >= 2 { pc.shard.clone() } else { pc.owned.clone() });
+            let (m, v) = (tr.m.slice(pc.shard.clone()), tr.v.slice(pc.shard.clone()));
+            t!(be, Optimizer, be.adamw_update(p, g, m, v, stats, &h(pc.tensor)));
+        }
+        if stage == 3 {
+            self.forget_gathered();
+        } else {
+            for pc in &self.pieces {
+                self.comm.all_gather(be, params.slice(pc.owned.clone()), params.slice(pc.full.clone()))?;
+            }
+        }
+        Ok(())
+    }
+
+    // ---- where parameters and gradients are for a pass (ZeRO) ------------------------------
+
+    /// [wte, wpe, lnf_w, lnf_b] for this pass: views of the parameters, or under ZeRO-3
+    /// gathered from every rank's shard (once per update).
+    fn embed_weights(&mut self) -> Result<[Buf; 4]> {
+        let Some(mut g) = self.gathered else { return Ok(EMBED.map(|x| self.params.slice(self.layout.range(x)))) };
+        let (ranges, _) = self.zero.embed_bucket();
+        let views = ranges.map(|r| g.embed.slice(r));
+        if !g.embed_valid {
+            for (x, dst) in EMBED.into_iter().zip(views) {
+                let src = self.params.slice(self.zero.piece(x, 0).shard);
+                self.comm.all_gather(&mut *self.be, src, dst)?;
+            }
+            g.embed_valid = true;
+            self.gathered = Some(g);
+        }
+        Ok(views)
+    }
+
+    /// Block `l`'s weights: views of the parameters, or under ZeRO-3 gathered just before use
+    /// into the one-block buffer (which the next block's gathering overwrites).
+    fn block_weights(&mut self, l: usize) -> Result<Block<Buf>> {
+        let Some(mut g) = self.gathered else { return Ok(self.layout.block(l).map(|r| self.params.slice(r))) };
+        let views = self.zero.block_bucket().0.map(|r| g.block.slice(r));
+        if g.block_held != Some(l) {
+            for x in Tensor::BLOCK {
+                let src = self.params.slice(self.zero.piece(x, l).shard);
+                self.comm.all_gather(&mut *self.be, src, views.get(x))?;
+            }
+            g.block_held = Some(l);
+            self.gathered = Some(g);
+        }
+        Ok(views)
+    }
+
+    /// The gathered parameters no longer match the shards (after an update or a write).
+    fn forget_gathered(&mut self) {
+        if let Some(g) = &mut self.gathered {
+            g.embed_valid = false;
+            g.block_held = None;
+        }
+    }
+
+    /// Where backward writes the gradients of [wte, wpe, lnf_w, lnf_b]: the gradient buffer,
+    /// or under ZeRO-2/3 the embedding bucket, whose tensors that backward adds to are zeroed.
+    fn embed_grads(&mut self) -> [Buf; 4] {
+        let tr = self.train.expect("checked by the caller");
+        let Some((bucket, _)) = tr.buckets else { return EMBED.map(|x| tr.grads.slice(self.layout.range(x))) };
+        let views = self.zero.embed_bucket().0.map(|r| bucket.slice(r));
+        views[1..].iter().for_each(|&b| self.be.fill(b, 0.0)); // wte is overwritten by the LM head's GEMM
+        views
+    }
+
+    /// Where backward writes block `l`'s gradients: the gradient buffer, or under ZeRO-2/3 the
+    /// block bucket, with the layernorm gradients (which backward adds to) zeroed.
+    fn block_grads(&mut self, l: usize) -> Block<Buf> {
+        let tr = self.train.expect("checked by the caller");
+        let Some((_, bucket)) = tr.buckets else { return self.layout.block(l).map(|r| tr.grads.slice(r)) };
+        let views = self.zero.block_bucket().0.map(|r| bucket.slice(r));
+        for x in [Tensor::Ln1W, Tensor::Ln1B, Tensor::Ln2W, Tensor::Ln2B] {
+            self.be.fill(views.get(x), 0.0);
+        }
+        views
+    }
+
+    /// ZeRO-2/3: reduce-scatter the bucket's gradients of `tensors` (layer `l`) into this
+    /// rank's shard, averaged over the ranks and added to the micro-batches before.
+    fn reduce_grads(&mut self, tensors: &[Tensor], l: usize) -> Result<()> {
+        let tr = self.train.expect("checked by the caller");
+        let Some((embed, block)) = tr.buckets else { return Ok(()) };
+        let (er, br) = (self.zero.embed_bucket().0, self.zero.block_bucket().0);
+        for &x in tensors {
+            let src = match EMBED.iter().position(|&e| e == x) {
+                Some(i) => embed.slice(er[i].clone()),
+                None => block.slice(br.get(x)),
             };
-            let (p, g, m, v) =
-                (self.params.slice(r.clone()), tr.grads.slice(r.clone()), tr.m.slice(r.clone()), tr.v.slice(r));
-            t!(be, Optimizer, be.adamw_update(p, g, m, v, stats, &h));
+            let dst = tr.grads.slice(self.zero.piece(x, l).shard);
+            self.comm.reduce_scatter(&mut *self.be, src, dst, Reduce::Mean, true)?;
         }
         Ok(())
     }
@@ -407,16 +582,56 @@ impl GPT2 {
         self.comm.barrier()
     }
 
+    /// The ZeRO stage in effect (0 with one rank).
+    pub fn zero_stage(&self) -> usize {
+        self.zero.stage
+    }
+
+    /// Ranks on this machine (this one included).
+    pub fn local_world(&self) -> usize {
+        self.comm.local_world()
+    }
+
+    /// Seconds this rank has spent in collectives.
+    pub fn comm_seconds(&self) -> f64 {
+        self.comm.seconds()
+    }
+
+    /// What this rank's model state takes, by role.
+    pub fn memory(&self) -> MemoryUse {
+        let bytes = |b: Buf| b.len * b.dtype.bytes();
+        let mut m = MemoryUse { params: bytes(self.params), ..Default::default() };
+        if let Some(g) = self.gathered {
+            m.buffers += bytes(g.whole);
+        }
+        if let Some(tr) = self.train {
+            m.grads = bytes(tr.grads);
+            m.adamw = bytes(tr.m) + bytes(tr.v);
+            m.buffers += tr.buckets.map_or(0, |(e, b)| bytes(e) + bytes(b));
+        }
+        if let Some(a) = self.acts {
+            m.activations = bytes(a.whole) + bytes(a.tokens);
+        }
+        m
+    }
+
     /// Allocate gradients and AdamW moments (zeroed). Call once before training.
     pub fn alloc_training_state(&mut self) -> Result<()> {
         if self.train.is_none() {
-            let n = self.num_parameters();
-            let mut z = || -> Result<Buf> {
+            let mut z = |n: usize| -> Result<Buf> {
                 let b = self.be.alloc(n, DType::F32)?;
                 self.be.fill(b, 0.0);
                 Ok(b)
             };
-            self.train = Some(TrainBufs { grads: z()?, m: z()?, v: z()? });
+            let (grads, m, v) = (z(self.zero.len_at(2))?, z(self.zero.len_at(1))?, z(self.zero.len_at(1))?);
+            let buckets = if self.zero.stage >= 2 {
+                let (e, b) = (self.zero.embed_bucket().1, self.zero.block_bucket().1);
+                let whole = z(e + b)?;
+                Some((whole.prefix(e), whole.slice(e..e + b)))
+            } else {
+                None
+            };
+            self.train = Some(TrainBufs { grads, buckets, m, v });
             // Activations sized before training lack the backward buffers.
             if let Some(a) = self.acts.take() {
                 a.free(&mut *self.be);
@@ -483,28 +698,29 @@ impl GPT2 {
             );
         }
         check_tokens(&cfg, tokens, None, 1, tokens.len())?;
-        let (p, lay, be) = (self.params, &self.layout, &mut *self.be);
-        let pw = |x: Tensor| p.slice(lay.range(x));
         let mut tn = 0;
         for chunk in tokens.chunks(cache.chunk) {
+            let [wte, wpe, _, _] = self.embed_weights()?;
+            let be = &mut *self.be;
             let pos = cache.pos;
             tn = chunk.len();
             let ids = cache.tokens.prefix(tn);
             be.upload_u32(ids, chunk);
-            let wpe = pw(Tensor::Wpe).slice(pos * c..(pos + tn) * c); // positions pos..pos+tn
-            t!(be, Encoder, be.encoder_forward(cache.x.res_in.prefix(tn * c), ids, pw(Tensor::Wte), wpe, 1, tn, c));
+            let wpe = wpe.slice(pos * c..(pos + tn) * c); // positions pos..pos+tn
+            t!(be, Encoder, be.encoder_forward(cache.x.res_in.prefix(tn * c), ids, wte, wpe, 1, tn, c));
             for l in 0..cfg.num_layers {
-                let w = lay.block(l).map(|r| p.slice(r));
+                let w = self.block_weights(l)?;
                 let (x, k, v) = cache.layer(&cfg, l, tn);
-                block_forward(be, &cfg, &w, &x, tn, Attn::Cached { k, v, pos, cap: cache.capacity });
+                block_forward(&mut *self.be, &cfg, &w, &x, tn, Attn::Cached { k, v, pos, cap: cache.capacity });
             }
             cache.pos += tn;
         }
         // Only the last position's logits are needed.
         let last = cache.x.residual3.slice((tn - 1) * c..tn * c);
-        let (lnf_w, lnf_b) = (pw(Tensor::LnfW), pw(Tensor::LnfB));
+        let [wte, _, lnf_w, lnf_b] = self.embed_weights()?;
+        let be = &mut *self.be;
         t!(be, LayerNorm, be.layernorm_forward(cache.lnf, cache.lnf_mean, cache.lnf_rstd, last, lnf_w, lnf_b, 1, c));
-        t!(be, Classifier, be.matmul_forward(cache.logits, cache.lnf, pw(Tensor::Wte), None, 1, c, vp));
+        t!(be, Classifier, be.matmul_forward(cache.logits, cache.lnf, wte, None, 1, c, vp));
         be.download(cache.logits.prefix(cfg.vocab_size), &mut cache.host_logits)?;
         Ok(&cache.host_logits)
     }
@@ -525,35 +741,131 @@ impl GPT2 {
         })
     }
 
-    /// A host copy of one tensor of a slot (llm.c order, all layers).
+    /// Values of a slot as this rank holds it: num_parameters, or this rank's shard
+    /// (num_parameters / world) where the ZeRO stage shards the slot.
+    pub fn slot_len(&self, slot: Slot) -> Result<usize> {
+        Ok(if slot == Slot::Params { self.layout.num_parameters } else { self.slot(slot)?.len })
+    }
+
+    /// A host copy of one tensor of a slot (llm.c order, all layers); of the parameters, or of
+    /// a slot this rank holds whole.
     pub fn read_tensor(&mut self, slot: Slot, t: Tensor) -> Result<Vec<f32>> {
-        let b = self.slot(slot)?.slice(self.layout.range(t));
+        if slot == Slot::Params && self.zero.stage == 3 {
+            return Ok(self.read_all(slot)?[self.layout.range(t)].to_vec());
+        }
+        let b = self.slot(slot)?;
+        if b.len != self.layout.num_parameters {
+            bail!("{slot:?} is sharded over the ranks (ZeRO stage {}): read the shard with read_all", self.zero.stage);
+        }
+        let b = b.slice(self.layout.range(t));
         let mut out = vec![0f32; b.len];
         self.be.download(b, &mut out)?;
         Ok(out)
     }
 
-    /// A host copy of a whole slot (num_parameters, llm.c order).
+    /// A host copy of a whole slot as this rank holds it ([`GPT2::slot_len`]: llm.c order, or
+    /// the shard layout of [`crate::zero`]). The parameters come whole: under ZeRO-3 they are
+    /// gathered, a collective that every rank must call.
     pub fn read_all(&mut self, slot: Slot) -> Result<Vec<f32>> {
+        if slot == Slot::Params && self.zero.stage == 3 {
+            return Ok(self.gather_params(true)?.expect("kept"));
+        }
         let b = self.slot(slot)?;
         let mut out = crate::mem::zeroed(b.len);
         self.be.download(b, &mut out)?;
         Ok(out)
     }
 
-    /// Overwrite a whole slot from the host (num_parameters, llm.c order).
+    /// ZeRO-3: every piece gathered from the ranks' shards (a collective), into host memory
+    /// when `keep`.
+    fn gather_params(&mut self, keep: bool) -> Result<Option<Vec<f32>>> {
+        let g = self.gathered.context("the parameters are not sharded")?;
+        let mut out = if keep { Some(crate::mem::zeroed::<f32>(self.layout.num_parameters)) } else { None };
+        self.forget_gathered(); // the gathering buffer is overwritten
+        for p in &self.pieces {
+            let dst = g.whole.prefix(p.full.len());
+            self.comm.all_gather(&mut *self.be, self.params.slice(p.shard.clone()), dst)?;
+            if let Some(o) = &mut out {
+                self.be.download(dst, &mut o[p.full.clone()])?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Overwrite a whole slot from the host, in the layout [`GPT2::read_all`] gives. Under
+    /// ZeRO-3 each rank keeps its part of the parameters.
     pub fn write_all(&mut self, slot: Slot, data: &[f32]) -> Result<()> {
         let b = self.slot(slot)?;
-        if data.len() != b.len {
-            bail!("{} values for {slot:?}, the model has {}", data.len(), b.len);
+        let want = self.slot_len(slot)?;
+        if data.len() != want {
+            bail!("{} values for {slot:?}, the model has {want} here", data.len());
         }
-        self.be.upload(b, data);
+        if slot == Slot::Params && self.zero.stage == 3 {
+            for p in &self.pieces {
+                self.be.upload(b.slice(p.shard.clone()), &data[p.owned.clone()]);
+            }
+            self.forget_gathered();
+        } else {
+            self.be.upload(b, data);
+        }
         Ok(())
     }
 
-    /// The parameters as host [`Weights`] (for model files and export).
+    /// Overwrite the parameters from this rank's part of them in the shard layout (llm.c's fp32
+    /// master weights in a ZeRO-1 state file); the parts are then all-gathered (a collective)
+    /// unless the stage keeps parameters sharded.
+    pub fn write_param_shard(&mut self, shard: &[f32]) -> Result<()> {
+        if self.zero.stage == 0 {
+            return self.write_all(Slot::Params, shard);
+        }
+        if shard.len() != self.zero.shard_len() {
+            bail!("{} values for this rank's part of the parameters, expected {}", shard.len(), self.zero.shard_len());
+        }
+        for p in &self.pieces {
+            let own = self.params.slice(if self.zero.stage == 3 { p.shard.clone() } else { p.owned.clone() });
+            self.be.upload(own, &shard[p.shard.clone()]);
+            if self.zero.stage < 3 {
+                self.comm.all_gather(&mut *self.be, own, self.params.slice(p.full.clone()))?;
+            }
+        }
+        self.forget_gathered();
+        Ok(())
+    }
+
+    /// The parameters as host [`Weights`] (for model files and export); under ZeRO-3 a
+    /// collective.
     pub fn weights(&mut self) -> Result<Weights> {
         Ok(Weights { config: self.config, layout: self.layout.clone(), data: self.read_all(Slot::Params)? })
+    }
+
+    /// [`GPT2::weights`] on rank 0 only (None elsewhere): every rank calls it, only rank 0
+    /// holds a host copy (the checkpoint's model file).
+    pub fn weights_on_rank0(&mut self) -> Result<Option<Weights>> {
+        let rank0 = self.comm.rank() == 0;
+        if self.zero.stage == 3 {
+            let data = self.gather_params(rank0)?;
+            return Ok(data.map(|data| Weights { config: self.config, layout: self.layout.clone(), data }));
+        }
+        if rank0 {
+            self.weights().map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Whether the parameters and the AdamW moments are finite on every rank (a collective,
+    /// so that all ranks agree to write a checkpoint or not).
+    pub fn state_finite(&mut self) -> Result<(bool, bool)> {
+        let be = &mut *self.be;
+        let finite = |be: &mut dyn Backend, b: Buf| with_host(be, b, |h| h.iter().all(|x| x.is_finite()));
+        let mut bad = [!finite(be, self.params)? as u8 as f32, 0.0];
+        if let Some(tr) = self.train {
+            bad[1] = !(finite(be, tr.m)? && finite(be, tr.v)?) as u8 as f32;
+        }
+        be.upload(self.flags, &bad);
+        self.comm.all_reduce(be, self.flags, Reduce::Sum)?;
+        be.download(self.flags, &mut bad)?;
+        Ok((bad[0] == 0.0, bad[1] == 0.0))
     }
 
     /// The first V logits of position `row` (0..b*t) of the last forward pass.

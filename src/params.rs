@@ -55,6 +55,22 @@ impl Tensor {
         Tensor::LnfB,
     ];
 
+    /// The twelve tensors of a block, in file order.
+    pub const BLOCK: [Tensor; 12] = [
+        Tensor::Ln1W,
+        Tensor::Ln1B,
+        Tensor::QkvW,
+        Tensor::QkvB,
+        Tensor::AttProjW,
+        Tensor::AttProjB,
+        Tensor::Ln2W,
+        Tensor::Ln2B,
+        Tensor::FcW,
+        Tensor::FcB,
+        Tensor::FcProjW,
+        Tensor::FcProjB,
+    ];
+
     /// llm.c's name for the tensor (`wte`, `qkvw`, ...).
     pub fn name(self) -> &'static str {
         match self {
@@ -150,6 +166,28 @@ pub struct Block<T> {
     pub fc_b: T,        // (4*C)
     pub fc_proj_w: T,   // (C, 4*C)
     pub fc_proj_b: T,   // (C)
+}
+
+impl<T: Clone> Block<T> {
+    /// The field of block tensor `t` (one of [`Tensor::BLOCK`]).
+    pub fn get(&self, t: Tensor) -> T {
+        let f = match t {
+            Tensor::Ln1W => &self.ln1_w,
+            Tensor::Ln1B => &self.ln1_b,
+            Tensor::QkvW => &self.qkv_w,
+            Tensor::QkvB => &self.qkv_b,
+            Tensor::AttProjW => &self.attn_proj_w,
+            Tensor::AttProjB => &self.attn_proj_b,
+            Tensor::Ln2W => &self.ln2_w,
+            Tensor::Ln2B => &self.ln2_b,
+            Tensor::FcW => &self.fc_w,
+            Tensor::FcB => &self.fc_b,
+            Tensor::FcProjW => &self.fc_proj_w,
+            Tensor::FcProjB => &self.fc_proj_b,
+            _ => panic!("{} is not a block tensor", t.name()),
+        };
+        f.clone()
+    }
 }
 
 impl<T> Block<T> {

@@ -88,6 +88,9 @@ pub struct TrainConfig {
     pub quiet: bool,
     /// --device: where the model runs (cpu)
     pub device: Device,
+    /// -z  ZeRO stage over the processes of an `mpirun` launch: 0 none, 1 AdamW state,
+    /// 2 + gradients, 3 + parameters (llm.c: 0)
+    pub zero_stage: usize,
 }
 
 impl Default for TrainConfig {
@@ -126,6 +129,7 @@ impl Default for TrainConfig {
             overwrite: false,
             quiet: false,
             device: Device::Cpu,
+            zero_stage: 0,
         }
     }
 }
@@ -155,6 +159,12 @@ impl TrainConfig {
         finite(self.skip_grad_z, "-sg", "a finite z-score >= 0 (0 = off)", self.skip_grad_z >= 0.0)?;
         if self.batch_size == 0 || self.seq_len == 0 {
             bail!("-b {} -t {}: the batch size and sequence length must be at least 1", self.batch_size, self.seq_len);
+        }
+        if self.zero_stage > 3 {
+            bail!(
+                "-z {}: ZeRO stages are 0 (none), 1 (AdamW state), 2 (+ gradients) and 3 (+ parameters)",
+                self.zero_stage
+            );
         }
         if self.val_max_steps == Some(0) {
             bail!("-m 0: validation would average no batches; give -m N >= 1, -m -1 for the whole val split, or -v 0 for no validation");
@@ -354,7 +364,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let mut train =
         DataLoader::new_split(train_pattern, b, t, mc.vocab_size, shuffle, split).context("train data (-i)")?;
     let mut val = DataLoader::new_split(&cfg.val_data, b, t, mc.vocab_size, false, split).context("val data (-j)")?;
-    let mut model = GPT2::with_collectives(weights, crate::backend::open(cfg.device)?, comm)?;
+    let mut model = GPT2::with_collectives(weights, crate::backend::open(cfg.device)?, comm, cfg.zero_stage)?;
     model.alloc_training_state()?;
     model.reserve(b, t)?;
     let steps = cfg.max_steps.unwrap_or(train.num_tokens / total);
@@ -427,6 +437,22 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
         ));
         rep.line(&format!("device: {}", model.describe_backend()));
     }
+    let mem = model.memory();
+    if world > 1 {
+        let mb = |b: usize| format!("{:.1} MB", b as f64 / 1e6);
+        rep.line(&format!(
+            "{world} processes, ZeRO stage {}; memory per rank: parameters {}, gradients {}, AdamW {}, ZeRO buffers {}, activations {}",
+            model.zero_stage(),
+            mb(mem.params),
+            mb(mem.grads),
+            mb(mem.adamw),
+            mb(mem.buffers),
+            mb(mem.activations)
+        ));
+    }
+    rep.json(
+        serde_json::json!({"step": step, "processes": world, "zero_stage": model.zero_stage(), "memory_per_rank": mem}),
+    )?;
     let hellaswag = if cfg.hellaswag {
         let path = match &cfg.hellaswag_data {
             Some(p) => p.clone(),
@@ -496,7 +522,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
         if last {
             break;
         }
-        let t0 = Instant::now();
+        let (t0, comm0) = (Instant::now(), model.comm_seconds());
         if cfg.overfit_single_batch {
             train.reset()?;
         }
@@ -536,11 +562,21 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
         norm_window.push(norm as f64);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let tok_s = (total as f64) / (ms / 1e3);
+        let comm_ms = (model.comm_seconds() - comm0) * 1e3;
+        let ranks = if world > 1 {
+            format!(" ({:.0} per rank, {comm_ms:.1} ms in collectives)", tok_s / world as f64)
+        } else {
+            String::new()
+        };
         rep.line(&format!(
-            "step {:4}/{steps} | loss {loss:.6} | norm {norm:.4} | lr {lr:.2e} | {ms:.2} ms | {tok_s:.0} tok/s",
+            "step {:4}/{steps} | loss {loss:.6} | norm {norm:.4} | lr {lr:.2e} | {ms:.2} ms | {tok_s:.0} tok/s{ranks}",
             step + 1
         ));
         let mut line = serde_json::json!({"step": step, "train_loss": loss, "lr": lr, "grad_norm": norm, "ms": ms, "tok_per_s": tok_s});
+        if world > 1 {
+            line["tok_per_s_per_rank"] = (tok_s / world as f64).into();
+            line["comm_ms"] = comm_ms.into();
+        }
         if skipped {
             line["skipped"] = true.into();
         }
@@ -572,7 +608,6 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
 fn write_checkpoint(dir: &Path, step: usize, model: &mut GPT2, train: &DataLoader, dtype: Dtype) -> Result<()> {
     let rank = model.rank().0;
     let [m, s, d] = ckpt_paths(dir, step, rank);
-    let weights = model.weights()?;
     let diverged = |what: &str| {
         let newest = latest_checkpoint(dir).map_or("there is no earlier checkpoint".to_string(), |s| {
             format!(
@@ -583,9 +618,17 @@ fn write_checkpoint(dir: &Path, step: usize, model: &mut GPT2, train: &DataLoade
             "step {step}: {what} not finite: training diverged and no checkpoint was written for this step; {newest}"
         )
     };
-    if let Some(t) = crate::params::Tensor::ALL.into_iter().find(|&t| weights.tensor(t).iter().any(|x| !x.is_finite()))
-    {
-        return Err(diverged(&format!("parameter {} is", t.name())));
+    // Every rank checks what it holds and all agree, so that all write or none does.
+    let (params_ok, state_ok) = model.state_finite()?;
+    let weights = model.weights_on_rank0()?;
+    if !params_ok {
+        let bad = weights
+            .as_ref()
+            .and_then(|w| crate::params::Tensor::ALL.into_iter().find(|&t| w.tensor(t).iter().any(|x| !x.is_finite())));
+        return Err(diverged(&bad.map_or("a parameter is".into(), |t| format!("parameter {} is", t.name()))));
+    }
+    if !state_ok {
+        return Err(diverged("the AdamW state is"));
     }
     let st = TrainState { step, loader: train.state(), should_shuffle: train.should_shuffle() };
     // save_state refuses non-finite moments and then writes nothing.
@@ -596,8 +639,8 @@ fn write_checkpoint(dir: &Path, step: usize, model: &mut GPT2, train: &DataLoade
             e
         });
     }
-    if rank == 0 {
-        save_model(&weights, &m, dtype)?;
+    if let Some(w) = &weights {
+        save_model(w, &m, dtype)?;
     }
     model.barrier()?;
     if rank == 0 {

@@ -192,42 +192,85 @@ fn hellaswag_during_training_is_logged_at_validation_steps() {
     assert_eq!(log.lines().filter(|l| l.contains("\"hellaswag\"")).count(), 2);
 }
 
-/// Two ranks on threads (`local_group`), each reading its half of every batch as llm.c splits
-/// it, train as one process with the whole batch: the same train and val losses, up to the
-/// order of float sums (the gradient is averaged over ranks instead of over one batch).
+/// Ranks on threads (`local_group`), each reading its part of every batch as llm.c splits it,
+/// train as one process with the whole batch, at every ZeRO stage and for 2 and 4 ranks: the
+/// same train and val losses at every step and the same parameters after the last, up to the
+/// order of float sums (gradients are averaged over ranks and micro-batches differently). The
+/// sharded AdamW state, put back together from the ranks' state files in llm.c's shard layout,
+/// is the one process's.
 #[test]
-fn two_ranks_train_as_one_process_with_the_whole_batch() {
+fn ranks_train_as_one_process_with_the_whole_batch_at_every_zero_stage() {
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
     let base = TrainConfig {
-        output_dir: None,
-        shuffle: false,
-        total_batch_size: Some(128),
+        batch_size: 2,
+        total_batch_size: Some(128), // 2 micro-batches per step with 2 ranks, 1 with 4
+        max_steps: Some(20),
+        val_every: 5,
+        checkpoint_every: 20,
         ..small(dir.path(), &train, &val)
     };
-    let one = run(&TrainConfig { batch_size: 4, ..base.clone() }).unwrap();
-    let ranks: Vec<_> = llmrs::backend::comm::local_group(2)
-        .into_iter()
-        .map(|comm| {
-            let cfg = TrainConfig { batch_size: 2, ..base.clone() };
-            std::thread::spawn(move || llmrs::train::run_with(&cfg, Box::new(comm)).unwrap())
-        })
-        .collect();
-    let two: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
-    assert_eq!(one.train_losses.len(), 12);
-    let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 * b.abs();
-    for r in &two {
-        assert_eq!(r.train_losses.len(), one.train_losses.len());
-        for ((s, a), (_, b)) in r.train_losses.iter().zip(&one.train_losses) {
-            assert!(close(*a, *b), "step {s}: train loss {a} on 2 ranks vs {b} on one");
-        }
-        assert_eq!(r.val_losses.len(), one.val_losses.len());
-        for ((s, a), (_, b)) in r.val_losses.iter().zip(&one.val_losses) {
-            assert!(close(*a, *b), "step {s}: val loss {a} on 2 ranks vs {b} on one");
+    // Each rank reads B=2 rows of every batch; one process reads all B = 2 * world of them.
+    let run_ranks = |world: usize, stage: usize, b: usize| {
+        let out = dir.path().join(format!("w{world}z{stage}b{b}"));
+        let cfg = TrainConfig { output_dir: Some(out.clone()), zero_stage: stage, batch_size: b, ..base.clone() };
+        let ranks: Vec<_> = llmrs::backend::comm::local_group(world)
+            .into_iter()
+            .map(|comm| {
+                let cfg = cfg.clone();
+                std::thread::spawn(move || llmrs::train::run_with(&cfg, Box::new(comm)).unwrap())
+            })
+            .collect();
+        (ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>(), out)
+    };
+    let load = |d: &Path| llmrs::checkpoint::load_model(&d.join("model_00000020.bin")).unwrap();
+    let close = |a: f32, b: f32, tol: f32| (a - b).abs() <= tol * b.abs().max(1.0);
+    for world in [2, 4] {
+        let (one, one_dir) = run_ranks(1, 0, 2 * world);
+        let one = &one[0];
+        assert_eq!(one.train_losses.len(), 20);
+        // Training moved the loss, so agreement is not that of two untrained models.
+        assert!(one.train_losses[19].1 < one.train_losses[0].1 - 0.5, "{:?}", one.train_losses);
+        let one_params = load(&one_dir).data;
+        let mut one_model = llmrs::model::GPT2::new(load(&one_dir), llmrs::backend::Device::Cpu).unwrap();
+        one_model.alloc_training_state().unwrap();
+        llmrs::checkpoint::load_state(&one_dir.join("state_00000020_00000.bin"), &mut one_model).unwrap();
+        let one_m = one_model.read_all(llmrs::model::Slot::AdamM).unwrap();
+        for stage in 0..=3 {
+            let (runs, out) = run_ranks(world, stage, 2);
+            let what = format!("{world} ranks, ZeRO-{stage}");
+            for r in &runs {
+                assert_eq!(r.train_losses.len(), one.train_losses.len());
+                for ((s, a), (_, b)) in r.train_losses.iter().zip(&one.train_losses) {
+                    assert!(close(*a, *b, 1e-5), "{what}, step {s}: train loss {a} vs {b} on one process");
+                }
+                assert_eq!(r.val_losses.len(), one.val_losses.len());
+                for ((s, a), (_, b)) in r.val_losses.iter().zip(&one.val_losses) {
+                    assert!(close(*a, *b, 1e-5), "{what}, step {s}: val loss {a} vs {b} on one process");
+                }
+            }
+            let params = load(&out).data;
+            let worst =
+                params.iter().zip(&one_params).map(|(a, b)| (a - b).abs() / b.abs().max(1.0)).fold(0f32, f32::max);
+            assert!(worst <= 1e-5, "{what}: a parameter differs by {worst} after the last step");
+            // AdamW's first moment: rank r's file holds part r of every piece.
+            let mut m = vec![f32::NAN; one_m.len()];
+            for rank in 0..world {
+                let z = llmrs::zero::Sharding::new(stage, rank, world, load(&out).config).unwrap();
+                let bytes = std::fs::read(out.join(format!("state_00000020_{rank:05}.bin"))).unwrap();
+                let mine = |i: usize| f32::from_le_bytes(bytes[1024 + 4 * i..1028 + 4 * i].try_into().unwrap());
+                for p in z.pieces() {
+                    let (src, dst) = if stage == 0 { (p.full.clone(), p.full) } else { (p.shard, p.owned) };
+                    for (d, s) in dst.zip(src) {
+                        m[d] = mine(s);
+                    }
+                }
+            }
+            let worst = m.iter().zip(&one_m).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let scale = one_m.iter().fold(0f32, |x, b| x.max(b.abs()));
+            assert!(worst <= 1e-4 * scale, "{what}: AdamW m differs by {worst} (largest {scale})");
         }
     }
-    // Training moved the loss, so agreement is not that of two untrained models.
-    assert!(one.train_losses[11].1 < one.train_losses[0].1 - 0.5, "{:?}", one.train_losses);
 }
 
 /// A fresh run does not mix with an earlier run's checkpoints, and a checkpoint whose state

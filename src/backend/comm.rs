@@ -1,14 +1,16 @@
 //! Collectives between the processes (ranks) of a data-parallel run: the interface the training
-//! step calls, a single-process implementation, and in-process ranks on threads.
+//! step calls, a single-process implementation, in-process ranks on threads (tests), and the
+//! choice of one at start-up ([`open`]: MPI when launched by `mpirun`, see [`super::mpi`]).
 //!
-//! The step all-reduces the gradients and the loss after backward; ZeRO stages will
-//! reduce-scatter gradients and all-gather parameters by [`shard`]. MPI (CPU) and NCCL (CUDA)
-//! implement the same trait; with one process every collective is the identity.
+//! Stage 0 all-reduces the gradients; ZeRO stages reduce-scatter gradients into this rank's
+//! [`shard`] and all-gather parameters from every rank's shard (see [`crate::zero`]). MPI (CPU)
+//! and NCCL (CUDA) implement the same trait; with one process every collective is the identity.
 
 use super::{Backend, Buf};
 use anyhow::{bail, Result};
 use std::ops::Range;
 use std::sync::{Arc, Barrier, Mutex};
+use std::time::Instant;
 
 /// How values from the ranks combine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,30 +21,94 @@ pub enum Reduce {
 }
 
 /// The elements of a buffer of `len` that rank `rank` of `world` owns in a reduce-scatter or
-/// all-gather: equal parts of `ceil(len / world)`, the last ones shorter (possibly empty).
+/// all-gather: part `rank` of `world` equal parts. `len` must be a multiple of `world`
+/// ([`crate::zero`] checks every sharded tensor up front).
 pub fn shard(len: usize, rank: usize, world: usize) -> Range<usize> {
-    let per = len.div_ceil(world.max(1));
-    (rank * per).min(len)..((rank + 1) * per).min(len)
+    let per = len / world.max(1);
+    rank * per..(rank + 1) * per
 }
 
-/// The processes of a run, as each one sees them.
+/// The processes of a run, as each one sees them. Every rank makes the same calls with the
+/// same lengths in the same order, or the run stops (a dead or stuck rank ends the job with an
+/// error, see [`super::mpi`]).
 pub trait Collectives: Send {
     /// This process's index, 0..world.
     fn rank(&self) -> usize;
     /// Number of processes.
     fn world(&self) -> usize;
+    /// Number of ranks on this machine (this one included), for sizing thread teams.
+    fn local_world(&self) -> usize {
+        self.world()
+    }
     /// buf = the reduction of buf over all ranks, in place, identical on every rank.
     fn all_reduce(&mut self, be: &mut dyn Backend, buf: Buf, op: Reduce) -> Result<()>;
-    /// This rank's [`shard`] of buf = the reduction of that shard over all ranks; the rest of
-    /// buf is left undefined.
-    fn reduce_scatter(&mut self, be: &mut dyn Backend, buf: Buf, op: Reduce) -> Result<()>;
-    /// Every rank's [`shard`] of buf, from the rank that owns it, to every rank.
-    fn all_gather(&mut self, be: &mut dyn Backend, buf: Buf) -> Result<()>;
+    /// dst (src.len / world) = the reduction over all ranks of shard `rank` of src (src.len a
+    /// multiple of world), or dst += it with `accumulate`. dst may be src's own shard (in place,
+    /// as NCCL allows) and must not otherwise overlap src.
+    fn reduce_scatter(&mut self, be: &mut dyn Backend, src: Buf, dst: Buf, op: Reduce, accumulate: bool) -> Result<()>;
+    /// dst (world * src.len) = every rank's src, in rank order. src may be dst's shard `rank`
+    /// (in place) and must not otherwise overlap dst.
+    fn all_gather(&mut self, be: &mut dyn Backend, src: Buf, dst: Buf) -> Result<()>;
     /// Wait until every rank has got here.
     fn barrier(&mut self) -> Result<()>;
+    /// Wall-clock seconds spent in collectives so far (`llmrs bench`, the log).
+    fn seconds(&self) -> f64;
 }
 
-/// One process: rank 0 of 1, every collective the identity.
+/// Check the lengths of a reduce-scatter or all-gather between a full buffer and a shard.
+pub(crate) fn check_shard_lens(what: &str, full: Buf, part: Buf, world: usize) -> Result<()> {
+    if !full.len.is_multiple_of(world.max(1)) || part.len * world != full.len {
+        bail!("{what}: {} elements cannot be split into {world} shards of {}", full.len, part.len);
+    }
+    Ok(())
+}
+
+/// Run `f` on the elements of an f32 buffer as host memory: in place where the backend's memory
+/// is the host's, else through a download and an upload.
+pub(crate) fn with_host<R>(be: &mut dyn Backend, buf: Buf, f: impl FnOnce(&mut [f32]) -> R) -> Result<R> {
+    be.synchronize()?;
+    if let Some(s) = be.host_f32(buf) {
+        return Ok(f(s));
+    }
+    let mut h = vec![0f32; buf.len];
+    be.download(buf, &mut h)?;
+    let r = f(&mut h);
+    be.upload(buf, &h);
+    Ok(r)
+}
+
+/// A host copy of an f32 buffer.
+pub(crate) fn host_copy(be: &mut dyn Backend, buf: Buf, out: &mut Vec<f32>) -> Result<()> {
+    out.resize(buf.len, 0.0);
+    be.download(buf, out)
+}
+
+/// dst (=|+=) vals, on the host side of the backend.
+pub(crate) fn store(be: &mut dyn Backend, dst: Buf, vals: &[f32], accumulate: bool) -> Result<()> {
+    if !accumulate {
+        be.upload(dst, vals);
+        return Ok(());
+    }
+    with_host(be, dst, |d| d.iter_mut().zip(vals).for_each(|(d, v)| *d += v))
+}
+
+/// Accumulated wall-clock time of collectives.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct CommClock(f64);
+
+impl CommClock {
+    pub(crate) fn time<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        let t0 = Instant::now();
+        let r = f();
+        self.0 += t0.elapsed().as_secs_f64();
+        r
+    }
+    pub(crate) fn seconds(&self) -> f64 {
+        self.0
+    }
+}
+
+/// One process: rank 0 of 1, every collective the identity (a copy where dst is not src).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct SingleProcess;
 
@@ -56,14 +122,56 @@ impl Collectives for SingleProcess {
     fn all_reduce(&mut self, _: &mut dyn Backend, _: Buf, _: Reduce) -> Result<()> {
         Ok(())
     }
-    fn reduce_scatter(&mut self, _: &mut dyn Backend, _: Buf, _: Reduce) -> Result<()> {
-        Ok(())
+    fn reduce_scatter(&mut self, be: &mut dyn Backend, src: Buf, dst: Buf, _: Reduce, accumulate: bool) -> Result<()> {
+        check_shard_lens("reduce_scatter", src, dst, 1)?;
+        if src == dst && !accumulate {
+            return Ok(());
+        }
+        let mut h = vec![];
+        host_copy(be, src, &mut h)?;
+        store(be, dst, &h, accumulate)
     }
-    fn all_gather(&mut self, _: &mut dyn Backend, _: Buf) -> Result<()> {
+    fn all_gather(&mut self, be: &mut dyn Backend, src: Buf, dst: Buf) -> Result<()> {
+        check_shard_lens("all_gather", dst, src, 1)?;
+        if src != dst {
+            let mut h = vec![];
+            host_copy(be, src, &mut h)?;
+            be.upload(dst, &h);
+        }
         Ok(())
     }
     fn barrier(&mut self) -> Result<()> {
         Ok(())
+    }
+    fn seconds(&self) -> f64 {
+        0.0
+    }
+}
+
+/// Environment variables by which launchers tell a process how many ranks the job has
+/// (Open MPI, MPICH/Hydra and PMIx-based launchers such as Slurm's srun).
+const WORLD_SIZE_ENV: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
+
+/// The number of ranks a launcher (mpirun, srun) says this job has, if it says.
+pub fn launched_world_size() -> Option<usize> {
+    WORLD_SIZE_ENV.iter().find_map(|v| std::env::var(v).ok()?.parse().ok())
+}
+
+/// The collectives of this process, chosen once at start-up: MPI when a launcher started it
+/// (and llmrs was built with `--features mpi`), else a single process.
+pub fn open(timeout: std::time::Duration) -> Result<Box<dyn Collectives>> {
+    let launched = launched_world_size();
+    #[cfg(feature = "mpi")]
+    if launched.is_some() {
+        return Ok(Box::new(super::mpi::MpiComm::init(timeout)?));
+    }
+    let _ = timeout;
+    match launched {
+        Some(n) if n > 1 => bail!(
+            "started by an MPI launcher as one of {n} processes, but this llmrs was built without MPI: rebuild with \
+             `cargo build --release --features mpi` (needs Open MPI: apt install libopenmpi-dev openmpi-bin libclang-dev)"
+        ),
+        _ => Ok(Box::new(SingleProcess)),
     }
 }
 
@@ -73,6 +181,7 @@ impl Collectives for SingleProcess {
 pub struct LocalRank {
     rank: usize,
     group: Arc<LocalGroup>,
+    clock: CommClock,
 }
 
 struct LocalGroup {
@@ -85,25 +194,30 @@ struct LocalGroup {
 /// `world` ranks on threads: give one to each thread.
 pub fn local_group(world: usize) -> Vec<LocalRank> {
     let group = Arc::new(LocalGroup { world, barrier: Barrier::new(world), slots: Mutex::new(vec![vec![]; world]) });
-    (0..world).map(|rank| LocalRank { rank, group: group.clone() }).collect()
+    (0..world).map(|rank| LocalRank { rank, group: group.clone(), clock: CommClock::default() }).collect()
 }
 
 impl LocalRank {
     /// Post `mine`, wait for everyone's, and return `f` of all of them (in rank order).
     fn exchange<R>(&self, mine: Vec<f32>, f: impl FnOnce(&[Vec<f32>]) -> R) -> Result<R> {
-        self.group.slots.lock().map_err(|_| anyhow::anyhow!("a rank failed"))?[self.rank] = mine;
+        let lock = || self.group.slots.lock().map_err(|_| anyhow::anyhow!("a rank failed"));
+        lock()?[self.rank] = mine;
         self.group.barrier.wait();
-        let r = f(&self.group.slots.lock().map_err(|_| anyhow::anyhow!("a rank failed"))?);
+        let all = lock()?;
+        let r = if all.iter().any(|v| v.len() != all[self.rank].len()) {
+            Err(anyhow::anyhow!("ranks passed buffers of different lengths to a collective"))
+        } else {
+            Ok(f(&all))
+        };
+        drop(all);
         // Nobody may post the next collective's data before everyone has read this one's.
         self.group.barrier.wait();
-        Ok(r)
+        r
     }
 
-    fn reduce(&self, all: &[Vec<f32>], range: Range<usize>, op: Reduce) -> Result<Vec<f32>> {
-        if all.iter().any(|v| v.len() != all[self.rank].len()) {
-            bail!("ranks passed buffers of different lengths to a collective");
-        }
-        // The same order on every rank, so every rank gets the same bits.
+    /// The reduction of elements `range` over all ranks, summed in rank order on every rank
+    /// (so every rank gets the same bits).
+    fn reduce(&self, all: &[Vec<f32>], range: Range<usize>, op: Reduce) -> Vec<f32> {
         let mut out = vec![0f32; range.len()];
         for v in all {
             out.iter_mut().zip(&v[range.clone()]).for_each(|(o, x)| *o += x);
@@ -112,7 +226,7 @@ impl LocalRank {
             let w = self.group.world as f32;
             out.iter_mut().for_each(|o| *o /= w);
         }
-        Ok(out)
+        out
     }
 }
 
@@ -124,38 +238,49 @@ impl Collectives for LocalRank {
         self.group.world
     }
     fn all_reduce(&mut self, be: &mut dyn Backend, buf: Buf, op: Reduce) -> Result<()> {
-        let mut host = vec![0f32; buf.len];
-        be.download(buf, &mut host)?;
-        let out = self.exchange(host, |all| self.reduce(all, 0..buf.len, op))??;
-        be.upload(buf, &out);
-        Ok(())
+        let mut clock = self.clock;
+        let r = clock.time(|| {
+            let mut host = vec![];
+            host_copy(be, buf, &mut host)?;
+            let out = self.exchange(host, |all| self.reduce(all, 0..buf.len, op))?;
+            be.upload(buf, &out);
+            Ok(())
+        });
+        self.clock = clock;
+        r
     }
-    fn reduce_scatter(&mut self, be: &mut dyn Backend, buf: Buf, op: Reduce) -> Result<()> {
-        let mut host = vec![0f32; buf.len];
-        be.download(buf, &mut host)?;
-        let mine = shard(buf.len, self.rank, self.group.world);
-        let out = self.exchange(host, |all| self.reduce(all, mine.clone(), op))??;
-        be.upload(buf.slice(mine), &out);
-        Ok(())
+    fn reduce_scatter(&mut self, be: &mut dyn Backend, src: Buf, dst: Buf, op: Reduce, accumulate: bool) -> Result<()> {
+        check_shard_lens("reduce_scatter", src, dst, self.group.world)?;
+        let mut clock = self.clock;
+        let r = clock.time(|| {
+            let mut host = vec![];
+            host_copy(be, src, &mut host)?;
+            let mine = shard(src.len, self.rank, self.group.world);
+            let out = self.exchange(host, |all| self.reduce(all, mine, op))?;
+            store(be, dst, &out, accumulate)
+        });
+        self.clock = clock;
+        r
     }
-    fn all_gather(&mut self, be: &mut dyn Backend, buf: Buf) -> Result<()> {
-        let mut host = vec![0f32; buf.len];
-        be.download(buf, &mut host)?;
-        let world = self.group.world;
-        let out = self.exchange(host, |all| {
-            let mut out = vec![0f32; buf.len];
-            for (r, v) in all.iter().enumerate() {
-                let s = shard(buf.len, r, world);
-                out[s.clone()].copy_from_slice(&v[s]);
-            }
-            out
-        })?;
-        be.upload(buf, &out);
-        Ok(())
+    fn all_gather(&mut self, be: &mut dyn Backend, src: Buf, dst: Buf) -> Result<()> {
+        check_shard_lens("all_gather", dst, src, self.group.world)?;
+        let mut clock = self.clock;
+        let r = clock.time(|| {
+            let mut host = vec![];
+            host_copy(be, src, &mut host)?;
+            let out = self.exchange(host, |all| all.concat())?;
+            be.upload(dst, &out);
+            Ok(())
+        });
+        self.clock = clock;
+        r
     }
     fn barrier(&mut self) -> Result<()> {
         self.group.barrier.wait();
         Ok(())
+    }
+    fn seconds(&self) -> f64 {
+        self.clock.seconds()
     }
 }
 
@@ -167,63 +292,84 @@ mod tests {
 
     #[test]
     fn shards_tile_the_buffer() {
-        for (len, world) in [(10, 3), (1, 4), (0, 2), (12, 4), (7, 1)] {
+        for (len, world) in [(12, 3), (4, 4), (0, 2), (12, 4), (7, 1)] {
             let mut next = 0;
             for r in 0..world {
                 let s = shard(len, r, world);
-                assert_eq!(s.start, next.min(len), "len {len} world {world} rank {r}");
+                assert_eq!((s.start, s.len()), (next, len / world), "len {len} world {world} rank {r}");
                 next = s.end;
             }
             assert_eq!(next, len);
         }
     }
 
+    /// Every collective on 3 thread ranks, out of place and in place, against the same
+    /// arithmetic on one buffer; and the single process's identities.
     #[test]
     fn local_ranks_reduce_scatter_and_gather_like_one_buffer() {
-        let world = 3;
+        let (world, n) = (3, 9);
         let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
             let handles: Vec<_> = local_group(world)
                 .into_iter()
                 .map(|mut comm| {
                     s.spawn(move || {
                         let mut be = CpuBackend::new(false);
-                        let buf = be.alloc(7, DType::F32).unwrap();
+                        let buf = be.alloc(n, DType::F32).unwrap();
+                        let part = be.alloc(n / world, DType::F32).unwrap();
                         let r = comm.rank() as f32;
-                        let mine: Vec<f32> = (0..7).map(|i| r * 10.0 + i as f32).collect();
+                        let mine: Vec<f32> = (0..n).map(|i| r * 10.0 + i as f32).collect();
                         let mut out = vec![];
-                        let read = |be: &mut CpuBackend| {
-                            let mut h = vec![0f32; 7];
-                            be.download(buf, &mut h).unwrap();
-                            h
+                        let mut read = |be: &mut CpuBackend, b: Buf| {
+                            let mut h = vec![0f32; b.len];
+                            be.download(b, &mut h).unwrap();
+                            out.push(h);
                         };
                         be.upload(buf, &mine);
                         comm.all_reduce(&mut be, buf, Reduce::Sum).unwrap();
-                        out.push(read(&mut be));
+                        read(&mut be, buf);
                         be.upload(buf, &mine);
                         comm.all_reduce(&mut be, buf, Reduce::Mean).unwrap();
-                        out.push(read(&mut be));
+                        read(&mut be, buf);
+                        // Out of place, then accumulated onto it, then in place.
                         be.upload(buf, &mine);
-                        comm.reduce_scatter(&mut be, buf, Reduce::Sum).unwrap();
-                        let s = shard(7, comm.rank(), world);
-                        out.push(read(&mut be)[s].to_vec());
+                        comm.reduce_scatter(&mut be, buf, part, Reduce::Sum, false).unwrap();
+                        comm.reduce_scatter(&mut be, buf, part, Reduce::Sum, true).unwrap();
+                        read(&mut be, part);
+                        let own = buf.slice(shard(n, comm.rank(), world));
+                        comm.reduce_scatter(&mut be, buf, own, Reduce::Sum, false).unwrap();
+                        read(&mut be, own);
                         be.upload(buf, &mine);
-                        comm.all_gather(&mut be, buf).unwrap();
-                        out.push(read(&mut be));
+                        comm.all_gather(&mut be, own, buf).unwrap();
+                        read(&mut be, buf);
                         comm.barrier().unwrap();
+                        assert!(comm.seconds() > 0.0);
                         out
                     })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let sum: Vec<f32> = (0..7).map(|i| 30.0 + 3.0 * i as f32).collect();
+        let sum: Vec<f32> = (0..n).map(|i| 30.0 + 3.0 * i as f32).collect();
         for (r, res) in results.iter().enumerate() {
+            let s = shard(n, r, world);
             assert_eq!(res[0], sum, "all-reduce sum on rank {r}");
             assert_eq!(res[1], sum.iter().map(|x| x / 3.0).collect::<Vec<_>>(), "mean on rank {r}");
-            assert_eq!(res[2], sum[shard(7, r, world)].to_vec(), "reduce-scatter on rank {r}");
-            // Shards of 3: rank 0 owns 0..3, rank 1 3..6, rank 2 6..7.
-            let gathered: Vec<f32> = (0..7).map(|i| (i / 3) as f32 * 10.0 + i as f32).collect();
-            assert_eq!(res[3], gathered, "all-gather on rank {r}");
+            assert_eq!(res[2], sum[s.clone()].iter().map(|x| 2.0 * x).collect::<Vec<_>>(), "accumulated on rank {r}");
+            assert_eq!(res[3], sum[s].to_vec(), "in-place reduce-scatter on rank {r}");
+            // Shards of 3: rank q owns 3q..3q+3, holding q*10 + i.
+            let gathered: Vec<f32> = (0..n).map(|i| (i / 3) as f32 * 10.0 + i as f32).collect();
+            assert_eq!(res[4], gathered, "all-gather on rank {r}");
         }
+        // One process: the identities, and copies where dst is another buffer.
+        let mut be = CpuBackend::new(false);
+        let (a, b) = (be.alloc(4, DType::F32).unwrap(), be.alloc(4, DType::F32).unwrap());
+        be.upload(a, &[1.0, 2.0, 3.0, 4.0]);
+        be.fill(b, 1.0);
+        let mut one = SingleProcess;
+        one.reduce_scatter(&mut be, a, b, Reduce::Mean, true).unwrap();
+        let mut h = vec![0f32; 4];
+        be.download(b, &mut h).unwrap();
+        assert_eq!(h, [2.0, 3.0, 4.0, 5.0]);
+        assert!(one.reduce_scatter(&mut be, a, b.prefix(3), Reduce::Sum, false).is_err(), "wrong shard length");
     }
 }

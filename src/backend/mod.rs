@@ -15,6 +15,8 @@
 //! the next download or [`Backend::synchronize`].
 
 pub mod comm;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 
 use crate::profile::Kind;
 use anyhow::{bail, Result};
@@ -191,6 +193,10 @@ pub trait Backend {
     fn fill(&mut self, dst: Buf, value: f32);
     /// Wait for everything queued.
     fn synchronize(&mut self) -> Result<()>;
+    /// The elements of an f32 buffer as host memory, when the backend's memory is the host's
+    /// (the CPU backend): collectives hand it to MPI in place. None for device memory (the
+    /// caller goes through download and upload). Call after [`Backend::synchronize`].
+    fn host_f32(&mut self, buf: Buf) -> Option<&mut [f32]>;
 
     // ---- profiling (`llmrs bench`) ----------------------------------------------------------
 
@@ -318,8 +324,9 @@ pub trait Backend {
     /// acc (1) (inout) += weight * mean(x (N)), summed in a fixed order.
     fn accumulate_mean(&mut self, acc: Buf, x: Buf, weight: f32);
 
-    /// out (1) = the sum of squares of grads (N), in a fixed order.
-    fn global_norm_squared(&mut self, out: Buf, grads: Buf);
+    /// out (1) = the sum of squares of grads (N), in a fixed order; out (inout) += it with
+    /// `accumulate` (a norm over several slices: a ZeRO shard).
+    fn global_norm_squared(&mut self, out: Buf, grads: Buf, accumulate: bool);
     /// One AdamW step on one tensor: params, m, v (N) (inout) from grads (N). `stats` (2)
     /// holds the step's [mean loss, squared global gradient norm]: the gradients are scaled by
     /// grad_clip / norm when the norm exceeds a non-zero grad_clip, and nothing is updated

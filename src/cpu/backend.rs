@@ -234,6 +234,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn host_f32(&mut self, buf: Buf) -> Option<&mut [f32]> {
+        let p = self.ptr_f32(buf);
+        // SAFETY: p addresses buf.len floats of a live allocation (bounds checked by ptr_f32);
+        // the slice borrows `self` mutably, so no op, free or other slice reaches them meanwhile.
+        Some(unsafe { std::slice::from_raw_parts_mut(p, buf.len) })
+    }
+
     fn set_profiling(&mut self, on: bool) {
         self.timer.set(on);
     }
@@ -480,12 +487,14 @@ impl Backend for CpuBackend {
         });
     }
 
-    fn global_norm_squared(&mut self, out: Buf, grads: Buf) {
+    fn global_norm_squared(&mut self, out: Buf, grads: Buf, accumulate: bool) {
         lens!("global_norm_squared"; out => 1);
         let mut partials = std::mem::take(&mut self.norm_partials);
         partials.resize(adamw::global_norm_partials(grads.len), 0.0);
-        self.run("global_norm_squared", [W(out)], [grads], [], |[o], [g], []| {
-            o[0] = adamw::sum_of_squares(g, &mut partials) as f32
+        let o = if accumulate { Rw(out) } else { W(out) };
+        self.run("global_norm_squared", [o], [grads], [], |[o], [g], []| {
+            let s = adamw::sum_of_squares(g, &mut partials) as f32;
+            o[0] = if accumulate { o[0] + s } else { s };
         });
         self.norm_partials = partials;
     }
