@@ -349,6 +349,16 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
     if let (Some(rd), Some(s)) = (&run_dir, resume_step) {
         rd.trim_log(s)?;
     }
+    if let Some(s) = resume_step {
+        let state = &ckpt_paths(out.unwrap(), s, rank)[1];
+        if !state.exists() {
+            bail!(
+                "checkpoint {s} has no state file for rank {rank} ({}): it was written by a run with fewer processes; \
+                 resume with the same number of processes",
+                state.display()
+            );
+        }
+    }
     let weights = match resume_step {
         Some(s) => load_model(&ckpt_paths(out.unwrap(), s, rank)[0])?,
         None => crate::source::load_any(&cfg.model, cfg.seed)?,

@@ -208,6 +208,8 @@ fn ranks_train_as_one_process_with_the_whole_batch_at_every_zero_stage() {
         max_steps: Some(20),
         val_every: 5,
         checkpoint_every: 20,
+        sample_every: 10,
+        gen_tokens: 6,
         ..small(dir.path(), &train, &val)
     };
     // Each rank reads B=2 rows of every batch; one process reads all B = 2 * world of them.
@@ -244,6 +246,8 @@ fn ranks_train_as_one_process_with_the_whole_batch_at_every_zero_stage() {
                 for ((s, a), (_, b)) in r.train_losses.iter().zip(&one.train_losses) {
                     assert!(close(*a, *b, 1e-5), "{what}, step {s}: train loss {a} vs {b} on one process");
                 }
+                // Sampling runs the KV-cached pass on every rank (gathering weights under ZeRO-3).
+                assert_eq!(r.samples, one.samples, "{what}: samples");
                 assert_eq!(r.val_losses.len(), one.val_losses.len());
                 for ((s, a), (_, b)) in r.val_losses.iter().zip(&one.val_losses) {
                     assert!(close(*a, *b, 1e-5), "{what}, step {s}: val loss {a} vs {b} on one process");
