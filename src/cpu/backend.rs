@@ -173,8 +173,11 @@ macro_rules! lens {
 
 impl Backend for CpuBackend {
     fn describe(&self) -> String {
-        let gemm =
-            if super::sgemm::fast_path_available() { "packed AVX2+FMA GEMM" } else { "portable GEMM (the gemm crate)" };
+        let gemm = if super::sgemm::fast_path_available() {
+            super::sgemm::Tile::current().describe()
+        } else {
+            "portable GEMM (the gemm crate)"
+        };
         let check = if self.nan_check { ", NaN-checking mode" } else { "" };
         let isa = super::simd::isa().name();
         format!("cpu: fp32, {isa} kernels, {gemm}, {} threads{check}", super::team::threads())

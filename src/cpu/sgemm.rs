@@ -1,14 +1,15 @@
 //! Single-precision GEMM, `C (m, n) [+]= A (m, k) @ B (k, n)`: the engine under every matmul.
 //!
 //! Goto's algorithm as BLIS lays it out. B is packed into `kc x NR` column panels (one stays in
-//! L1 while it sweeps a block of A), A into `MC x kc` blocks of `MR`-row panels (a block stays in
-//! L2), and a 6x16 register tile of AVX2 FMAs does the arithmetic: 12 accumulators, 2 B loads
-//! and 6 broadcasts per step of k. Both packers read rows or columns as they lie in memory
+//! L1 or L2 while it sweeps a block of A), A into `MC x kc` blocks of `MR`-row panels (a block
+//! stays in L2), and a register tile of FMAs does the arithmetic ([`Tile`]: 6x16 with AVX2, 12
+//! accumulators; 12x32 with AVX-512, 24), with 2 B loads and MR broadcasts per step of k. Both packers read rows or columns as they lie in memory
 //! (an 8x8 in-register transpose for the transposed weight in `inp @ W^T`), so no operand is
 //! ever copied whole.
 //!
-//! Every element of C sums its k products in the same order whatever the thread count or the
-//! split, so results do not depend on scheduling. Threads split C into column (or row) ranges
+//! Every element of C sums its k products in the same order whatever the thread count, the
+//! split or the tile (one FMA chain per k block, the blocks added in order), so results do not
+//! depend on scheduling or on the instruction set. Threads split C into column (or row) ranges
 //! that are multiples of the tile (see [`parallel`]); the packing buffers, thread-local and
 //! shared, are allocated once and reused: nothing is allocated in the training loop.
 //!
@@ -20,16 +21,65 @@ use std::sync::Mutex;
 
 use super::team;
 
-/// Rows of the register tile.
-const MR: usize = 6;
-/// Columns of the register tile (two 8-lane vectors).
-const NR: usize = 16;
-/// Most depth of one packed block: a `KC_MAX x NR` panel of B is 24 KiB of the 32 KiB L1, and
-/// `MC x KC_MAX` of A is 396 KiB of a 512 KiB L2. See [`depth`] for the depth actually used.
+/// The register tile: the micro-kernel computes MR rows x NR columns of C per call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Tile {
+    /// 6x16: 12 AVX2 accumulators (two 8-lane vectors per row), 2 B loads and 6 broadcasts per
+    /// step of k; a `KC_MAX x 16` B panel is 24 KiB, inside L1.
+    Avx2,
+    /// 12x32: 24 AVX-512 accumulators (two 16-lane vectors per row), 2 B loads and 12
+    /// broadcasts per step of k, so twice the FMAs per byte of B; a `KC_MAX x 32` B panel is
+    /// 48 KiB and streams from L2 at that rate.
+    Avx512,
+}
+
+impl Tile {
+    /// The tile for the kernels' instruction set ([`super::simd::isa`]).
+    pub(crate) fn current() -> Tile {
+        if super::simd::isa() == super::simd::Isa::Avx512 {
+            Tile::Avx512
+        } else {
+            Tile::Avx2
+        }
+    }
+
+    /// Rows of the tile.
+    const fn mr(self) -> usize {
+        match self {
+            Tile::Avx2 => 6,
+            Tile::Avx512 => 12,
+        }
+    }
+
+    /// Columns of the tile.
+    const fn nr(self) -> usize {
+        match self {
+            Tile::Avx2 => 16,
+            Tile::Avx512 => 32,
+        }
+    }
+
+    /// For logs and `llmrs bench`.
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Tile::Avx2 => "packed 6x16 AVX2+FMA GEMM",
+            Tile::Avx512 => "packed 12x32 AVX-512 GEMM",
+        }
+    }
+}
+
+/// Largest MR x NR of the tiles (a partial tile goes through a local one of this size).
+const MAX_TILE: usize = 12 * 32;
+/// Floats of slack after each packed A panel: the vector packer's last store overhangs its
+/// panel by 8 - MR % 8 (2 for 6 rows, 4 for 12).
+const A_SLACK: usize = 8;
+/// Most depth of one packed block: `MC x KC_MAX` of A is 396 KiB of a 512 KiB L2 and a B panel
+/// 24 or 48 KiB (see [`Tile`]). See [`depth`] for the depth actually used. The same for every
+/// tile, so that every tile sums the same k blocks.
 const KC_MAX: usize = 384;
-/// Rows of A per packed block (multiple of MR).
+/// Rows of A per packed block (a multiple of every MR).
 const MC: usize = 264;
-/// Columns of B per packed block (multiple of NR): `KC_MAX x NC` is 6 MiB, a share of L3.
+/// Columns of B per packed block (a multiple of every NR): `KC_MAX x NC` is 6 MiB, a share of L3.
 const NC: usize = 4096;
 
 /// Below this many multiply-adds a GEMM runs on the calling thread: splitting costs more.
@@ -84,8 +134,49 @@ pub unsafe fn sgemm(
     (rhs_rs, rhs_cs): (isize, isize),
     threads: usize,
 ) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        sgemm_tile(
+            Tile::current(),
+            m,
+            n,
+            k,
+            dst,
+            (dst_rs, dst_cs),
+            accumulate,
+            bias,
+            lhs,
+            (lhs_rs, lhs_cs),
+            rhs,
+            (rhs_rs, rhs_cs),
+            threads,
+        )
+    }
+}
+
+/// [`sgemm`] with a given tile (tests compare the tiles).
+///
+/// # Safety
+/// As [`sgemm`]; `Tile::Avx512` also needs AVX-512F.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sgemm_tile(
+    t: Tile,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    (dst_rs, dst_cs): (isize, isize),
+    accumulate: bool,
+    bias: *const f32,
+    lhs: *const f32,
+    (lhs_rs, lhs_cs): (isize, isize),
+    rhs: *const f32,
+    (rhs_rs, rhs_cs): (isize, isize),
+    threads: usize,
+) {
     let bias = if accumulate { std::ptr::null() } else { bias };
     debug_assert!(dst_cs == 1 && super::simd::Isa::Avx2.supported());
+    debug_assert!(t != Tile::Avx512 || super::simd::Isa::Avx512.supported());
     let c = View { ptr: dst, rs: dst_rs, cs: dst_cs };
     let a = View { ptr: lhs as *mut f32, rs: lhs_rs, cs: lhs_cs };
     let b = View { ptr: rhs as *mut f32, rs: rhs_rs, cs: rhs_cs };
@@ -94,10 +185,10 @@ pub unsafe fn sgemm(
     }
     if threads <= 1 || m * n * k < PARALLEL_MIN {
         // SAFETY: forwarded from the caller.
-        return unsafe { serial(m, n, k, c, accumulate, bias, a, b) };
+        return unsafe { serial(t, m, n, k, c, accumulate, bias, a, b) };
     }
     // SAFETY: forwarded from the caller.
-    unsafe { parallel(m, n, k, c, accumulate, bias, a, b, threads) }
+    unsafe { parallel(t, m, n, k, c, accumulate, bias, a, b, threads) }
 }
 
 /// Buffers for the shared packed operand, taken by one threaded GEMM at a time and put back:
@@ -129,6 +220,7 @@ const WIDE: usize = 2048;
 /// not depend on the split or the thread count.
 #[allow(clippy::too_many_arguments)]
 unsafe fn parallel(
+    t: Tile,
     m: usize,
     n: usize,
     k: usize,
@@ -140,6 +232,7 @@ unsafe fn parallel(
     threads: usize,
 ) {
     debug_assert!(k > 0, "sgemm sends k = 0 to serial");
+    let (mr, nr) = (t.mr(), t.nr());
     let kcb = depth(k);
     let nb = k.div_ceil(kcb);
     let block = |pb: usize| (pb * kcb, kcb.min(k - pb * kcb));
@@ -148,16 +241,17 @@ unsafe fn parallel(
         // Narrow C: each thread takes whole column parts through all of k, packing its own A
         // blocks (a shared A would need a barrier per k block, which costs these more than the
         // repeated packing of A does).
-        let tiles = n.div_ceil(NR);
+        let tiles = n.div_ceil(nr);
         let parts = (n / 384).clamp(threads, 4 * threads).min(tiles);
         team::for_ranges(parts, 1, 1, |range| {
             for p in range {
-                let (t0, t1) = (tiles * p / parts * NR, (tiles * (p + 1) / parts * NR).min(n));
+                let (t0, t1) = (tiles * p / parts * nr, (tiles * (p + 1) / parts * nr).min(n));
                 let bias = bias_addr as *const f32;
                 let bias = if bias.is_null() { bias } else { bias.wrapping_add(t0) };
                 // SAFETY: the column ranges are disjoint; the sub-views start inside the matrices.
                 unsafe {
                     serial(
+                        t,
                         m,
                         t1 - t0,
                         k,
@@ -174,36 +268,36 @@ unsafe fn parallel(
         // Shared A, one k block at a time (panel r at its own stride: the vector packer's
         // overhang must not reach a panel another thread is writing). Each thread reads the
         // block into its L2 and sweeps it with the B panels of the columns it claims.
-        let panels = m.div_ceil(MR);
-        with_shared(panels * (MR * kcb + 8), |sa| {
+        let panels = m.div_ceil(mr);
+        with_shared(panels * (mr * kcb + A_SLACK), |sa| {
             let sa_addr = sa as usize;
             for pb in 0..nb {
                 let (pc, kc) = block(pb);
-                let stride = MR * kc + 8;
+                let stride = mr * kc + A_SLACK;
                 team::for_ranges(panels, 4, usize::MAX, |range| {
                     for r in range {
                         let dst = (sa_addr as *mut f32).wrapping_add(r * stride);
                         // SAFETY: panel r's rows and the block's columns lie inside A; the
-                        // panel's slot (MR*kc + 8 floats) lies inside the shared buffer.
-                        unsafe { pack_a(MR.min(m - r * MR), kc, View { ptr: a.at(r * MR, pc), ..a }, dst) };
+                        // panel's slot (MR*kc + A_SLACK floats) lies inside the shared buffer.
+                        unsafe { pack_a(t, mr.min(m - r * mr), kc, View { ptr: a.at(r * mr, pc), ..a }, dst) };
                     }
                 });
                 let acc = accumulate || pb > 0;
                 let bias_addr = if pb == 0 { bias_addr } else { 0 };
-                // Chunks of at least 2 tiles (32 columns) and at most NC columns.
-                team::for_ranges(n.div_ceil(NR), 2, NC / NR, |tiles| {
-                    let (j0, j1) = (tiles.start * NR, (tiles.end * NR).min(n));
+                // Chunks of at least 2 tiles and at most NC columns.
+                team::for_ranges(n.div_ceil(nr), 2, NC / nr, |tiles| {
+                    let (j0, j1) = (tiles.start * nr, (tiles.end * nr).min(n));
                     PACKS.with(|packs| {
                         let bp = aligned(&mut packs.borrow_mut().b, KC_MAX * NC);
                         for ic in (0..m).step_by(MC) {
-                            let ablock = (sa_addr as *const f32).wrapping_add(ic / MR * stride);
+                            let ablock = (sa_addr as *const f32).wrapping_add(ic / mr * stride);
                             let pack = (ic == 0).then_some(b);
                             let bias = bias_addr as *const f32;
                             // SAFETY: the shared A block is packed (the loop above has ended);
                             // the chunk's B panels fit the KC_MAX x NC buffer (chunks are at
                             // most NC wide); its tiles lie inside C.
                             unsafe {
-                                sweep(ic, MC.min(m - ic), j0, j1, kc, pc, ablock, stride, bp, pack, c, acc, bias)
+                                sweep(t, ic, MC.min(m - ic), j0, j1, kc, pc, ablock, stride, bp, pack, c, acc, bias)
                             };
                         }
                     })
@@ -214,35 +308,35 @@ unsafe fn parallel(
         // Shared B: one (kc, nc) block at a time, panel jr at jr*kc.
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
-            let panels = nc.div_ceil(NR);
-            with_shared(panels * NR * kcb, |sb| {
+            let panels = nc.div_ceil(nr);
+            with_shared(panels * nr * kcb, |sb| {
                 let sb_addr = sb as usize;
                 for pb in 0..nb {
                     let (pc, kc) = block(pb);
                     team::for_ranges(panels, 4, usize::MAX, |range| {
                         for p in range {
-                            let dst = (sb_addr as *mut f32).wrapping_add(p * NR * kc);
-                            let cols = NR.min(nc - p * NR);
+                            let dst = (sb_addr as *mut f32).wrapping_add(p * nr * kc);
+                            let cols = nr.min(nc - p * nr);
                             // SAFETY: the panel's rows and columns lie inside B, its slot inside the buffer.
-                            unsafe { pack_b_panel(kc, cols, View { ptr: b.at(pc, jc + p * NR), ..b }, dst) };
+                            unsafe { pack_b_panel(t, kc, cols, View { ptr: b.at(pc, jc + p * nr), ..b }, dst) };
                         }
                     });
                     let acc = accumulate || pb > 0;
                     let bias_addr = if pb == 0 { bias_addr } else { 0 };
-                    // Chunks of at least 16 tiles (96 rows).
-                    team::for_ranges(m.div_ceil(MR), 16, usize::MAX, |tiles| {
-                        let (i0, i1) = (tiles.start * MR, (tiles.end * MR).min(m));
+                    // Chunks of at least 16 tiles.
+                    team::for_ranges(m.div_ceil(mr), 16, usize::MAX, |tiles| {
+                        let (i0, i1) = (tiles.start * mr, (tiles.end * mr).min(m));
                         PACKS.with(|packs| {
-                            let ap = aligned(&mut packs.borrow_mut().a, MC * KC_MAX + 8);
+                            let ap = aligned(&mut packs.borrow_mut().a, MC * KC_MAX + A_SLACK);
                             for ic in (i0..i1).step_by(MC) {
                                 let mc = MC.min(i1 - ic);
                                 // SAFETY: rows ic..ic+mc and block pb's columns lie inside A.
-                                unsafe { pack_a(mc, kc, View { ptr: a.at(ic, pc), ..a }, ap) };
+                                unsafe { pack_a(t, mc, kc, View { ptr: a.at(ic, pc), ..a }, ap) };
                                 let (sb, bias) = (sb_addr as *mut f32, bias_addr as *const f32);
                                 // SAFETY: the shared B block is packed (the loop above has
                                 // ended), panel jr - jc at sb + (jr - jc)*kc; the tiles lie
                                 // inside C.
-                                unsafe { sweep(ic, mc, jc, jc + nc, kc, pc, ap, MR * kc, sb, None, c, acc, bias) };
+                                unsafe { sweep(t, ic, mc, jc, jc + nc, kc, pc, ap, mr * kc, sb, None, c, acc, bias) };
                             }
                         })
                     });
@@ -261,6 +355,7 @@ unsafe fn parallel(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn tile(
+    t: Tile,
     mr: usize,
     nr: usize,
     kc: usize,
@@ -273,15 +368,16 @@ unsafe fn tile(
 ) {
     // SAFETY: as the caller guarantees.
     unsafe {
-        if mr == MR && nr == NR {
-            return kernel(kc, ap, bp, c, ldc, acc, bias);
+        let full = t.nr();
+        if mr == t.mr() && nr == full {
+            return kernel(t, kc, ap, bp, c, ldc, acc, bias);
         }
-        let mut t = [0f32; MR * NR];
-        kernel(kc, ap, bp, t.as_mut_ptr(), NR as isize, false, std::ptr::null());
+        let mut local = [0f32; MAX_TILE];
+        kernel(t, kc, ap, bp, local.as_mut_ptr(), full as isize, false, std::ptr::null());
         for i in 0..mr {
             let row = c.offset(i as isize * ldc);
             for j in 0..nr {
-                let x = t[i * NR + j];
+                let x = local[i * full + j];
                 *row.add(j) = if acc {
                     *row.add(j) + x
                 } else if bias.is_null() {
@@ -309,6 +405,7 @@ unsafe fn tile(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn sweep(
+    t: Tile,
     ic: usize,
     mc: usize,
     j0: usize,
@@ -323,23 +420,24 @@ unsafe fn sweep(
     acc: bool,
     bias: *const f32,
 ) {
-    let shares = mc.div_ceil(MR);
-    for jr in (j0..j1).step_by(NR) {
-        let nr = NR.min(j1 - jr);
+    let (tmr, tnr) = (t.mr(), t.nr());
+    let shares = mc.div_ceil(tmr);
+    for jr in (j0..j1).step_by(tnr) {
+        let nr = tnr.min(j1 - jr);
         let bpanel = bp.wrapping_add((jr - j0) * kc);
         if let Some(b) = pack {
             // SAFETY: as the caller guarantees.
-            unsafe { pack_b_panel(kc, nr, View { ptr: b.at(pc, jr), ..b }, bpanel) };
+            unsafe { pack_b_panel(t, kc, nr, View { ptr: b.at(pc, jr), ..b }, bpanel) };
         }
-        let next = pack.filter(|_| jr + NR < j1).map(|b| (b, jr + NR, NR.min(j1 - jr - NR)));
+        let next = pack.filter(|_| jr + tnr < j1).map(|b| (b, jr + tnr, tnr.min(j1 - jr - tnr)));
         let bias = if bias.is_null() { bias } else { bias.wrapping_add(jr) };
-        for (share, ir) in (0..mc).step_by(MR).enumerate() {
+        for (share, ir) in (0..mc).step_by(tmr).enumerate() {
             if let Some((b, jn, cols)) = next {
                 prefetch_b_share(kc, cols, b, pc, jn, share, shares);
             }
             let apanel = a.wrapping_add(share * a_stride);
             // SAFETY: as the caller guarantees: (ic + ir, jr) is a tile inside C.
-            unsafe { tile(MR.min(mc - ir), nr, kc, apanel, bpanel, c.at(ic + ir, jr), c.rs, acc, bias) };
+            unsafe { tile(t, tmr.min(mc - ir), nr, kc, apanel, bpanel, c.at(ic + ir, jr), c.rs, acc, bias) };
         }
     }
 }
@@ -377,7 +475,7 @@ fn depth(k: usize) -> usize {
 /// The single-threaded blocked GEMM (the loops of Goto's algorithm).
 #[allow(clippy::too_many_arguments)]
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: *const f32, a: View, b: View) {
+unsafe fn serial(t: Tile, m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: *const f32, a: View, b: View) {
     if k == 0 {
         if !accumulate {
             for i in 0..m {
@@ -396,7 +494,7 @@ unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: 
     PACKS.with(|packs| {
         let packs = &mut *packs.borrow_mut();
         // A panels get MR floats of slack: the vector packer's last store overhangs its panel.
-        let ap = aligned(&mut packs.a, MC * KC_MAX + 8);
+        let ap = aligned(&mut packs.a, MC * KC_MAX + A_SLACK);
         let bp = aligned(&mut packs.b, KC_MAX * NC);
         let kc_block = depth(k);
         debug_assert!(kc_block <= KC_MAX);
@@ -411,12 +509,12 @@ unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: 
                     let mc = MC.min(m - ic);
                     // SAFETY: the packers read only the (mc, kc) / (kc, nr) sub-blocks, which
                     // are inside A and B, and write inside the buffers sized above.
-                    unsafe { pack_a(mc, kc, View { ptr: a.at(ic, pc), ..a }, ap) };
+                    unsafe { pack_a(t, mc, kc, View { ptr: a.at(ic, pc), ..a }, ap) };
                     // SAFETY: the A block is packed above; panel jr of B goes to bp + jr*kc,
                     // inside the KC_MAX x NC buffer; the tiles lie inside C.
                     unsafe {
                         let pack = (ic == 0).then_some(b);
-                        sweep(ic, mc, jc, jc + nc, kc, pc, ap, MR * kc, bp, pack, c, acc, bias)
+                        sweep(t, ic, mc, jc, jc + nc, kc, pc, ap, t.mr() * kc, bp, pack, c, acc, bias)
                     };
                 }
             }
@@ -427,38 +525,43 @@ unsafe fn serial(m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: 
 /// Pack `A (mc, kc)` into MR-row panels: panel r holds `A[r*MR + i][p]` at `p*MR + i`,
 /// zero-padded to whole panels.
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn pack_a(mc: usize, kc: usize, a: View, dst: *mut f32) {
-    for (r, i0) in (0..mc).step_by(MR).enumerate() {
-        let rows = MR.min(mc - i0);
+unsafe fn pack_a(t: Tile, mc: usize, kc: usize, a: View, dst: *mut f32) {
+    let mr = t.mr();
+    for (r, i0) in (0..mc).step_by(mr).enumerate() {
+        let rows = mr.min(mc - i0);
         // SAFETY: panel r occupies [r*MR*kc, (r+1)*MR*kc) of dst (plus slack for the overhang).
-        let d = unsafe { dst.add(r * MR * kc) };
+        let d = unsafe { dst.add(r * mr * kc) };
         unsafe {
-            if a.cs == 1 && rows == MR {
+            if a.cs == 1 && rows == mr {
                 #[cfg(target_arch = "x86_64")]
                 {
-                    pack_transposed::<MR>(kc, |i| a.at(i0 + i, 0), d);
+                    match t {
+                        Tile::Avx2 => pack_transposed::<6>(kc, |i| a.at(i0 + i, 0), d),
+                        Tile::Avx512 => pack_transposed::<12>(kc, |i| a.at(i0 + i, 0), d),
+                    }
                     continue;
                 }
             }
-            if a.rs == 1 && rows == MR {
+            if a.rs == 1 && rows == mr {
                 // A^T is row-major: each k gives MR contiguous floats (a fixed-size copy, which
-                // compiles to two moves).
-                for p in 0..kc {
-                    std::ptr::copy_nonoverlapping(a.at(i0, p), d.add(p * MR), MR);
+                // compiles to a few moves).
+                match t {
+                    Tile::Avx2 => (0..kc).for_each(|p| std::ptr::copy_nonoverlapping(a.at(i0, p), d.add(p * 6), 6)),
+                    Tile::Avx512 => (0..kc).for_each(|p| std::ptr::copy_nonoverlapping(a.at(i0, p), d.add(p * 12), 12)),
                 }
                 continue;
             }
             if a.rs == 1 {
                 for p in 0..kc {
                     let src = a.at(i0, p);
-                    for i in 0..MR {
-                        *d.add(p * MR + i) = if i < rows { *src.add(i) } else { 0.0 };
+                    for i in 0..mr {
+                        *d.add(p * mr + i) = if i < rows { *src.add(i) } else { 0.0 };
                     }
                 }
             } else {
                 for p in 0..kc {
-                    for i in 0..MR {
-                        *d.add(p * MR + i) = if i < rows { *a.at(i0 + i, p) } else { 0.0 };
+                    for i in 0..mr {
+                        *d.add(p * mr + i) = if i < rows { *a.at(i0 + i, p) } else { 0.0 };
                     }
                 }
             }
@@ -508,33 +611,40 @@ fn prefetch_b_share(kc: usize, cols: usize, b: View, p0: usize, j0: usize, share
 /// Pack one `B (kc, cols)` panel (cols <= NR): `B[p][j]` goes to `p*NR + j`, zero-padded to
 /// NR columns.
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn pack_b_panel(kc: usize, cols: usize, b: View, d: *mut f32) {
+unsafe fn pack_b_panel(t: Tile, kc: usize, cols: usize, b: View, d: *mut f32) {
+    let nr = t.nr();
     // SAFETY: rows 0..kc and columns 0..cols of `b` are inside B; d has NR*kc floats.
     unsafe {
         if b.cs == 1 {
             #[cfg(target_arch = "x86_64")]
-            if cols == NR {
-                pack_b_rows(kc, b, d);
+            if cols == nr {
+                match t {
+                    Tile::Avx2 => pack_b_rows::<16>(kc, b, d),
+                    Tile::Avx512 => pack_b_rows::<32>(kc, b, d),
+                }
                 return;
             }
             // Rows of B are contiguous: copy `cols` floats per k.
             for p in 0..kc {
-                let dp = d.add(p * NR);
+                let dp = d.add(p * nr);
                 std::ptr::copy_nonoverlapping(b.at(p, 0), dp, cols);
-                std::ptr::write_bytes(dp.add(cols), 0, NR - cols);
+                std::ptr::write_bytes(dp.add(cols), 0, nr - cols);
             }
             return;
         }
-        if b.rs == 1 && cols == NR {
+        if b.rs == 1 && cols == nr {
             #[cfg(target_arch = "x86_64")]
             {
-                pack_transposed::<NR>(kc, |j| b.at(0, j), d);
+                match t {
+                    Tile::Avx2 => pack_transposed::<16>(kc, |j| b.at(0, j), d),
+                    Tile::Avx512 => pack_transposed::<32>(kc, |j| b.at(0, j), d),
+                }
                 return;
             }
         }
         for p in 0..kc {
-            for j in 0..NR {
-                *d.add(p * NR + j) = if j < cols { *b.at(p, j) } else { 0.0 };
+            for j in 0..nr {
+                *d.add(p * nr + j) = if j < cols { *b.at(p, j) } else { 0.0 };
             }
         }
     }
@@ -580,20 +690,21 @@ unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
 
 /// One panel `W` wide from `W` source rows that are contiguous along k (A row-major, or a
 /// transposed B such as the weight of `inp @ W^T`): `d[p*W + i] = row(i)[p]`. For each 8 k,
-/// groups of eight rows are loaded, transposed in registers and stored as 8-wide columns. With
-/// W = 6 the last two lanes (copies of row 5) overhang into the next column and are rewritten by
-/// the next store; the panel's final overhang lands in the next panel or the buffer's slack.
+/// groups of eight rows are loaded, transposed in registers and stored as 8-wide columns. When
+/// W is not a multiple of 8 the last group's extra lanes (copies of row W-1) overhang into the
+/// next column (2 lanes for W = 6, 4 for W = 12); the groups go last to first, so group 0's
+/// store of that column, which comes later, rewrites them. The panel's final overhang lands in
+/// the next panel or the buffer's slack ([`A_SLACK`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn pack_transposed<const W: usize>(kc: usize, row: impl Fn(usize) -> *const f32, d: *mut f32) {
-    // Overlapping stores are only safe within one group: W is below 8 or whole groups.
-    const { assert!(W < 8 || W.is_multiple_of(8)) };
-    // SAFETY: rows 0..W hold kc floats each; d has W*kc floats plus 2 of slack when W < 8.
+    const { assert!(W.is_multiple_of(8) || 8 - W % 8 <= A_SLACK) };
+    // SAFETY: rows 0..W hold kc floats each; d has W*kc floats plus the slack when W % 8 != 0.
     unsafe {
         let row = |i: usize| row(i.min(W - 1));
         let mut p = 0;
         while p + 8 <= kc {
-            for g in (0..W).step_by(8) {
+            for g in (0..W).step_by(8).rev() {
                 let r = std::array::from_fn(|i| _mm256_loadu_ps(row(g + i).add(p)));
                 for (j, v) in transpose8(r).iter().enumerate() {
                     _mm256_storeu_ps(d.add((p + j) * W + g), *v);
@@ -610,30 +721,101 @@ unsafe fn pack_transposed<const W: usize>(kc: usize, row: impl Fn(usize) -> *con
     }
 }
 
-/// One full B panel from a row-major B: two 8-lane copies per k (a `memcpy` call per 64 bytes
-/// cost as much as a tenth of the GEMM).
+/// One full B panel of `W` columns from a row-major B: 8-lane copies per k (a `memcpy` call
+/// per 64 bytes cost as much as a tenth of the GEMM).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pack_b_rows(kc: usize, b: View, d: *mut f32) {
-    // SAFETY: rows 0..kc hold NR contiguous floats each inside B; d has NR*kc aligned floats.
+unsafe fn pack_b_rows<const W: usize>(kc: usize, b: View, d: *mut f32) {
+    // SAFETY: rows 0..kc hold W contiguous floats each inside B; d has W*kc aligned floats
+    // (W a multiple of 8, so every store is 32-byte aligned).
     unsafe {
         for p in 0..kc {
             let src = b.at(p, 0);
-            _mm256_store_ps(d.add(p * NR), _mm256_loadu_ps(src));
-            _mm256_store_ps(d.add(p * NR + 8), _mm256_loadu_ps(src.add(8)));
+            for j in (0..W).step_by(8) {
+                _mm256_store_ps(d.add(p * W + j), _mm256_loadu_ps(src.add(j)));
+            }
         }
     }
 }
 
-/// The 6x16 micro-kernel: `C[0..6][0..16] = [C +] sum_p a[p*6 + i] * b[p*16 + j] [+ bias[j]]`
+/// The micro-kernel of tile `t`: `C[0..MR][0..NR] = [C +] sum_p a[p*MR + i] * b[p*NR + j] [+ bias[j]]`
 /// (C when `acc`, else the bias when not null).
+///
+/// # Safety
+/// a has MR*kc floats, b NR*kc floats (64-byte aligned), C rows 0..MR have NR writable floats
+/// each at stride ldc, a non-null bias has NR floats; `Tile::Avx512` needs AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn kernel(
+    t: Tile,
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: isize,
+    acc: bool,
+    bias: *const f32,
+) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        match t {
+            Tile::Avx2 => kernel_6x16(kc, a, b, c, ldc, acc, bias),
+            Tile::Avx512 => kernel_12x32(kc, a, b, c, ldc, acc, bias),
+        }
+    }
+}
+
+/// The 12x32 AVX-512 micro-kernel (see [`kernel`]): for each k, two 16-lane loads of B and
+/// twelve broadcasts of A into 24 accumulators.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn kernel_12x32(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: isize, acc: bool, bias: *const f32) {
+    // SAFETY: a has 12*kc floats, b has 32*kc floats (64-byte aligned), C rows 0..12 have 32
+    // writable floats each at stride ldc, and a non-null bias has 32 floats.
+    unsafe {
+        for i in 0..12 {
+            _mm_prefetch::<_MM_HINT_T0>(c.offset(i as isize * ldc) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(c.offset(i as isize * ldc + 31) as *const i8);
+        }
+        let mut lo = [_mm512_setzero_ps(); 12];
+        let mut hi = [_mm512_setzero_ps(); 12];
+        let (mut a, mut b) = (a, b);
+        for _ in 0..kc {
+            let b0 = _mm512_load_ps(b);
+            let b1 = _mm512_load_ps(b.add(16));
+            // Fully unrolled (12 is a constant): the accumulators stay in registers.
+            for i in 0..12 {
+                let x = _mm512_set1_ps(*a.add(i));
+                lo[i] = _mm512_fmadd_ps(x, b0, lo[i]);
+                hi[i] = _mm512_fmadd_ps(x, b1, hi[i]);
+            }
+            a = a.add(12);
+            b = b.add(32);
+        }
+        let z = _mm512_setzero_ps();
+        let (b0, b1) = if bias.is_null() { (z, z) } else { (_mm512_loadu_ps(bias), _mm512_loadu_ps(bias.add(16))) };
+        for i in 0..12 {
+            let r = c.offset(i as isize * ldc);
+            if acc {
+                _mm512_storeu_ps(r, _mm512_add_ps(_mm512_loadu_ps(r), lo[i]));
+                _mm512_storeu_ps(r.add(16), _mm512_add_ps(_mm512_loadu_ps(r.add(16)), hi[i]));
+            } else {
+                _mm512_storeu_ps(r, _mm512_add_ps(lo[i], b0));
+                _mm512_storeu_ps(r.add(16), _mm512_add_ps(hi[i], b1));
+            }
+        }
+    }
+}
+
+/// The 6x16 AVX2 micro-kernel (see [`kernel`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: isize, acc: bool, bias: *const f32) {
+unsafe fn kernel_6x16(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: isize, acc: bool, bias: *const f32) {
     // SAFETY: a has 6*kc floats, b has 16*kc floats (64-byte aligned), C rows 0..6 have 16
     // writable floats each at stride ldc, and a non-null bias has 16 floats.
     unsafe {
-        for i in 0..MR {
+        for i in 0..6 {
             _mm_prefetch::<_MM_HINT_T0>(c.offset(i as isize * ldc) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(c.offset(i as isize * ldc + 15) as *const i8);
         }
@@ -662,8 +844,8 @@ unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: isiz
             let x = _mm256_broadcast_ss(&*a.add(5));
             c50 = _mm256_fmadd_ps(x, b0, c50);
             c51 = _mm256_fmadd_ps(x, b1, c51);
-            a = a.add(MR);
-            b = b.add(NR);
+            a = a.add(6);
+            b = b.add(16);
         }
         let rows = [(c00, c01), (c10, c11), (c20, c21), (c30, c31), (c40, c41), (c50, c51)];
         let (b0, b1) = if bias.is_null() { (z, z) } else { (_mm256_loadu_ps(bias), _mm256_loadu_ps(bias.add(8))) };
@@ -681,7 +863,8 @@ unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: isiz
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel(_: usize, _: *const f32, _: *const f32, _: *mut f32, _: isize, _: bool, _: *const f32) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn kernel(_: Tile, _: usize, _: *const f32, _: *const f32, _: *mut f32, _: isize, _: bool, _: *const f32) {
     unreachable!("the packed path runs only where fast_path_available() is true")
 }
 
@@ -700,9 +883,21 @@ mod tests {
         }
     }
 
-    /// [`sgemm`] on slices: C (m, n) at row stride `crs`, A and B at the given strides.
+    /// The tiles this CPU can run.
+    fn tiles() -> Vec<Tile> {
+        let mut t = vec![Tile::Avx2];
+        if crate::cpu::simd::Isa::Avx512.supported() {
+            t.push(Tile::Avx512);
+        } else {
+            crate::testdata::skipped("sgemm 12x32 tile", "this CPU has no AVX-512F, so that tile never runs here");
+        }
+        t
+    }
+
+    /// [`sgemm_tile`] on slices: C (m, n) at row stride `crs`, A and B at the given strides.
     #[allow(clippy::too_many_arguments)]
     fn run(
+        tile: Tile,
         (m, n, k): (usize, usize, usize),
         c: &mut [f32],
         crs: usize,
@@ -717,7 +912,8 @@ mod tests {
         let bias = bias.map_or(std::ptr::null(), |b| b.as_ptr());
         // SAFETY: every caller sizes the buffers for the shapes and strides it passes.
         unsafe {
-            sgemm(
+            sgemm_tile(
+                tile,
                 m,
                 n,
                 k,
@@ -734,7 +930,10 @@ mod tests {
         }
     }
 
+    /// Every tile against an f64 reference, and the tiles against each other bit for bit (each
+    /// element sums the same k blocks in the same order).
     fn check(m: usize, n: usize, k: usize, threads: usize) {
+        let tiles = tiles();
         let mut rng = TestRng((m * 1000 + n * 10 + k) as u64);
         for a_kind in 0..3 {
             for b_kind in 0..3 {
@@ -747,9 +946,31 @@ mod tests {
                 let bias = rng.vec(n);
                 // C starts from zero, from its contents, or from the bias.
                 for (accumulate, with_bias) in [(false, false), (true, false), (false, true)] {
-                    let mut c = c0.clone();
                     let bias_arg = with_bias.then_some(&bias[..]);
-                    run((m, n, k), &mut c, crs, accumulate, bias_arg, &a, (ars, acs), &b, (brs, bcs), threads);
+                    let with_tile = |tile| {
+                        let mut c = c0.clone();
+                        run(
+                            tile,
+                            (m, n, k),
+                            &mut c,
+                            crs,
+                            accumulate,
+                            bias_arg,
+                            &a,
+                            (ars, acs),
+                            &b,
+                            (brs, bcs),
+                            threads,
+                        );
+                        c
+                    };
+                    let c = with_tile(Tile::Avx2);
+                    for &t in &tiles[1..] {
+                        assert!(
+                            c == with_tile(t),
+                            "({m},{n},{k}) layouts {a_kind}/{b_kind}: tile {t:?} differs from 6x16"
+                        );
+                    }
                     for i in 0..m {
                         for j in 0..crs {
                             let got = c[i * crs + j];
@@ -809,6 +1030,9 @@ mod tests {
             (13, 47, 300),
             (150, 20, 5),
             (12, 32, 513),
+            (24, 64, 17),
+            (11, 31, 9),
+            (25, 97, 385),
             (3, NC + 21, 2),
         ];
         for &(m, n, k) in &shapes {
@@ -839,18 +1063,20 @@ mod tests {
             for b_rows in [true, false] {
                 let bs = if b_rows { (n as isize, 1) } else { (1, k as isize) };
                 for (accumulate, with_bias) in [(false, true), (true, false)] {
-                    let with_threads = |threads| {
+                    let with_threads = |tile, threads| {
                         let mut c = c0.clone();
                         let bias = with_bias.then_some(&bias[..]);
-                        run((m, n, k), &mut c, n, accumulate, bias, &a, (k as isize, 1), &b, bs, threads);
+                        run(tile, (m, n, k), &mut c, n, accumulate, bias, &a, (k as isize, 1), &b, bs, threads);
                         c
                     };
-                    let one = with_threads(1);
-                    for t in [2, 3] {
-                        assert!(
-                            one == with_threads(t),
-                            "({m},{n},{k}) b_rows={b_rows} acc={accumulate}: {t} threads differ"
-                        );
+                    let one = with_threads(Tile::Avx2, 1);
+                    for tile in tiles() {
+                        for t in [1, 2, 3] {
+                            assert!(
+                                one == with_threads(tile, t),
+                                "({m},{n},{k}) b_rows={b_rows} acc={accumulate}: {tile:?} on {t} threads differs"
+                            );
+                        }
                     }
                 }
             }
