@@ -1,7 +1,8 @@
 //! GFLOP/s of the GEMM shapes in a GPT-2 124M training step at B=4, T=64 (n = 256 rows), then
 //! the forward GEMMs on one thread, alone and two side by side (one per core): what the cores
 //! lose to each other through the shared cache and memory.
-//! `cargo run --release --example gemm_shapes`
+//! `cargo run --release --example gemm_shapes` (`-- --json`: the first part only, as JSON, for
+//! `scripts/bench_compare.py --gemm`)
 use llmrs::cpu::matmul::{gemm_strided_serial, matmul_backward, matmul_forward};
 use std::time::Instant;
 
@@ -26,7 +27,11 @@ fn main() {
         (3072, 768, "fc proj"),
         (768, 50304, "classifier"),
     ];
-    println!("all threads ({}):", rayon::current_num_threads());
+    let json = std::env::args().any(|a| a == "--json");
+    let mut rows = vec![];
+    if !json {
+        println!("all threads ({}):", rayon::current_num_threads());
+    }
     for (c, oc, name) in shapes {
         let inp = vec![0.01f32; n * c];
         let w = vec![0.02f32; oc * c];
@@ -37,11 +42,16 @@ fn main() {
         let fwd = best(&mut || matmul_forward(&mut out, &inp, &w, Some(&b), n, c, oc));
         let bwd =
             best(&mut || matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &out, &inp, &w, n, c, oc, true));
-        println!(
-            "{name:>10}: forward {:.1} GFLOP/s, backward (dinp + dW + db) {:.1} GFLOP/s",
-            flops / fwd / 1e9,
-            2.0 * flops / bwd / 1e9
-        );
+        let (f, b) = (flops / fwd / 1e9, 2.0 * flops / bwd / 1e9);
+        if json {
+            rows.push(format!("\"{name}\": {{\"forward\": {f:.2}, \"backward\": {b:.2}}}"));
+        } else {
+            println!("{name:>10}: forward {f:.1} GFLOP/s, backward (dinp + dW + db) {b:.1} GFLOP/s");
+        }
+    }
+    if json {
+        println!("{{{}}}", rows.join(", "));
+        return;
     }
     println!("forward on one thread: alone, and two independent GEMMs side by side (sum):");
     for (c, oc, name) in &shapes[..4] {

@@ -5,6 +5,13 @@ thread count, same model (GPT-2, llm.c's init), batch and optimizer, interleaved
     pip install torch
     python scripts/bench_compare.py --threads 2 --model d12 -b 4 -t 64
     python scripts/bench_compare.py ... --llmc /path/to/llm.c   # adds llm.c (see below)
+    cargo build --release --example gemm_shapes
+    python scripts/bench_compare.py --threads 2 --gemm          # the step's GEMM shapes instead
+
+--gemm: GFLOP/s of the GEMMs of a GPT-2 124M step at B=4, T=64 (256 rows), llmrs's matmul
+(examples/gemm_shapes) against PyTorch's at the same shapes and thread count: forward
+`F.linear(x, W, b)`, backward `dx = dy @ W`, `dW = dy^T @ x`, `db = dy.sum(0)`; the best of 5
+timed runs of each, per round, interleaved.
 
 PyTorch runs at its best on the CPU: nn.Linear, fused scaled_dot_product_attention, tanh GELU,
 torch.optim.AdamW (foreach), no autocast, fp32. Each side runs `--steps` steps after `--warmup`
@@ -36,6 +43,8 @@ ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--warmup", type=int, default=2)
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--llmc", default=None)
+ap.add_argument("--gemm", action="store_true", help="compare the step's GEMM shapes instead of whole steps")
+ap.add_argument("--gemm-bin", default="target/release/examples/gemm_shapes")
 args = ap.parse_args()
 
 os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -134,6 +143,52 @@ def llmc_round():
     proc.wait()
     return statistics.median(took[args.warmup:])
 
+
+def gemm_compare():
+    n = 256
+    shapes = [(768, 2304, "qkv"), (768, 768, "attn proj"), (768, 3072, "fc"), (3072, 768, "fc proj"), (768, 50304, "classifier")]
+
+    def best(f):
+        f()
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    def torch_shapes():
+        out = {}
+        with torch.no_grad():
+            for c, oc, name in shapes:
+                x, w, b = torch.full((n, c), 0.01), torch.full((oc, c), 0.02), torch.zeros(oc)
+                dy = torch.full((n, oc), 0.01)
+                flops = 2.0 * n * c * oc
+                fwd = best(lambda: F.linear(x, w, b))
+                bwd = best(lambda: (dy @ w, dy.t() @ x, dy.sum(0)))
+                out[name] = {"forward": flops / fwd / 1e9, "backward": 2 * flops / bwd / 1e9}
+        return out
+
+    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+    print(f"GEMM shapes of a GPT-2 124M step (n={n} rows), {args.threads} threads, torch {torch.__version__}")
+    ratios = {}
+    for r in range(args.rounds):
+        ours = json.loads(subprocess.run([args.gemm_bin, "--json"], capture_output=True, text=True, check=True, env=env).stdout)
+        theirs = torch_shapes()
+        cells = []
+        for _, _, name in shapes:
+            for d in ("forward", "backward"):
+                q = ours[name][d] / theirs[name][d]
+                ratios.setdefault((name, d), []).append(q)
+                cells.append(f"{name} {d} {ours[name][d]:.0f}/{theirs[name][d]:.0f}")
+        print(f"round {r} (llmrs/pytorch GFLOP/s): " + ", ".join(cells), flush=True)
+    print("median llmrs/pytorch per shape: " + ", ".join(f"{n} {d} {statistics.median(v):.2f}" for (n, d), v in ratios.items()))
+    print(f"lowest: {min(statistics.median(v) for v in ratios.values()):.2f}")
+
+
+if args.gemm:
+    gemm_compare()
+    raise SystemExit(0)
 
 print(f"model {args.model} (L={L} C={C}), B={args.b} T={args.t}, {args.threads} threads, torch {torch.__version__}")
 ratios, llmc_ratios = [], []

@@ -66,14 +66,16 @@ def run_hf(new, cache=True):
 
 
 print(f"prompt {ids.shape[1]} tokens, {args.new} new tokens, {args.threads} threads, torch {torch.__version__}")
-ratios = []
+ratios, prefill = [], []
 for r in range(args.rounds):
     a = run_llmrs(args.new)
     b = run_hf(args.new)
     ratios.append(a[1] / b[1])
+    prefill.append(b[0] / a[0])
     print(f"round {r}: llmrs first token {a[0]:.2f}s, decode {a[1]:.1f} tok/s | transformers first token {b[0]:.2f}s, "
           f"decode {b[1]:.1f} tok/s | decode ratio llmrs/transformers {ratios[-1]:.2f}")
 print(f"median decode ratio (KV cache) llmrs/transformers: {statistics.median(ratios):.2f}")
+print(f"median prefill ratio (time to the first token, transformers/llmrs): {statistics.median(prefill):.2f}")
 a = run_llmrs(args.uncached_new, cache=False)
 b = run_hf(args.uncached_new, cache=False)
 c = run_llmrs(args.uncached_new, cache=True)

@@ -50,6 +50,13 @@ fn digests() -> Vec<String> {
         llmrs::cpu::matmul::gemm_strided(m, n, k, &mut c, (ni, 1), true, &a, (ki, 1), &w, (ni, 1));
         out.push(format!("gemm {m}x{n}x{k} {:016x}", digest(&c)));
     }
+    // One position (the decode step's dot products), across the thread team's chunks.
+    for (i, &(c, oc)) in [(37, 101), (768, 2304)].iter().enumerate() {
+        let (x, w, bias) = (values(c, 40 + i as u64), values(oc * c, 50 + i as u64), values(oc, 60 + i as u64));
+        let mut y = vec![0f32; oc];
+        llmrs::cpu::matmul::matmul_forward(&mut y, &x, &w, Some(&bias), 1, c, oc);
+        out.push(format!("gemv {c}x{oc} {:016x}", digest(&y)));
+    }
     let cfg =
         GPT2Config { vocab_size: 1000, padded_vocab_size: 1024, ..GPT2Config::from_descriptor("2x64:4:64").unwrap() };
     let mut model = GPT2::new(Weights::random(cfg, 7).unwrap(), Device::Cpu).unwrap();
@@ -110,7 +117,7 @@ fn results_do_not_depend_on_the_thread_count() {
         let lines: Vec<String> =
             text.lines().filter_map(|l| l.find(&prefix).map(|i| l[i + prefix.len()..].to_string())).collect();
         // The child really ran with its thread count, and said something about every case.
-        assert_eq!(lines.len(), 1 + 5 + 2 + 4, "child with {threads} threads printed:\n{text}");
+        assert_eq!(lines.len(), 1 + 5 + 2 + 2 + 4, "child with {threads} threads printed:\n{text}");
         assert_eq!(lines[0], format!("isa {isa}"), "the child did not run the instruction set asked for");
         runs.push((format!("{threads} threads, {isa}"), lines[1..].to_vec()));
     }

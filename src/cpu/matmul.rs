@@ -190,7 +190,80 @@ pub fn matmul_forward(
 ) {
     let (c_, oc_) = (c as isize, oc as isize);
     let out = &mut out[..n * oc];
+    if n == 1 && c > 0 && sgemm::fast_path_available() {
+        // One position (a decode step): each weight is used once, so a GEMM's packing would
+        // only add a copy of every weight to a pass that is bound by reading them.
+        return gemv(out, &inp[..c], &weight[..oc * c], bias.map(|b| &b[..oc]));
+    }
     gemm_impl(n, oc, c, out, (oc_, 1), false, bias, inp, (c_, 1), weight, (1, c_), parallelism(n, oc, c));
+}
+
+/// Partial sums per dot product: 16 on every instruction set (two AVX2 vectors, one AVX-512),
+/// so that every path adds the same products in the same order and gets the same bits.
+const LANES: usize = 16;
+/// Rows of W per step of [`gemv_rows`]: independent FMA chains, and x loaded once for all.
+const GEMV_ROWS: usize = 4;
+/// Outputs per task of the thread team.
+const GEMV_CHUNK: usize = 64;
+
+/// out (OC) = W (OC, C) @ x (C) [+ bias (OC)], threaded over the outputs.
+fn gemv(out: &mut [f32], x: &[f32], w: &[f32], bias: Option<&[f32]>) {
+    let c = x.len();
+    let go = |j0: usize, o: &mut [f32]| gemv_rows(o, x, &w[j0 * c..(j0 + o.len()) * c], bias.map(|b| &b[j0..]));
+    if out.len() * c < 1 << 16 {
+        return go(0, out);
+    }
+    super::team::chunks_mut(out, GEMV_CHUNK, |i, o| go(i * GEMV_CHUNK, o));
+}
+
+/// The dot products of `n` rows with x, in the one order every path uses: lane l sums (with
+/// FMAs, in k order) the products at k = l, l+16, ... below the last whole group of 16; the
+/// lanes are added in order; the remaining products follow in order; then the bias.
+#[inline(always)]
+fn dots<const N: usize>(w: [&[f32]; N], x: &[f32]) -> [f32; N] {
+    /// acc[l] = w[l] * x[l] + acc[l] for the 16 lanes: one AVX-512 or two AVX2 FMAs.
+    #[inline(always)]
+    fn fma16(acc: &mut [f32; LANES], w: &[f32], x: &[f32; LANES]) {
+        let w: &[f32; LANES] = w.try_into().unwrap();
+        for l in 0..LANES {
+            acc[l] = w[l].mul_add(x[l], acc[l]);
+        }
+    }
+    let whole = x.len() / LANES * LANES;
+    let mut acc = [[0f32; LANES]; N];
+    for k in (0..whole).step_by(LANES) {
+        let xs: &[f32; LANES] = x[k..k + LANES].try_into().unwrap();
+        // One named accumulator per row (the compiler keeps each in registers).
+        for (a, w) in acc.iter_mut().zip(&w) {
+            fma16(a, &w[k..k + LANES], xs);
+        }
+    }
+    std::array::from_fn(|r| {
+        let mut s = acc[r].iter().fold(0f32, |s, a| s + a);
+        for k in whole..x.len() {
+            s = w[r][k].mul_add(x[k], s);
+        }
+        s
+    })
+}
+
+crate::simd_fn! {
+    /// out (n) = rows of w (n, C) dotted with x (C), plus bias (n) when given ([`dots`]).
+    fn gemv_rows(out: &mut [f32], x: &[f32], w: &[f32], bias: Option<&[f32]>) {
+        let c = x.len();
+        let row = |j: usize| &w[j * c..(j + 1) * c];
+        let mut j = 0;
+        while j + GEMV_ROWS <= out.len() {
+            let d = dots::<GEMV_ROWS>(std::array::from_fn(|r| row(j + r)), x);
+            for (r, v) in d.iter().enumerate() {
+                out[j + r] = v + bias.map_or(0.0, |b| b[j + r]);
+            }
+            j += GEMV_ROWS;
+        }
+        for j in j..out.len() {
+            out[j] = dots::<1>([row(j)], x)[0] + bias.map_or(0.0, |b| b[j]);
+        }
+    }
 }
 
 /// Backward of [`matmul_forward`].
@@ -254,6 +327,28 @@ mod tests {
             }
         }
         out
+    }
+
+    /// One position (the decode step's dot products): against f64 on odd shapes, with and
+    /// without a bias, and close to the same row through the GEMM (another summation order).
+    #[test]
+    fn one_row_matches_the_reference_and_the_gemm() {
+        let mut rng = TestRng(17);
+        for (c, oc) in [(1, 1), (15, 3), (16, 5), (17, 7), (33, 129), (768, 301)] {
+            let (x, w, b) = (rng.vec(2 * c), rng.vec(oc * c), rng.vec(oc));
+            for bias in [None, Some(&b[..])] {
+                let mut one = vec![0f32; oc];
+                matmul_forward(&mut one, &x[..c], &w, bias, 1, c, oc);
+                let want = naive(&x[..c], &w, bias, 1, c, oc);
+                let mut two = vec![0f32; 2 * oc];
+                matmul_forward(&mut two, &x, &w, bias, 2, c, oc);
+                for j in 0..oc {
+                    let tol = 1e-5 * (c as f32).sqrt().max(1.0) * (1.0 + want[j].abs());
+                    assert!((one[j] - want[j]).abs() <= tol, "c={c} oc={oc} j={j}: {} vs {}", one[j], want[j]);
+                    assert!((one[j] - two[j]).abs() <= tol, "c={c} oc={oc} j={j}: {} vs the GEMM's {}", one[j], two[j]);
+                }
+            }
+        }
     }
 
     /// Strides that would let two elements of dst share memory, or reach past an operand

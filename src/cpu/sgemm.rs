@@ -43,6 +43,15 @@ impl Tile {
         }
     }
 
+    /// The tile for a GEMM of `m` rows: a C of a few rows (one token's decode step) would waste
+    /// most of a 12-row tile, so it takes the 6-row one. Both tiles give the same bits.
+    fn for_rows(m: usize) -> Tile {
+        match Tile::current() {
+            Tile::Avx512 if m > Tile::Avx2.mr() => Tile::Avx512,
+            _ => Tile::Avx2,
+        }
+    }
+
     /// Rows of the tile.
     const fn mr(self) -> usize {
         match self {
@@ -137,7 +146,7 @@ pub unsafe fn sgemm(
     // SAFETY: forwarded from the caller.
     unsafe {
         sgemm_tile(
-            Tile::current(),
+            Tile::for_rows(m),
             m,
             n,
             k,
@@ -372,12 +381,15 @@ unsafe fn tile(
         if mr == t.mr() && nr == full {
             return kernel(t, kc, ap, bp, c, ldc, acc, bias);
         }
-        let mut local = [0f32; MAX_TILE];
-        kernel(t, kc, ap, bp, local.as_mut_ptr(), full as isize, false, std::ptr::null());
+        // Not cleared first: the kernel writes the whole MR x NR tile (no accumulate, no bias),
+        // and only its first mr rows and nr columns are read.
+        let mut local = std::mem::MaybeUninit::<[f32; MAX_TILE]>::uninit();
+        let local = local.as_mut_ptr() as *mut f32;
+        kernel(t, kc, ap, bp, local, full as isize, false, std::ptr::null());
         for i in 0..mr {
             let row = c.offset(i as isize * ldc);
             for j in 0..nr {
-                let x = local[i * full + j];
+                let x = *local.add(i * full + j);
                 *row.add(j) = if acc {
                     *row.add(j) + x
                 } else if bias.is_null() {
