@@ -1,6 +1,6 @@
 //! Matmul with bias: `out = inp @ W^T + b`, the layer behind every Linear in GPT-2.
 //!
-//! Backed by our packed AVX2 GEMM ([`super::sgemm`]) where the CPU has AVX2+FMA, else by the
+//! Backed by our packed GEMM ([`super::sgemm`], AVX2 or AVX-512) where the CPU has AVX2+FMA, else by the
 //! `gemm` crate. Transposes are expressed with strides rather than copies (the GEMMs pack
 //! blocks of their operands internally, as every fast GEMM does).
 
