@@ -523,10 +523,7 @@ fn main() {
     }
     let args = translate_llmc_args(args);
     let cli = Cli::parse_from(args);
-    if let Err(e) = real_main(cli) {
-        eprintln!("error: {e:#}");
-        std::process::exit(1);
-    }
+    llmrs::backend::comm::finish(real_main(cli));
 }
 
 fn real_main(cli: Cli) -> Result<()> {

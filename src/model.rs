@@ -307,7 +307,8 @@ impl GPT2 {
     }
 
     /// Forward pass over `inputs (b, t)`: logits (b, t, Vp), and with `targets (b, t)` the
-    /// per-position losses (see [`GPT2::accumulate_loss`], [`GPT2::backward`]).
+    /// per-position losses (see [`GPT2::accumulate_loss`], [`GPT2::backward`]). Under ZeRO-3
+    /// it gathers weights, a collective: every rank must make the same passes.
     pub fn forward(&mut self, inputs: &[u32], targets: Option<&[u32]>, b: usize, t: usize) -> Result<()> {
         let cfg = self.config;
         let (c, v, vp, n) = (cfg.channels, cfg.vocab_size, cfg.padded_vocab_size, b * t);
@@ -683,7 +684,7 @@ impl GPT2 {
     }
 
     /// Feed `tokens` after the cached positions (in chunks); returns the first V logits of the
-    /// last one, read to the host once.
+    /// last one, read to the host once. Under ZeRO-3 a collective, as [`GPT2::forward`].
     pub fn forward_cached<'a>(&mut self, cache: &'a mut KvCache, tokens: &[u32]) -> Result<&'a [f32]> {
         let cfg = self.config;
         let (c, vp) = (cfg.channels, cfg.padded_vocab_size);
@@ -747,8 +748,8 @@ impl GPT2 {
         Ok(if slot == Slot::Params { self.layout.num_parameters } else { self.slot(slot)?.len })
     }
 
-    /// A host copy of one tensor of a slot (llm.c order, all layers); of the parameters, or of
-    /// a slot this rank holds whole.
+    /// A host copy of one tensor of a slot (llm.c order, all layers); of the parameters (under
+    /// ZeRO-3 gathered: a collective), or of a slot this rank holds whole.
     pub fn read_tensor(&mut self, slot: Slot, t: Tensor) -> Result<Vec<f32>> {
         if slot == Slot::Params && self.zero.stage == 3 {
             return Ok(self.read_all(slot)?[self.layout.range(t)].to_vec());

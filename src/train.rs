@@ -610,9 +610,8 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
     Ok(summary)
 }
 
-/// As llm.c: rank 0 writes the model file, every rank its state file, then (after all have)
-/// rank 0 the DONE marker, so a checkpoint without DONE is ignored.
-/// Write the checkpoint of `step`: this rank's state, rank 0's model file, then the DONE marker.
+/// Write the checkpoint of `step` as llm.c does: every rank its state file, rank 0 the model
+/// file, then (after all have) rank 0 the DONE marker, so a checkpoint without DONE is ignored.
 /// A diverged model (non-finite parameters or AdamW moments) is refused before anything is
 /// written, so the newest complete checkpoint is always one that can be resumed.
 fn write_checkpoint(dir: &Path, step: usize, model: &mut GPT2, train: &DataLoader, dtype: Dtype) -> Result<()> {

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::make_data;
+use common::{make_data, nan_max};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -110,7 +110,7 @@ fn ranks_under_mpirun_train_as_one_process_at_every_zero_stage() {
                 .iter()
                 .zip(&one_params)
                 .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
-                .fold(0f32, f32::max);
+                .fold(0f32, nan_max);
             assert!(worst <= 1e-5, "{what}: a parameter differs by {worst} after 20 steps");
             let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
             assert!(
@@ -203,6 +203,16 @@ fn a_killed_rank_ends_the_job_and_the_run_resumes_exactly() {
     let mut c = mpirun(2, test).unwrap();
     c.args(train_args(&data, &full, 2, &flags)).args(["-z", "1"]);
     run_ok(c, "the uninterrupted run");
+    // An error on rank 0 alone (a fresh run over earlier checkpoints, refused before any
+    // collective) ends the job at once with rank 0's message, not after the other rank's
+    // collective times out.
+    let mut c = mpirun(2, test).unwrap();
+    c.args(train_args(&data, &full, 2, &flags).into_iter().filter(|a| a != "--overwrite")).args(["-z", "1"]);
+    let t0 = Instant::now();
+    let o = c.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("rank 0 of 2") && err.contains("earlier run"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(30), "the refused job took {:?}", t0.elapsed());
     let mut c = mpirun(2, test).unwrap();
     c.args(train_args(&data, &cut, 2, &flags)).args(["-z", "1"]);
     let (mut job, ranks, t0) = start_and_signal(c, dir.path(), &cut, 10, libc::SIGKILL);

@@ -254,8 +254,11 @@ fn ranks_train_as_one_process_with_the_whole_batch_at_every_zero_stage() {
                 }
             }
             let params = load(&out).data;
-            let worst =
-                params.iter().zip(&one_params).map(|(a, b)| (a - b).abs() / b.abs().max(1.0)).fold(0f32, f32::max);
+            let worst = params
+                .iter()
+                .zip(&one_params)
+                .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+                .fold(0f32, common::nan_max);
             assert!(worst <= 1e-5, "{what}: a parameter differs by {worst} after the last step");
             // AdamW's first moment: rank r's file holds part r of every piece.
             let mut m = vec![f32::NAN; one_m.len()];
@@ -270,7 +273,7 @@ fn ranks_train_as_one_process_with_the_whole_batch_at_every_zero_stage() {
                     }
                 }
             }
-            let worst = m.iter().zip(&one_m).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let worst = m.iter().zip(&one_m).map(|(a, b)| (a - b).abs()).fold(0f32, common::nan_max);
             let scale = one_m.iter().fold(0f32, |x, b| x.max(b.abs()));
             assert!(worst <= 1e-4 * scale, "{what}: AdamW m differs by {worst} (largest {scale})");
         }

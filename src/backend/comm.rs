@@ -3,8 +3,9 @@
 //! choice of one at start-up ([`open`]: MPI when launched by `mpirun`, see [`super::mpi`]).
 //!
 //! Stage 0 all-reduces the gradients; ZeRO stages reduce-scatter gradients into this rank's
-//! [`shard`] and all-gather parameters from every rank's shard (see [`crate::zero`]). MPI (CPU)
-//! and NCCL (CUDA) implement the same trait; with one process every collective is the identity.
+//! [`shard`] and all-gather parameters from every rank's shard (see [`crate::zero`]). MPI
+//! implements the trait for the CPU; a GPU backend's NCCL will implement the same trait. With one
+//! process every collective is the identity.
 
 use super::{Backend, Buf};
 use anyhow::{bail, Result};
@@ -155,6 +156,40 @@ const WORLD_SIZE_ENV: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZ
 /// The number of ranks a launcher (mpirun, srun) says this job has, if it says.
 pub fn launched_world_size() -> Option<usize> {
     WORLD_SIZE_ENV.iter().find_map(|v| std::env::var(v).ok()?.parse().ok())
+}
+
+/// This process's rank as the launcher says it, if it says.
+pub fn launched_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"].iter().find_map(|v| std::env::var(v).ok()?.parse().ok())
+}
+
+/// End the process after the command, on the main thread. After success MPI (if any) is
+/// finalized. After an error in a job of several processes the error is printed and the
+/// process exits at once without finalizing, which makes the launcher end the other ranks (they
+/// may be waiting in a collective for this one; finalizing would wait for them in turn).
+pub fn finish(result: anyhow::Result<()>) -> ! {
+    match result {
+        Ok(()) => {
+            #[cfg(feature = "mpi")]
+            super::mpi::finalize();
+            std::process::exit(0)
+        }
+        Err(e) => match (launched_world_size(), launched_rank()) {
+            (Some(n), rank) if n > 1 => {
+                use std::io::Write;
+                let rank = rank.map_or("?".into(), |r| r.to_string());
+                let _ = writeln!(std::io::stderr(), "error (rank {rank} of {n}): {e:#}");
+                let _ = std::io::stderr().flush();
+                // SAFETY: _exit ends the process without running atexit handlers (MPI's among
+                // them, which would wait for the other ranks).
+                unsafe { libc::_exit(1) }
+            }
+            _ => {
+                eprintln!("error: {e:#}");
+                std::process::exit(1)
+            }
+        },
+    }
 }
 
 /// The collectives of this process, chosen once at start-up: MPI when a launcher started it

@@ -2,15 +2,21 @@
 //! rank, launched by `mpirun -np N llmrs train ...` on one machine or several (a hostfile).
 //!
 //! Buffers whose memory the host can address (the CPU backend) are handed to MPI in place;
-//! others go through host copies. The extra host memory is bounded: an all-reduce goes in
-//! chunks of [`CHUNK`] values, a reduce-scatter needs one shard of its buffer, an all-gather one
-//! shard of its output.
+//! others go through host copies. The extra host memory is bounded: two staging buffers, kept
+//! for the run, each at most [`CHUNK`] values (an all-reduce goes in chunks) or one shard of the
+//! largest buffer a reduce-scatter or all-gather is given (a part of wte).
 //!
 //! A rank that dies makes `mpirun` end the others. A rank that hangs (stopped, deadlocked,
 //! lost) would leave the others blocked in a collective forever, so a watchdog thread ends this
 //! process with an error when one collective has waited longer than the timeout
-//! (`--comm-timeout`); `mpirun` then ends the rest. Checkpoints are written whole or not at all
-//! (see [`crate::train`]), so the newest complete one survives either way.
+//! (`--comm-timeout`); `mpirun` then ends the rest. A rank that fails with an error prints it
+//! and exits without finalizing MPI ([`finalize`] runs only after success), which makes
+//! `mpirun` end the rest at once; finalizing would wait for the other ranks, which wait in a
+//! collective. Checkpoints are written whole or not at all (see [`crate::train`]), so the
+//! newest complete one survives either way.
+//!
+//! MPI is initialized on the main thread and finalized there ([`finalize`]); in between, the
+//! command runs on a worker of the thread pool, which `Threading::Serialized` allows.
 
 use super::comm::{check_shard_lens, store, with_host, Collectives, CommClock, Reduce};
 use super::{Backend, Buf};
@@ -20,14 +26,23 @@ use mpi::environment::{Threading, Universe};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Values per all-reduce call (4 MiB of f32): bounds the host copy of the send side.
 const CHUNK: usize = 1 << 20;
 
+/// The MPI environment, whose drop is MPI_Finalize: held here, not by a [`MpiComm`], so that
+/// it is dropped on the main thread and only after success ([`finalize`]).
+static UNIVERSE: Mutex<Option<Universe>> = Mutex::new(None);
+
+/// Finalize MPI if it was initialized: call on the main thread after the command succeeded.
+pub fn finalize() {
+    let u = UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()).take();
+    drop(u);
+}
+
 pub struct MpiComm {
-    // Field order is drop order: the communicators go before the universe, whose drop is MPI_Finalize.
     world: SimpleCommunicator,
     rank: usize,
     size: usize,
@@ -36,17 +51,18 @@ pub struct MpiComm {
     send: Vec<f32>,
     recv: Vec<f32>,
     watch: Arc<Watchdog>,
-    _universe: Universe,
 }
 
 // SAFETY: MPI is initialized with MPI_THREAD_SERIALIZED or better (checked in `init`), so any
-// one thread at a time may call it; every call goes through `&mut self` or `&self` of this one
-// value, which a thread must own or borrow to call, so calls never overlap. The watchdog
-// thread makes no MPI call.
+// one thread at a time may call it (the value moves from the main thread, which initialized
+// MPI, to the pool worker that runs the command). Every call goes through `&mut self` or
+// `&self` of this one value, which is not Sync (its MPI handles are raw pointers), so calls
+// never overlap. The watchdog thread makes no MPI call; MPI_Finalize runs on the main thread
+// after this value is gone ([`finalize`]).
 unsafe impl Send for MpiComm {}
 
 impl MpiComm {
-    /// Initialize MPI (once per process) and start the watchdog.
+    /// Initialize MPI (once per process, on the main thread) and start the watchdog.
     pub fn init(timeout: Duration) -> Result<MpiComm> {
         let Some((universe, provided)) = mpi::initialize_with_threading(Threading::Serialized) else {
             bail!("MPI was already initialized in this process");
@@ -60,17 +76,8 @@ impl MpiComm {
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         let local = world.split_shared(world.rank()).size() as usize;
         let watch = Watchdog::start(rank, timeout);
-        Ok(MpiComm {
-            world,
-            rank,
-            size,
-            local,
-            clock: CommClock::default(),
-            send: vec![],
-            recv: vec![],
-            watch,
-            _universe: universe,
-        })
+        *UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()) = Some(universe);
+        Ok(MpiComm { world, rank, size, local, clock: CommClock::default(), send: vec![], recv: vec![], watch })
     }
 
     fn finish_mean(&self, vals: &mut [f32], op: Reduce) {

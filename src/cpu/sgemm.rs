@@ -505,7 +505,7 @@ unsafe fn serial(t: Tile, m: usize, n: usize, k: usize, c: View, accumulate: boo
     }
     PACKS.with(|packs| {
         let packs = &mut *packs.borrow_mut();
-        // A panels get MR floats of slack: the vector packer's last store overhangs its panel.
+        // A panels get A_SLACK floats of slack: the vector packer's last store overhangs its panel.
         let ap = aligned(&mut packs.a, MC * KC_MAX + A_SLACK);
         let bp = aligned(&mut packs.b, KC_MAX * NC);
         let kc_block = depth(k);
@@ -895,6 +895,11 @@ mod tests {
         }
     }
 
+    /// The values' bit patterns (so that -0.0 and 0.0 differ, and NaN equals itself).
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     /// The tiles this CPU can run.
     fn tiles() -> Vec<Tile> {
         let mut t = vec![Tile::Avx2];
@@ -979,7 +984,7 @@ mod tests {
                     let c = with_tile(Tile::Avx2);
                     for &t in &tiles[1..] {
                         assert!(
-                            c == with_tile(t),
+                            bits(&c) == bits(&with_tile(t)),
                             "({m},{n},{k}) layouts {a_kind}/{b_kind}: tile {t:?} differs from 6x16"
                         );
                     }
@@ -1085,7 +1090,7 @@ mod tests {
                     for tile in tiles() {
                         for t in [1, 2, 3] {
                             assert!(
-                                one == with_threads(tile, t),
+                                bits(&one) == bits(&with_threads(tile, t)),
                                 "({m},{n},{k}) b_rows={b_rows} acc={accumulate}: {tile:?} on {t} threads differs"
                             );
                         }

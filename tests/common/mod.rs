@@ -26,3 +26,13 @@ pub fn make_data(dir: &Path, seed: u64, train_tokens: usize, val_tokens: usize) 
     llmrs::data::write_shard(&va, &toks(val_tokens)).unwrap();
     (tr.to_str().unwrap().into(), va.to_str().unwrap().into())
 }
+
+/// The larger of two values, NaN if either is: a fold that lets no NaN through a tolerance check.
+#[allow(dead_code)] // not every test file uses it
+pub fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
+}
