@@ -55,21 +55,16 @@ impl Tensor {
         Tensor::LnfB,
     ];
 
-    /// The twelve tensors of a block, in file order.
-    pub const BLOCK: [Tensor; 12] = [
-        Tensor::Ln1W,
-        Tensor::Ln1B,
-        Tensor::QkvW,
-        Tensor::QkvB,
-        Tensor::AttProjW,
-        Tensor::AttProjB,
-        Tensor::Ln2W,
-        Tensor::Ln2B,
-        Tensor::FcW,
-        Tensor::FcB,
-        Tensor::FcProjW,
-        Tensor::FcProjB,
-    ];
+    /// The twelve tensors of a block, in file order (those of [`Tensor::ALL`] between wpe and lnf).
+    pub const BLOCK: [Tensor; 12] = {
+        let mut b = [Tensor::Wte; 12];
+        let mut i = 0;
+        while i < 12 {
+            b[i] = Tensor::ALL[i + 2];
+            i += 1;
+        }
+        b
+    };
 
     /// llm.c's name for the tensor (`wte`, `qkvw`, ...).
     pub fn name(self) -> &'static str {
@@ -341,6 +336,12 @@ mod tests {
             assert_eq!(lay.range(pair[0]).end, lay.range(pair[1]).start, "{:?}", pair);
         }
         assert_eq!(Tensor::ALL.iter().filter(|t| t.weight_decay()).count(), 6);
+        // BLOCK is the per-layer tensors, and a block's fields are their layer slices.
+        assert_eq!(Tensor::ALL.iter().filter(|t| t.per_layer()).count(), Tensor::BLOCK.len());
+        for t in Tensor::BLOCK {
+            assert!(t.per_layer());
+            assert_eq!(lay.block(3).get(t), lay.layer(t, 3), "{t:?}");
+        }
     }
 
     #[test]
