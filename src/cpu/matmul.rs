@@ -105,6 +105,7 @@ fn gemm_impl(
         // n elements.
         unsafe {
             sgemm::sgemm(
+                sgemm::Tile::for_rows(m),
                 m,
                 n,
                 k,

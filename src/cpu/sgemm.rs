@@ -23,7 +23,7 @@ use super::team;
 
 /// The register tile: the micro-kernel computes MR rows x NR columns of C per call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Tile {
+pub enum Tile {
     /// 6x16: 12 AVX2 accumulators (two 8-lane vectors per row), 2 B loads and 6 broadcasts per
     /// step of k; a `KC_MAX x 16` B panel is 24 KiB, inside L1.
     Avx2,
@@ -45,7 +45,7 @@ impl Tile {
 
     /// The tile for a GEMM of `m` rows: a C of a few rows (one token's decode step) would waste
     /// most of a 12-row tile, so it takes the 6-row one. Both tiles give the same bits.
-    fn for_rows(m: usize) -> Tile {
+    pub fn for_rows(m: usize) -> Tile {
         match Tile::current() {
             Tile::Avx512 if m > Tile::Avx2.mr() => Tile::Avx512,
             _ => Tile::Avx2,
@@ -120,55 +120,19 @@ impl View {
     }
 }
 
-/// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n) [+ bias (n)]`; strides are (row stride, column
-/// stride) in elements and must be non-negative. `bias` (null for none) is added to every row,
-/// only when not accumulating: it is fused into the first store of each tile, which saves
-/// writing C once with the bias before the GEMM. `threads` > 1 splits the work over the pool.
+/// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n) [+ bias (n)]` with register tile `t`
+/// ([`Tile::for_rows`] picks the one for the CPU and the shape; every tile gives the same bits);
+/// strides are (row stride, column stride) in elements and must be non-negative. `bias` (null
+/// for none) is added to every row, only when not accumulating: it is fused into the first store
+/// of each tile, which saves writing C once with the bias before the GEMM. `threads` > 1 splits
+/// the work over the pool.
 ///
 /// # Safety
 /// Every element that the strides address for the given shapes must lie inside its buffer, and
-/// `dst` must not overlap `lhs` or `rhs`. Requires [`fast_path_available`] and `dst_cs == 1`.
+/// `dst` must not overlap `lhs` or `rhs`. Requires [`fast_path_available`] and `dst_cs == 1`;
+/// `Tile::Avx512` also needs AVX-512F.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn sgemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    (dst_rs, dst_cs): (isize, isize),
-    accumulate: bool,
-    bias: *const f32,
-    lhs: *const f32,
-    (lhs_rs, lhs_cs): (isize, isize),
-    rhs: *const f32,
-    (rhs_rs, rhs_cs): (isize, isize),
-    threads: usize,
-) {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        sgemm_tile(
-            Tile::for_rows(m),
-            m,
-            n,
-            k,
-            dst,
-            (dst_rs, dst_cs),
-            accumulate,
-            bias,
-            lhs,
-            (lhs_rs, lhs_cs),
-            rhs,
-            (rhs_rs, rhs_cs),
-            threads,
-        )
-    }
-}
-
-/// [`sgemm`] with a given tile (tests compare the tiles).
-///
-/// # Safety
-/// As [`sgemm`]; `Tile::Avx512` also needs AVX-512F.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn sgemm_tile(
     t: Tile,
     m: usize,
     n: usize,
@@ -911,7 +875,7 @@ mod tests {
         t
     }
 
-    /// [`sgemm_tile`] on slices: C (m, n) at row stride `crs`, A and B at the given strides.
+    /// [`sgemm`] on slices: C (m, n) at row stride `crs`, A and B at the given strides.
     #[allow(clippy::too_many_arguments)]
     fn run(
         tile: Tile,
@@ -929,7 +893,7 @@ mod tests {
         let bias = bias.map_or(std::ptr::null(), |b| b.as_ptr());
         // SAFETY: every caller sizes the buffers for the shapes and strides it passes.
         unsafe {
-            sgemm_tile(
+            sgemm(
                 tile,
                 m,
                 n,
