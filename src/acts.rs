@@ -10,13 +10,16 @@ use crate::backend::{Backend, Buf, DType};
 use crate::config::GPT2Config;
 use anyhow::Result;
 
-/// Cut consecutive views of the given lengths out of one new allocation.
-fn carve<const K: usize>(be: &mut dyn Backend, lens: [usize; K]) -> Result<(Buf, [Buf; K])> {
-    let whole = be.alloc(lens.iter().sum(), DType::F32)?;
+/// Cut consecutive views out of one new allocation: view i is `count` tensors of `len`
+/// elements each (a tensor per layer for the stacked ones), and the backend is told each
+/// tensor, so that none straddles two of a device's memory chunks.
+fn carve<const K: usize>(be: &mut dyn Backend, views: [(usize, usize); K]) -> Result<(Buf, [Buf; K])> {
+    let parts: Vec<usize> = views.iter().flat_map(|&(count, len)| std::iter::repeat_n(len, count)).collect();
+    let whole = be.alloc_parts(&parts, DType::F32)?;
     let mut off = 0;
-    let views = lens.map(|len| {
-        off += len;
-        whole.slice(off - len..off)
+    let views = views.map(|(count, len)| {
+        off += count * len;
+        whole.slice(off - count * len..off)
     });
     Ok((whole, views))
 }
@@ -90,15 +93,17 @@ impl Acts {
     pub fn new(be: &mut dyn Backend, cfg: &GPT2Config, b: usize, t: usize, backward: bool) -> Result<Self> {
         let (c, l, nh, vp) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size);
         let n = b * t;
-        let bw = |len: usize| if backward { len } else { 0 };
+        let bw = |len: usize| (1, if backward { len } else { 0 });
+        let (one, per_layer) = (|len: usize| (1, len), |len: usize| (l, len));
         #[rustfmt::skip]
-        let lens = [
-            n * c, l * n * c, l * n, l * n, l * n * 3 * c, l * n * c, l * b * nh * t * t, l * n * c,
-            l * n * c, l * n, l * n, l * n * 4 * c, l * n * 4 * c, l * n * c,
-            n * c, n, n, n * vp, n, n, n * c,
+        let views = [
+            one(n * c), per_layer(n * c), per_layer(n), per_layer(n), per_layer(n * 3 * c), per_layer(n * c),
+            per_layer(b * nh * t * t), per_layer(n * c), per_layer(n * c), per_layer(n), per_layer(n),
+            per_layer(n * 4 * c), per_layer(n * 4 * c), per_layer(n * c),
+            one(n * c), one(n), one(n), one(n * vp), one(n), one(n), one(n * c),
             bw(n * c), bw(n * 4 * c), bw(n * 3 * c), bw(b * nh * t * t),
         ];
-        let (whole, v) = carve(be, lens)?;
+        let (whole, v) = carve(be, views)?;
         let tokens = be.alloc(2 * n, DType::U32)?;
         Ok(Acts {
             cap_b: b,
@@ -150,24 +155,27 @@ impl Acts {
         (self.tokens.prefix(n), self.tokens.slice(cap..cap + n))
     }
 
-    /// Layer `l`'s views for a pass over (b, t) (layers laid out at the pass's own size).
+    /// Layer `l`'s views for a pass over (b, t): the start of layer l's tensor of each stacked
+    /// activation (each layer's tensor is sized for the capacity and is one allocation part).
     pub fn layer(&self, cfg: &GPT2Config, l: usize, b: usize, t: usize) -> BlockActs {
-        let (c, nh, n) = (cfg.channels, cfg.num_heads, b * t);
+        let (c, nh, n, cap) = (cfg.channels, cfg.num_heads, b * t, self.cap_b * self.cap_t);
+        let at = |x: Buf, per_position: usize, len: usize| x.part(l, cap * per_position).prefix(len);
+        let att_cap = self.cap_b * nh * self.cap_t * self.cap_t;
         BlockActs {
-            res_in: if l == 0 { self.encoded.prefix(n * c) } else { self.residual3.part(l - 1, n * c) },
-            ln1: self.ln1.part(l, n * c),
-            ln1_mean: self.ln1_mean.part(l, n),
-            ln1_rstd: self.ln1_rstd.part(l, n),
-            qkv: self.qkv.part(l, n * 3 * c),
-            atty: self.atty.part(l, n * c),
-            att: self.att.part(l, b * nh * t * t),
-            residual2: self.residual2.part(l, n * c),
-            ln2: self.ln2.part(l, n * c),
-            ln2_mean: self.ln2_mean.part(l, n),
-            ln2_rstd: self.ln2_rstd.part(l, n),
-            fch: self.fch.part(l, n * 4 * c),
-            fch_gelu: self.fch_gelu.part(l, n * 4 * c),
-            residual3: self.residual3.part(l, n * c),
+            res_in: if l == 0 { self.encoded.prefix(n * c) } else { self.residual3.part(l - 1, cap * c).prefix(n * c) },
+            ln1: at(self.ln1, c, n * c),
+            ln1_mean: at(self.ln1_mean, 1, n),
+            ln1_rstd: at(self.ln1_rstd, 1, n),
+            qkv: at(self.qkv, 3 * c, n * 3 * c),
+            atty: at(self.atty, c, n * c),
+            att: self.att.part(l, att_cap).prefix(b * nh * t * t),
+            residual2: at(self.residual2, c, n * c),
+            ln2: at(self.ln2, c, n * c),
+            ln2_mean: at(self.ln2_mean, 1, n),
+            ln2_rstd: at(self.ln2_rstd, 1, n),
+            fch: at(self.fch, 4 * c, n * 4 * c),
+            fch_gelu: at(self.fch_gelu, 4 * c, n * 4 * c),
+            residual3: at(self.residual3, c, n * c),
             scratch: self.scratch.prefix(n * c),
         }
     }
@@ -213,14 +221,15 @@ impl KvCache {
         let (c, l, nh, vp, ch) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size, chunk);
         // k, v, then the block's buffers in BlockActs order (one stream buffer for res_in and
         // residual3: each op reads it before the block's last one writes it), then the head.
+        let (one, per_layer) = (|len: usize| (1, len), |len: usize| (l, len));
         #[rustfmt::skip]
-        let lens = [
-            l * capacity * c, l * capacity * c,
-            ch * c, ch * c, ch, ch, ch * 3 * c, ch * c, nh * ch * capacity, ch * c,
-            ch * c, ch, ch, ch * 4 * c, ch * 4 * c, ch * c,
-            c, 1, 1, vp,
+        let views = [
+            per_layer(capacity * c), per_layer(capacity * c),
+            one(ch * c), one(ch * c), one(ch), one(ch), one(ch * 3 * c), one(ch * c), one(nh * ch * capacity),
+            one(ch * c), one(ch * c), one(ch), one(ch), one(ch * 4 * c), one(ch * 4 * c), one(ch * c),
+            one(c), one(1), one(1), one(vp),
         ];
-        let (whole, v) = carve(be, lens)?;
+        let (whole, v) = carve(be, views)?;
         let tokens = be.alloc(ch, DType::U32)?;
         let x = BlockActs {
             res_in: v[2],

@@ -50,14 +50,16 @@ pub struct BenchReport {
     /// Model FLOPs per token as llm.c and PaLM count them: 6N + 6*L*C*T.
     pub flops_per_token: f64,
     pub achieved_gflops: f64,
-    /// This rank's share of the machine's peak (measured by all ranks at once).
-    pub peak_gflops: f64,
+    /// This rank's share of the machine's fp32 peak (measured by all ranks at once); None on a
+    /// GPU, whose peak llmrs does not measure.
+    pub peak_gflops: Option<f64>,
     pub peak_method: String,
-    pub mfu: f64,
+    pub mfu: Option<f64>,
     pub peak_rss_mib: f64,
     /// Share of step time in forward, backward and the optimizer.
     pub phases: Vec<(String, f64)>,
-    /// Share of step time by layer kind.
+    /// Share of step time by layer kind (from the device's timestamps on a GPU; empty where
+    /// the adapter has none).
     pub kinds: Vec<(String, f64)>,
 }
 
@@ -213,8 +215,10 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let opt = OptimConfig::default();
     let (mut times, mut comm_ms) = (vec![], vec![]);
     let mut phase = [0f64; 3];
+    // The CPU's peak, for MFU; a GPU's is not measured.
+    let cpu = cfg.device == Device::Cpu;
     model.barrier()?; // every rank measures its share of the machine at the same time
-    let peak_before = measure_peak().0;
+    let peak_before = if cpu { measure_peak().0 } else { 0.0 };
     model.barrier()?;
     for step in 0..cfg.warmup + cfg.steps {
         if step == cfg.warmup {
@@ -252,9 +256,11 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let achieved = fpt * tokens_per_s_per_rank / 1e9;
     // Measured once before and once after the steps; the higher reading is the peak.
     model.barrier()?;
-    let (peak, method) = {
+    let (peak, method) = if cpu {
         let (after, method) = measure_peak();
-        (after.max(peak_before), method)
+        (Some(after.max(peak_before)), method)
+    } else {
+        (None, "not measured on a GPU".to_string())
     };
     model.barrier()?;
     Ok(BenchReport {
@@ -279,7 +285,7 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         achieved_gflops: achieved,
         peak_gflops: peak,
         peak_method: method,
-        mfu: achieved / peak,
+        mfu: peak.map(|p| achieved / p),
         peak_rss_mib: peak_rss_mib(),
         phases: ["forward", "backward", "optimizer"]
             .iter()
@@ -317,8 +323,13 @@ impl std::fmt::Display for BenchReport {
             self.achieved_gflops,
             self.flops_per_token / 1e9
         )?;
-        writeln!(f, "peak        {:.1} GFLOP/s fp32 ({})", self.peak_gflops, self.peak_method)?;
-        writeln!(f, "MFU         {:.1}%", 100.0 * self.mfu)?;
+        match (self.peak_gflops, self.mfu) {
+            (Some(peak), Some(mfu)) => {
+                writeln!(f, "peak        {peak:.1} GFLOP/s fp32 ({})", self.peak_method)?;
+                writeln!(f, "MFU         {:.1}%", 100.0 * mfu)?;
+            }
+            _ => writeln!(f, "peak, MFU   {}", self.peak_method)?,
+        }
         let m = &self.memory_per_rank;
         let mb = |x: usize| x as f64 / 1e6;
         writeln!(
@@ -336,7 +347,11 @@ impl std::fmt::Display for BenchReport {
             v.iter().map(|(n, x)| format!("{n} {:.1}%", 100.0 * x)).collect::<Vec<_>>().join(", ")
         };
         writeln!(f, "phases      {}", pct(&self.phases))?;
-        write!(f, "layer kinds {}", pct(&self.kinds))
+        if self.kinds.is_empty() {
+            write!(f, "layer kinds not timed (the adapter has no timestamp queries)")
+        } else {
+            write!(f, "layer kinds {}", pct(&self.kinds))
+        }
     }
 }
 
@@ -357,7 +372,8 @@ mod tests {
         })
         .unwrap();
         assert!(r.ms_min <= r.ms_median && r.ms_median <= r.ms_max);
-        assert!(r.peak_gflops > 0.0 && r.mfu > 0.0 && r.mfu < 1.0);
+        let (peak, mfu) = (r.peak_gflops.unwrap(), r.mfu.unwrap());
+        assert!(peak > 0.0 && mfu > 0.0 && mfu < 1.0);
         let phases: f64 = r.phases.iter().map(|x| x.1).sum();
         assert!((phases - 1.0).abs() < 1e-9);
         let kinds: f64 = r.kinds.iter().map(|x| x.1).sum();

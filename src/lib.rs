@@ -12,6 +12,7 @@ pub mod cpu;
 pub mod data;
 pub mod download;
 pub mod generate;
+pub mod gpu;
 pub mod hellaswag;
 pub mod hf;
 pub mod hub;

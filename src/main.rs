@@ -19,7 +19,8 @@ struct Cli {
     /// stops with an error (a rank died or hangs).
     #[arg(long, global = true, default_value_t = 600)]
     comm_timeout: u64,
-    /// Where the model runs: cpu (cuda and cuda:N are not built yet).
+    /// Where the model runs: cpu, or gpu (the best adapter: Metal, Vulkan or DX12) or gpu:N
+    /// (the N-th of `llmrs devices`).
     #[arg(long, global = true, default_value = "cpu")]
     device: llmrs::backend::Device,
     #[command(subcommand)]
@@ -69,6 +70,8 @@ enum Cmd {
     /// Evaluate a model.
     #[command(subcommand)]
     Eval(EvalCmd),
+    /// List the GPU adapters `--device gpu:N` can use (backend, name, limits).
+    Devices,
     /// Generate text from a prompt, streaming it as it is produced (KV-cached).
     Generate(GenArgs),
     /// Convert a model between llm.c .bin and Hugging Face safetensors. OUT ending in .bin is an
@@ -595,6 +598,16 @@ fn run_command(cli: Cli, comm: Box<dyn llmrs::backend::comm::Collectives>) -> Re
                 println!("{}", serde_json::to_string(&r)?);
             } else {
                 println!("{r}");
+            }
+            Ok(())
+        }
+        Some(Cmd::Devices) => {
+            let lines = llmrs::gpu::describe_adapters();
+            if lines.is_empty() {
+                println!("no GPU adapters found (looked for {}); --device cpu runs on the CPU", llmrs::gpu::LOOKED_FOR);
+            }
+            for l in lines {
+                println!("{l}");
             }
             Ok(())
         }

@@ -5,7 +5,7 @@
 //! (host copies of named tensors, the step's loss, one position's logits).
 
 use crate::acts::{Acts, BackActs, BlockActs, KvCache};
-use crate::backend::comm::{with_host, Collectives, Reduce, SingleProcess};
+use crate::backend::comm::{read_host, Collectives, Reduce, SingleProcess};
 use crate::backend::{self, AdamWParams, Backend, Buf, DType, Device, SkipAbove};
 use crate::config::GPT2Config;
 use crate::optim::OptimConfig;
@@ -269,14 +269,14 @@ impl GPT2 {
         let Weights { config, layout, data } = weights;
         let zero = Sharding::new(zero, comm.rank(), comm.world(), config)?;
         let pieces = zero.pieces();
-        let params = be.alloc(zero.len_at(3), DType::F32)?;
+        let params = be.alloc_parts(&zero.parts_at(3), DType::F32)?;
         let mut gathered = None;
         if zero.stage == 3 {
             for p in &pieces {
                 be.upload(params.slice(p.shard.clone()), &data[p.owned.clone()]);
             }
             let (e, b) = (zero.embed_bucket().1, zero.block_bucket().1);
-            let whole = be.alloc(e + b, DType::F32)?;
+            let whole = be.alloc_parts(&zero.bucket_parts(), DType::F32)?;
             let (embed, block) = (whole.prefix(e), whole.slice(e..e + b));
             gathered = Some(Gathered { whole, embed, block, embed_valid: false, block_held: None });
         } else {
@@ -619,15 +619,15 @@ impl GPT2 {
     /// Allocate gradients and AdamW moments (zeroed). Call once before training.
     pub fn alloc_training_state(&mut self) -> Result<()> {
         if self.train.is_none() {
-            let mut z = |n: usize| -> Result<Buf> {
-                let b = self.be.alloc(n, DType::F32)?;
+            let mut z = |parts: Vec<usize>| -> Result<Buf> {
+                let b = self.be.alloc_parts(&parts, DType::F32)?;
                 self.be.fill(b, 0.0);
                 Ok(b)
             };
-            let (grads, m, v) = (z(self.zero.len_at(2))?, z(self.zero.len_at(1))?, z(self.zero.len_at(1))?);
+            let (grads, m, v) = (z(self.zero.parts_at(2))?, z(self.zero.parts_at(1))?, z(self.zero.parts_at(1))?);
             let buckets = if self.zero.stage >= 2 {
                 let (e, b) = (self.zero.embed_bucket().1, self.zero.block_bucket().1);
-                let whole = z(e + b)?;
+                let whole = z(self.zero.bucket_parts())?;
                 Some((whole.prefix(e), whole.slice(e..e + b)))
             } else {
                 None
@@ -858,7 +858,7 @@ impl GPT2 {
     /// so that all ranks agree to write a checkpoint or not).
     pub fn state_finite(&mut self) -> Result<(bool, bool)> {
         let be = &mut *self.be;
-        let finite = |be: &mut dyn Backend, b: Buf| with_host(be, b, |h| h.iter().all(|x| x.is_finite()));
+        let finite = |be: &mut dyn Backend, b: Buf| read_host(be, b, |h| h.iter().all(|x| x.is_finite()));
         let mut bad = [!finite(be, self.params)? as u8 as f32, 0.0];
         if let Some(tr) = self.train {
             bad[1] = !(finite(be, tr.m)? && finite(be, tr.v)?) as u8 as f32;

@@ -80,6 +80,13 @@ impl Sharding {
         }
     }
 
+    /// The lengths of the pieces, in order, of the buffer that holds what is sharded at
+    /// `from_stage` and above ([`Sharding::len_at`]): the parts of its allocation.
+    pub fn parts_at(&self, from_stage: usize) -> Vec<usize> {
+        let sharded = self.stage >= from_stage;
+        self.pieces().iter().map(|p| if sharded { p.shard.len() } else { p.full.len() }).collect()
+    }
+
     /// Every piece, tensor by tensor in llm.c's order, layers in order within each.
     pub fn pieces(&self) -> Vec<Piece> {
         Tensor::ALL
@@ -101,6 +108,14 @@ impl Sharding {
         // Tensors before t hold start/world shard values each; then l parts of this one.
         let start = self.layout.range(t).start / self.world + l * part;
         Piece { tensor: t, layer: l, full, owned, shard: start..start + part }
+    }
+
+    /// The lengths of the embedding bucket's tensors, then of a one-block bucket's: the parts
+    /// of an allocation that holds both, embedding bucket first.
+    pub fn bucket_parts(&self) -> Vec<usize> {
+        let block = self.layout.block(0).map(|r| r.len());
+        let embed = self.embed_bucket().0.map(|r| r.len());
+        embed.into_iter().chain(Tensor::BLOCK.iter().map(|&t| block.get(t))).collect()
     }
 
     /// Where each of a block's tensors sits in a one-block bucket, and its length.

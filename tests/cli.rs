@@ -232,3 +232,40 @@ fn generate_eval_convert_and_plot_commands() {
     run(&["plot", "r/log.jsonl", "-o", "c"]);
     assert!(dir.path().join("c.png").exists() && dir.path().join("c.svg").exists());
 }
+
+/// `--device gpu` where wgpu finds no adapter (here: told to look only for OpenGL, which llmrs
+/// is not built with): one line naming what was looked for and the way out.
+#[test]
+fn gpu_without_an_adapter_is_a_one_line_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
+    llmrs::data::write_shard(&dir.path().join("train.bin"), &toks).unwrap();
+    let o = llmrs()
+        .current_dir(dir.path())
+        .env("WGPU_BACKEND", "gl")
+        .args([
+            "--device",
+            "gpu",
+            "train",
+            "-i",
+            "train.bin",
+            "-j",
+            "train.bin",
+            "-e",
+            "1x16:2:16",
+            "-t",
+            "8",
+            "-o",
+            "",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("no GPU adapter found") && err.contains("Vulkan") && err.contains("--device cpu"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    let o = llmrs().env("WGPU_BACKEND", "gl").arg("devices").output().unwrap();
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("no GPU adapters found"));
+    let o = llmrs().args(["--device", "gpu:x", "devices"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("use cpu, gpu or gpu:N"));
+}

@@ -78,6 +78,18 @@ pub(crate) fn with_host<R>(be: &mut dyn Backend, buf: Buf, f: impl FnOnce(&mut [
     Ok(r)
 }
 
+/// f of an f32 buffer's elements on the host, read only: in place on the CPU, else a copy
+/// (nothing is written back).
+pub(crate) fn read_host<R>(be: &mut dyn Backend, buf: Buf, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    be.synchronize()?;
+    if let Some(s) = be.host_f32(buf) {
+        return Ok(f(s));
+    }
+    let mut h = crate::mem::zeroed(buf.len);
+    be.download(buf, &mut h)?;
+    Ok(f(&h))
+}
+
 /// A host copy of an f32 buffer.
 pub(crate) fn host_copy(be: &mut dyn Backend, buf: Buf, out: &mut Vec<f32>) -> Result<()> {
     out.resize(buf.len, 0.0);

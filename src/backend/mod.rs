@@ -84,19 +84,25 @@ pub enum Device {
     /// fp32 on every core ([`crate::cpu`]).
     #[default]
     Cpu,
-    /// An NVIDIA GPU by index (not built yet).
+    /// A GPU through wgpu (Vulkan, Metal, DX12: [`crate::gpu`]): the N-th adapter of `llmrs
+    /// devices`, or with None the best one (a discrete GPU first, a software one last).
+    Gpu(Option<usize>),
+    /// An NVIDIA GPU by index through CUDA (not built yet).
     Cuda(usize),
 }
 
 impl std::str::FromStr for Device {
     type Err = anyhow::Error;
     fn from_str(s: &str) -> Result<Self> {
+        let index = |prefix: &str| s.strip_prefix(prefix).map(str::parse::<usize>);
         match s {
             "cpu" => Ok(Device::Cpu),
+            "gpu" => Ok(Device::Gpu(None)),
             "cuda" => Ok(Device::Cuda(0)),
-            _ => match s.strip_prefix("cuda:").map(str::parse) {
-                Some(Ok(i)) => Ok(Device::Cuda(i)),
-                _ => bail!("unknown device '{s}': use cpu, cuda or cuda:N"),
+            _ => match (index("gpu:"), index("cuda:")) {
+                (Some(Ok(i)), _) => Ok(Device::Gpu(Some(i))),
+                (_, Some(Ok(i))) => Ok(Device::Cuda(i)),
+                _ => bail!("unknown device '{s}': use cpu, gpu or gpu:N (`llmrs devices` lists the GPUs)"),
             },
         }
     }
@@ -106,6 +112,8 @@ impl std::fmt::Display for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Device::Cpu => write!(f, "cpu"),
+            Device::Gpu(None) => write!(f, "gpu"),
+            Device::Gpu(Some(i)) => write!(f, "gpu:{i}"),
             Device::Cuda(i) => write!(f, "cuda:{i}"),
         }
     }
@@ -123,8 +131,12 @@ pub fn open(device: Device) -> Result<Box<dyn Backend>> {
             let check = std::env::var_os(NAN_CHECK_ENV).is_some_and(|v| !v.is_empty() && v != "0");
             Ok(Box::new(crate::cpu::backend::CpuBackend::new(check)))
         }
+        Device::Gpu(adapter) => Ok(Box::new(crate::gpu::GpuBackend::open(crate::gpu::Options::from_env(adapter)?)?)),
         Device::Cuda(_) => {
-            bail!("--device {device}: llmrs has no CUDA backend yet; run on the CPU (--device cpu, the default)")
+            bail!(
+                "--device {device}: llmrs has no CUDA backend yet; an NVIDIA GPU runs with --device gpu (Vulkan), \
+                 or run on the CPU (--device cpu, the default)"
+            )
         }
     }
 }
@@ -181,6 +193,13 @@ pub trait Backend {
     /// A new allocation of `len` elements. Its contents are undefined (zero on the CPU, NaN in
     /// the NaN-checking mode); write before reading.
     fn alloc(&mut self, len: usize, dtype: DType) -> Result<Buf>;
+    /// A new allocation holding tensors of these lengths one after another, returned whole:
+    /// the caller cuts it into the same views (its elements are dense, as with [`Backend::alloc`]).
+    /// A device whose memory comes in chunks keeps each part within one of them, so an op on a
+    /// part never straddles two (see [`crate::gpu`]).
+    fn alloc_parts(&mut self, parts: &[usize], dtype: DType) -> Result<Buf> {
+        self.alloc(parts.iter().sum(), dtype)
+    }
     /// Release the allocation that `buf` points into (its other handles become invalid).
     fn free(&mut self, buf: Buf);
     /// dst = src, converted to dst's dtype.
@@ -356,7 +375,11 @@ mod tests {
         assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
         assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
         assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+        assert_eq!("gpu".parse::<Device>().unwrap(), Device::Gpu(None));
+        assert_eq!("gpu:1".parse::<Device>().unwrap(), Device::Gpu(Some(1)));
+        assert_eq!(Device::Gpu(Some(2)).to_string(), "gpu:2");
         assert!("tpu".parse::<Device>().is_err() && "cuda:x".parse::<Device>().is_err());
+        assert!("gpu:".parse::<Device>().is_err() && "gpu:-1".parse::<Device>().is_err());
         let e = open(Device::Cuda(0)).err().unwrap().to_string();
         assert!(e.contains("no CUDA backend yet") && e.contains("--device cpu"), "{e}");
     }

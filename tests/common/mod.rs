@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+#[allow(dead_code)] // not every test file uses it
 /// `train.bin` and `val.bin` in `dir`: token shards of a repeating pattern with noise (every
 /// fourth token random), so a model can learn something quickly. `seed` picks the noise.
 /// Returns their paths.
@@ -36,3 +37,6 @@ pub fn nan_max(a: f32, b: f32) -> f32 {
         a.max(b)
     }
 }
+
+#[allow(dead_code)] // not every test file uses it
+pub mod gpu;

@@ -1,0 +1,61 @@
+//! AdamW and the global gradient norm on the GPU (kernels/adamw.wgsl).
+
+use super::{grid, groups, lens, u, GpuBackend, K};
+use crate::backend::{AdamWParams, Buf, DType};
+
+/// Elements per partial sum of the norm (kernels/adamw.wgsl: CHUNK).
+const SQ_CHUNK: usize = 4096;
+
+impl GpuBackend {
+    /// out (1) [+]= the sum of squares of grads (N): partial sums of fixed pieces, then their
+    /// sum, both in a fixed order.
+    pub(super) fn global_norm_squared_(&mut self, out: Buf, grads: Buf, accumulate: bool) {
+        lens!("global_norm_squared"; out => 1);
+        let pieces = self.mem.pieces(&[grads], grads.len);
+        let total: usize = pieces.iter().map(|r| (r.end - r.start).div_ceil(SQ_CHUNK)).sum();
+        let Some(partials) = self.workspace(|s| &mut s.partials, total, DType::F32) else { return };
+        let mut at = 0;
+        for r in pieces {
+            let n = r.end - r.start;
+            let np = n.div_ceil(SQ_CHUNK);
+            let (pw, g) = (self.win(partials.slice(at..at + np)), self.win(grads.slice(r)));
+            self.dispatch(K::SumSquares, &[pw.clone(), g.clone()], &[pw.off, g.off, 0, 0, 0, u(n)], groups(np));
+            at += np;
+        }
+        let (o, pw) = (self.win(out), self.win(partials.prefix(at)));
+        let mut imm = [0u32; 17];
+        imm[0] = o.off;
+        imm[1] = pw.off;
+        imm[5] = u(at);
+        imm[16] = accumulate as u32;
+        self.dispatch(K::ReducePartials, &[o, pw], &imm, [1, 1, 1]);
+    }
+
+    /// One AdamW step on one tensor, skipped on the device when the step's stats say so.
+    pub(super) fn adamw_update_(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
+        lens!("adamw_update"; grads => params.len, m => params.len, v => params.len, stats => 2);
+        // The bias corrections as the CPU computes them; limits a kernel compares without
+        // infinities (a limit of +inf skips nothing finite, a NaN limit skips everything).
+        let bc1 = 1.0 - h.beta1.powi(h.t);
+        let bc2 = 1.0 - h.beta2.powi(h.t);
+        let limit = |x: f32| if x.is_nan() { f32::MIN } else { x.min(f32::MAX) };
+        let s = self.win(stats);
+        for r in self.mem.pieces(&[params, grads, m, v], params.len) {
+            let n = r.end - r.start;
+            let (wp, wm, wv, wg) = (
+                self.win(params.slice(r.clone())),
+                self.win(m.slice(r.clone())),
+                self.win(v.slice(r.clone())),
+                self.win(grads.slice(r)),
+            );
+            #[rustfmt::skip]
+            let imm = [
+                wp.off, wm.off, wv.off, wg.off, s.off, u(n),
+                h.lr.to_bits(), h.beta1.to_bits(), h.beta2.to_bits(), h.eps.to_bits(), h.weight_decay.to_bits(),
+                h.grad_clip.to_bits(), bc1.to_bits(), bc2.to_bits(), limit(h.skip.loss).to_bits(),
+                limit(h.skip.norm_sq).to_bits(), 0,
+            ];
+            self.dispatch(K::Adamw, &[wp, wm, wv, wg, s.clone()], &imm, grid(n));
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! The WGSL kernels: their sources (one file per layer kind, named as the CPU layer), which entry
+//! point each kernel is and how many buffers it binds, and their pipelines, all built once when
+//! the backend opens.
+
+use super::context::Context;
+use anyhow::{bail, Result};
+
+/// Bytes of immediates every kernel gets (its `Params` struct fits in them): the smallest limit
+/// of the three APIs (Vulkan guarantees 128 bytes of push constants, DX12's root constants in
+/// wgpu are 128 bytes, Metal allows 4 KiB).
+pub const IMMEDIATE_BYTES: u32 = 128;
+
+/// The helpers every module shares, prepended to each.
+pub const COMMON: &str = include_str!("kernels/common.wgsl");
+
+/// Every kernel module, by file name.
+const FILES: [(&str, &str); 9] = [
+    ("memory", include_str!("kernels/memory.wgsl")),
+    ("encoder", include_str!("kernels/encoder.wgsl")),
+    ("layernorm", include_str!("kernels/layernorm.wgsl")),
+    ("residual", include_str!("kernels/residual.wgsl")),
+    ("gelu", include_str!("kernels/gelu.wgsl")),
+    ("matmul", include_str!("kernels/matmul.wgsl")),
+    ("attention", include_str!("kernels/attention.wgsl")),
+    ("classifier", include_str!("kernels/classifier.wgsl")),
+    ("adamw", include_str!("kernels/adamw.wgsl")),
+];
+
+/// The complete WGSL of every module (common helpers included), by file name: what the
+/// pipelines are built from, and what the tests translate for Metal, Vulkan and DX12.
+pub fn wgsl_modules() -> Vec<(&'static str, String)> {
+    FILES.iter().map(|(name, src)| (*name, format!("{COMMON}\n{src}"))).collect()
+}
+
+/// One compute kernel: an entry point of a module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum K {
+    Fill,
+    CopyRows,
+    EncoderForward,
+    EncoderBackwardWte,
+    EncoderBackwardWpe,
+    LayernormForward,
+    LayernormBackwardInput,
+    LayernormBackwardParams,
+    ResidualForward,
+    GeluForward,
+    GeluBackward,
+    Matmul,
+    BiasBackward,
+    SoftmaxForward,
+    SoftmaxBackward,
+    CrossentropyForward,
+    CrossentropyBackward,
+    AccumulateMean,
+    Adamw,
+    SumSquares,
+    ReducePartials,
+}
+
+/// (kernel, module, entry point, storage buffers bound at 0..n).
+const TABLE: [(K, &str, &str, usize); 21] = [
+    (K::Fill, "memory", "fill", 1),
+    (K::CopyRows, "memory", "copy_rows", 2),
+    (K::EncoderForward, "encoder", "encoder_forward", 4),
+    (K::EncoderBackwardWte, "encoder", "encoder_backward_wte", 3),
+    (K::EncoderBackwardWpe, "encoder", "encoder_backward_wpe", 3),
+    (K::LayernormForward, "layernorm", "layernorm_forward", 6),
+    (K::LayernormBackwardInput, "layernorm", "layernorm_backward_input", 6),
+    (K::LayernormBackwardParams, "layernorm", "layernorm_backward_params", 6),
+    (K::ResidualForward, "residual", "residual_forward", 3),
+    (K::GeluForward, "gelu", "gelu_forward", 2),
+    (K::GeluBackward, "gelu", "gelu_backward", 2),
+    (K::Matmul, "matmul", "matmul", 4),
+    (K::BiasBackward, "matmul", "bias_backward", 2),
+    (K::SoftmaxForward, "attention", "softmax_forward", 1),
+    (K::SoftmaxBackward, "attention", "softmax_backward", 2),
+    (K::CrossentropyForward, "classifier", "crossentropy_forward", 4),
+    (K::CrossentropyBackward, "classifier", "crossentropy_backward", 4),
+    (K::AccumulateMean, "classifier", "accumulate_mean", 2),
+    (K::Adamw, "adamw", "adamw", 5),
+    (K::SumSquares, "adamw", "sum_squares", 2),
+    (K::ReducePartials, "adamw", "reduce_partials", 2),
+];
+
+/// Most buffers any kernel binds.
+pub const MAX_BINDINGS: usize = 6;
+
+/// The pipelines, and one bind group layout per number of bound buffers.
+pub struct Kernels {
+    pipelines: Vec<wgpu::ComputePipeline>, // in TABLE order
+    /// layouts[n]: n read-write storage buffers at bindings 0..n.
+    pub layouts: Vec<wgpu::BindGroupLayout>,
+    /// The pipeline layout of each bind group layout, with the immediates.
+    pipeline_layouts: Vec<wgpu::PipelineLayout>,
+}
+
+impl Kernels {
+    /// Build every pipeline, failing with one line that names the kernel and the adapter when a
+    /// shader does not build on this driver.
+    pub fn build(ctx: &Context) -> Result<Self> {
+        let dev = &ctx.device;
+        let layouts: Vec<wgpu::BindGroupLayout> = (0..=MAX_BINDINGS)
+            .map(|n| {
+                let entries: Vec<_> = (0..n as u32)
+                    .map(|i| wgpu::BindGroupLayoutEntry {
+                        binding: i,
+                        visibility: wgpu::ShaderStages::COMPUTE,
+                        ty: wgpu::BindingType::Buffer {
+                            ty: wgpu::BufferBindingType::Storage { read_only: false },
+                            has_dynamic_offset: false,
+                            min_binding_size: None,
+                        },
+                        count: None,
+                    })
+                    .collect();
+                dev.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: None, entries: &entries })
+            })
+            .collect();
+        let pipeline_layouts: Vec<wgpu::PipelineLayout> = layouts
+            .iter()
+            .map(|l| {
+                dev.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                    label: None,
+                    bind_group_layouts: &[Some(l)],
+                    immediate_size: IMMEDIATE_BYTES,
+                })
+            })
+            .collect();
+        let mut pipelines = Vec::with_capacity(TABLE.len());
+        for (name, src) in wgsl_modules() {
+            let entries: Vec<_> = TABLE.iter().filter(|t| t.1 == name).map(|t| (t.2, t.3)).collect();
+            let built = build_module(ctx, &pipeline_layouts, name, &src, &entries)?;
+            let kinds = TABLE.iter().filter(|t| t.1 == name).map(|t| t.0);
+            pipelines.extend(kinds.zip(built));
+        }
+        // Back to TABLE order.
+        let pipelines = TABLE
+            .iter()
+            .map(|t| pipelines.iter().find(|p| p.0 == t.0).expect("every kernel was built").1.clone())
+            .collect();
+        Ok(Kernels { pipelines, layouts, pipeline_layouts })
+    }
+
+    pub fn pipeline(&self, k: K) -> &wgpu::ComputePipeline {
+        &self.pipelines[index(k)]
+    }
+
+    /// Buffers `k` binds.
+    pub fn bindings(k: K) -> usize {
+        TABLE[index(k)].3
+    }
+}
+
+/// The pipelines of the given (entry point, buffers bound) of one WGSL module, or a one-line
+/// error naming the module and the adapter when it does not build on this driver.
+pub fn build_module(
+    ctx: &Context,
+    pipeline_layouts: &[wgpu::PipelineLayout],
+    name: &str,
+    src: &str,
+    entries: &[(&str, usize)],
+) -> Result<Vec<wgpu::ComputePipeline>> {
+    let dev = &ctx.device;
+    let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
+    // With wgpu's run-time checks: a kernel cannot reach outside its bindings.
+    let module = dev.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some(name),
+        source: wgpu::ShaderSource::Wgsl(src.into()),
+    });
+    let built: Vec<_> = entries
+        .iter()
+        .map(|&(entry, n)| {
+            dev.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: Some(&pipeline_layouts[n]),
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            })
+        })
+        .collect();
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        bail!(
+            "the GPU kernels in {name}.wgsl do not build on {}: {}; run on the CPU with --device cpu (and please \
+             report this with the output of `llmrs devices`)",
+            ctx.name(),
+            one_line(&e.to_string())
+        );
+    }
+    Ok(built)
+}
+
+impl Kernels {
+    /// Build one more module as the backend's own are built (tests of the error path).
+    pub fn build_extra(&self, ctx: &Context, name: &str, src: &str, entries: &[(&str, usize)]) -> Result<()> {
+        build_module(ctx, &self.pipeline_layouts, name, src, entries).map(|_| ())
+    }
+}
+
+fn index(k: K) -> usize {
+    TABLE.iter().position(|t| t.0 == k).expect("every kernel is in TABLE")
+}
+
+/// A (multi-line) driver or validation message on one line.
+pub fn one_line(s: &str) -> String {
+    s.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
+}

@@ -1,0 +1,89 @@
+// Shared by every kernel module: prepended to each file when its pipelines are built
+// (src/gpu/kernels.rs), so these names are defined once.
+//
+// Conventions of every kernel: each storage buffer is a window of one device buffer
+// (src/gpu/memory.rs), declared read_write so that any two windows of the same buffer may be
+// bound to one dispatch; element offsets into the windows and all shapes come as immediates
+// (`p`, at most 128 bytes); a thread whose index is past its work does nothing.
+
+// Threads per workgroup of the elementwise and row kernels (src/gpu/mod.rs: WG).
+const WG: u32 = 256u;
+
+// The workgroup's index in a grid that may be two-dimensional (a dimension holds at most
+// 65535 workgroups; src/gpu/mod.rs: grid).
+fn group_id(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+    return wid.y * nwg.x + wid.x;
+}
+
+// Whether x is finite, from its bits: a compiler may assume that no float is NaN or infinite,
+// and would fold a comparison away.
+fn finite(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+fn is_nan(x: f32) -> bool {
+    let b = bitcast<u32>(x);
+    return (b & 0x7f800000u) == 0x7f800000u && (b & 0x007fffffu) != 0u;
+}
+
+// e^x as the CPU backend's (cpu/math.rs, Cephes expf: range reduction by ln 2, degree-6
+// polynomial, scale by 2^n), so both backends round alike; relative error below 2e-7 on
+// [-87, 88], inputs outside clamped. A NaN stays NaN, so a NaN logit or score reaches the loss.
+// n is rounded with round(), not the CPU's add-and-subtract of 1.5 * 2^23 (the same number):
+// shader compilers may fold (a + b) - b to a.
+fn exp_(x0: f32) -> f32 {
+    if (is_nan(x0)) {
+        return x0;
+    }
+    let x = clamp(x0, -87.0, 88.0);
+    let n = round(x * 1.442695);
+    let r = x - n * 0.6933594 - n * -2.1219444e-4;
+    var q = 1.9875691e-4;
+    q = q * r + 1.3981999e-3;
+    q = q * r + 8.333452e-3;
+    q = q * r + 4.1665796e-2;
+    q = q * r + 1.6666665e-1;
+    q = q * r + 0.5;
+    let y = q * r * r + r + 1.0;
+    return y * bitcast<f32>(u32(i32(n) + 127) << 23u);
+}
+
+// tanh(x) = 1 - 2 / (e^(2x) + 1), saturating to +-1 (cpu/math.rs).
+fn tanh_(x: f32) -> f32 {
+    return 1.0 - 2.0 / (exp_(2.0 * x) + 1.0);
+}
+
+// Workgroup reductions in a fixed order (the same tree on every run and every device, so a
+// result never depends on scheduling). Call from uniform control flow; every thread gets the
+// result.
+var<workgroup> red: array<f32, WG>;
+
+fn wg_sum(v: f32, tid: u32) -> f32 {
+    red[tid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s >> 1u) {
+        if (tid < s) {
+            red[tid] = red[tid] + red[tid + s];
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+fn wg_max(v: f32, tid: u32) -> f32 {
+    red[tid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s >> 1u) {
+        if (tid < s) {
+            red[tid] = max(red[tid], red[tid + s]);
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+const NEG_INF: f32 = -3.4028235e38;

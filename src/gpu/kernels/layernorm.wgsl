@@ -1,0 +1,99 @@
+// LayerNorm over the channel dimension, eps 1e-5 (cpu/layernorm.rs). One workgroup per row for
+// the forward and the input gradient; one thread per channel for the parameter gradients, which
+// sum over the rows in order.
+
+struct Params {
+    o0: u32, o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, // offsets of b0..b5
+    n: u32,  // rows
+    c: u32,  // channels
+}
+var<immediate> p: Params;
+
+// forward: out, mean, rstd, inp, weight, bias
+// backward_input: dinp, dout, inp, weight, mean, rstd
+// backward_params: dweight, dbias, dout, inp, mean, rstd
+@group(0) @binding(0) var<storage, read_write> b0: array<f32>;
+@group(0) @binding(1) var<storage, read_write> b1: array<f32>;
+@group(0) @binding(2) var<storage, read_write> b2: array<f32>;
+@group(0) @binding(3) var<storage, read_write> b3: array<f32>;
+@group(0) @binding(4) var<storage, read_write> b4: array<f32>;
+@group(0) @binding(5) var<storage, read_write> b5: array<f32>;
+
+const EPS: f32 = 1e-5;
+
+// out (N, C) = (inp - mean) * rstd * weight + bias; mean (N), rstd (N) kept for backward.
+@compute @workgroup_size(WG)
+fn layernorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) tid: u32) {
+    let row = group_id(wid, nwg);
+    if (row >= p.n) {
+        return;
+    }
+    let x0 = p.o3 + row * p.c;
+    var s = 0.0;
+    for (var i = tid; i < p.c; i = i + WG) {
+        s = s + b3[x0 + i];
+    }
+    let mu = wg_sum(s, tid) / f32(p.c);
+    var v = 0.0;
+    for (var i = tid; i < p.c; i = i + WG) {
+        let d = b3[x0 + i] - mu;
+        v = v + d * d;
+    }
+    let r = 1.0 / sqrt(wg_sum(v, tid) / f32(p.c) + EPS);
+    for (var i = tid; i < p.c; i = i + WG) {
+        b0[p.o0 + row * p.c + i] = (b3[x0 + i] - mu) * r * b4[p.o4 + i] + b5[p.o5 + i];
+    }
+    if (tid == 0u) {
+        b1[p.o1 + row] = mu;
+        b2[p.o2 + row] = r;
+    }
+}
+
+// dinp (N, C) += (w*d - mean(w*d) - norm * mean(w*d*norm)) * rstd, norm = (inp - mean) * rstd.
+@compute @workgroup_size(WG)
+fn layernorm_backward_input(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                            @builtin(local_invocation_index) tid: u32) {
+    let row = group_id(wid, nwg);
+    if (row >= p.n) {
+        return;
+    }
+    let m = b4[p.o4 + row];
+    let r = b5[p.o5 + row];
+    let d0 = p.o1 + row * p.c;
+    let x0 = p.o2 + row * p.c;
+    var sd = 0.0;
+    var sdn = 0.0;
+    for (var i = tid; i < p.c; i = i + WG) {
+        let dn = b3[p.o3 + i] * b1[d0 + i];
+        sd = sd + dn;
+        sdn = sdn + dn * ((b2[x0 + i] - m) * r);
+    }
+    let dnorm_mean = wg_sum(sd, tid) / f32(p.c);
+    let dnorm_norm_mean = wg_sum(sdn, tid) / f32(p.c);
+    for (var i = tid; i < p.c; i = i + WG) {
+        let norm = (b2[x0 + i] - m) * r;
+        let dn = b3[p.o3 + i] * b1[d0 + i];
+        let at = p.o0 + row * p.c + i;
+        b0[at] = b0[at] + (dn - dnorm_mean - norm * dnorm_norm_mean) * r;
+    }
+}
+
+// dweight (C) += sum over rows of (inp - mean) * rstd * dout; dbias (C) += sum of dout.
+@compute @workgroup_size(WG)
+fn layernorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                             @builtin(local_invocation_index) tid: u32) {
+    let ch = group_id(wid, nwg) * WG + tid;
+    if (ch >= p.c) {
+        return;
+    }
+    var dw = b0[p.o0 + ch];
+    var db = b1[p.o1 + ch];
+    for (var row = 0u; row < p.n; row = row + 1u) {
+        let d = b2[p.o2 + row * p.c + ch];
+        dw = dw + (b3[p.o3 + row * p.c + ch] - b4[p.o4 + row]) * b5[p.o5 + row] * d;
+        db = db + d;
+    }
+    b0[p.o0 + ch] = dw;
+    b1[p.o1 + ch] = db;
+}

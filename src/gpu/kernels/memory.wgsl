@@ -1,0 +1,37 @@
+// Filling and copying buffers (src/gpu/memory.rs, src/gpu/mod.rs).
+
+struct Params {
+    dst: u32,   // offset of x
+    n: u32,     // fill: elements; copy_rows: columns of each row
+    value: f32, // fill
+    rows: u32,  // copy_rows
+    d_rs: u32,  // copy_rows: row stride of x
+    src: u32,   // copy_rows: offset of y
+    s_rs: u32,  // copy_rows: row stride of y
+}
+var<immediate> p: Params;
+
+@group(0) @binding(0) var<storage, read_write> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> y: array<f32>;
+
+// x[dst + i] = value for i < n.
+@compute @workgroup_size(WG)
+fn fill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+    let i = group_id(wid, nwg) * WG + tid;
+    if (i < p.n) {
+        x[p.dst + i] = p.value;
+    }
+}
+
+// x[dst + r*d_rs + j] = y[src + r*s_rs + j] for r < rows, j < n.
+@compute @workgroup_size(WG)
+fn copy_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) tid: u32) {
+    let i = group_id(wid, nwg) * WG + tid;
+    if (i < p.rows * p.n) {
+        let r = i / p.n;
+        let j = i % p.n;
+        x[p.dst + r * p.d_rs + j] = y[p.src + r * p.s_rs + j];
+    }
+}

@@ -1,0 +1,297 @@
+//! Device memory: logical allocations made of chunks, and the windows kernels bind.
+//!
+//! A [`Buf`] addresses elements of one logical allocation, densely, exactly as on the CPU. On
+//! the device an allocation is one or more `wgpu::Buffer` chunks, because a driver caps both
+//! a buffer (wgpu: 2 GiB on many) and what one binding may see (lavapipe: 128 MiB, while GPT-2
+//! 124M's wte alone is 154 MB). The model names the tensors of an allocation when it makes it
+//! ([`crate::backend::Backend::alloc_parts`]) and chunks break only between them, so no tensor
+//! straddles two buffers. Chunks hold up to one binding's worth; a tensor larger than that gets
+//! a chunk of its own and is bound through windows: aligned ranges of at most the binding
+//! limit, with the element offset passed to the kernel. Ops split their work so that each
+//! dispatch's operands fit their windows ([`Memory::fit`]).
+
+use crate::backend::{Buf, DType};
+use anyhow::{bail, Result};
+use std::ops::Range;
+
+/// One device buffer: elements start..start+len of its allocation.
+pub struct Chunk {
+    /// Unique over the backend's life (bind groups are cached by it).
+    pub id: u64,
+    pub buf: wgpu::Buffer,
+    pub start: usize,
+    pub len: usize,
+}
+
+pub struct Alloc {
+    pub dtype: DType,
+    pub len: usize,
+    /// In order, tiling 0..len.
+    pub chunks: Vec<Chunk>,
+}
+
+/// A binding: bytes byte_off..byte_off+byte_len of a chunk, and where an operand starts in it.
+#[derive(Clone, Debug)]
+pub struct Win {
+    pub chunk: u64,
+    pub buf: wgpu::Buffer,
+    pub byte_off: u64,
+    pub byte_len: u64,
+    /// The operand's first element, counted from the window's start.
+    pub off: u32,
+}
+
+/// How memory is laid out, from the adapter's limits (smaller in tests, to put tensors at
+/// chunk boundaries and make ops split their work on tiny shapes).
+#[derive(Clone, Copy, Debug)]
+pub struct Sizes {
+    /// Largest chunk that holds several tensors.
+    pub chunk_bytes: u64,
+    /// Largest binding.
+    pub max_binding: u64,
+    /// Largest buffer (a tensor larger than this does not fit).
+    pub max_buffer: u64,
+    /// Binding offsets are multiples of this.
+    pub align: u64,
+}
+
+pub struct Memory {
+    allocs: Vec<Option<Alloc>>,
+    next_chunk: u64,
+    pub sizes: Sizes,
+    /// Bytes held now.
+    pub held: u64,
+    /// Refuse allocations past this many bytes (tests of the out-of-memory path).
+    pub limit: Option<u64>,
+    /// For a buffer too small to matter: bound where an op has no operand.
+    pub dummy: Win,
+}
+
+const ELEM: u64 = 4; // f32 and u32
+
+impl Memory {
+    pub fn new(device: &wgpu::Device, sizes: Sizes, limit: Option<u64>) -> Self {
+        let buf = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("dummy"),
+            size: 256,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        let dummy = Win { chunk: 0, buf, byte_off: 0, byte_len: 256, off: 0 };
+        Memory { allocs: vec![], next_chunk: 1, sizes, held: 0, limit, dummy }
+    }
+
+    /// A new allocation of the given parts, each of which stays in one chunk.
+    pub fn alloc(&mut self, ctx: &super::context::Context, parts: &[usize], dtype: DType) -> Result<Buf> {
+        if dtype == DType::BF16 {
+            bail!("the GPU backend computes in fp32 (bf16 storage comes later)");
+        }
+        let name = ctx.name();
+        let len = parts.iter().try_fold(0usize, |a, &p| a.checked_add(p));
+        let Some(len) = len else { bail!("an allocation of more than usize::MAX elements") };
+        let s = self.sizes;
+        // Group the parts into chunks.
+        let mut groups: Vec<(usize, usize)> = vec![]; // (start, len) in elements
+        let (mut start, mut cur) = (0usize, 0usize);
+        for &p in parts {
+            let bytes = p as u64 * ELEM;
+            if bytes > s.max_buffer {
+                bail!(
+                    "a tensor of {:.1} MB does not fit in one buffer of {name} (at most {:.1} MB): lower the batch \
+                     size (-b) or sequence length (-t), or run on the CPU with --device cpu",
+                    bytes as f64 / 1e6,
+                    s.max_buffer as f64 / 1e6
+                );
+            }
+            if cur > 0 && (cur + p) as u64 * ELEM > s.chunk_bytes {
+                groups.push((start, cur));
+                start += cur;
+                cur = 0;
+            }
+            cur += p;
+        }
+        if cur > 0 {
+            groups.push((start, cur));
+        }
+        let total: u64 = groups.iter().map(|g| chunk_bytes(g.1)).sum();
+        if let Some(limit) = self.limit {
+            if self.held + total > limit {
+                bail!(
+                    "out of GPU memory on {name}: {:.1} MB more needed, {:.1} MB of {:.1} MB in use: lower the batch \
+                     size (-b) or sequence length (-t), or run on the CPU with --device cpu",
+                    total as f64 / 1e6,
+                    self.held as f64 / 1e6,
+                    limit as f64 / 1e6
+                );
+            }
+        }
+        let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let chunks: Vec<Chunk> = groups
+            .into_iter()
+            .map(|(start, len)| {
+                let id = self.next_chunk;
+                self.next_chunk += 1;
+                let buf = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: None,
+                    size: chunk_bytes(len),
+                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                });
+                Chunk { id, buf, start, len }
+            })
+            .collect();
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            bail!(
+                "out of GPU memory on {name}: {:.1} MB more needed with {:.1} MB in use ({}): lower the batch size \
+                 (-b) or sequence length (-t), or run on the CPU with --device cpu",
+                total as f64 / 1e6,
+                self.held as f64 / 1e6,
+                super::kernels::one_line(&e.to_string())
+            );
+        }
+        self.held += total;
+        let id = u32::try_from(self.allocs.len()).ok().filter(|&i| i != u32::MAX);
+        let Some(alloc) = id else { bail!("too many allocations") };
+        self.allocs.push(Some(Alloc { dtype, len, chunks }));
+        Ok(Buf { alloc, off: 0, len, dtype })
+    }
+
+    pub fn free(&mut self, b: Buf) {
+        if let Some(slot) = self.allocs.get_mut(b.alloc as usize) {
+            if let Some(a) = slot.take() {
+                self.held -= a.chunks.iter().map(|c| chunk_bytes(c.len)).sum::<u64>();
+            }
+        }
+    }
+
+    fn alloc_of(&self, b: Buf) -> &Alloc {
+        match self.allocs.get(b.alloc as usize).and_then(Option::as_ref) {
+            Some(a) if a.dtype == b.dtype && b.off + b.len <= a.len => a,
+            Some(_) => panic!("buffer {b:?} is not a range of its allocation"),
+            None => panic!("buffer {b:?} is not an allocation of this backend (freed, or from another one)"),
+        }
+    }
+
+    /// The chunk holding element `at` of b's allocation.
+    fn chunk_at(&self, b: Buf, at: usize) -> &Chunk {
+        let a = self.alloc_of(b);
+        let i = a.chunks.partition_point(|c| c.start + c.len <= at);
+        &a.chunks[i]
+    }
+
+    /// The window an operand starting at element `at` of its allocation is bound through: the
+    /// whole chunk when a binding may see it all, else the largest aligned range from just
+    /// before `at`.
+    fn window_at(&self, b: Buf, at: usize) -> (Win, usize) {
+        let c = self.chunk_at(b, at);
+        let s = self.sizes;
+        let bytes = chunk_bytes(c.len);
+        let (byte_off, byte_len) = if bytes <= s.max_binding {
+            (0, bytes)
+        } else {
+            let rel = (at - c.start) as u64 * ELEM;
+            let off = rel / s.align * s.align;
+            (off, (bytes - off).min(s.max_binding / ELEM * ELEM))
+        };
+        let first = c.start + (byte_off / ELEM) as usize; // the window's first element
+        let end = first + (byte_len / ELEM) as usize; // one past its last
+        let win = Win { chunk: c.id, buf: c.buf.clone(), byte_off, byte_len, off: (at - first) as u32 };
+        (win, end.min(c.start + c.len))
+    }
+
+    /// How many elements from `from` on of b fit in one window with b's element `from`.
+    pub fn fit(&self, b: Buf, from: usize) -> usize {
+        if from >= b.len {
+            return 0;
+        }
+        let (_, end) = self.window_at(b, b.off + from);
+        (end - (b.off + from)).min(b.len - from)
+    }
+
+    /// The window b is bound through. b must fit one (see [`Memory::fit`]); an empty b binds
+    /// the dummy buffer.
+    pub fn win(&self, b: Buf) -> Win {
+        if b.len == 0 {
+            return self.dummy.clone();
+        }
+        let (w, end) = self.window_at(b, b.off);
+        assert!(b.off + b.len <= end, "GPU buffer {b:?} does not fit one binding window: the op must split its work");
+        w
+    }
+
+    /// The pieces of 0..n such that every buf's elements of a piece fit one window (bufs are
+    /// indexed alike, e.g. the operands of an elementwise op).
+    pub fn pieces(&self, bufs: &[Buf], n: usize) -> Vec<Range<usize>> {
+        self.row_pieces(n, &bufs.iter().map(|&b| (b, 1)).collect::<Vec<_>>())
+    }
+
+    /// The pieces of rows 0..rows such that, for every (buf, row_len), its rows of a piece fit
+    /// one window. Every single row must fit one (a tensor's rows are far smaller than a
+    /// binding).
+    pub fn row_pieces(&self, rows: usize, bufs: &[(Buf, usize)]) -> Vec<Range<usize>> {
+        let mut out = vec![];
+        let mut r = 0;
+        while r < rows {
+            let mut take = rows - r;
+            for &(b, rl) in bufs {
+                if let Some(rows) = self.fit(b, r * rl).checked_div(rl) {
+                    take = take.min(rows);
+                }
+            }
+            assert!(take > 0, "a row of a GPU tensor does not fit one binding window");
+            out.push(r..r + take);
+            r += take;
+        }
+        out
+    }
+
+    /// The pieces of planes 0..planes (`inner` per batch: attention's heads), such that every
+    /// per-plane (buf, len)'s planes of a piece fit one window, and every per-batch (buf, len)'s
+    /// batches that the piece touches fit one window. None when a single plane does not fit.
+    pub fn plane_pieces(
+        &self,
+        planes: usize,
+        inner: usize,
+        per_plane: &[(Buf, usize)],
+        per_batch: &[(Buf, usize)],
+    ) -> Option<Vec<Range<usize>>> {
+        let mut out = vec![];
+        let mut z = 0;
+        while z < planes {
+            let mut take = planes - z;
+            for &(b, len) in per_plane {
+                take = take.min(self.fit(b, z * len) / len);
+            }
+            let first = z / inner;
+            for &(b, len) in per_batch {
+                let batches = self.fit(b, first * len) / len;
+                take = take.min((batches * inner).saturating_sub(z - first * inner));
+            }
+            if take == 0 {
+                return None;
+            }
+            out.push(z..z + take);
+            z += take;
+        }
+        Some(out)
+    }
+
+    /// Each chunk's part of elements range of b: (chunk buffer, byte offset, elements range of
+    /// b), for copies to and from the host.
+    pub fn spans(&self, b: Buf) -> Vec<(wgpu::Buffer, u64, Range<usize>)> {
+        let mut out = vec![];
+        let mut at = b.off;
+        while at < b.off + b.len {
+            let c = self.chunk_at(b, at);
+            let end = (c.start + c.len).min(b.off + b.len);
+            out.push((c.buf.clone(), (at - c.start) as u64 * ELEM, at - b.off..end - b.off));
+            at = end;
+        }
+        out
+    }
+}
+
+/// Bytes of a chunk of `len` elements (wgpu buffers are multiples of 4 bytes and not empty).
+fn chunk_bytes(len: usize) -> u64 {
+    (len as u64 * ELEM).max(ELEM)
+}

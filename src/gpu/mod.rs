@@ -1,0 +1,423 @@
+//! The GPU backend: llm.c's layers as WGSL compute kernels run through wgpu, so one binary
+//! trains on Metal (macOS), Vulkan (Linux, Windows: NVIDIA, AMD, Intel) and DX12 (Windows).
+//! fp32 throughout; checked against the CPU backend op by op and step by step (tests/gpu.rs).
+//!
+//! One file per layer kind, named as the CPU's (`gpu/layernorm.rs` computes the dispatches of
+//! `gpu/kernels/layernorm.wgsl`); the device, memory and command recording are in
+//! [`context`], [`memory`] and [`record`]. Every op only records work; the host waits only in
+//! [`Backend::download`] and [`Backend::synchronize`], which is also where a device fault (out
+//! of memory, a lost device) becomes an error.
+
+mod adamw;
+mod attention;
+mod classifier;
+mod context;
+mod encoder;
+mod gelu;
+pub mod kernels;
+mod layernorm;
+mod matmul;
+mod memory;
+mod record;
+mod residual;
+
+use crate::backend::{AdamWParams, Backend, Buf, DType};
+use crate::profile::Kind;
+use anyhow::Result;
+use context::Context;
+use kernels::{Kernels, K};
+use memory::{Memory, Sizes, Win};
+use record::Recorder;
+use std::collections::HashMap;
+
+pub use context::{describe_adapters, LOOKED_FOR};
+
+/// Threads per workgroup of the elementwise and row kernels (kernels/common.wgsl: WG).
+const WG: usize = 256;
+/// Workgroups in one dimension of a grid.
+const MAX_GROUPS: usize = 65535;
+/// Most iterations of a kernel loop over rows (a column sum): lavapipe ends a shader after
+/// 65535 loop iterations in all, so longer loops are cut into dispatches that continue where
+/// the last one stopped (in the same order, so the sum is the same).
+const LOOP_ROWS: usize = 8192;
+
+/// `r` cut into pieces of at most `n`.
+fn cut(r: std::ops::Range<usize>, n: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (r.start..r.end).step_by(n).map(move |s| s..(s + n).min(r.end))
+}
+
+/// How the backend is set up. The defaults come from the adapter; tests make the sizes small to
+/// put tensors at chunk boundaries and make every op split its work on tiny shapes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Options {
+    /// Adapter index (`--device gpu:N`); None picks the best one.
+    pub adapter: Option<usize>,
+    /// Largest chunk of memory holding several tensors (default: the binding limit).
+    pub chunk_bytes: Option<u64>,
+    /// Largest binding (default: the adapter's).
+    pub max_binding: Option<u64>,
+    /// Refuse to hold more than this many bytes (default: no limit but the device's).
+    pub memory_limit: Option<u64>,
+    /// Lose the device after this many submissions (tests of the error path).
+    pub lose_after: Option<usize>,
+}
+
+/// Environment variable that injects a device fault, for tests of the error paths through the
+/// whole program: `lose-device-after=N` (submissions), or `memory-limit=BYTES`.
+pub const FAULT_ENV: &str = "LLMRS_GPU_TEST_FAULT";
+
+impl Options {
+    /// `adapter`, with a fault from [`FAULT_ENV`] when set.
+    pub fn from_env(adapter: Option<usize>) -> anyhow::Result<Self> {
+        let mut o = Options { adapter, ..Default::default() };
+        let Ok(v) = std::env::var(FAULT_ENV) else { return Ok(o) };
+        let num = |s: &str| s.parse::<u64>().map_err(|_| anyhow::anyhow!("{FAULT_ENV}={v}: not a number"));
+        match v.split_once('=') {
+            Some(("lose-device-after", n)) => o.lose_after = Some(num(n)? as usize),
+            Some(("memory-limit", n)) => o.memory_limit = Some(num(n)?),
+            _ => anyhow::bail!("{FAULT_ENV}={v}: use lose-device-after=N or memory-limit=BYTES"),
+        }
+        Ok(o)
+    }
+}
+
+pub struct GpuBackend {
+    ctx: Context,
+    kernels: Kernels,
+    mem: Memory,
+    rec: Recorder,
+    /// The host's copy of every u32 buffer, which only the host writes (token ids): the
+    /// encoder's backward groups positions by token from it, as llm.c does on the host.
+    host_u32: HashMap<u32, Vec<u32>>,
+    /// Workspace of the global norm's partial sums (grown on use).
+    partials: Option<Buf>,
+    /// Workspace of the encoder backward's buckets (u32, grown on use).
+    buckets: Option<Buf>,
+    /// An op that could not record its work (its workspace did not fit in memory): reported at
+    /// the next host read, as a device fault is.
+    fault: Option<String>,
+}
+
+impl GpuBackend {
+    /// Open the adapter `opts.adapter` (or the best one) and build every kernel.
+    pub fn open(opts: Options) -> Result<Self> {
+        let ctx = Context::open(context::choose(opts.adapter)?)?;
+        let kernels = Kernels::build(&ctx)?;
+        let l = &ctx.limits;
+        let max_binding =
+            opts.max_binding.unwrap_or(l.max_storage_buffer_binding_size).min(l.max_storage_buffer_binding_size);
+        let sizes = Sizes {
+            chunk_bytes: opts.chunk_bytes.unwrap_or(max_binding).min(max_binding),
+            max_binding,
+            max_buffer: l.max_buffer_size,
+            align: l.min_storage_buffer_offset_alignment as u64,
+        };
+        let mem = Memory::new(&ctx.device, sizes, opts.memory_limit);
+        ctx.check()?;
+        Ok(GpuBackend {
+            ctx,
+            kernels,
+            mem,
+            rec: Recorder::new(opts.lose_after),
+            host_u32: HashMap::new(),
+            partials: None,
+            buckets: None,
+            fault: None,
+        })
+    }
+
+    /// Build a WGSL module on this device the way the backend's own kernels are built (the
+    /// common helpers prepended; `entries`: entry points and the buffers each binds): how the
+    /// tests see that a shader that does not build on a driver is a clear error.
+    pub fn build_wgsl(&self, name: &str, src: &str, entries: &[(&str, usize)]) -> Result<()> {
+        let src = format!("{}\n{src}", kernels::COMMON);
+        self.kernels.build_extra(&self.ctx, name, &src, entries)
+    }
+
+    /// Whether the adapter times passes (`llmrs bench`'s time per layer kind).
+    pub fn timestamps(&self) -> bool {
+        self.ctx.timestamps
+    }
+
+    /// Lose the device on purpose, to test that a lost GPU is a clear error.
+    pub fn lose_device(&mut self) {
+        self.rec.submit(&self.ctx);
+        self.ctx.destroy();
+    }
+
+    fn win(&self, b: Buf) -> Win {
+        self.mem.win(b)
+    }
+
+    fn dispatch(&mut self, k: K, wins: &[Win], imm: &[u32], groups: [u32; 3]) {
+        self.rec.dispatch(&self.ctx, &self.kernels, k, wins, imm, groups);
+    }
+
+    /// A backend-owned workspace of at least `len` elements, grown as needed. None when it
+    /// does not fit in memory: the op then records nothing, and the next host read reports it.
+    fn workspace(&mut self, slot: fn(&mut Self) -> &mut Option<Buf>, len: usize, dtype: DType) -> Option<Buf> {
+        if let Some(b) = *slot(self) {
+            if b.len >= len {
+                return Some(b.prefix(len));
+            }
+            *slot(self) = None;
+            self.free(b);
+        }
+        match self.mem.alloc(&self.ctx, &[len.next_power_of_two().max(64)], dtype) {
+            Ok(b) => {
+                *slot(self) = Some(b);
+                if dtype == DType::U32 {
+                    self.host_u32.insert(b.alloc, vec![0; b.len]);
+                }
+                Some(b.prefix(len))
+            }
+            Err(e) => {
+                self.fault.get_or_insert(format!("{e:#}"));
+                None
+            }
+        }
+    }
+
+    /// A fault an op could not report when it happened.
+    fn check(&self) -> Result<()> {
+        if let Some(e) = &self.fault {
+            anyhow::bail!("{e}");
+        }
+        self.ctx.check()
+    }
+
+    /// Record a copy of `rows` rows of `cols` elements: dst[r*d_rs + j] = src[r*s_rs + j].
+    fn copy_rows(&mut self, dst: Buf, d_rs: usize, src: Buf, s_rs: usize, rows: usize, cols: usize) {
+        let (d, s) = (self.win(dst), self.win(src));
+        let imm = [d.off, u(cols), 0, u(rows), u(d_rs), s.off, u(s_rs)];
+        self.dispatch(K::CopyRows, &[d, s], &imm, grid(rows * cols));
+    }
+}
+
+/// A shape or offset as a kernel's u32 (shapes are validated far below 2^32 elements).
+fn u(x: usize) -> u32 {
+    u32::try_from(x).expect("GPU shapes fit 32 bits")
+}
+
+/// An f32 immediate.
+fn f(x: f32) -> u32 {
+    x.to_bits()
+}
+
+/// Workgroups for `threads` threads of WG each, as a grid of at most 65535 per dimension.
+fn grid(threads: usize) -> [u32; 3] {
+    groups(threads.div_ceil(WG))
+}
+
+/// A grid of `n` workgroups (kernels index it with group_id).
+fn groups(n: usize) -> [u32; 3] {
+    if n <= MAX_GROUPS {
+        [n as u32, 1, 1]
+    } else {
+        [MAX_GROUPS as u32, u(n.div_ceil(MAX_GROUPS)), 1]
+    }
+}
+
+/// Panic unless every named buffer has the length its shape gives (a bug in the caller), as
+/// the CPU backend does.
+macro_rules! lens {
+    ($op:expr; $($buf:expr => $len:expr),* $(,)?) => {
+        $(assert_eq!($buf.len, $len, "{}: {} has {} elements, its shape says {}", $op, stringify!($buf), $buf.len, $len);)*
+    };
+}
+pub(crate) use lens;
+
+impl Backend for GpuBackend {
+    fn describe(&self) -> String {
+        let i = &self.ctx.info;
+        format!(
+            "gpu: fp32 WGSL kernels on {} ({:?} {:?}; {} {})",
+            i.name, i.device_type, i.backend, i.driver, i.driver_info
+        )
+    }
+
+    fn alloc(&mut self, len: usize, dtype: DType) -> Result<Buf> {
+        self.alloc_parts(&[len], dtype)
+    }
+
+    fn alloc_parts(&mut self, parts: &[usize], dtype: DType) -> Result<Buf> {
+        let b = self.mem.alloc(&self.ctx, parts, dtype)?;
+        if dtype == DType::U32 {
+            self.host_u32.insert(b.alloc, vec![0; b.len]);
+        }
+        Ok(b)
+    }
+
+    fn free(&mut self, buf: Buf) {
+        // Recorded work keeps its buffers alive (wgpu counts references) until it has run.
+        self.mem.free(buf);
+        self.host_u32.remove(&buf.alloc);
+        self.rec.forget_bind_groups();
+    }
+
+    fn upload(&mut self, dst: Buf, src: &[f32]) {
+        lens!("upload"; dst => src.len());
+        self.write(dst, bytemuck::cast_slice(src));
+    }
+
+    fn upload_u32(&mut self, dst: Buf, src: &[u32]) {
+        lens!("upload_u32"; dst => src.len());
+        let host = self.host_u32.get_mut(&dst.alloc).expect("a u32 buffer of this backend");
+        host[dst.off..dst.off + dst.len].copy_from_slice(src);
+        self.write(dst, bytemuck::cast_slice(src));
+    }
+
+    fn download(&mut self, src: Buf, dst: &mut [f32]) -> Result<()> {
+        lens!("download"; src => dst.len());
+        let spans: Vec<_> =
+            self.mem.spans(src).into_iter().map(|(b, off, r)| (b, off, (r.end - r.start) as u64 * 4)).collect();
+        self.check()?;
+        self.rec.read(&self.ctx, &spans, bytemuck::cast_slice_mut(dst))?;
+        self.rec.read_timestamps(&self.ctx)
+    }
+
+    fn fill(&mut self, dst: Buf, value: f32) {
+        for r in self.mem.pieces(&[dst], dst.len) {
+            let w = self.win(dst.slice(r.clone()));
+            let n = r.end - r.start;
+            self.dispatch(K::Fill, std::slice::from_ref(&w), &[w.off, u(n), f(value)], grid(n));
+        }
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        self.check()?;
+        self.rec.submit(&self.ctx);
+        self.ctx.wait()?;
+        self.rec.read_timestamps(&self.ctx)
+    }
+
+    fn host_f32(&mut self, _buf: Buf) -> Option<&mut [f32]> {
+        None
+    }
+
+    fn set_profiling(&mut self, on: bool) {
+        self.rec.set_profiling(&self.ctx, on);
+    }
+    fn profile_begin(&mut self, kind: Kind) {
+        // A failed read of the timestamps is a device fault: reported at the next host read.
+        let _ = self.rec.profile_begin(&self.ctx, kind);
+    }
+    fn profile_end(&mut self) {
+        self.rec.profile_end();
+    }
+    fn profile_totals(&mut self) -> Result<Vec<(Kind, f64)>> {
+        self.rec.profile_totals(&self.ctx)
+    }
+
+    fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Buf, b: usize, t: usize, c: usize) {
+        self.encoder_forward_(out, inp, wte, wpe, b, t, c)
+    }
+    fn encoder_backward(&mut self, dwte: Buf, dwpe: Buf, dout: Buf, inp: Buf, b: usize, t: usize, c: usize) {
+        self.encoder_backward_(dwte, dwpe, dout, inp, b, t, c)
+    }
+    fn layernorm_forward(&mut self, out: Buf, mean: Buf, rstd: Buf, inp: Buf, w: Buf, bias: Buf, n: usize, c: usize) {
+        self.layernorm_forward_(out, mean, rstd, inp, w, bias, n, c)
+    }
+    fn layernorm_backward(
+        &mut self,
+        dinp: Buf,
+        dweight: Buf,
+        dbias: Buf,
+        dout: Buf,
+        inp: Buf,
+        weight: Buf,
+        mean: Buf,
+        rstd: Buf,
+        n: usize,
+        c: usize,
+    ) {
+        self.layernorm_backward_(dinp, dweight, dbias, dout, inp, weight, mean, rstd, n, c)
+    }
+    fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf) {
+        self.residual_forward_(out, a, b)
+    }
+    fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize) {
+        self.matmul_forward_(out, inp, weight, bias, n, c, oc)
+    }
+    fn matmul_backward(
+        &mut self,
+        dinp: Option<Buf>,
+        dweight: Buf,
+        dbias: Option<Buf>,
+        dout: Buf,
+        inp: Buf,
+        weight: Buf,
+        n: usize,
+        c: usize,
+        oc: usize,
+        accumulate: bool,
+    ) {
+        self.matmul_backward_(dinp, dweight, dbias, dout, inp, weight, n, c, oc, accumulate)
+    }
+    fn gelu_forward(&mut self, out: Buf, inp: Buf) {
+        self.gelu_forward_(out, inp)
+    }
+    fn gelu_backward(&mut self, d: Buf, inp: Buf) {
+        self.gelu_backward_(d, inp)
+    }
+    fn attention_forward(&mut self, out: Buf, att: Buf, ws: Buf, qkv: Buf, b: usize, t: usize, c: usize, nh: usize) {
+        self.attention_forward_(out, att, ws, qkv, b, t, c, nh)
+    }
+    fn attention_backward(
+        &mut self,
+        dqkv: Buf,
+        datt: Buf,
+        workspace: Buf,
+        dout: Buf,
+        qkv: Buf,
+        att: Buf,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) {
+        self.attention_backward_(dqkv, datt, workspace, dout, qkv, att, b, t, c, nh)
+    }
+    fn attention_forward_cached(
+        &mut self,
+        out: Buf,
+        scores: Buf,
+        workspace: Buf,
+        qkv: Buf,
+        k_cache: Buf,
+        v_cache: Buf,
+        pos: usize,
+        tn: usize,
+        c: usize,
+        nh: usize,
+        max_t: usize,
+    ) {
+        self.attention_forward_cached_(out, scores, workspace, qkv, k_cache, v_cache, pos, tn, c, nh, max_t)
+    }
+    fn crossentropy_forward(&mut self, losses: Buf, lse: Buf, logits: Buf, tg: Buf, n: usize, v: usize, vp: usize) {
+        self.crossentropy_forward_(losses, lse, logits, tg, n, v, vp)
+    }
+    fn crossentropy_backward(&mut self, logits: Buf, lse: Buf, tg: Buf, dloss: f32, n: usize, v: usize, vp: usize) {
+        self.crossentropy_backward_(logits, lse, tg, dloss, n, v, vp)
+    }
+    fn accumulate_mean(&mut self, acc: Buf, x: Buf, weight: f32) {
+        self.accumulate_mean_(acc, x, weight)
+    }
+    fn global_norm_squared(&mut self, out: Buf, grads: Buf, accumulate: bool) {
+        self.global_norm_squared_(out, grads, accumulate)
+    }
+    fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
+        self.adamw_update_(params, grads, m, v, stats, h)
+    }
+}
+
+impl GpuBackend {
+    /// Write host bytes into b (after the work recorded so far, which is submitted first: the
+    /// queue runs writes and submissions in order).
+    fn write(&mut self, b: Buf, bytes: &[u8]) {
+        self.rec.submit(&self.ctx);
+        for (buf, off, r) in self.mem.spans(b) {
+            self.ctx.queue.write_buffer(&buf, off, &bytes[r.start * 4..r.end * 4]);
+        }
+    }
+}

@@ -1,0 +1,305 @@
+//! Every op of the GPU backend against the CPU backend, on random inputs: odd sizes, sizes
+//! that are not a multiple of a tile, T = 1, one position. Each op runs twice: with the
+//! adapter's own memory sizes, and with tiny chunks and bindings, so that its tensors sit in
+//! different device buffers and every op must cut its work into pieces (the path of GPT-2
+//! 124M's wte and logits on a driver that binds 128 MiB). GPU outputs are poisoned with NaN
+//! before each op, so an element it fails to write fails the comparison.
+//!
+//! Tolerances: both backends compute in fp32 with the same formulas, but sum in different
+//! orders (tiled GEMM and workgroup trees here, blocked SIMD on the CPU), so results differ
+//! by rounding: |gpu - cpu| <= atol + rtol * |cpu|, rtol 1e-5 (2e-5 through the attention's
+//! softmax, whose exps amplify the scores' rounding), atol 1e-5 of the output's scale.
+//!
+//! Needs a GPU adapter (lavapipe in CI): without one each test prints SKIPPED, unless
+//! LLMRS_REQUIRE_GPU=1 makes that a failure.
+
+mod common;
+
+use common::gpu::{backend, Pair};
+use llmrs::backend::{AdamWParams, Backend, SkipAbove};
+use llmrs::gpu::Options;
+
+/// Tiny memory: 512-byte chunks and 2 KiB bindings (rows of up to 512 floats fit).
+fn tiny() -> Options {
+    Options { chunk_bytes: Some(512), max_binding: Some(2048), ..Default::default() }
+}
+
+/// Run `f` on a pair with the adapter's sizes and on one with tiny ones.
+fn both(name: &str, f: impl Fn(&mut Pair)) {
+    for (what, opts) in [("default sizes", Options::default()), ("tiny chunks", tiny())] {
+        let Some(gpu) = backend(name, opts) else { return };
+        let mut p = Pair::new(gpu, what);
+        f(&mut p);
+    }
+}
+
+#[test]
+fn gpu_matmul_forward_and_backward() {
+    both("gpu_matmul_forward_and_backward", |p| {
+        for &(n, c, oc) in &[(1, 1, 1), (3, 5, 7), (70, 33, 65), (13, 64, 128), (2, 48, 200), (64, 16, 64)] {
+            for bias in [true, false] {
+                let [out, inp, w, b, dout, dinp, dw, db] =
+                    p.parts([n * oc, n * c, oc * c, oc, n * oc, n * c, oc * c, oc]);
+                p.poison(out);
+                p.both(
+                    |be, [out, inp, w, b]| be.matmul_forward(out, inp, w, bias.then_some(b), n, c, oc),
+                    [out, inp, w, b],
+                );
+                p.check(out, 1e-5, &format!("matmul_forward n={n} c={c} oc={oc} bias={bias}"));
+                for accumulate in [false, true] {
+                    p.poison(dinp);
+                    if !accumulate {
+                        p.poison(dw);
+                        p.poison(db);
+                    }
+                    p.both(
+                        |be, [dinp, dw, db, dout, inp, w]| {
+                            be.matmul_backward(Some(dinp), dw, bias.then_some(db), dout, inp, w, n, c, oc, accumulate)
+                        },
+                        [dinp, dw, db, dout, inp, w],
+                    );
+                    let what = format!("matmul_backward n={n} c={c} oc={oc} acc={accumulate}");
+                    p.check(dinp, 1e-5, &what);
+                    p.check(dw, 1e-5, &what);
+                    if bias {
+                        p.check(db, 1e-5, &what);
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn gpu_layernorm_forward_and_backward() {
+    both("gpu_layernorm_forward_and_backward", |p| {
+        for &(n, c) in &[(1, 1), (1, 3), (7, 65), (17, 3), (40, 48), (3, 257)] {
+            let [out, mean, rstd, inp, w, b, dout, dinp, dw, db] =
+                p.parts([n * c, n, n, n * c, c, c, n * c, n * c, c, c]);
+            p.poison(out);
+            p.poison(mean);
+            p.poison(rstd);
+            p.both(
+                |be, [out, mean, rstd, inp, w, b]| be.layernorm_forward(out, mean, rstd, inp, w, b, n, c),
+                [out, mean, rstd, inp, w, b],
+            );
+            let what = format!("layernorm n={n} c={c}");
+            p.check(out, 1e-5, &what);
+            p.check(mean, 1e-5, &what);
+            p.check(rstd, 1e-5, &what);
+            p.both(
+                |be, [dinp, dw, db, dout, inp, w, mean, rstd]| {
+                    be.layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, n, c)
+                },
+                [dinp, dw, db, dout, inp, w, mean, rstd],
+            );
+            if c > 1 {
+                p.check(dinp, 1e-4, &what); // C = 1: rstd = 1/sqrt(eps) amplifies rounding
+            }
+            p.check(dw, 1e-5, &what);
+            p.check(db, 1e-5, &what);
+        }
+    });
+}
+
+#[test]
+fn gpu_encoder_forward_and_backward() {
+    both("gpu_encoder_forward_and_backward", |p| {
+        for &(b, t, c, v) in &[(1, 1, 1, 3), (3, 7, 5, 11), (2, 9, 48, 300), (4, 16, 8, 2)] {
+            let max_t = t + 3;
+            let [out, wte, wpe, dwte, dwpe] = p.parts([b * t * c, v * c, max_t * c, v * c, max_t * c]);
+            let ids: Vec<u32> = (0..b * t).map(|i| ((i * 7 + 3) % v) as u32).collect();
+            let inp = p.tokens(&ids);
+            p.poison(out);
+            p.both_t(
+                |be, [out, wte, wpe], [inp]| be.encoder_forward(out, inp, wte, wpe, b, t, c),
+                [out, wte, wpe],
+                [inp],
+            );
+            let what = format!("encoder b={b} t={t} c={c} v={v}");
+            p.check(out, 1e-6, &what);
+            p.both_t(
+                |be, [dwte, dwpe, out], [inp]| be.encoder_backward(dwte, dwpe, out, inp, b, t, c),
+                [dwte, dwpe, out],
+                [inp],
+            );
+            p.check(dwte, 1e-6, &what);
+            p.check(dwpe, 1e-6, &what);
+        }
+    });
+}
+
+#[test]
+fn gpu_elementwise_ops() {
+    both("gpu_elementwise_ops", |p| {
+        for n in [1, 3, 255, 257, 1000] {
+            let [out, a, b, d] = p.parts([n, n, n, n]);
+            p.poison(out);
+            p.both(|be, [out, a, b]| be.residual_forward(out, a, b), [out, a, b]);
+            p.check(out, 1e-7, &format!("residual n={n}"));
+            p.poison(out);
+            p.both(|be, [out, a]| be.gelu_forward(out, a), [out, a]);
+            p.check(out, 1e-5, &format!("gelu_forward n={n}"));
+            p.both(|be, [d, a]| be.gelu_backward(d, a), [d, a]);
+            p.check(d, 1e-5, &format!("gelu_backward n={n}"));
+            p.both(|be, [out]| be.fill(out, -2.5), [out]);
+            p.check(out, 0.0, &format!("fill n={n}"));
+        }
+    });
+}
+
+#[test]
+fn gpu_attention_forward_and_backward() {
+    both("gpu_attention_forward_and_backward", |p| {
+        // A (b, h) plane of scores must fit one binding: up to T = 22 with tiny ones.
+        let shapes: &[_] = if p.tiny() {
+            &[(1, 1, 4, 2), (2, 5, 12, 3), (3, 9, 8, 1), (2, 20, 8, 2), (3, 17, 6, 3)]
+        } else {
+            &[(1, 1, 4, 2), (2, 5, 12, 3), (1, 70, 16, 2), (3, 9, 8, 1), (2, 66, 8, 2)]
+        };
+        for &(b, t, c, nh) in shapes {
+            let [out, att, ws, qkv, dout, dqkv, datt, ws3] = p.parts([
+                b * t * c,
+                b * nh * t * t,
+                b * t * c,
+                b * t * 3 * c,
+                b * t * c,
+                b * t * 3 * c,
+                b * nh * t * t,
+                b * t * 3 * c,
+            ]);
+            p.scale(qkv, 2.0);
+            p.poison(out);
+            p.poison(att);
+            p.both(|be, [out, att, ws, qkv]| be.attention_forward(out, att, ws, qkv, b, t, c, nh), [out, att, ws, qkv]);
+            let what = format!("attention b={b} t={t} c={c} nh={nh}");
+            p.check(out, 2e-5, &what);
+            p.check(att, 2e-5, &what);
+            p.poison(dqkv);
+            p.poison(datt);
+            p.both(
+                |be, [dqkv, datt, ws3, dout, qkv, att]| {
+                    be.attention_backward(dqkv, datt, ws3, dout, qkv, att, b, t, c, nh)
+                },
+                [dqkv, datt, ws3, dout, qkv, att],
+            );
+            p.check(dqkv, 5e-5, &what);
+        }
+    });
+}
+
+#[test]
+fn gpu_cached_attention() {
+    both("gpu_cached_attention", |p| {
+        // One sequence's cache and scores are bound whole (far below a binding in real models).
+        let shapes: &[_] = if p.tiny() {
+            &[(0, 1, 4, 2, 1), (0, 5, 12, 3, 9), (4, 1, 12, 3, 9), (3, 6, 8, 2, 20)]
+        } else {
+            &[(0, 1, 4, 2, 1), (0, 5, 12, 3, 9), (4, 1, 12, 3, 9), (3, 66, 8, 2, 80)]
+        };
+        for &(pos, tn, c, nh, max_t) in shapes {
+            let [out, scores, ws, qkv, kc, vc] =
+                p.parts([tn * c, nh * tn * max_t, tn * c, tn * 3 * c, max_t * c, max_t * c]);
+            p.poison(out);
+            p.both(
+                |be, [out, scores, ws, qkv, kc, vc]| {
+                    be.attention_forward_cached(out, scores, ws, qkv, kc, vc, pos, tn, c, nh, max_t)
+                },
+                [out, scores, ws, qkv, kc, vc],
+            );
+            let what = format!("cached attention pos={pos} tn={tn} c={c} nh={nh}");
+            p.check(out, 2e-5, &what);
+            p.check_prefix(kc, (pos + tn) * c, 0.0, &what);
+            p.check_prefix(vc, (pos + tn) * c, 0.0, &what);
+        }
+    });
+}
+
+#[test]
+fn gpu_classifier() {
+    both("gpu_classifier", |p| {
+        for &(n, v, vp) in &[(1, 1, 1), (3, 5, 8), (7, 13, 13), (2, 129, 256), (5, 250, 256)] {
+            let [losses, lse, logits, acc] = p.parts([n, n, n * vp, 1]);
+            p.scale(logits, 3.0);
+            let ids: Vec<u32> = (0..n).map(|i| ((i * 5 + 1) % v) as u32).collect();
+            let targets = p.tokens(&ids);
+            p.poison(losses);
+            p.poison(lse);
+            p.both_t(
+                |be, [losses, lse, logits], [tg]| be.crossentropy_forward(losses, lse, logits, tg, n, v, vp),
+                [losses, lse, logits],
+                [targets],
+            );
+            let what = format!("crossentropy n={n} v={v} vp={vp}");
+            p.check(losses, 1e-5, &what);
+            p.check(lse, 1e-5, &what);
+            p.both(|be, [acc, losses]| be.accumulate_mean(acc, losses, 0.7), [acc, losses]);
+            p.check(acc, 1e-5, &what);
+            p.both_t(
+                |be, [logits, lse], [tg]| be.crossentropy_backward(logits, lse, tg, 0.3, n, v, vp),
+                [logits, lse],
+                [targets],
+            );
+            p.check(logits, 1e-5, &what);
+        }
+    });
+}
+
+#[test]
+fn gpu_global_norm_and_adamw() {
+    both("gpu_global_norm_and_adamw", |p| {
+        for n in [1, 7, 4096, 4097, 10000] {
+            let [params, grads, m, v, stats] = p.parts([n, n, n, n, 2]);
+            p.poison(stats);
+            p.both(|be, [s, g]| be.global_norm_squared(s.prefix(1), g, false), [stats, grads]);
+            p.both(|be, [s, g]| be.global_norm_squared(s.slice(1..2), g, false), [stats, grads]);
+            p.both(|be, [s, g]| be.global_norm_squared(s.slice(1..2), g, true), [stats, grads]);
+            p.check(stats, 1e-5, &format!("global norm n={n}"));
+            let mut h = AdamWParams {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                grad_clip: 1.0,
+                t: 3,
+                skip: SkipAbove::NON_FINITE,
+            };
+            // m and v must stay >= 0 for v: make them squares of the random inputs.
+            p.map(v, |x| x * x);
+            p.both(|be, [pa, g, m, v, s]| be.adamw_update(pa, g, m, v, s, &h), [params, grads, m, v, stats]);
+            let what = format!("adamw n={n}");
+            p.check(params, 1e-5, &what);
+            p.check(m, 1e-5, &what);
+            p.check(v, 1e-5, &what);
+            // A limit below the step's loss: nothing moves, on either backend.
+            h.skip = SkipAbove { loss: -1.0, norm_sq: f32::INFINITY };
+            let before = p.read_gpu(params);
+            p.both(|be, [pa, g, m, v, s]| be.adamw_update(pa, g, m, v, s, &h), [params, grads, m, v, stats]);
+            assert_eq!(before, p.read_gpu(params), "{what}: a skipped step moved the parameters");
+            p.check(params, 1e-5, &what);
+        }
+    });
+}
+
+#[test]
+fn gpu_uploads_and_downloads_span_chunks() {
+    for opts in [Options::default(), tiny()] {
+        let Some(mut g) = backend("gpu_uploads_and_downloads_span_chunks", opts) else { return };
+        let parts = [1, 300, 77, 1000, 3];
+        let n: usize = parts.iter().sum();
+        let b = g.alloc_parts(&parts, llmrs::backend::DType::F32).unwrap();
+        let data: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 7.0).collect();
+        g.upload(b, &data);
+        let mut out = vec![0f32; n];
+        g.download(b, &mut out).unwrap();
+        assert_eq!(out, data);
+        // A range across several parts, and one inside a part.
+        let mut part = vec![0f32; 500];
+        g.download(b.slice(250..750), &mut part).unwrap();
+        assert_eq!(part, data[250..750]);
+        g.fill(b.slice(290..400), 1.5);
+        g.download(b, &mut out).unwrap();
+        assert!(out[290..400].iter().all(|&x| x == 1.5) && out[289] == data[289] && out[400] == data[400]);
+    }
+}

@@ -1,0 +1,83 @@
+//! Every WGSL kernel module, translated by naga (the translator wgpu uses) to Metal Shading
+//! Language, SPIR-V (Vulkan) and HLSL (DX12), so that a shader that would not build on a Mac or
+//! on Windows fails here, on a machine that has neither. Needs no GPU. (MSL and HLSL are
+//! produced, not compiled: their compilers run only on those systems.)
+
+use naga::back::{hlsl, msl, spv};
+use naga::valid::{Capabilities, ValidationFlags, Validator};
+
+fn modules() -> Vec<(&'static str, naga::Module, naga::valid::ModuleInfo)> {
+    llmrs::gpu::kernels::wgsl_modules()
+        .into_iter()
+        .map(|(name, src)| {
+            let module = naga::front::wgsl::parse_str(&src)
+                .unwrap_or_else(|e| panic!("{name}.wgsl does not parse:\n{}", e.emit_to_string(&src)));
+            // The capabilities llmrs asks of a device: immediates, nothing else.
+            let info = Validator::new(ValidationFlags::all(), Capabilities::IMMEDIATES)
+                .validate(&module)
+                .unwrap_or_else(|e| panic!("{name}.wgsl does not validate:\n{}", e.emit_to_string(&src)));
+            (name, module, info)
+        })
+        .collect()
+}
+
+#[test]
+fn every_module_translates_to_metal() {
+    let modules = modules();
+    assert_eq!(modules.len(), 9, "every kernel file");
+    for (name, module, info) in &modules {
+        for version in [(2, 0), (2, 4), (3, 0)] {
+            let opts = msl::Options { lang_version: version, fake_missing_bindings: true, ..Default::default() };
+            let (src, _) = msl::write_string(module, info, &opts, &msl::PipelineOptions::default())
+                .unwrap_or_else(|e| panic!("{name}.wgsl -> MSL {version:?}: {e}"));
+            assert!(src.contains("kernel void"), "{name}: no compute function in the MSL");
+        }
+    }
+}
+
+#[test]
+fn every_module_translates_to_spirv() {
+    for (name, module, info) in modules() {
+        for version in [(1, 0), (1, 3), (1, 5)] {
+            let opts = spv::Options { lang_version: version, ..Default::default() };
+            let words = spv::write_vec(&module, &info, &opts, None)
+                .unwrap_or_else(|e| panic!("{name}.wgsl -> SPIR-V {version:?}: {e}"));
+            assert_eq!(words[0], 0x0723_0203, "{name}: SPIR-V magic number");
+        }
+    }
+}
+
+#[test]
+fn every_module_translates_to_hlsl() {
+    for (name, module, info) in modules() {
+        // FXC's shader model 5.1 and DXC's 6.x, as wgpu's DX12 backend uses them.
+        for model in [hlsl::ShaderModel::V5_1, hlsl::ShaderModel::V6_0, hlsl::ShaderModel::V6_6] {
+            let opts = hlsl::Options {
+                shader_model: model,
+                fake_missing_bindings: true,
+                immediates_target: Some(hlsl::BindTarget { space: 0, register: 0, ..Default::default() }),
+                ..Default::default()
+            };
+            let mut out = String::new();
+            hlsl::Writer::new(&mut out, &opts, &Default::default())
+                .write(&module, &info, None)
+                .unwrap_or_else(|e| panic!("{name}.wgsl -> HLSL {model:?}: {e}"));
+            assert!(out.contains("[numthreads("), "{name}: no compute entry point in the HLSL");
+        }
+    }
+}
+
+#[test]
+fn a_broken_kernel_is_caught_here() {
+    // The check above would catch a module that does not validate: one that writes a read-only
+    // binding, say.
+    let src = format!(
+        "{}\n@group(0) @binding(0) var<storage, read> x: array<f32>;\n@compute @workgroup_size(1) fn f() {{ x[0] = 1.0; }}",
+        llmrs::gpu::kernels::COMMON
+    );
+    let refused = match naga::front::wgsl::parse_str(&src) {
+        Err(_) => true,
+        Ok(m) => Validator::new(ValidationFlags::all(), Capabilities::IMMEDIATES).validate(&m).is_err(),
+    };
+    assert!(refused, "a write to a read-only buffer was accepted");
+}
