@@ -13,7 +13,7 @@ impl GpuBackend {
         lens!("global_norm_squared"; out => 1);
         let pieces = self.mem.pieces(&[grads], grads.len);
         let total: usize = pieces.iter().map(|r| (r.end - r.start).div_ceil(SQ_CHUNK)).sum();
-        let Some(partials) = self.workspace(|s| &mut s.partials, total, DType::F32) else { return };
+        let Some(partials) = self.workspace(|s| &mut s.scratch, total, DType::F32) else { return };
         let mut at = 0;
         for r in pieces {
             let n = r.end - r.start;

@@ -37,6 +37,7 @@ pub fn wgsl_modules() -> Vec<(&'static str, String)> {
 pub enum K {
     Fill,
     CopyRows,
+    ColumnSums,
     EncoderForward,
     EncoderBackwardWte,
     EncoderBackwardWpe,
@@ -59,9 +60,10 @@ pub enum K {
 }
 
 /// (kernel, module, entry point, storage buffers bound at 0..n).
-const TABLE: [(K, &str, &str, usize); 21] = [
+const TABLE: [(K, &str, &str, usize); 22] = [
     (K::Fill, "memory", "fill", 1),
     (K::CopyRows, "memory", "copy_rows", 2),
+    (K::ColumnSums, "memory", "column_sums", 2),
     (K::EncoderForward, "encoder", "encoder_forward", 4),
     (K::EncoderBackwardWte, "encoder", "encoder_backward_wte", 3),
     (K::EncoderBackwardWpe, "encoder", "encoder_backward_wpe", 3),

@@ -1,7 +1,10 @@
 //! LayerNorm on the GPU (kernels/layernorm.wgsl).
 
-use super::{cut, grid, groups, lens, u, GpuBackend, K, LOOP_ROWS};
-use crate::backend::Buf;
+use super::{grid, groups, lens, u, GpuBackend, K};
+use crate::backend::{Buf, DType};
+
+/// Rows per partial sum of the parameter gradients (kernels/layernorm.wgsl: ROWS).
+const ROWS: usize = 64;
 
 impl GpuBackend {
     /// out (N, C) = (inp - mean) * rstd * weight + bias; mean (N) and rstd (N) kept.
@@ -51,9 +54,9 @@ impl GpuBackend {
     ) {
         lens!("layernorm_backward"; dinp => n * c, dweight => c, dbias => c, dout => n * c, inp => n * c,
               weight => c, mean => n, rstd => n);
-        let (w, dw, db) = (self.win(weight), self.win(dweight), self.win(dbias));
+        let w = self.win(weight);
         let pieces = self.mem.row_pieces(n, &[(dinp, c), (dout, c), (inp, c), (mean, 1), (rstd, 1)]);
-        for r in pieces.into_iter().flat_map(|r| cut(r, LOOP_ROWS)) {
+        for r in pieces {
             let rows = r.end - r.start;
             let di = self.win(dinp.slice(r.start * c..r.end * c));
             let d = self.win(dout.slice(r.start * c..r.end * c));
@@ -63,9 +66,16 @@ impl GpuBackend {
             let imm = [di.off, d.off, x.off, w.off, m.off, s.off, u(rows), u(c)];
             let wins = [di, d.clone(), x.clone(), w.clone(), m.clone(), s.clone()];
             self.dispatch(K::LayernormBackwardInput, &wins, &imm, groups(rows));
-            // The parameter gradients add each piece's rows after the last piece's.
-            let imm = [dw.off, db.off, d.off, x.off, m.off, s.off, u(rows), u(c)];
-            self.dispatch(K::LayernormBackwardParams, &[dw.clone(), db.clone(), d, x, m, s], &imm, grid(c));
+            // dweight and dbias: partial sums per block of rows, then their sums, added to the
+            // gradients (after the pieces before).
+            let blocks = rows.div_ceil(ROWS);
+            let Some(part) = self.workspace(|s| &mut s.scratch, 2 * blocks * c, DType::F32) else { return };
+            let (pw, pb) = (part.prefix(blocks * c), part.slice(blocks * c..2 * blocks * c));
+            let (ww, wb) = (self.win(pw), self.win(pb));
+            let imm = [ww.off, wb.off, d.off, x.off, m.off, s.off, u(rows), u(c)];
+            self.dispatch(K::LayernormBackwardParams, &[ww, wb, d, x, m, s], &imm, grid(blocks * c));
+            self.column_sums(dweight, pw, blocks, c, true);
+            self.column_sums(dbias, pb, blocks, c, true);
         }
     }
 }

@@ -2,8 +2,11 @@
 //! Operands larger than one binding window (wte, the logits) are cut into pieces of rows; a
 //! sum over a cut dimension adds the pieces in order.
 
-use super::{cut, grid, lens, u, GpuBackend, K, LOOP_ROWS};
-use crate::backend::Buf;
+use super::{grid, lens, u, GpuBackend, K};
+use crate::backend::{Buf, DType};
+
+/// Rows per partial sum of the bias gradient (kernels/matmul.wgsl: ROWS).
+const ROWS: usize = 64;
 
 /// GEMM flags (kernels/matmul.wgsl).
 pub(super) const ACCUMULATE: u32 = 1;
@@ -193,13 +196,15 @@ impl GpuBackend {
             }
         }
         if let Some(dbias) = dbias {
-            let db = self.win(dbias);
-            for (i, r) in rows.iter().flat_map(|r| cut(r.clone(), LOOP_ROWS)).enumerate() {
-                let d = self.win(dout.slice(r.start * oc..r.end * oc));
-                let flags = if accumulate || i > 0 { ACCUMULATE } else { 0 };
+            // Partial column sums per block of rows, then their sums, piece after piece.
+            for (i, r) in rows.iter().enumerate() {
+                let blocks = (r.end - r.start).div_ceil(ROWS);
+                let Some(part) = self.workspace(|s| &mut s.scratch, blocks * oc, DType::F32) else { return };
+                let (pw, d) = (self.win(part), self.win(dout.slice(r.start * oc..r.end * oc)));
                 #[rustfmt::skip]
-                let imm = [u(r.end - r.start), u(oc), 0, d.off, u(oc), 1, 0, 0, 0, db.off, 0, 0, flags];
-                self.dispatch(K::BiasBackward, &[db.clone(), d], &imm, grid(oc));
+                let imm = [u(r.end - r.start), u(oc), 0, d.off, u(oc), 1, 0, 0, 0, pw.off];
+                self.dispatch(K::BiasBackward, &[pw, d], &imm, grid(blocks * oc));
+                self.column_sums(dbias, part, blocks, oc, accumulate || i > 0);
             }
         }
     }

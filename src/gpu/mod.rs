@@ -36,9 +36,9 @@ pub use context::{describe_adapters, LOOKED_FOR};
 const WG: usize = 256;
 /// Workgroups in one dimension of a grid.
 const MAX_GROUPS: usize = 65535;
-/// Most iterations of a kernel loop over rows (a column sum): lavapipe ends a shader after
-/// 65535 loop iterations in all, so longer loops are cut into dispatches that continue where
-/// the last one stopped (in the same order, so the sum is the same).
+/// Most iterations of a kernel's loop over rows (the encoder backward's positions of a token):
+/// lavapipe ends a shader after 65535 loop iterations in all, so longer loops are cut into
+/// dispatches that continue where the last one stopped.
 const LOOP_ROWS: usize = 8192;
 
 /// `r` cut into pieces of at most `n`.
@@ -89,8 +89,9 @@ pub struct GpuBackend {
     /// The host's copy of every u32 buffer, which only the host writes (token ids): the
     /// encoder's backward groups positions by token from it, as llm.c does on the host.
     host_u32: HashMap<u32, Vec<u32>>,
-    /// Workspace of the global norm's partial sums (grown on use).
-    partials: Option<Buf>,
+    /// Workspace of partial sums (global norm, column sums), used within one op at a time
+    /// (ops run in the order they are recorded), grown on use.
+    scratch: Option<Buf>,
     /// Workspace of the encoder backward's buckets (u32, grown on use).
     buckets: Option<Buf>,
     /// An op that could not record its work (its workspace did not fit in memory): reported at
@@ -120,7 +121,7 @@ impl GpuBackend {
             mem,
             rec: Recorder::new(opts.lose_after),
             host_u32: HashMap::new(),
-            partials: None,
+            scratch: None,
             buckets: None,
             fault: None,
         })
@@ -184,6 +185,14 @@ impl GpuBackend {
             anyhow::bail!("{e}");
         }
         self.ctx.check()
+    }
+
+    /// dst (n) [+]= the sum over `blocks` rows of partials (blocks, n), in order (the second
+    /// half of a column sum).
+    fn column_sums(&mut self, dst: Buf, partials: Buf, blocks: usize, n: usize, accumulate: bool) {
+        let (d, p) = (self.win(dst), self.win(partials));
+        let imm = [d.off, u(n), 0, u(blocks), 0, p.off, 0, accumulate as u32];
+        self.dispatch(K::ColumnSums, &[d, p], &imm, grid(n));
     }
 
     /// Record a copy of `rows` rows of `cols` elements: dst[r*d_rs + j] = src[r*s_rs + j].

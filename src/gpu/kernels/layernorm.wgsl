@@ -1,6 +1,7 @@
 // LayerNorm over the channel dimension, eps 1e-5 (cpu/layernorm.rs). One workgroup per row for
-// the forward and the input gradient; one thread per channel for the parameter gradients, which
-// sum over the rows in order.
+// the forward and the input gradient; the parameter gradients are column sums over the rows, in
+// two passes for parallelism: partial sums of blocks of ROWS rows here, then their sums
+// (memory.wgsl: column_sums), each in a fixed order.
 
 struct Params {
     o0: u32, o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, // offsets of b0..b5
@@ -11,7 +12,7 @@ var<immediate> p: Params;
 
 // forward: out, mean, rstd, inp, weight, bias
 // backward_input: dinp, dout, inp, weight, mean, rstd
-// backward_params: dweight, dbias, dout, inp, mean, rstd
+// backward_params: dweight partials, dbias partials, dout, inp, mean, rstd
 @group(0) @binding(0) var<storage, read_write> b0: array<f32>;
 @group(0) @binding(1) var<storage, read_write> b1: array<f32>;
 @group(0) @binding(2) var<storage, read_write> b2: array<f32>;
@@ -79,21 +80,28 @@ fn layernorm_backward_input(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     }
 }
 
-// dweight (C) += sum over rows of (inp - mean) * rstd * dout; dbias (C) += sum of dout.
+// Rows per partial sum of the parameter gradients (src/gpu/layernorm.rs: ROWS).
+const ROWS: u32 = 64u;
+
+// For block k of ROWS rows and channel c: dweight partial [k, c] = the block's sum of
+// (inp - mean) * rstd * dout, dbias partial [k, c] = its sum of dout.
 @compute @workgroup_size(WG)
 fn layernorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                              @builtin(local_invocation_index) tid: u32) {
-    let ch = group_id(wid, nwg) * WG + tid;
-    if (ch >= p.c) {
+    let i = group_id(wid, nwg) * WG + tid;
+    let blocks = (p.n + ROWS - 1u) / ROWS;
+    if (i >= blocks * p.c) {
         return;
     }
-    var dw = b0[p.o0 + ch];
-    var db = b1[p.o1 + ch];
-    for (var row = 0u; row < p.n; row = row + 1u) {
+    let k = i / p.c;
+    let ch = i % p.c;
+    var dw = 0.0;
+    var db = 0.0;
+    for (var row = k * ROWS; row < min(p.n, (k + 1u) * ROWS); row = row + 1u) {
         let d = b2[p.o2 + row * p.c + ch];
         dw = dw + (b3[p.o3 + row * p.c + ch] - b4[p.o4 + row]) * b5[p.o5 + row] * d;
         db = db + d;
     }
-    b0[p.o0 + ch] = dw;
-    b1[p.o1 + ch] = db;
+    b0[p.o0 + i] = dw;
+    b1[p.o1 + i] = db;
 }

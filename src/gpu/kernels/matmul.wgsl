@@ -170,21 +170,24 @@ fn store4(at_row: u32, col: u32, v: vec4<f32>) {
     }
 }
 
-// dbias (N) [+]= the column sums of dout (M rows at a, row stride a_rs), over the rows in
-// order (flags & 1: add to dbias at c).
+// Rows per partial sum of the bias gradient (src/gpu/matmul.rs: ROWS).
+const ROWS: u32 = 64u;
+
+// The first half of dbias (N) = the column sums of dout (M rows at a, row stride a_rs): for
+// block k of ROWS rows and column j, partial [k, j] (at c) = the block's sum of dout[:, j].
 @compute @workgroup_size(WG)
 fn bias_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) tid: u32) {
-    let j = group_id(wid, nwg) * WG + tid;
-    if (j >= p.n) {
+    let i = group_id(wid, nwg) * WG + tid;
+    let blocks = (p.m + ROWS - 1u) / ROWS;
+    if (i >= blocks * p.n) {
         return;
     }
+    let k = i / p.n;
+    let j = i % p.n;
     var s = 0.0;
-    if ((p.flags & 1u) != 0u) {
-        s = c[p.c + j];
-    }
-    for (var row = 0u; row < p.m; row = row + 1u) {
+    for (var row = k * ROWS; row < min(p.m, (k + 1u) * ROWS); row = row + 1u) {
         s = s + a[p.a + row * p.a_rs + j];
     }
-    c[p.c + j] = s;
+    c[p.c + i] = s;
 }

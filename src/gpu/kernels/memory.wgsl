@@ -8,6 +8,7 @@ struct Params {
     d_rs: u32,  // copy_rows: row stride of x
     src: u32,   // copy_rows: offset of y
     s_rs: u32,  // copy_rows: row stride of y
+    flags: u32, // column_sums: 1 = add to x
 }
 var<immediate> p: Params;
 
@@ -34,4 +35,23 @@ fn copy_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
         let j = i % p.n;
         x[p.dst + r * p.d_rs + j] = y[p.src + r * p.s_rs + j];
     }
+}
+
+// x[dst + j] [+]= the sum over r < rows of y[src + r*n + j], in order, for j < n: the second
+// half of a column sum whose first half left one partial sum per block of rows in y.
+@compute @workgroup_size(WG)
+fn column_sums(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) tid: u32) {
+    let j = group_id(wid, nwg) * WG + tid;
+    if (j >= p.n) {
+        return;
+    }
+    var s = 0.0;
+    for (var r = 0u; r < p.rows; r = r + 1u) {
+        s = s + y[p.src + r * p.n + j];
+    }
+    if ((p.flags & 1u) != 0u) {
+        s = x[p.dst + j] + s;
+    }
+    x[p.dst + j] = s;
 }
