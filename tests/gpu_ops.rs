@@ -19,9 +19,18 @@ use common::gpu::{backend, Pair};
 use llmrs::backend::{AdamWParams, Backend, SkipAbove};
 use llmrs::gpu::Options;
 
-/// Tiny memory: 512-byte chunks and 2 KiB bindings (rows of up to 512 floats fit).
+/// Tiny limits: 512-byte chunks and 2 KiB bindings (rows of up to 512 floats fit), GEMM sums
+/// of 16 per dispatch, kernel loops of 3 rows and grids of 8 workgroups per dimension, so that
+/// every way an op cuts its work runs on these small shapes.
 fn tiny() -> Options {
-    Options { chunk_bytes: Some(512), max_binding: Some(2048), ..Default::default() }
+    Options {
+        chunk_bytes: Some(512),
+        max_binding: Some(2048),
+        k_per_dispatch: Some(16),
+        loop_rows: Some(3),
+        max_groups: Some(8),
+        ..Default::default()
+    }
 }
 
 /// Run `f` on a pair with the adapter's sizes and on one with tiny ones.
@@ -36,7 +45,8 @@ fn both(name: &str, f: impl Fn(&mut Pair)) {
 #[test]
 fn gpu_matmul_forward_and_backward() {
     both("gpu_matmul_forward_and_backward", |p| {
-        for &(n, c, oc) in &[(1, 1, 1), (3, 5, 7), (70, 33, 65), (13, 64, 128), (2, 48, 200), (64, 16, 64)] {
+        for &(n, c, oc) in &[(1, 1, 1), (3, 5, 7), (70, 33, 65), (13, 64, 128), (2, 48, 200), (64, 16, 64), (600, 3, 5)]
+        {
             for bias in [true, false] {
                 let [out, inp, w, b, dout, dinp, dw, db] =
                     p.parts([n * oc, n * c, oc * c, oc, n * oc, n * c, oc * c, oc]);
@@ -68,6 +78,32 @@ fn gpu_matmul_forward_and_backward() {
             }
         }
     });
+}
+
+/// Grids of 4 workgroups per dimension: a GEMM of more than 4 tiles of rows or columns runs in
+/// parts (on the real limit, 65535 tiles, the rows of 4 million positions).
+#[test]
+fn gpu_matmul_in_parts_of_a_grid() {
+    let opts = Options { max_groups: Some(4), k_per_dispatch: Some(32), ..Default::default() };
+    let Some(gpu) = backend("gpu_matmul_in_parts_of_a_grid", opts) else { return };
+    let mut p = Pair::new(gpu, "grids of 4");
+    // Every buffer under 4^3 workgroups of 256 (the other kernels' grids).
+    for &(n, c, oc) in &[(600, 3, 5), (5, 40, 300), (300, 4, 40), (40, 4, 300)] {
+        let [out, inp, w, b, dinp, dw, db] = p.parts([n * oc, n * c, oc * c, oc, n * c, oc * c, oc]);
+        p.poison(out);
+        p.both(|be, [out, inp, w, b]| be.matmul_forward(out, inp, w, Some(b), n, c, oc), [out, inp, w, b]);
+        p.check(out, 1e-5, &format!("matmul_forward n={n} c={c} oc={oc}"));
+        p.poison(dinp);
+        p.both(
+            |be, [dinp, dw, db, out, inp, w]| {
+                be.matmul_backward(Some(dinp), dw, Some(db), out, inp, w, n, c, oc, false)
+            },
+            [dinp, dw, db, out, inp, w],
+        );
+        for x in [dinp, dw, db] {
+            p.check(x, 1e-5, &format!("matmul_backward n={n} c={c} oc={oc}"));
+        }
+    }
 }
 
 #[test]

@@ -141,6 +141,15 @@ pub fn open(device: Device) -> Result<Box<dyn Backend>> {
     }
 }
 
+/// Panic unless every named buffer has the length its shape gives (a bug in the caller): every
+/// backend checks its ops' buffers with it.
+macro_rules! lens {
+    ($op:expr; $($buf:expr => $len:expr),* $(,)?) => {
+        $(assert_eq!($buf.len, $len, "{}: {} has {} elements, its shape says {}", $op, stringify!($buf), $buf.len, $len);)*
+    };
+}
+pub(crate) use lens;
+
 /// Hyperparameters of one AdamW update of one tensor.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWParams {

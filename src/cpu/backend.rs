@@ -12,7 +12,7 @@
 //! reaches a loss or a gradient from unwritten memory is caught at the op that put it there.
 
 use super::{adamw, attention, classifier, encoder, gelu, layernorm, matmul, residual};
-use crate::backend::{AdamWParams, Backend, Buf, DType};
+use crate::backend::{lens, AdamWParams, Backend, Buf, DType};
 use crate::profile::{Kind, WallTimer};
 use anyhow::{bail, Context, Result};
 
@@ -162,13 +162,6 @@ impl CpuBackend {
             }
         }
     }
-}
-
-/// Panic unless every named buffer has the length its shape gives (a bug in the caller).
-macro_rules! lens {
-    ($op:expr; $($buf:expr => $len:expr),* $(,)?) => {
-        $(assert_eq!($buf.len, $len, "{}: {} has {} elements, its shape says {}", $op, stringify!($buf), $buf.len, $len);)*
-    };
 }
 
 impl Backend for CpuBackend {

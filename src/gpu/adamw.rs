@@ -1,7 +1,7 @@
 //! AdamW and the global gradient norm on the GPU (kernels/adamw.wgsl).
 
-use super::{grid, groups, lens, u, GpuBackend, K};
-use crate::backend::{AdamWParams, Buf, DType};
+use super::{u, GpuBackend, Groups, Threads, K};
+use crate::backend::{lens, AdamWParams, Buf, DType};
 
 /// Elements per partial sum of the norm (kernels/adamw.wgsl: CHUNK).
 const SQ_CHUNK: usize = 4096;
@@ -11,6 +11,7 @@ impl GpuBackend {
     /// sum, both in a fixed order.
     pub(super) fn global_norm_squared_(&mut self, out: Buf, grads: Buf, accumulate: bool) {
         lens!("global_norm_squared"; out => 1);
+        Self::disjoint("global_norm_squared", &[out], &[grads]);
         let pieces = self.mem.pieces(&[grads], grads.len);
         let total: usize = pieces.iter().map(|r| (r.end - r.start).div_ceil(SQ_CHUNK)).sum();
         let Some(partials) = self.workspace(|s| &mut s.scratch, total, DType::F32) else { return };
@@ -19,21 +20,23 @@ impl GpuBackend {
             let n = r.end - r.start;
             let np = n.div_ceil(SQ_CHUNK);
             let (pw, g) = (self.win(partials.slice(at..at + np)), self.win(grads.slice(r)));
-            self.dispatch(K::SumSquares, &[pw.clone(), g.clone()], &[pw.off, g.off, 0, 0, 0, u(n)], groups(np));
+            let imm = [pw.off, g.off, 0, 0, 0, u(n)];
+            self.dispatch(K::SumSquares, &[pw, g], &imm, Groups(np));
             at += np;
         }
         let (o, pw) = (self.win(out), self.win(partials.prefix(at)));
-        let mut imm = [0u32; 17];
+        let mut imm = [0u32; 17]; // Params: o0 = out, o1 = partials, n, ..., flags
         imm[0] = o.off;
         imm[1] = pw.off;
         imm[5] = u(at);
         imm[16] = accumulate as u32;
-        self.dispatch(K::ReducePartials, &[o, pw], &imm, [1, 1, 1]);
+        self.dispatch(K::ReducePartials, &[o, pw], &imm, Groups(1));
     }
 
     /// One AdamW step on one tensor, skipped on the device when the step's stats say so.
     pub(super) fn adamw_update_(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
         lens!("adamw_update"; grads => params.len, m => params.len, v => params.len, stats => 2);
+        Self::disjoint("adamw_update", &[params, m, v], &[grads, stats]);
         // The bias corrections as the CPU computes them; limits a kernel compares without
         // infinities (a limit of +inf skips nothing finite, a NaN limit skips everything).
         let bc1 = 1.0 - h.beta1.powi(h.t);
@@ -42,12 +45,10 @@ impl GpuBackend {
         let s = self.win(stats);
         for r in self.mem.pieces(&[params, grads, m, v], params.len) {
             let n = r.end - r.start;
-            let (wp, wm, wv, wg) = (
-                self.win(params.slice(r.clone())),
-                self.win(m.slice(r.clone())),
-                self.win(v.slice(r.clone())),
-                self.win(grads.slice(r)),
-            );
+            let wp = self.win(params.slice(r.clone()));
+            let wm = self.win(m.slice(r.clone()));
+            let wv = self.win(v.slice(r.clone()));
+            let wg = self.win(grads.slice(r));
             #[rustfmt::skip]
             let imm = [
                 wp.off, wm.off, wv.off, wg.off, s.off, u(n),
@@ -55,7 +56,7 @@ impl GpuBackend {
                 h.grad_clip.to_bits(), bc1.to_bits(), bc2.to_bits(), limit(h.skip.loss).to_bits(),
                 limit(h.skip.norm_sq).to_bits(), 0,
             ];
-            self.dispatch(K::Adamw, &[wp, wm, wv, wg, s.clone()], &imm, grid(n));
+            self.dispatch(K::Adamw, &[wp, wm, wv, wg, s.clone()], &imm, Threads(n));
         }
     }
 }

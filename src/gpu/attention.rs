@@ -5,8 +5,8 @@
 //! Planes are processed in groups whose tensors fit one binding each.
 
 use super::matmul::{Batches, Operand, K_LOWER, K_UPPER, SKIP_UPPER};
-use super::{groups, lens, u, GpuBackend, K};
-use crate::backend::Buf;
+use super::{u, GpuBackend, Groups, K};
+use crate::backend::{lens, Buf};
 use std::ops::Range;
 
 impl GpuBackend {
@@ -28,30 +28,31 @@ impl GpuBackend {
         let wx = self.win(x);
         let imm = |o1: u32| [wx.off, o1, u(planes), u(rows), u(rs), u(ps), u(pos), u(len), scale.to_bits()];
         match p {
-            None => self.dispatch(K::SoftmaxForward, std::slice::from_ref(&wx), &imm(0), groups(planes * rows)),
+            None => self.dispatch(K::SoftmaxForward, std::slice::from_ref(&wx), &imm(0), Groups(planes * rows)),
             Some(p) => {
                 let wp = self.win(p);
-                self.dispatch(K::SoftmaxBackward, &[wx.clone(), wp.clone()], &imm(wp.off), groups(planes * rows))
+                self.dispatch(K::SoftmaxBackward, &[wx.clone(), wp.clone()], &imm(wp.off), Groups(planes * rows))
             }
         }
     }
 
-    /// Groups of the B*NH planes whose per-plane and per-batch tensors fit one binding each;
-    /// None (and the error reported at the next host read) when a single plane does not.
+    /// Groups of the B*NH planes whose per-plane and per-batch tensors fit one binding each
+    /// (and a grid); None, and the error reported at the next host read, when a single plane
+    /// of `plane` scores does not fit.
     fn planes(
         &mut self,
         b: usize,
         nh: usize,
-        t: usize,
+        plane: usize,
         per_plane: &[(Buf, usize)],
         per_batch: &[(Buf, usize)],
     ) -> Option<Vec<Range<usize>>> {
-        let pieces = self.mem.plane_pieces(b * nh, nh, per_plane, per_batch);
+        let pieces = self.mem.plane_pieces(b * nh, nh, self.cuts.max_groups, per_plane, per_batch);
         if pieces.is_none() {
             self.fault.get_or_insert(format!(
-                "attention at T={t} needs {:.1} MB per head for its scores, more than {} binds at once: lower the \
+                "attention needs {:.1} MB per head for its scores, more than {} binds at once: lower the \
                  sequence length (-t), or run on the CPU with --device cpu",
-                (t * t * 4) as f64 / 1e6,
+                (plane * 4) as f64 / 1e6,
                 self.ctx.name()
             ));
         }
@@ -74,7 +75,8 @@ impl GpuBackend {
         lens!("attention_forward"; out => b * t * c, att => b * nh * t * t, workspace => b * t * c, qkv => b * t * 3 * c);
         let (hs, tt, c3) = (c / nh, t * t, 3 * c);
         let scale = 1.0 / (hs as f32).sqrt();
-        let Some(pieces) = self.planes(b, nh, t, &[(att, tt)], &[(qkv, t * c3), (out, t * c)]) else { return };
+        Self::disjoint("attention_forward", &[out, att, workspace], &[qkv]);
+        let Some(pieces) = self.planes(b, nh, tt, &[(att, tt)], &[(qkv, t * c3), (out, t * c)]) else { return };
         for z in pieces {
             let (b0, b1) = (z.start / nh, (z.end - 1) / nh + 1);
             let q = qkv.slice(b0 * t * c3..b1 * t * c3);
@@ -113,8 +115,9 @@ impl GpuBackend {
               dout => b * t * c, qkv => b * t * 3 * c, att => b * nh * t * t);
         let (hs, tt, c3) = (c / nh, t * t, 3 * c);
         let scale = 1.0 / (hs as f32).sqrt();
+        Self::disjoint("attention_backward", &[dqkv, datt, workspace], &[dout, qkv, att]);
         let per_batch = [(qkv, t * c3), (dqkv, t * c3), (dout, t * c)];
-        let Some(pieces) = self.planes(b, nh, t, &[(att, tt), (datt, tt)], &per_batch) else { return };
+        let Some(pieces) = self.planes(b, nh, tt, &[(att, tt), (datt, tt)], &per_batch) else { return };
         for z in pieces {
             let (b0, b1) = (z.start / nh, (z.end - 1) / nh + 1);
             let q = qkv.slice(b0 * t * c3..b1 * t * c3);
@@ -139,8 +142,8 @@ impl GpuBackend {
     }
 
     /// `tn` new positions of one sequence against its KV cache: their keys and values go to
-    /// rows pos.. of the caches, then out (TN, C) = attention over cache rows 0..=pos+i. (The
-    /// cache and the scores of one sequence are far below a binding's size.)
+    /// rows pos.. of the caches, then out (TN, C) = attention over cache rows 0..=pos+i, in
+    /// groups of heads whose scores (TN, maxT) fit one binding.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_forward_cached_(
         &mut self,
@@ -159,17 +162,24 @@ impl GpuBackend {
         lens!("attention_forward_cached"; out => tn * c, scores => nh * tn * max_t, workspace => tn * c,
               qkv => tn * 3 * c, k_cache => max_t * c, v_cache => max_t * c);
         assert!(tn > 0 && pos + tn <= max_t, "attention_forward_cached: positions {pos}+{tn} past {max_t}");
-        let (hs, n, c3) = (c / nh, pos + tn, 3 * c);
+        Self::disjoint("attention_forward_cached", &[out, scores, workspace, k_cache, v_cache], &[qkv]);
+        let (hs, n, c3, plane) = (c / nh, pos + tn, 3 * c, tn * max_t);
         let scale = 1.0 / (hs as f32).sqrt();
         self.copy_rows(k_cache.slice(pos * c..n * c), c, qkv.slice(c..qkv.len), c3, tn, c);
         self.copy_rows(v_cache.slice(pos * c..n * c), c, qkv.slice(2 * c..qkv.len), c3, tn, c);
-        let heads = Batches { z0: 0, count: nh, inner: nh };
-        let sc = Operand::rows(scores, max_t).batched(0, tn * max_t);
-        let q = Operand::rows(qkv, c3).batched(0, hs);
-        let kt = Operand::transposed(k_cache, c).batched(0, hs);
-        self.gemm((tn, n, hs), q, kt, sc, None, 0, heads);
-        self.softmax(scores, None, nh, tn, max_t, tn * max_t, pos, n, scale);
-        let v = Operand::rows(v_cache, c).batched(0, hs);
-        self.gemm((tn, hs, n), sc, v, Operand::rows(out, c).batched(0, hs), None, 0, heads);
+        // One batch of NH heads: the queries, caches and output are one sequence's, far below a
+        // binding; the scores are cut by heads.
+        let Some(pieces) = self.planes(1, nh, plane, &[(scores, plane)], &[]) else { return };
+        for z in pieces {
+            let heads = Batches { z0: z.start, count: z.end - z.start, inner: nh };
+            let sc = scores.slice(z.start * plane..z.end * plane);
+            let scs = Operand::rows(sc, max_t).each(plane);
+            let q = Operand::rows(qkv, c3).batched(0, hs);
+            let kt = Operand::transposed(k_cache, c).batched(0, hs);
+            self.gemm((tn, n, hs), q, kt, scs, None, 0, heads);
+            self.softmax(sc, None, z.end - z.start, tn, max_t, plane, pos, n, scale);
+            let v = Operand::rows(v_cache, c).batched(0, hs);
+            self.gemm((tn, hs, n), scs, v, Operand::rows(out, c).batched(0, hs), None, 0, heads);
+        }
     }
 }

@@ -1,8 +1,8 @@
 //! The fused classifier on the GPU (kernels/classifier.wgsl): per-row loss and log-sum-exp in
 //! the forward, the logits' gradient in place in the backward.
 
-use super::{grid, groups, lens, u, GpuBackend, K};
-use crate::backend::Buf;
+use super::{u, GpuBackend, Groups, Threads, K};
+use crate::backend::{lens, Buf};
 
 impl GpuBackend {
     /// losses (N) = -log softmax(logits (N, Vp)[:, :V])[targets (N)]; lse (N) kept.
@@ -18,6 +18,7 @@ impl GpuBackend {
         vp: usize,
     ) {
         lens!("crossentropy_forward"; losses => n, lse => n, logits => n * vp, targets => n);
+        Self::disjoint("crossentropy_forward", &[losses, lse], &[logits, targets]);
         for r in self.mem.row_pieces(n, &[(losses, 1), (lse, 1), (logits, vp), (targets, 1)]) {
             let rows = r.end - r.start;
             let wins = [
@@ -27,7 +28,7 @@ impl GpuBackend {
                 self.win(targets.slice(r)),
             ];
             let imm = [wins[0].off, wins[1].off, wins[2].off, wins[3].off, u(rows), u(v), u(vp)];
-            self.dispatch(K::CrossentropyForward, &wins, &imm, groups(rows));
+            self.dispatch(K::CrossentropyForward, &wins, &imm, Groups(rows));
         }
     }
 
@@ -45,22 +46,24 @@ impl GpuBackend {
         vp: usize,
     ) {
         lens!("crossentropy_backward"; logits => n * vp, lse => n, targets => n);
+        Self::disjoint("crossentropy_backward", &[logits], &[lse, targets]);
+        let dummy = self.mem.dummy.clone();
         for r in self.mem.row_pieces(n, &[(logits, vp), (lse, 1), (targets, 1)]) {
             let rows = r.end - r.start;
             let x = self.win(logits.slice(r.start * vp..r.end * vp));
             let s = self.win(lse.slice(r.clone()));
             let t = self.win(targets.slice(r));
             let imm = [x.off, s.off, 0, t.off, u(rows), u(v), u(vp), dloss.to_bits()];
-            let dummy = self.mem.dummy.clone();
-            self.dispatch(K::CrossentropyBackward, &[x, s, dummy, t], &imm, grid(rows * vp));
+            self.dispatch(K::CrossentropyBackward, &[x, s, dummy.clone(), t], &imm, Threads(rows * vp));
         }
     }
 
     /// acc (1) += weight * mean(x (N)).
     pub(super) fn accumulate_mean_(&mut self, acc: Buf, x: Buf, weight: f32) {
         lens!("accumulate_mean"; acc => 1);
+        Self::disjoint("accumulate_mean", &[acc], &[x]);
         let (a, w) = (self.win(acc), self.win(x));
         let imm = [a.off, w.off, 0, 0, u(x.len), 0, 0, weight.to_bits()];
-        self.dispatch(K::AccumulateMean, &[a, w], &imm, [1, 1, 1]);
+        self.dispatch(K::AccumulateMean, &[a, w], &imm, Groups(1));
     }
 }

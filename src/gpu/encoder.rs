@@ -1,14 +1,19 @@
 //! Token + position embedding on the GPU (kernels/encoder.wgsl).
 
-use super::{cut, grid, lens, u, GpuBackend, K, LOOP_ROWS};
-use crate::backend::{Buf, DType};
+use super::{cut, u, GpuBackend, Threads, K};
+use crate::backend::{lens, Buf, DType};
+use std::ops::Range;
 
 impl GpuBackend {
     /// out (B, T, C) = wte (Vp, C)[inp (B, T)] + wpe (maxT, C)[t], a dispatch per window of wte.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn encoder_forward_(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Buf, b: usize, t: usize, c: usize) {
         lens!("encoder_forward"; out => b * t * c, inp => b * t);
-        assert!(wte.len.is_multiple_of(c) && wpe.len >= t * c, "encoder_forward: embedding shapes");
+        assert!(c > 0 && wte.len.is_multiple_of(c) && wpe.len >= t * c, "encoder_forward: embedding shapes");
+        Self::disjoint("encoder_forward", &[out], &[inp, wte, wpe]);
+        if b * t == 0 {
+            return;
+        }
         let wpe = self.win(wpe.prefix(t * c));
         let table = self.mem.row_pieces(wte.len / c, &[(wte, c)]);
         for seqs in self.mem.row_pieces(b, &[(out, t * c), (inp, t)]) {
@@ -18,7 +23,7 @@ impl GpuBackend {
             for rows in &table {
                 let w = self.win(wte.slice(rows.start * c..rows.end * c));
                 let imm = [o.off, i.off, w.off, wpe.off, u(n), u(t), u(c), u(rows.start), u(rows.end)];
-                self.dispatch(K::EncoderForward, &[o.clone(), i.clone(), w, wpe.clone()], &imm, grid(n * c));
+                self.dispatch(K::EncoderForward, &[o.clone(), i.clone(), w, wpe.clone()], &imm, Threads(n * c));
             }
         }
     }
@@ -40,47 +45,73 @@ impl GpuBackend {
         c: usize,
     ) {
         lens!("encoder_backward"; dout => b * t * c, inp => b * t);
-        assert!(dwte.len.is_multiple_of(c) && dwpe.len >= t * c, "encoder_backward: embedding shapes");
-        // A token's kernel loops over its positions in a piece: at most LOOP_ROWS of them.
-        let seqs: Vec<_> =
-            self.mem.row_pieces(b, &[(dout, t * c)]).into_iter().flat_map(|r| cut(r, (LOOP_ROWS / t).max(1))).collect();
-        let host = &self.host_u32.get(&inp.alloc).expect("token ids are a u32 buffer of this backend")
-            [inp.off..inp.off + b * t];
-        // Per piece of dout: its distinct tokens, U + 1 starts, then its positions grouped by
-        // token (counted from the piece's first), all pieces in one upload.
-        let mut data: Vec<u32> = vec![];
-        let mut at = vec![]; // (offset of the piece's buckets, distinct tokens)
-        for s in &seqs {
-            let ids = &host[s.start * t..s.end * t];
-            let mut order: Vec<u32> = (0..ids.len() as u32).collect();
-            order.sort_by_key(|&p| (ids[p as usize], p));
-            let mut uniq: Vec<u32> = vec![];
-            let mut starts: Vec<u32> = vec![];
-            for (j, &p) in order.iter().enumerate() {
-                if uniq.last() != Some(&ids[p as usize]) {
-                    uniq.push(ids[p as usize]);
-                    starts.push(j as u32);
-                }
-            }
-            starts.push(order.len() as u32);
-            at.push((data.len(), uniq.len()));
-            data.extend(uniq.into_iter().chain(starts).chain(order));
+        assert!(c > 0 && dwte.len.is_multiple_of(c) && dwpe.len >= t * c, "encoder_backward: embedding shapes");
+        Self::disjoint("encoder_backward", &[dwte, dwpe], &[dout, inp]);
+        if b * t == 0 {
+            return;
         }
+        // A token's kernel loops over its positions in a piece: at most loop_rows of them.
+        let per_piece = (self.cuts.loop_rows / t).max(1);
+        let seqs: Vec<_> =
+            self.mem.row_pieces(b, &[(dout, t * c)]).into_iter().flat_map(|r| cut(r, per_piece)).collect();
+        let ids = &self.host_u32.get(&inp.alloc).expect("token ids are a u32 buffer of this backend")
+            [inp.off..inp.off + b * t];
+        let (data, at) = token_buckets(ids, &seqs, t);
         let Some(bk) = self.workspace(|s| &mut s.buckets, data.len(), DType::U32) else { return };
         crate::backend::Backend::upload_u32(self, bk, &data);
         let table = self.mem.row_pieces(dwte.len / c, &[(dwte, c)]);
-        for (s, &(off, tokens)) in seqs.iter().zip(&at) {
+        let (wpe, dummy) = (self.win(dwpe.prefix(t * c)), self.mem.dummy.clone());
+        for (s, (range, tokens)) in seqs.iter().zip(at) {
             let d = self.win(dout.slice(s.start * t * c..s.end * t * c));
-            let k = self.win(bk.slice(off..data.len()));
+            let k = self.win(bk.slice(range));
             for rows in &table {
                 let w = self.win(dwte.slice(rows.start * c..rows.end * c));
                 let imm = [w.off, k.off, d.off, 0, u(tokens), 0, u(c), u(rows.start), u(rows.end)];
-                self.dispatch(K::EncoderBackwardWte, &[w, k.clone(), d.clone()], &imm, grid(tokens * c));
+                self.dispatch(K::EncoderBackwardWte, &[w, k.clone(), d.clone()], &imm, Threads(tokens * c));
             }
-            let wpe = self.win(dwpe.prefix(t * c));
             let imm = [wpe.off, 0, d.off, 0, u(t), 0, u(c), 0, 0, u(s.end - s.start)];
-            let dummy = self.mem.dummy.clone();
-            self.dispatch(K::EncoderBackwardWpe, &[wpe, dummy, d], &imm, grid(t * c));
+            self.dispatch(K::EncoderBackwardWpe, &[wpe.clone(), dummy.clone(), d], &imm, Threads(t * c));
         }
+    }
+}
+
+/// The buckets of kernels/encoder.wgsl for each piece `s` of sequences (of `t` positions) of
+/// the token ids: its distinct tokens (U), U + 1 starts, then its positions (counted from the
+/// piece's first) grouped by token, each group in position order. All pieces in one u32 array,
+/// with each piece's range in it and its U.
+fn token_buckets(ids: &[u32], seqs: &[Range<usize>], t: usize) -> (Vec<u32>, Vec<(Range<usize>, usize)>) {
+    let mut data: Vec<u32> = vec![];
+    let mut at = vec![];
+    for s in seqs {
+        let ids = &ids[s.start * t..s.end * t];
+        let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+        order.sort_by_key(|&p| (ids[p as usize], p));
+        let (mut uniq, mut starts) = (vec![], vec![]);
+        for (j, &p) in order.iter().enumerate() {
+            if uniq.last() != Some(&ids[p as usize]) {
+                uniq.push(ids[p as usize]);
+                starts.push(j as u32);
+            }
+        }
+        starts.push(order.len() as u32);
+        let (first, tokens) = (data.len(), uniq.len());
+        data.extend(uniq.into_iter().chain(starts).chain(order));
+        at.push((first..data.len(), tokens));
+    }
+    (data, at)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn buckets_group_positions_by_token_in_order() {
+        // Two pieces of one sequence each (t = 4).
+        let ids = [7, 3, 7, 7, 1, 1, 2, 1];
+        let (data, at) = super::token_buckets(&ids, &[0..1, 1..2], 4);
+        assert_eq!(at, vec![(0..9, 2), (9..18, 2)]);
+        // Piece 0: tokens [3, 7], starts [0, 1, 4], positions [1 | 0, 2, 3].
+        assert_eq!(&data[0..9], &[3, 7, 0, 1, 4, 1, 0, 2, 3]);
+        // Piece 1: tokens [1, 2], starts [0, 3, 4], positions [0, 1, 3 | 2].
+        assert_eq!(&data[9..18], &[1, 2, 0, 3, 4, 0, 1, 3, 2]);
     }
 }

@@ -1,18 +1,20 @@
 //! GELU on the GPU (kernels/gelu.wgsl).
 
-use super::{grid, lens, u, GpuBackend, K};
-use crate::backend::Buf;
+use super::{u, GpuBackend, Threads, K};
+use crate::backend::{lens, Buf};
 
 impl GpuBackend {
     /// out (N) = gelu(inp (N)).
     pub(super) fn gelu_forward_(&mut self, out: Buf, inp: Buf) {
         lens!("gelu_forward"; inp => out.len);
+        Self::disjoint("gelu_forward", &[out], &[inp]);
         self.gelu(K::GeluForward, out, inp);
     }
 
     /// d (N) *= gelu'(inp (N)).
     pub(super) fn gelu_backward_(&mut self, d: Buf, inp: Buf) {
         lens!("gelu_backward"; inp => d.len);
+        Self::disjoint("gelu_backward", &[d], &[inp]);
         self.gelu(K::GeluBackward, d, inp);
     }
 
@@ -21,7 +23,7 @@ impl GpuBackend {
             let n = r.end - r.start;
             let wins = [self.win(x.slice(r.clone())), self.win(y.slice(r))];
             let imm = [wins[0].off, wins[1].off, u(n)];
-            self.dispatch(k, &wins, &imm, grid(n));
+            self.dispatch(k, &wins, &imm, Threads(n));
         }
     }
 }

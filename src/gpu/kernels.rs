@@ -59,30 +59,31 @@ pub enum K {
     ReducePartials,
 }
 
-/// (kernel, module, entry point, storage buffers bound at 0..n).
-const TABLE: [(K, &str, &str, usize); 22] = [
-    (K::Fill, "memory", "fill", 1),
-    (K::CopyRows, "memory", "copy_rows", 2),
-    (K::ColumnSums, "memory", "column_sums", 2),
-    (K::EncoderForward, "encoder", "encoder_forward", 4),
-    (K::EncoderBackwardWte, "encoder", "encoder_backward_wte", 3),
-    (K::EncoderBackwardWpe, "encoder", "encoder_backward_wpe", 3),
-    (K::LayernormForward, "layernorm", "layernorm_forward", 6),
-    (K::LayernormBackwardInput, "layernorm", "layernorm_backward_input", 6),
-    (K::LayernormBackwardParams, "layernorm", "layernorm_backward_params", 6),
-    (K::ResidualForward, "residual", "residual_forward", 3),
-    (K::GeluForward, "gelu", "gelu_forward", 2),
-    (K::GeluBackward, "gelu", "gelu_backward", 2),
-    (K::Matmul, "matmul", "matmul", 4),
-    (K::BiasBackward, "matmul", "bias_backward", 2),
-    (K::SoftmaxForward, "attention", "softmax_forward", 1),
-    (K::SoftmaxBackward, "attention", "softmax_backward", 2),
-    (K::CrossentropyForward, "classifier", "crossentropy_forward", 4),
-    (K::CrossentropyBackward, "classifier", "crossentropy_backward", 4),
-    (K::AccumulateMean, "classifier", "accumulate_mean", 2),
-    (K::Adamw, "adamw", "adamw", 5),
-    (K::SumSquares, "adamw", "sum_squares", 2),
-    (K::ReducePartials, "adamw", "reduce_partials", 2),
+/// (kernel, module, entry point, storage buffers bound at 0..n, which of them hold u32 (a bit
+/// per binding; the others f32)).
+const TABLE: [(K, &str, &str, usize, u8); 22] = [
+    (K::Fill, "memory", "fill", 1, 0),
+    (K::CopyRows, "memory", "copy_rows", 2, 0),
+    (K::ColumnSums, "memory", "column_sums", 2, 0),
+    (K::EncoderForward, "encoder", "encoder_forward", 4, 0b10),
+    (K::EncoderBackwardWte, "encoder", "encoder_backward_wte", 3, 0b10),
+    (K::EncoderBackwardWpe, "encoder", "encoder_backward_wpe", 3, 0b10),
+    (K::LayernormForward, "layernorm", "layernorm_forward", 6, 0),
+    (K::LayernormBackwardInput, "layernorm", "layernorm_backward_input", 6, 0),
+    (K::LayernormBackwardParams, "layernorm", "layernorm_backward_params", 6, 0),
+    (K::ResidualForward, "residual", "residual_forward", 3, 0),
+    (K::GeluForward, "gelu", "gelu_forward", 2, 0),
+    (K::GeluBackward, "gelu", "gelu_backward", 2, 0),
+    (K::Matmul, "matmul", "matmul", 4, 0),
+    (K::BiasBackward, "matmul", "bias_backward", 2, 0),
+    (K::SoftmaxForward, "attention", "softmax_forward", 1, 0),
+    (K::SoftmaxBackward, "attention", "softmax_backward", 2, 0),
+    (K::CrossentropyForward, "classifier", "crossentropy_forward", 4, 0b1000),
+    (K::CrossentropyBackward, "classifier", "crossentropy_backward", 4, 0b1000),
+    (K::AccumulateMean, "classifier", "accumulate_mean", 2, 0),
+    (K::Adamw, "adamw", "adamw", 5, 0),
+    (K::SumSquares, "adamw", "sum_squares", 2, 0),
+    (K::ReducePartials, "adamw", "reduce_partials", 2, 0),
 ];
 
 /// Most buffers any kernel binds.
@@ -151,6 +152,15 @@ impl Kernels {
     /// Buffers `k` binds.
     pub fn bindings(k: K) -> usize {
         TABLE[index(k)].3
+    }
+
+    /// The element type binding `i` of `k` holds.
+    pub fn binding_dtype(k: K, i: usize) -> crate::backend::DType {
+        if TABLE[index(k)].4 & (1 << i) != 0 {
+            crate::backend::DType::U32
+        } else {
+            crate::backend::DType::F32
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! LayerNorm on the GPU (kernels/layernorm.wgsl).
 
-use super::{grid, groups, lens, u, GpuBackend, K};
-use crate::backend::{Buf, DType};
+use super::{u, GpuBackend, Groups, Threads, K};
+use crate::backend::{lens, Buf, DType};
 
 /// Rows per partial sum of the parameter gradients (kernels/layernorm.wgsl: ROWS).
 const ROWS: usize = 64;
@@ -21,6 +21,7 @@ impl GpuBackend {
         c: usize,
     ) {
         lens!("layernorm_forward"; out => n * c, mean => n, rstd => n, inp => n * c, weight => c, bias => c);
+        Self::disjoint("layernorm_forward", &[out, mean, rstd], &[inp, weight, bias]);
         let (w, bi) = (self.win(weight), self.win(bias));
         for r in self.mem.row_pieces(n, &[(out, c), (mean, 1), (rstd, 1), (inp, c)]) {
             let rows = r.end - r.start;
@@ -33,11 +34,13 @@ impl GpuBackend {
                 bi.clone(),
             ];
             let imm = [wins[0].off, wins[1].off, wins[2].off, wins[3].off, w.off, bi.off, u(rows), u(c)];
-            self.dispatch(K::LayernormForward, &wins, &imm, groups(rows));
+            self.dispatch(K::LayernormForward, &wins, &imm, Groups(rows));
         }
     }
 
-    /// dinp (N, C), dweight (C), dbias (C) += the LayerNorm backward of dout.
+    /// dinp (N, C), dweight (C), dbias (C) += the LayerNorm backward of dout. The parameter
+    /// gradients are column sums: partial sums per block of ROWS rows, then their sums, added
+    /// to the gradients piece after piece.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn layernorm_backward_(
         &mut self,
@@ -54,9 +57,9 @@ impl GpuBackend {
     ) {
         lens!("layernorm_backward"; dinp => n * c, dweight => c, dbias => c, dout => n * c, inp => n * c,
               weight => c, mean => n, rstd => n);
+        Self::disjoint("layernorm_backward", &[dinp, dweight, dbias], &[dout, inp, weight, mean, rstd]);
         let w = self.win(weight);
-        let pieces = self.mem.row_pieces(n, &[(dinp, c), (dout, c), (inp, c), (mean, 1), (rstd, 1)]);
-        for r in pieces {
+        for r in self.mem.row_pieces(n, &[(dinp, c), (dout, c), (inp, c), (mean, 1), (rstd, 1)]) {
             let rows = r.end - r.start;
             let di = self.win(dinp.slice(r.start * c..r.end * c));
             let d = self.win(dout.slice(r.start * c..r.end * c));
@@ -65,15 +68,13 @@ impl GpuBackend {
             let s = self.win(rstd.slice(r.clone()));
             let imm = [di.off, d.off, x.off, w.off, m.off, s.off, u(rows), u(c)];
             let wins = [di, d.clone(), x.clone(), w.clone(), m.clone(), s.clone()];
-            self.dispatch(K::LayernormBackwardInput, &wins, &imm, groups(rows));
-            // dweight and dbias: partial sums per block of rows, then their sums, added to the
-            // gradients (after the pieces before).
+            self.dispatch(K::LayernormBackwardInput, &wins, &imm, Groups(rows));
             let blocks = rows.div_ceil(ROWS);
             let Some(part) = self.workspace(|s| &mut s.scratch, 2 * blocks * c, DType::F32) else { return };
-            let (pw, pb) = (part.prefix(blocks * c), part.slice(blocks * c..2 * blocks * c));
+            let (pw, pb) = (part.prefix(blocks * c), part.slice(blocks * c..2 * blocks * c)); // (blocks, C) each
             let (ww, wb) = (self.win(pw), self.win(pb));
             let imm = [ww.off, wb.off, d.off, x.off, m.off, s.off, u(rows), u(c)];
-            self.dispatch(K::LayernormBackwardParams, &[ww, wb, d, x, m, s], &imm, grid(blocks * c));
+            self.dispatch(K::LayernormBackwardParams, &[ww, wb, d, x, m, s], &imm, Threads(blocks * c));
             self.column_sums(dweight, pw, blocks, c, true);
             self.column_sums(dbias, pb, blocks, c, true);
         }

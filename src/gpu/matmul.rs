@@ -2,8 +2,9 @@
 //! Operands larger than one binding window (wte, the logits) are cut into pieces of rows; a
 //! sum over a cut dimension adds the pieces in order.
 
-use super::{grid, lens, u, GpuBackend, K};
-use crate::backend::{Buf, DType};
+use super::{u, GpuBackend, Threads, Xyz, K};
+use crate::backend::{lens, Buf, DType};
+use std::ops::Range;
 
 /// Rows per partial sum of the bias gradient (kernels/matmul.wgsl: ROWS).
 const ROWS: usize = 64;
@@ -17,6 +18,8 @@ pub(super) const SKIP_UPPER: u32 = 4;
 pub(super) const K_UPPER: u32 = 8;
 /// A's rows are zero before the diagonal: k starts at the tile's first row.
 pub(super) const K_LOWER: u32 = 16;
+/// The flags that take a row index for a query position (the GEMM's rows are never cut).
+const CAUSAL: u32 = SKIP_UPPER | K_UPPER | K_LOWER;
 
 /// One GEMM operand: X[i, j] = buf[i*rs + j*cs], moved by bo per outer batch index, bi per
 /// inner one and bz per batch index of the dispatch (see kernels/matmul.wgsl). `buf` covers
@@ -32,6 +35,22 @@ pub(super) struct Operand {
 }
 
 impl Operand {
+    /// The largest offset into `buf` a GEMM of (rows, cols) over `z` reads or writes (a bound:
+    /// every inner index of every outer one).
+    fn reach(&self, rows: usize, cols: usize, z: Batches) -> usize {
+        let outer = (z.z0 + z.count - 1) / z.inner - z.z0 / z.inner;
+        (rows - 1) * self.rs
+            + (cols - 1) * self.cs
+            + outer * self.bo
+            + (z.inner - 1) * self.bi
+            + (z.count - 1) * self.bz
+    }
+
+    /// The operand moved by `off` elements.
+    fn at(self, off: usize) -> Self {
+        Operand { buf: self.buf.slice(off..self.buf.len), ..self }
+    }
+
     /// A row-major matrix (rows rs apart) of one batch.
     pub fn rows(buf: Buf, rs: usize) -> Self {
         Operand { buf, rs, cs: 1, bo: 0, bi: 0, bz: 0 }
@@ -62,16 +81,6 @@ impl Batches {
     pub const ONE: Batches = Batches { z0: 0, count: 1, inner: 1 };
 }
 
-/// Most of the sum dimension K one dispatch covers; longer sums (the classifier's Vp) are cut
-/// into dispatches that add to the output in order. lavapipe stops a shader after 65535 loop
-/// iterations in all, which a 64x64 tile reaches at K of about 30000.
-const K_PER_DISPATCH: usize = 4096;
-
-/// The first `len` elements past `off` of b, clipped to b (an operand's reach).
-fn reach(b: Buf, off: usize, len: usize) -> Buf {
-    b.slice(off..(off + len).min(b.len))
-}
-
 impl GpuBackend {
     /// C (M, N) [+]= A (M, K) @ B (K, N) [+ bias (N)], for each of `z` batches.
     #[allow(clippy::too_many_arguments)]
@@ -85,10 +94,33 @@ impl GpuBackend {
         flags: u32,
         z: Batches,
     ) {
-        assert!(c.cs == 1, "GEMM output rows are contiguous");
-        assert!(z.count <= super::MAX_GROUPS && z.inner > 0, "GEMM batches {z:?}");
+        assert!(c.cs == 1 && z.inner > 0, "GEMM output rows are contiguous; batches {z:?}");
+        // The callers cut batches to a grid dimension (attention's plane pieces).
+        assert!(z.count <= self.cuts.max_groups, "GEMM of {} batches", z.count);
         if m == 0 || n == 0 || z.count == 0 {
             return;
+        }
+        // More tiles than a grid dimension holds: the rows or columns in parts (never those of
+        // a causal GEMM, whose tiles know their place in the plane).
+        let most = self.cuts.max_groups * 64;
+        if m > most || n > most {
+            assert!(flags & CAUSAL == 0, "a causal GEMM of {m} x {n}");
+            for r in super::cut(0..m, most) {
+                for j in super::cut(0..n, most) {
+                    let (a, b, c) = (a.at(r.start * a.rs), b.at(j.start * b.cs), c.at(r.start * c.rs + j.start));
+                    let bias = bias.map(|x| x.slice(j.clone()));
+                    self.gemm((r.len(), j.len(), k), a, b, c, bias, flags, z);
+                }
+            }
+            return;
+        }
+        // Each operand's buffer covers what the kernel reaches (its window is the buffer's).
+        let operands = [(a, (m, k)), (b, (k, n)), (c, (m, n))];
+        for (x, (rows, cols)) in operands.into_iter().filter(|(_, (r, c))| r * c > 0) {
+            assert!(
+                x.reach(rows, cols, z) < x.buf.len,
+                "GEMM operand {x:?} of ({rows}, {cols}) x {z:?}: past its buffer"
+            );
         }
         let (wa, wb, wc) = (self.win(a.buf), self.win(b.buf), self.win(c.buf));
         let wbias = match bias {
@@ -96,14 +128,15 @@ impl GpuBackend {
             None => self.mem.dummy.clone(),
         };
         let flags = flags | if bias.is_some() { BIAS } else { 0 };
-        let groups = [u(n.div_ceil(64)), u(m.div_ceil(64)), u(z.count)];
-        // Dispatches of at most K_PER_DISPATCH of the sum; the first adds the bias, the rest
+        let groups = Xyz([u(n.div_ceil(64)), u(m.div_ceil(64)), u(z.count)]);
+        // Dispatches of at most k_per_dispatch of the sum; the first adds the bias, the rest
         // add to what the ones before wrote.
-        for kb in (0..k.max(1)).step_by(K_PER_DISPATCH) {
+        let step = self.cuts.k_per_dispatch;
+        for kb in (0..k.max(1)).step_by(step) {
             let flags = if kb > 0 { (flags & !BIAS) | ACCUMULATE } else { flags };
             #[rustfmt::skip]
             let imm = [
-                u(m), u(n), u(k.min(kb + K_PER_DISPATCH)),
+                u(m), u(n), u(k.min(kb + step)),
                 wa.off, u(a.rs), u(a.cs),
                 wb.off, u(b.rs), u(b.cs),
                 wc.off, u(c.rs),
@@ -132,16 +165,17 @@ impl GpuBackend {
         if let Some(b) = bias {
             lens!("matmul_forward"; b => oc);
         }
-        let outs =
-            self.mem.row_pieces(oc, &[(weight, c), (bias.unwrap_or(weight), if bias.is_some() { 1 } else { 0 })]);
+        let ins: Vec<Buf> = [inp, weight].into_iter().chain(bias).collect();
+        Self::disjoint("matmul_forward", &[out], &ins);
+        let weight_rows: Vec<_> = [(weight, c)].into_iter().chain(bias.map(|b| (b, 1))).collect();
+        let outs = self.mem.row_pieces(oc, &weight_rows);
         for r in self.mem.row_pieces(n, &[(out, oc), (inp, c)]) {
             for o in &outs {
-                let rows = r.end - r.start;
                 let a = Operand::rows(inp.slice(r.start * c..r.end * c), c);
                 let b = Operand::transposed(weight.slice(o.start * c..o.end * c), c);
-                let cc = Operand::rows(reach(out, r.start * oc + o.start, (rows - 1) * oc + o.end - o.start), oc);
+                let cc = Operand::rows(block(out, oc, &r, o), oc);
                 let bias = bias.map(|x| x.slice(o.clone()));
-                self.gemm((rows, o.end - o.start, c), a, b, cc, bias, 0, Batches::ONE);
+                self.gemm((r.len(), o.len(), c), a, b, cc, bias, 0, Batches::ONE);
             }
         }
     }
@@ -163,49 +197,95 @@ impl GpuBackend {
         accumulate: bool,
     ) {
         lens!("matmul_backward"; dweight => oc * c, dout => n * oc, inp => n * c, weight => oc * c);
+        let outs: Vec<Buf> = [Some(dweight), dinp, dbias].into_iter().flatten().collect();
+        Self::disjoint("matmul_backward", &outs, &[dout, inp, weight]);
         if let Some(d) = dinp {
             lens!("matmul_backward"; d => n * c);
         }
         if let Some(d) = dbias {
             lens!("matmul_backward"; d => oc);
         }
-        let dinp_rows = dinp.map_or((inp, 0), |d| (d, c));
-        let rows = self.mem.row_pieces(n, &[(dout, oc), (inp, c), dinp_rows]);
+        if n == 0 {
+            // No rows: sums of nothing (as the CPU's GEMM writes them).
+            if !accumulate {
+                outs.iter().filter(|b| Some(**b) != dinp).for_each(|&b| crate::backend::Backend::fill(self, b, 0.0));
+            }
+            return;
+        }
+        let row_bufs: Vec<_> = [(dout, oc), (inp, c)].into_iter().chain(dinp.map(|d| (d, c))).collect();
+        let rows = self.mem.row_pieces(n, &row_bufs);
         let outs = self.mem.row_pieces(oc, &[(weight, c), (dweight, c)]);
-        let dout_block = |r: &std::ops::Range<usize>, o: &std::ops::Range<usize>| {
-            reach(dout, r.start * oc + o.start, (r.end - r.start - 1) * oc + o.end - o.start)
-        };
         if let Some(dinp) = dinp {
-            for r in &rows {
-                for (i, o) in outs.iter().enumerate() {
-                    let a = Operand::rows(dout_block(r, o), oc);
-                    let b = Operand::rows(weight.slice(o.start * c..o.end * c), c);
-                    let cc = Operand::rows(dinp.slice(r.start * c..r.end * c), c);
-                    let flags = if i > 0 { ACCUMULATE } else { 0 };
-                    self.gemm((r.end - r.start, c, o.end - o.start), a, b, cc, None, flags, Batches::ONE);
-                }
-            }
+            self.matmul_dinp(dinp, dout, weight, (&rows, &outs), c, oc);
         }
-        for o in &outs {
-            for (i, r) in rows.iter().enumerate() {
-                let a = Operand::transposed(dout_block(r, o), oc);
-                let b = Operand::rows(inp.slice(r.start * c..r.end * c), c);
-                let cc = Operand::rows(dweight.slice(o.start * c..o.end * c), c);
-                let flags = if accumulate || i > 0 { ACCUMULATE } else { 0 };
-                self.gemm((o.end - o.start, c, r.end - r.start), a, b, cc, None, flags, Batches::ONE);
-            }
-        }
+        self.matmul_dweight(dweight, dout, inp, (&rows, &outs), c, oc, accumulate);
         if let Some(dbias) = dbias {
-            // Partial column sums per block of rows, then their sums, piece after piece.
-            for (i, r) in rows.iter().enumerate() {
-                let blocks = (r.end - r.start).div_ceil(ROWS);
-                let Some(part) = self.workspace(|s| &mut s.scratch, blocks * oc, DType::F32) else { return };
-                let (pw, d) = (self.win(part), self.win(dout.slice(r.start * oc..r.end * oc)));
-                #[rustfmt::skip]
-                let imm = [u(r.end - r.start), u(oc), 0, d.off, u(oc), 1, 0, 0, 0, pw.off];
-                self.dispatch(K::BiasBackward, &[pw, d], &imm, grid(blocks * oc));
-                self.column_sums(dbias, part, blocks, oc, accumulate || i > 0);
+            self.matmul_dbias(dbias, dout, &rows, oc, accumulate);
+        }
+    }
+
+    /// dinp (N, C) = dout (N, OC) @ weight (OC, C), summed over the pieces of OC in order.
+    fn matmul_dinp(
+        &mut self,
+        dinp: Buf,
+        dout: Buf,
+        weight: Buf,
+        (rows, outs): (&[Range<usize>], &[Range<usize>]),
+        c: usize,
+        oc: usize,
+    ) {
+        for r in rows {
+            for (i, o) in outs.iter().enumerate() {
+                let a = Operand::rows(block(dout, oc, r, o), oc);
+                let b = Operand::rows(weight.slice(o.start * c..o.end * c), c);
+                let cc = Operand::rows(dinp.slice(r.start * c..r.end * c), c);
+                let flags = if i > 0 { ACCUMULATE } else { 0 };
+                self.gemm((r.len(), c, o.len()), a, b, cc, None, flags, Batches::ONE);
             }
         }
     }
+
+    /// dweight (OC, C) [+]= dout^T (OC, N) @ inp (N, C), summed over the pieces of N in order.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_dweight(
+        &mut self,
+        dweight: Buf,
+        dout: Buf,
+        inp: Buf,
+        (rows, outs): (&[Range<usize>], &[Range<usize>]),
+        c: usize,
+        oc: usize,
+        accumulate: bool,
+    ) {
+        for o in outs {
+            for (i, r) in rows.iter().enumerate() {
+                let a = Operand::transposed(block(dout, oc, r, o), oc);
+                let b = Operand::rows(inp.slice(r.start * c..r.end * c), c);
+                let cc = Operand::rows(dweight.slice(o.start * c..o.end * c), c);
+                let flags = if accumulate || i > 0 { ACCUMULATE } else { 0 };
+                self.gemm((o.len(), c, r.len()), a, b, cc, None, flags, Batches::ONE);
+            }
+        }
+    }
+
+    /// dbias (OC) [+]= the column sums of dout (N, OC): partial sums per block of ROWS rows,
+    /// then their sums, piece of N after piece.
+    fn matmul_dbias(&mut self, dbias: Buf, dout: Buf, rows: &[Range<usize>], oc: usize, accumulate: bool) {
+        for (i, r) in rows.iter().enumerate() {
+            let blocks = r.len().div_ceil(ROWS);
+            let Some(part) = self.workspace(|s| &mut s.scratch, blocks * oc, DType::F32) else { return }; // (blocks, OC)
+            let (pw, d) = (self.win(part), self.win(dout.slice(r.start * oc..r.end * oc)));
+            // Params of bias_backward: m, n, k (unused), a, a_rs, a_cs (unused), ..., c.
+            let imm = [u(r.len()), u(oc), 0, d.off, u(oc), 1, 0, 0, 0, pw.off];
+            self.dispatch(K::BiasBackward, &[pw, d], &imm, Threads(blocks * oc));
+            self.column_sums(dbias, part, blocks, oc, accumulate || i > 0);
+        }
+    }
+}
+
+/// Rows `r` and columns `cols` of a row-major (_, width) matrix: the span from the first
+/// element of the block to its last.
+fn block(x: Buf, width: usize, r: &Range<usize>, cols: &Range<usize>) -> Buf {
+    let first = r.start * width + cols.start;
+    x.slice(first..(r.end - 1) * width + cols.end)
 }

@@ -39,6 +39,8 @@ pub struct Win {
     pub byte_len: u64,
     /// The operand's first element, counted from the window's start.
     pub off: u32,
+    /// The operand's element type (the dummy's is F32).
+    pub dtype: DType,
 }
 
 /// How memory is laid out, from the adapter's limits (smaller in tests, to put tensors at
@@ -77,7 +79,7 @@ impl Memory {
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
-        let dummy = Win { chunk: 0, buf, byte_off: 0, byte_len: 256, off: 0 };
+        let dummy = Win { chunk: 0, buf, byte_off: 0, byte_len: 256, off: 0, dtype: DType::F32 };
         Memory { allocs: vec![], next_chunk: 1, sizes, held: 0, limit, dummy }
     }
 
@@ -86,74 +88,66 @@ impl Memory {
         if dtype == DType::BF16 {
             bail!("the GPU backend computes in fp32 (bf16 storage comes later)");
         }
-        let name = ctx.name();
         let len = parts.iter().try_fold(0usize, |a, &p| a.checked_add(p));
         let Some(len) = len else { bail!("an allocation of more than usize::MAX elements") };
-        let s = self.sizes;
-        // Group the parts into chunks.
-        let mut groups: Vec<(usize, usize)> = vec![]; // (start, len) in elements
-        let (mut start, mut cur) = (0usize, 0usize);
-        for &p in parts {
-            let bytes = p as u64 * ELEM;
-            if bytes > s.max_buffer {
-                bail!(
-                    "a tensor of {:.1} MB does not fit in one buffer of {name} (at most {:.1} MB): lower the batch \
-                     size (-b) or sequence length (-t), or run on the CPU with --device cpu",
-                    bytes as f64 / 1e6,
-                    s.max_buffer as f64 / 1e6
-                );
-            }
-            if cur > 0 && (cur + p) as u64 * ELEM > s.chunk_bytes {
-                groups.push((start, cur));
-                start += cur;
-                cur = 0;
-            }
-            cur += p;
-        }
-        if cur > 0 {
-            groups.push((start, cur));
-        }
-        let total: u64 = groups.iter().map(|g| chunk_bytes(g.1)).sum();
-        if let Some(limit) = self.limit {
-            if self.held + total > limit {
-                bail!(
-                    "out of GPU memory on {name}: {:.1} MB more needed, {:.1} MB of {:.1} MB in use: lower the batch \
-                     size (-b) or sequence length (-t), or run on the CPU with --device cpu",
-                    total as f64 / 1e6,
-                    self.held as f64 / 1e6,
-                    limit as f64 / 1e6
-                );
-            }
+        let groups = self.group(ctx, parts)?;
+        let total: u64 = groups.iter().map(|g| chunk_bytes(g.len())).sum();
+        if self.limit.is_some_and(|limit| self.held + total > limit) {
+            bail!(out_of_memory(&ctx.name(), total, self.held, "the limit set for this run"));
         }
         let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let chunks: Vec<Chunk> = groups
             .into_iter()
-            .map(|(start, len)| {
+            .map(|g| {
                 let id = self.next_chunk;
                 self.next_chunk += 1;
                 let buf = ctx.device.create_buffer(&wgpu::BufferDescriptor {
                     label: None,
-                    size: chunk_bytes(len),
+                    size: chunk_bytes(g.len()),
                     usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
                     mapped_at_creation: false,
                 });
-                Chunk { id, buf, start, len }
+                Chunk { id, buf, start: g.start, len: g.len() }
             })
             .collect();
         if let Some(e) = pollster::block_on(scope.pop()) {
-            bail!(
-                "out of GPU memory on {name}: {:.1} MB more needed with {:.1} MB in use ({}): lower the batch size \
-                 (-b) or sequence length (-t), or run on the CPU with --device cpu",
-                total as f64 / 1e6,
-                self.held as f64 / 1e6,
-                super::kernels::one_line(&e.to_string())
-            );
+            bail!(out_of_memory(&ctx.name(), total, self.held, &super::kernels::one_line(&e.to_string())));
         }
         self.held += total;
         let id = u32::try_from(self.allocs.len()).ok().filter(|&i| i != u32::MAX);
         let Some(alloc) = id else { bail!("too many allocations") };
         self.allocs.push(Some(Alloc { dtype, len, chunks }));
         Ok(Buf { alloc, off: 0, len, dtype })
+    }
+
+    /// The element ranges of an allocation's chunks: consecutive parts together up to the
+    /// chunk size, a larger part alone.
+    fn group(&self, ctx: &super::context::Context, parts: &[usize]) -> Result<Vec<Range<usize>>> {
+        let s = self.sizes;
+        let mut groups = vec![];
+        let (mut start, mut cur) = (0usize, 0usize);
+        for &p in parts {
+            let bytes = p as u64 * ELEM;
+            if bytes > s.max_buffer {
+                bail!(
+                    "a tensor of {:.1} MB does not fit in one buffer of {} (at most {:.1} MB): lower the batch \
+                     size (-b) or sequence length (-t), or run on the CPU with --device cpu",
+                    bytes as f64 / 1e6,
+                    ctx.name(),
+                    s.max_buffer as f64 / 1e6
+                );
+            }
+            if cur > 0 && (cur + p) as u64 * ELEM > s.chunk_bytes {
+                groups.push(start..start + cur);
+                start += cur;
+                cur = 0;
+            }
+            cur += p;
+        }
+        if cur > 0 {
+            groups.push(start..start + cur);
+        }
+        Ok(groups)
     }
 
     pub fn free(&mut self, b: Buf) {
@@ -195,7 +189,7 @@ impl Memory {
         };
         let first = c.start + (byte_off / ELEM) as usize; // the window's first element
         let end = first + (byte_len / ELEM) as usize; // one past its last
-        let win = Win { chunk: c.id, buf: c.buf.clone(), byte_off, byte_len, off: (at - first) as u32 };
+        let win = Win { chunk: c.id, buf: c.buf.clone(), byte_off, byte_len, off: (at - first) as u32, dtype: b.dtype };
         (win, end.min(c.start + c.len))
     }
 
@@ -233,10 +227,9 @@ impl Memory {
         let mut r = 0;
         while r < rows {
             let mut take = rows - r;
-            for &(b, rl) in bufs {
-                if let Some(rows) = self.fit(b, r * rl).checked_div(rl) {
-                    take = take.min(rows);
-                }
+            // Rows of no elements (a zero dimension) fit anywhere.
+            for &(b, rl) in bufs.iter().filter(|x| x.1 > 0) {
+                take = take.min(self.fit(b, r * rl) / rl);
             }
             assert!(take > 0, "a row of a GPU tensor does not fit one binding window");
             out.push(r..r + take);
@@ -245,20 +238,22 @@ impl Memory {
         out
     }
 
-    /// The pieces of planes 0..planes (`inner` per batch: attention's heads), such that every
-    /// per-plane (buf, len)'s planes of a piece fit one window, and every per-batch (buf, len)'s
-    /// batches that the piece touches fit one window. None when a single plane does not fit.
+    /// The pieces of planes 0..planes (`inner` per batch: attention's heads), of at most `most`
+    /// planes, such that every per-plane (buf, len)'s planes of a piece fit one window, and
+    /// every per-batch (buf, len)'s batches that the piece touches fit one window. None when a
+    /// single plane does not fit.
     pub fn plane_pieces(
         &self,
         planes: usize,
         inner: usize,
+        most: usize,
         per_plane: &[(Buf, usize)],
         per_batch: &[(Buf, usize)],
     ) -> Option<Vec<Range<usize>>> {
         let mut out = vec![];
         let mut z = 0;
         while z < planes {
-            let mut take = planes - z;
+            let mut take = (planes - z).min(most);
             for &(b, len) in per_plane {
                 take = take.min(self.fit(b, z * len) / len);
             }
@@ -289,6 +284,16 @@ impl Memory {
         }
         out
     }
+}
+
+/// The one message for memory the device cannot give: how much, and what to do.
+pub fn out_of_memory(adapter: &str, needed: u64, held: u64, detail: &str) -> String {
+    format!(
+        "out of GPU memory on {adapter}: {:.1} MB more needed with {:.1} MB in use ({detail}): lower the batch \
+         size (-b) or sequence length (-t), or run on the CPU with --device cpu",
+        needed as f64 / 1e6,
+        held as f64 / 1e6
+    )
 }
 
 /// Bytes of a chunk of `len` elements (wgpu buffers are multiples of 4 bytes and not empty).

@@ -34,20 +34,15 @@ pub use context::{describe_adapters, LOOKED_FOR};
 
 /// Threads per workgroup of the elementwise and row kernels (kernels/common.wgsl: WG).
 const WG: usize = 256;
-/// Workgroups in one dimension of a grid.
-const MAX_GROUPS: usize = 65535;
-/// Most iterations of a kernel's loop over rows (the encoder backward's positions of a token):
-/// lavapipe ends a shader after 65535 loop iterations in all, so longer loops are cut into
-/// dispatches that continue where the last one stopped.
-const LOOP_ROWS: usize = 8192;
 
 /// `r` cut into pieces of at most `n`.
 fn cut(r: std::ops::Range<usize>, n: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    (r.start..r.end).step_by(n).map(move |s| s..(s + n).min(r.end))
+    (r.start..r.end).step_by(n.max(1)).map(move |s| s..(s + n).min(r.end))
 }
 
-/// How the backend is set up. The defaults come from the adapter; tests make the sizes small to
-/// put tensors at chunk boundaries and make every op split its work on tiny shapes.
+/// How the backend is set up. The defaults come from the adapter and the drivers' limits; tests
+/// make them small, to put tensors at chunk boundaries and make every op cut its work into
+/// pieces on tiny shapes.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Options {
     /// Adapter index (`--device gpu:N`); None picks the best one.
@@ -60,7 +55,41 @@ pub struct Options {
     pub memory_limit: Option<u64>,
     /// Lose the device after this many submissions (tests of the error path).
     pub lose_after: Option<usize>,
+    /// Most of a GEMM's sum one dispatch covers (default [`K_PER_DISPATCH`]).
+    pub k_per_dispatch: Option<usize>,
+    /// Most rows a kernel loops over (default [`LOOP_ROWS`]).
+    pub loop_rows: Option<usize>,
+    /// Most workgroups in one dimension of a grid (default: the adapter's, at most 65535).
+    pub max_groups: Option<usize>,
 }
+
+/// Most of the sum dimension K one GEMM dispatch covers; a longer sum (the classifier's Vp) is
+/// cut into dispatches that add to the output in order. lavapipe stops a shader after 65535
+/// loop iterations in all, which a 64x64 tile reaches at K of about 30000.
+pub const K_PER_DISPATCH: usize = 4096;
+/// Most iterations of a kernel's loop over rows (the encoder backward's positions of a token),
+/// for the same reason; longer loops are cut into dispatches that continue in order.
+pub const LOOP_ROWS: usize = 8192;
+
+/// How work is cut into dispatches (from [`Options`]).
+#[derive(Clone, Copy, Debug)]
+struct Cuts {
+    k_per_dispatch: usize,
+    loop_rows: usize,
+    max_groups: usize,
+}
+
+/// How many workgroups a dispatch runs.
+#[derive(Clone, Copy, Debug)]
+enum Grid {
+    /// One thread per element: ceil(n / WG) workgroups (the kernel skips the extra threads).
+    Threads(usize),
+    /// n workgroups (one per row).
+    Groups(usize),
+    /// A 3-D grid as given (GEMM tiles; each dimension within the limit).
+    Xyz([u32; 3]),
+}
+use Grid::{Groups, Threads, Xyz};
 
 /// Environment variable that injects a device fault, for tests of the error paths through the
 /// whole program: `lose-device-after=N` (submissions), or `memory-limit=BYTES`.
@@ -89,14 +118,16 @@ pub struct GpuBackend {
     /// The host's copy of every u32 buffer, which only the host writes (token ids): the
     /// encoder's backward groups positions by token from it, as llm.c does on the host.
     host_u32: HashMap<u32, Vec<u32>>,
-    /// Workspace of partial sums (global norm, column sums), used within one op at a time
-    /// (ops run in the order they are recorded), grown on use.
+    /// Workspace of partial sums: (blocks, C) of the column sums, (pieces) of the global norm;
+    /// each op uses it only between its own dispatches (which run in the order they are
+    /// recorded). Grown on use.
     scratch: Option<Buf>,
-    /// Workspace of the encoder backward's buckets (u32, grown on use).
+    /// Workspace of the encoder backward's token buckets (u32; see gpu/encoder.rs), grown on use.
     buckets: Option<Buf>,
     /// An op that could not record its work (its workspace did not fit in memory): reported at
     /// the next host read, as a device fault is.
     fault: Option<String>,
+    cuts: Cuts,
 }
 
 impl GpuBackend {
@@ -114,6 +145,12 @@ impl GpuBackend {
             align: l.min_storage_buffer_offset_alignment as u64,
         };
         let mem = Memory::new(&ctx.device, sizes, opts.memory_limit);
+        let max_groups = (l.max_compute_workgroups_per_dimension as usize).min(65535);
+        let cuts = Cuts {
+            k_per_dispatch: opts.k_per_dispatch.unwrap_or(K_PER_DISPATCH).max(1),
+            loop_rows: opts.loop_rows.unwrap_or(LOOP_ROWS).max(1),
+            max_groups: opts.max_groups.unwrap_or(max_groups).clamp(1, max_groups),
+        };
         ctx.check()?;
         Ok(GpuBackend {
             ctx,
@@ -124,6 +161,7 @@ impl GpuBackend {
             scratch: None,
             buckets: None,
             fault: None,
+            cuts,
         })
     }
 
@@ -150,8 +188,44 @@ impl GpuBackend {
         self.mem.win(b)
     }
 
-    fn dispatch(&mut self, k: K, wins: &[Win], imm: &[u32], groups: [u32; 3]) {
-        self.rec.dispatch(&self.ctx, &self.kernels, k, wins, imm, groups);
+    fn dispatch(&mut self, k: K, wins: &[Win], imm: &[u32], grid: Grid) {
+        let max = self.cuts.max_groups;
+        let groups = |n: usize| -> [u32; 3] {
+            let y = n.div_ceil(max);
+            assert!(y.div_ceil(max) <= max, "{k:?}: {n} workgroups");
+            match (n <= max, y <= max) {
+                (true, _) => [u(n), 1, 1],
+                (false, true) => [u(max), u(y), 1],
+                (false, false) => [u(max), u(max), u(y.div_ceil(max))],
+            }
+        };
+        let xyz = match grid {
+            Threads(n) => groups(n.div_ceil(WG)),
+            Groups(n) => groups(n),
+            Xyz(g) => g,
+        };
+        assert!(xyz.iter().all(|&g| g as usize <= max), "{k:?}: grid {xyz:?} past {max} workgroups");
+        for (i, w) in wins.iter().enumerate() {
+            let want = Kernels::binding_dtype(k, i);
+            assert!(
+                w.dtype == want || w.chunk == 0,
+                "{k:?}: binding {i} holds {:?}, the kernel reads {want:?}",
+                w.dtype
+            );
+        }
+        self.rec.dispatch(&self.ctx, &self.kernels, k, wins, imm, xyz);
+    }
+
+    /// Panic unless no output overlaps another buffer of the call (a bug in the caller): the
+    /// kernels bind every buffer read-write, so an overlap would race, where the CPU backend
+    /// refuses it.
+    fn disjoint(op: &str, outs: &[Buf], ins: &[Buf]) {
+        for (i, o) in outs.iter().enumerate() {
+            let others = outs.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, x)| x).chain(ins);
+            if let Some(x) = others.into_iter().find(|x| x.overlaps(*o)) {
+                panic!("{op}: output {o:?} overlaps {x:?}");
+            }
+        }
     }
 
     /// A backend-owned workspace of at least `len` elements, grown as needed. None when it
@@ -192,14 +266,14 @@ impl GpuBackend {
     fn column_sums(&mut self, dst: Buf, partials: Buf, blocks: usize, n: usize, accumulate: bool) {
         let (d, p) = (self.win(dst), self.win(partials));
         let imm = [d.off, u(n), 0, u(blocks), 0, p.off, 0, accumulate as u32];
-        self.dispatch(K::ColumnSums, &[d, p], &imm, grid(n));
+        self.dispatch(K::ColumnSums, &[d, p], &imm, Threads(n));
     }
 
     /// Record a copy of `rows` rows of `cols` elements: dst[r*d_rs + j] = src[r*s_rs + j].
     fn copy_rows(&mut self, dst: Buf, d_rs: usize, src: Buf, s_rs: usize, rows: usize, cols: usize) {
         let (d, s) = (self.win(dst), self.win(src));
         let imm = [d.off, u(cols), 0, u(rows), u(d_rs), s.off, u(s_rs)];
-        self.dispatch(K::CopyRows, &[d, s], &imm, grid(rows * cols));
+        self.dispatch(K::CopyRows, &[d, s], &imm, Threads(rows * cols));
     }
 }
 
@@ -213,28 +287,7 @@ fn f(x: f32) -> u32 {
     x.to_bits()
 }
 
-/// Workgroups for `threads` threads of WG each, as a grid of at most 65535 per dimension.
-fn grid(threads: usize) -> [u32; 3] {
-    groups(threads.div_ceil(WG))
-}
-
-/// A grid of `n` workgroups (kernels index it with group_id).
-fn groups(n: usize) -> [u32; 3] {
-    if n <= MAX_GROUPS {
-        [n as u32, 1, 1]
-    } else {
-        [MAX_GROUPS as u32, u(n.div_ceil(MAX_GROUPS)), 1]
-    }
-}
-
-/// Panic unless every named buffer has the length its shape gives (a bug in the caller), as
-/// the CPU backend does.
-macro_rules! lens {
-    ($op:expr; $($buf:expr => $len:expr),* $(,)?) => {
-        $(assert_eq!($buf.len, $len, "{}: {} has {} elements, its shape says {}", $op, stringify!($buf), $buf.len, $len);)*
-    };
-}
-pub(crate) use lens;
+use crate::backend::lens;
 
 impl Backend for GpuBackend {
     fn describe(&self) -> String {
@@ -266,11 +319,13 @@ impl Backend for GpuBackend {
 
     fn upload(&mut self, dst: Buf, src: &[f32]) {
         lens!("upload"; dst => src.len());
+        assert_eq!(dst.dtype, DType::F32, "upload: {dst:?} is not an f32 buffer");
         self.write(dst, bytemuck::cast_slice(src));
     }
 
     fn upload_u32(&mut self, dst: Buf, src: &[u32]) {
         lens!("upload_u32"; dst => src.len());
+        assert_eq!(dst.dtype, DType::U32, "upload_u32: {dst:?} is not a u32 buffer");
         let host = self.host_u32.get_mut(&dst.alloc).expect("a u32 buffer of this backend");
         host[dst.off..dst.off + dst.len].copy_from_slice(src);
         self.write(dst, bytemuck::cast_slice(src));
@@ -278,6 +333,7 @@ impl Backend for GpuBackend {
 
     fn download(&mut self, src: Buf, dst: &mut [f32]) -> Result<()> {
         lens!("download"; src => dst.len());
+        assert_eq!(src.dtype, DType::F32, "download: {src:?} is not an f32 buffer");
         let spans: Vec<_> =
             self.mem.spans(src).into_iter().map(|(b, off, r)| (b, off, (r.end - r.start) as u64 * 4)).collect();
         self.check()?;
@@ -289,7 +345,7 @@ impl Backend for GpuBackend {
         for r in self.mem.pieces(&[dst], dst.len) {
             let w = self.win(dst.slice(r.clone()));
             let n = r.end - r.start;
-            self.dispatch(K::Fill, std::slice::from_ref(&w), &[w.off, u(n), f(value)], grid(n));
+            self.dispatch(K::Fill, std::slice::from_ref(&w), &[w.off, u(n), f(value)], Threads(n));
         }
     }
 
@@ -308,8 +364,10 @@ impl Backend for GpuBackend {
         self.rec.set_profiling(&self.ctx, on);
     }
     fn profile_begin(&mut self, kind: Kind) {
-        // A failed read of the timestamps is a device fault: reported at the next host read.
-        let _ = self.rec.profile_begin(&self.ctx, kind);
+        // A failed read of the timestamps is reported at the next host read.
+        if let Err(e) = self.rec.profile_begin(&self.ctx, kind) {
+            self.fault.get_or_insert(format!("{e:#}"));
+        }
     }
     fn profile_end(&mut self) {
         self.rec.profile_end();

@@ -9,6 +9,7 @@ use super::memory::Win;
 use crate::profile::{Kind, KINDS};
 use anyhow::Result;
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 /// Bind groups kept at most (a training step uses a few hundred).
 const BIND_GROUP_CACHE: usize = 8192;
@@ -22,13 +23,12 @@ type BgKey = (usize, [(u64, u64, u64); super::kernels::MAX_BINDINGS]);
 pub struct Recorder {
     encoder: Option<wgpu::CommandEncoder>,
     pass: Option<wgpu::ComputePass<'static>>,
-    /// The current pass is timed and belongs to this kind.
-    timed: bool,
+    /// The layer kind whose ops are being recorded while profiling: every pass opened meanwhile
+    /// is timed for it (a submit inside the region ends a pass; the next one is timed too).
+    region: Option<Kind>,
     bind_groups: HashMap<BgKey, wgpu::BindGroup>,
     staging: Option<wgpu::Buffer>,
     prof: Option<Profiler>,
-    /// Dispatches recorded since the last submit.
-    pub dispatches: usize,
     /// Submissions so far, and after how many to lose the device (a test of the error path).
     submits: usize,
     lose_after: Option<usize>,
@@ -39,7 +39,7 @@ struct Profiler {
     queries: wgpu::QuerySet,
     resolve: wgpu::Buffer,
     readback: wgpu::Buffer,
-    /// The kind of each timed pass since the last read.
+    /// The kind of each timed pass since the last read (pass i wrote queries 2i and 2i + 1).
     kinds: Vec<Kind>,
     seconds: [f64; KINDS.len()],
     /// Nanoseconds per tick.
@@ -51,11 +51,10 @@ impl Recorder {
         Recorder {
             encoder: None,
             pass: None,
-            timed: false,
+            region: None,
             bind_groups: HashMap::new(),
             staging: None,
             prof: None,
-            dispatches: 0,
             submits: 0,
             lose_after,
         }
@@ -65,15 +64,24 @@ impl Recorder {
         self.encoder.get_or_insert_with(|| ctx.device.create_command_encoder(&Default::default()))
     }
 
-    /// End the current pass (a copy or a timed pass comes next).
-    fn end_pass(&mut self) {
-        self.pass = None;
-        self.timed = false;
-    }
-
+    /// The current pass, opened (and timed, inside a profiled region) if there is none.
     fn pass(&mut self, ctx: &Context) -> &mut wgpu::ComputePass<'static> {
         if self.pass.is_none() {
-            let p = self.encoder(ctx).begin_compute_pass(&Default::default()).forget_lifetime();
+            let timed = match (&mut self.prof, self.region) {
+                (Some(p), Some(kind)) if (p.kinds.len() as u32) < TIMED_PASSES => {
+                    let i = p.kinds.len() as u32;
+                    p.kinds.push(kind);
+                    Some((p.queries.clone(), i))
+                }
+                _ => None,
+            };
+            let writes = timed.as_ref().map(|(q, i)| wgpu::ComputePassTimestampWrites {
+                query_set: q,
+                beginning_of_pass_write_index: Some(2 * i),
+                end_of_pass_write_index: Some(2 * i + 1),
+            });
+            let desc = wgpu::ComputePassDescriptor { label: None, timestamp_writes: writes };
+            let p = self.encoder(ctx).begin_compute_pass(&desc).forget_lifetime();
             self.pass = Some(p);
         }
         self.pass.as_mut().expect("just made")
@@ -123,7 +131,6 @@ impl Recorder {
         pass.set_bind_group(0, &bg, &[]);
         pass.set_immediates(0, bytemuck::cast_slice(&words));
         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
-        self.dispatches += 1;
     }
 
     /// Forget the bind groups (their buffers were freed).
@@ -133,7 +140,7 @@ impl Recorder {
 
     /// Submit what was recorded (no wait).
     pub fn submit(&mut self, ctx: &Context) {
-        self.end_pass();
+        self.pass = None;
         if let Some(enc) = self.encoder.take() {
             ctx.queue.submit([enc.finish()]);
             self.submits += 1;
@@ -141,11 +148,10 @@ impl Recorder {
                 ctx.destroy();
             }
         }
-        self.dispatches = 0;
     }
 
-    /// Copy `len` bytes from each (buffer, offset) span into `dst`, in order: through a staging
-    /// buffer, a piece at a time, waiting for each.
+    /// Copy `len` bytes from each (buffer, offset, len) span into `dst`, in order: through a
+    /// staging buffer, a piece at a time, waiting for each.
     pub fn read(&mut self, ctx: &Context, spans: &[(wgpu::Buffer, u64, u64)], dst: &mut [u8]) -> Result<()> {
         self.submit(ctx);
         let mut filled = 0usize;
@@ -157,30 +163,7 @@ impl Recorder {
                 let mut enc = ctx.device.create_command_encoder(&Default::default());
                 enc.copy_buffer_to_buffer(buf, off + done, &staging, 0, n);
                 ctx.queue.submit([enc.finish()]);
-                let slot = std::sync::Arc::new(std::sync::Mutex::new(None));
-                let s = slot.clone();
-                staging.slice(..n).map_async(wgpu::MapMode::Read, move |r| {
-                    *s.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-                });
-                ctx.wait()?;
-                let mapped = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
-                match mapped {
-                    Some(Ok(())) => {}
-                    Some(Err(e)) => {
-                        ctx.check()?;
-                        anyhow::bail!("reading from the GPU {}: {e}", ctx.name());
-                    }
-                    None => {
-                        ctx.check()?;
-                        anyhow::bail!("reading from the GPU {}: the copy never completed", ctx.name());
-                    }
-                }
-                {
-                    let view = staging.slice(..n).get_mapped_range();
-                    let view = view.map_err(|e| anyhow::anyhow!("reading from the GPU {}: {e}", ctx.name()))?;
-                    dst[filled..filled + n as usize].copy_from_slice(&view);
-                }
-                staging.unmap();
+                map_read(ctx, &staging, n, &mut dst[filled..filled + n as usize])?;
                 filled += n as usize;
                 done += n;
             }
@@ -206,7 +189,8 @@ impl Recorder {
     /// Turn timing by layer kind on (clearing it) or off. Without timestamp queries on the
     /// adapter nothing is timed.
     pub fn set_profiling(&mut self, ctx: &Context, on: bool) {
-        self.end_pass();
+        self.pass = None;
+        self.region = None;
         self.prof = None;
         if !(on && ctx.timestamps) {
             return;
@@ -235,67 +219,44 @@ impl Recorder {
         });
     }
 
-    /// The ops from now until [`Recorder::profile_end`] run in a pass timed for `kind`.
+    /// The ops from now until [`Recorder::profile_end`] run in passes timed for `kind`.
     pub fn profile_begin(&mut self, ctx: &Context, kind: Kind) -> Result<()> {
         let Some(p) = &self.prof else { return Ok(()) };
-        if p.kinds.len() as u32 == TIMED_PASSES {
+        if p.kinds.len() as u32 + 1 >= TIMED_PASSES {
             self.read_timestamps(ctx)?;
         }
-        self.end_pass();
-        let p = self.prof.as_mut().expect("checked");
-        let i = p.kinds.len() as u32;
-        p.kinds.push(kind);
-        let writes = wgpu::ComputePassTimestampWrites {
-            query_set: &p.queries,
-            beginning_of_pass_write_index: Some(2 * i),
-            end_of_pass_write_index: Some(2 * i + 1),
-        };
-        let desc = wgpu::ComputePassDescriptor { label: None, timestamp_writes: Some(writes) };
-        let enc = self.encoder.get_or_insert_with(|| ctx.device.create_command_encoder(&Default::default()));
-        self.pass = Some(enc.begin_compute_pass(&desc).forget_lifetime());
-        self.timed = true;
+        self.pass = None;
+        self.region = Some(kind);
         Ok(())
     }
 
     pub fn profile_end(&mut self) {
-        if self.timed {
-            self.end_pass();
+        if self.region.take().is_some() {
+            self.pass = None;
         }
     }
 
-    /// Add the timed passes so far to the totals (waits for the device).
+    /// Add the timed passes so far to the totals (waits for the device). The passes' record is
+    /// cleared whatever happens, so the query set never overflows.
     pub fn read_timestamps(&mut self, ctx: &Context) -> Result<()> {
-        let Some(p) = &self.prof else { return Ok(()) };
-        let n = p.kinds.len() as u32;
-        if n == 0 {
+        let Some(p) = &mut self.prof else { return Ok(()) };
+        let kinds = std::mem::take(&mut p.kinds);
+        if kinds.is_empty() {
             return Ok(());
         }
-        self.end_pass();
-        let p = self.prof.as_ref().expect("checked");
-        let (resolve, readback) = (p.resolve.clone(), p.readback.clone());
-        let enc = self.encoder.get_or_insert_with(|| ctx.device.create_command_encoder(&Default::default()));
-        enc.resolve_query_set(&p.queries, 0..2 * n, &resolve, 0);
-        enc.copy_buffer_to_buffer(&resolve, 0, &readback, 0, 2 * n as u64 * 8);
+        let (queries, resolve, readback) = (p.queries.clone(), p.resolve.clone(), p.readback.clone());
+        let bytes = 2 * kinds.len() as u64 * 8;
+        self.pass = None;
+        let enc = self.encoder(ctx);
+        enc.resolve_query_set(&queries, 0..2 * kinds.len() as u32, &resolve, 0);
+        enc.copy_buffer_to_buffer(&resolve, 0, &readback, 0, bytes);
         self.submit(ctx);
-        let slot = std::sync::Arc::new(std::sync::Mutex::new(None));
-        let s = slot.clone();
-        readback.slice(..2 * n as u64 * 8).map_async(wgpu::MapMode::Read, move |r| {
-            *s.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-        });
-        ctx.wait()?;
-        if !matches!(slot.lock().unwrap_or_else(|p| p.into_inner()).take(), Some(Ok(()))) {
-            anyhow::bail!("reading the GPU's timestamps failed");
-        }
-        let ticks: Vec<u64> = {
-            let view = readback.slice(..2 * n as u64 * 8).get_mapped_range();
-            let view = view.map_err(|e| anyhow::anyhow!("reading the GPU's timestamps: {e}"))?;
-            bytemuck::cast_slice(&view).to_vec()
-        };
-        readback.unmap();
+        let mut raw = vec![0u8; bytes as usize];
+        map_read(ctx, &readback, bytes, &mut raw)?;
+        let ticks: &[u64] = bytemuck::cast_slice(&raw);
         let p = self.prof.as_mut().expect("checked");
-        for (i, kind) in p.kinds.drain(..).enumerate() {
-            let (t0, t1) = (ticks[2 * i], ticks[2 * i + 1]);
-            p.seconds[kind as usize] += t1.saturating_sub(t0) as f64 * p.period * 1e-9;
+        for (i, kind) in kinds.into_iter().enumerate() {
+            p.seconds[kind as usize] += ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * p.period * 1e-9;
         }
         Ok(())
     }
@@ -308,4 +269,35 @@ impl Recorder {
             None => vec![],
         })
     }
+}
+
+/// The first `n` bytes of a MAP_READ buffer, after everything submitted has run, into `dst`.
+/// The buffer is left unmapped on every path (a map still pending is aborted), so a failed read
+/// leaves it usable.
+fn map_read(ctx: &Context, buf: &wgpu::Buffer, n: u64, dst: &mut [u8]) -> Result<()> {
+    let slot = Arc::new(Mutex::new(None));
+    let s = slot.clone();
+    buf.slice(..n).map_async(wgpu::MapMode::Read, move |r| {
+        *s.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+    });
+    let waited = ctx.wait();
+    let mapped = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let fail = |what: String| anyhow::anyhow!("reading from the GPU {}: {what}", ctx.name());
+    let result = match (&waited, &mapped) {
+        (Err(_), _) => waited,
+        (Ok(()), Some(Ok(()))) => match buf.slice(..n).get_mapped_range() {
+            Ok(view) => {
+                dst.copy_from_slice(&view);
+                Ok(())
+            }
+            Err(e) => Err(fail(e.to_string())),
+        },
+        (Ok(()), Some(Err(e))) => ctx.check().and(Err(fail(e.to_string()))),
+        (Ok(()), None) => ctx.check().and(Err(fail("the copy never completed".into()))),
+    };
+    // A map that failed left the buffer unmapped; one that succeeded or is pending must end.
+    if !matches!(mapped, Some(Err(_))) {
+        buf.unmap();
+    }
+    result
 }

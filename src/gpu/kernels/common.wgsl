@@ -9,10 +9,10 @@
 // Threads per workgroup of the elementwise and row kernels (src/gpu/mod.rs: WG).
 const WG: u32 = 256u;
 
-// The workgroup's index in a grid that may be two-dimensional (a dimension holds at most
-// 65535 workgroups; src/gpu/mod.rs: grid).
+// The workgroup's index in a grid of up to three dimensions (a dimension holds at most 65535
+// workgroups; src/gpu/mod.rs: GpuBackend::dispatch).
 fn group_id(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
-    return wid.y * nwg.x + wid.x;
+    return (wid.z * nwg.y + wid.y) * nwg.x + wid.x;
 }
 
 // Whether x is finite, from its bits: a compiler may assume that no float is NaN or infinite,

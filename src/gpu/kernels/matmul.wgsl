@@ -8,7 +8,8 @@
 // 64x64 tiles of C per workgroup of 8x8 threads, each thread 8x8 outputs (rows ty*4.. and
 // 32+ty*4.., columns tx*4.. and 32+tx*4.., so that the threads of a row read consecutive
 // vectors of the tiles); K in steps of 16 through workgroup memory. Each output is one running
-// sum over k in order: the same bits on every run.
+// sum over the k of a dispatch, in order, added to what the dispatches before wrote (a long K
+// is cut into several): the same bits on every run.
 
 struct Params {
     m: u32, n: u32, k: u32, // k: one past the last k of this dispatch
@@ -19,6 +20,8 @@ struct Params {
     // 1: C += (accumulate); 2: add bias; 4: skip tiles wholly above the diagonal (j > i; the
     // causal scores, whose masked entries the softmax overwrites); 8: k < the tile's last row + 1;
     // 16: k >= the tile's first row (A is zero beyond those: causal probabilities or gradients).
+    // 4, 8 and 16 take the row index i for the query position: a whole plane of scores, whose
+    // rows are never cut.
     flags: u32,
     inner: u32,
     a_bo: u32, a_bi: u32, // A's offset per outer and per inner batch index
@@ -83,31 +86,26 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) l
     var acc14 = vec4<f32>(0.0);
     var acc15 = vec4<f32>(0.0);
     for (var k0 = k_lo; k0 < k_hi; k0 = k0 + TK) {
-        // Load the tiles, consecutive threads on consecutive addresses of either layout.
-        for (var s = 0u; s < 16u; s = s + 1u) {
-            let e = li + s * 64u;
-            var r = e % 64u;
-            var kk = e / 64u;
+        // Load the tiles: each thread stores whole vectors of 4 rows (columns) at one k, as
+        // writing one component of a vector may touch the whole vector (WGSL's memory model),
+        // so no two threads may write parts of the same one. Consecutive threads take
+        // consecutive k where k is contiguous in memory, else consecutive rows.
+        for (var s = 0u; s < 4u; s = s + 1u) {
+            let q = li + s * 64u;
+            var kk = q / 16u;
+            var rv = q % 16u;
             if (a_kc) {
-                r = e / 16u;
-                kk = e % 16u;
+                kk = q % 16u;
+                rv = q / 16u;
             }
-            var v = 0.0;
-            if (row0 + r < p.m && k0 + kk < k_hi) {
-                v = a[a0 + (row0 + r) * p.a_rs + (k0 + kk) * p.a_cs];
-            }
-            As[kk * 16u + r / 4u][r % 4u] = v;
-            var j = e % 64u;
-            var kb = e / 64u;
+            As[kk * 16u + rv] = load_a(a0, row0 + rv * 4u, k0 + kk, k_hi);
+            var kb = q / 16u;
+            var cv = q % 16u;
             if (b_kc) {
-                j = e / 16u;
-                kb = e % 16u;
+                kb = q % 16u;
+                cv = q / 16u;
             }
-            var w = 0.0;
-            if (col0 + j < p.n && k0 + kb < k_hi) {
-                w = b[b0 + (k0 + kb) * p.b_rs + (col0 + j) * p.b_cs];
-            }
-            Bs[kb * 16u + j / 4u][j % 4u] = w;
+            Bs[kb * 16u + cv] = load_b(b0, col0 + cv * 4u, k0 + kb, k_hi);
         }
         workgroupBarrier();
         for (var kk = 0u; kk < TK; kk = kk + 1u) {
@@ -146,6 +144,38 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) l
     store_row(c0, r1 + 3u, col0 + lid.x * 4u, acc14, acc15);
 }
 
+// A[r..r+4, k] (zero past the matrix or past k_hi).
+fn load_a(a0: u32, r: u32, k: u32, k_hi: u32) -> vec4<f32> {
+    if (k >= k_hi) {
+        return vec4<f32>(0.0);
+    }
+    let at = a0 + r * p.a_rs + k * p.a_cs;
+    return vec4<f32>(elem_a(at, r, 0u), elem_a(at, r, 1u), elem_a(at, r, 2u), elem_a(at, r, 3u));
+}
+
+fn elem_a(at: u32, r: u32, i: u32) -> f32 {
+    if (r + i < p.m) {
+        return a[at + i * p.a_rs];
+    }
+    return 0.0;
+}
+
+// B[k, j..j+4] (zero past the matrix or past k_hi).
+fn load_b(b0: u32, j: u32, k: u32, k_hi: u32) -> vec4<f32> {
+    if (k >= k_hi) {
+        return vec4<f32>(0.0);
+    }
+    let at = b0 + k * p.b_rs + j * p.b_cs;
+    return vec4<f32>(elem_b(at, j, 0u), elem_b(at, j, 1u), elem_b(at, j, 2u), elem_b(at, j, 3u));
+}
+
+fn elem_b(at: u32, j: u32, i: u32) -> f32 {
+    if (j + i < p.n) {
+        return b[at + i * p.b_cs];
+    }
+    return 0.0;
+}
+
 // Row `row` of C's tile: columns col..col+4 and col+32..col+36, [+]= lo, hi [+ bias].
 fn store_row(c0: u32, row: u32, col: u32, lo: vec4<f32>, hi: vec4<f32>) {
     if (row >= p.m) {
@@ -175,6 +205,7 @@ const ROWS: u32 = 64u;
 
 // The first half of dbias (N) = the column sums of dout (M rows at a, row stride a_rs): for
 // block k of ROWS rows and column j, partial [k, j] (at c) = the block's sum of dout[:, j].
+// Of Params it reads m, n, a, a_rs and c.
 @compute @workgroup_size(WG)
 fn bias_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) tid: u32) {
