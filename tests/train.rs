@@ -259,7 +259,12 @@ fn ranks_train_as_one_process_with_the_whole_batch_at_every_zero_stage() {
                 .zip(&one_params)
                 .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
                 .fold(0f32, common::nan_max);
-            assert!(worst <= 1e-5, "{what}: a parameter differs by {worst} after the last step");
+            // 20 AdamW steps at lr 3e-3 turn the gradients' rounding differences into parameter
+            // differences (AdamW divides by the gradient's scale, so a parameter whose gradient
+            // is near zero moves by up to lr whatever the gradient's last bits): with the
+            // portable GEMM (the gemm crate, whose summation order depends on the batch size) on
+            // a 2-core AVX2 host the worst is 2.3e-5, so the bar is 5e-5.
+            assert!(worst <= 5e-5, "{what}: a parameter differs by {worst} after the last step");
             // AdamW's first moment: rank r's file holds part r of every piece.
             let mut m = vec![f32::NAN; one_m.len()];
             for rank in 0..world {
