@@ -63,11 +63,12 @@ fn main() {
     let (b, t, nh) = (4, 64, 12);
     let qkv: Vec<f32> = (0..b * t * 3 * c).map(|i| ((i * 7919) % 1000) as f32 * 0.002 - 1.0).collect();
     let (mut out, mut att, mut heads) = (vec![0f32; b * t * c], vec![0f32; b * nh * t * t], vec![0f32; b * t * c]);
-    let fwd = best_ms(|| (0..12).for_each(|_| attention_forward(&mut out, &mut att, &mut heads, &qkv, b, t, c, nh)));
+    let fwd =
+        best_ms(|| (0..12).for_each(|_| attention_forward(&mut out, &mut att, &mut heads, &qkv, b, t, c, nh, nh)));
     let (mut dqkv, mut scratch) = (vec![0f32; b * t * 3 * c], vec![0f32; b * nh * t * t]);
     let mut heads = vec![0f32; b * t * 4 * c]; // the model lends dfch (B, T, 4*C) here
     let bwd = best_ms(|| {
-        (0..12).for_each(|_| attention_backward(&mut dqkv, &mut scratch, &mut heads, &out, &qkv, &att, b, t, c, nh))
+        (0..12).for_each(|_| attention_backward(&mut dqkv, &mut scratch, &mut heads, &out, &qkv, &att, b, t, c, nh, nh))
     });
     println!("attention (12 x B={b} T={t} NH={nh}): forward {fwd:.1} ms, backward {bwd:.1} ms");
 }

@@ -7,7 +7,7 @@
 //! layer, so one block function serves training and inference.
 
 use crate::backend::{Backend, Buf, DType};
-use crate::config::GPT2Config;
+use crate::config::{Family, ModelConfig};
 use anyhow::Result;
 
 /// Cut consecutive views out of one new allocation: view i is `count` tensors of `len`
@@ -24,22 +24,29 @@ fn carve<const K: usize>(be: &mut dyn Backend, views: [(usize, usize); K]) -> Re
     Ok((whole, views))
 }
 
+/// Per-position widths of the block's wide activations: (QKV, FC, F, d(fch), d(fch_act)).
+fn widths(cfg: &ModelConfig) -> (usize, usize, usize, usize, usize) {
+    let (fc, f) = (cfg.fc_dim(), cfg.hidden);
+    let dact = if cfg.family == Family::Llama { f } else { 0 };
+    (cfg.qkv_dim(), fc, f, fc.max(3 * cfg.channels), dact)
+}
+
 /// One block's activations for a pass over N = B*T positions (shapes without the L dimension).
 #[derive(Clone, Copy, Debug)]
 pub struct BlockActs {
     pub res_in: Buf,    // (N, C) the residual stream entering the block
     pub ln1: Buf,       // (N, C)
-    pub ln1_mean: Buf,  // (N)
+    pub ln1_mean: Buf,  // (N) LayerNorm only
     pub ln1_rstd: Buf,  // (N)
-    pub qkv: Buf,       // (N, 3*C)
+    pub qkv: Buf,       // (N, QKV) q, k (rotated in place for Llama), v
     pub atty: Buf,      // (N, C)
     pub att: Buf,       // (B, NH, T, T) probabilities; KV-cached: scores (NH, TN, maxT)
     pub residual2: Buf, // (N, C)
     pub ln2: Buf,       // (N, C)
     pub ln2_mean: Buf,  // (N)
     pub ln2_rstd: Buf,  // (N)
-    pub fch: Buf,       // (N, 4*C)
-    pub fch_gelu: Buf,  // (N, 4*C)
+    pub fch: Buf,       // (N, FC) the MLP's first projection (FC: F, or 2F for SwiGLU)
+    pub fch_act: Buf,   // (N, F) after its nonlinearity
     pub residual3: Buf, // (N, C) the residual stream leaving the block
     pub scratch: Buf,   // (N, C) attention workspace, then projection outputs; d(ln), d(atty) in backward
 }
@@ -48,8 +55,9 @@ pub struct BlockActs {
 #[derive(Clone, Copy, Debug)]
 pub struct BackActs {
     pub dresidual: Buf, // (N, C) gradient of the residual stream
-    pub dfch: Buf,      // (N, 4*C)
-    pub dqkv: Buf,      // (N, 3*C)
+    pub dfch: Buf,      // (N, max(FC, 3*C)) d(fch); the attention backward's workspace
+    pub dact: Buf,      // (N, F) d(fch_act) (SwiGLU, whose backward is not in place; else empty)
+    pub dqkv: Buf,      // (N, QKV)
     pub datt: Buf,      // (B, NH, T, T)
 }
 
@@ -66,15 +74,15 @@ pub struct Acts {
     pub ln1: Buf,       // (L, B, T, C)
     pub ln1_mean: Buf,  // (L, B, T)
     pub ln1_rstd: Buf,  // (L, B, T)
-    pub qkv: Buf,       // (L, B, T, 3*C)
+    pub qkv: Buf,       // (L, B, T, QKV)
     pub atty: Buf,      // (L, B, T, C)
     pub att: Buf,       // (L, B, NH, T, T)
     pub residual2: Buf, // (L, B, T, C)
     pub ln2: Buf,       // (L, B, T, C)
     pub ln2_mean: Buf,  // (L, B, T)
     pub ln2_rstd: Buf,  // (L, B, T)
-    pub fch: Buf,       // (L, B, T, 4*C)
-    pub fch_gelu: Buf,  // (L, B, T, 4*C)
+    pub fch: Buf,       // (L, B, T, FC)
+    pub fch_act: Buf,   // (L, B, T, F)
     pub residual3: Buf, // (L, B, T, C)
     pub lnf: Buf,       // (B, T, C)
     pub lnf_mean: Buf,  // (B, T)
@@ -84,24 +92,26 @@ pub struct Acts {
     pub lse: Buf,       // (B, T) log-sum-exp of each row of logits
     pub scratch: Buf,   // (B, T, C)
     pub dresidual: Buf, // (B, T, C)     backward only (else empty)
-    pub dfch: Buf,      // (B, T, 4*C)   backward only
-    pub dqkv: Buf,      // (B, T, 3*C)   backward only
+    pub dfch: Buf,      // (B, T, max(FC, 3*C)) backward only
+    pub dact: Buf,      // (B, T, F)     backward only, SwiGLU only
+    pub dqkv: Buf,      // (B, T, QKV)   backward only
     pub datt: Buf,      // (B, NH, T, T) backward only
 }
 
 impl Acts {
-    pub fn new(be: &mut dyn Backend, cfg: &GPT2Config, b: usize, t: usize, backward: bool) -> Result<Self> {
+    pub fn new(be: &mut dyn Backend, cfg: &ModelConfig, b: usize, t: usize, backward: bool) -> Result<Self> {
         let (c, l, nh, vp) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size);
+        let (qkv, fc, f, dfc, dact) = widths(cfg);
         let n = b * t;
         let bw = |len: usize| (1, if backward { len } else { 0 });
         let (one, per_layer) = (|len: usize| (1, len), |len: usize| (l, len));
         #[rustfmt::skip]
         let views = [
-            one(n * c), per_layer(n * c), per_layer(n), per_layer(n), per_layer(n * 3 * c), per_layer(n * c),
+            one(n * c), per_layer(n * c), per_layer(n), per_layer(n), per_layer(n * qkv), per_layer(n * c),
             per_layer(b * nh * t * t), per_layer(n * c), per_layer(n * c), per_layer(n), per_layer(n),
-            per_layer(n * 4 * c), per_layer(n * 4 * c), per_layer(n * c),
+            per_layer(n * fc), per_layer(n * f), per_layer(n * c),
             one(n * c), one(n), one(n), one(n * vp), one(n), one(n), one(n * c),
-            bw(n * c), bw(n * 4 * c), bw(n * 3 * c), bw(b * nh * t * t),
+            bw(n * c), bw(n * dfc), bw(n * dact), bw(n * qkv), bw(b * nh * t * t),
         ];
         let (whole, v) = carve(be, views)?;
         let tokens = be.alloc(2 * n, DType::U32)?;
@@ -123,7 +133,7 @@ impl Acts {
             ln2_mean: v[9],
             ln2_rstd: v[10],
             fch: v[11],
-            fch_gelu: v[12],
+            fch_act: v[12],
             residual3: v[13],
             lnf: v[14],
             lnf_mean: v[15],
@@ -134,8 +144,9 @@ impl Acts {
             scratch: v[20],
             dresidual: v[21],
             dfch: v[22],
-            dqkv: v[23],
-            datt: v[24],
+            dact: v[23],
+            dqkv: v[24],
+            datt: v[25],
         })
     }
 
@@ -157,8 +168,9 @@ impl Acts {
 
     /// Layer `l`'s views for a pass over (b, t): the start of layer l's tensor of each stacked
     /// activation (each layer's tensor is sized for the capacity and is one allocation part).
-    pub fn layer(&self, cfg: &GPT2Config, l: usize, b: usize, t: usize) -> BlockActs {
+    pub fn layer(&self, cfg: &ModelConfig, l: usize, b: usize, t: usize) -> BlockActs {
         let (c, nh, n, cap) = (cfg.channels, cfg.num_heads, b * t, self.cap_b * self.cap_t);
+        let (qkv, fc, f, _, _) = widths(cfg);
         let at = |x: Buf, per_position: usize, len: usize| x.part(l, cap * per_position).prefix(len);
         let att_cap = self.cap_b * nh * self.cap_t * self.cap_t;
         BlockActs {
@@ -166,27 +178,29 @@ impl Acts {
             ln1: at(self.ln1, c, n * c),
             ln1_mean: at(self.ln1_mean, 1, n),
             ln1_rstd: at(self.ln1_rstd, 1, n),
-            qkv: at(self.qkv, 3 * c, n * 3 * c),
+            qkv: at(self.qkv, qkv, n * qkv),
             atty: at(self.atty, c, n * c),
             att: self.att.part(l, att_cap).prefix(b * nh * t * t),
             residual2: at(self.residual2, c, n * c),
             ln2: at(self.ln2, c, n * c),
             ln2_mean: at(self.ln2_mean, 1, n),
             ln2_rstd: at(self.ln2_rstd, 1, n),
-            fch: at(self.fch, 4 * c, n * 4 * c),
-            fch_gelu: at(self.fch_gelu, 4 * c, n * 4 * c),
+            fch: at(self.fch, fc, n * fc),
+            fch_act: at(self.fch_act, f, n * f),
             residual3: at(self.residual3, c, n * c),
             scratch: self.scratch.prefix(n * c),
         }
     }
 
     /// The backward buffers for a pass over (b, t).
-    pub fn back(&self, cfg: &GPT2Config, b: usize, t: usize) -> BackActs {
+    pub fn back(&self, cfg: &ModelConfig, b: usize, t: usize) -> BackActs {
         let (c, nh, n) = (cfg.channels, cfg.num_heads, b * t);
+        let (qkv, _, _, dfc, dact) = widths(cfg);
         BackActs {
             dresidual: self.dresidual.prefix(n * c),
-            dfch: self.dfch.prefix(n * 4 * c),
-            dqkv: self.dqkv.prefix(n * 3 * c),
+            dfch: self.dfch.prefix(n * dfc),
+            dact: self.dact.prefix(n * dact),
+            dqkv: self.dqkv.prefix(n * qkv),
             datt: self.datt.prefix(b * nh * t * t),
         }
     }
@@ -194,7 +208,7 @@ impl Acts {
 
 /// One sequence's keys and values for every layer, and the workspace of the KV-cached
 /// inference pass for up to `chunk` new positions at a time. Made by
-/// [`crate::model::GPT2::kv_cache`] on the model's backend.
+/// [`crate::model::Model::kv_cache`] on the model's backend.
 #[derive(Debug)]
 pub struct KvCache {
     /// Positions the cache can hold (at most the model's maxT).
@@ -205,8 +219,8 @@ pub struct KvCache {
     pub pos: usize,
     pub(crate) whole: Buf,
     pub(crate) tokens: Buf,   // u32 (CH)
-    pub(crate) k: Buf,        // (L, cap, C)
-    pub(crate) v: Buf,        // (L, cap, C)
+    pub(crate) k: Buf,        // (L, cap, KV*HS)
+    pub(crate) v: Buf,        // (L, cap, KV*HS)
     pub(crate) x: BlockActs,  // for CH positions; res_in and residual3 are the same stream buffer
     pub(crate) lnf: Buf,      // (1, C) the last position only
     pub(crate) lnf_mean: Buf, // (1)
@@ -217,16 +231,18 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub(crate) fn new(be: &mut dyn Backend, cfg: &GPT2Config, capacity: usize, chunk: usize) -> Result<Self> {
+    pub(crate) fn new(be: &mut dyn Backend, cfg: &ModelConfig, capacity: usize, chunk: usize) -> Result<Self> {
         let (c, l, nh, vp, ch) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size, chunk);
+        let (qkv, fc, f, _, _) = widths(cfg);
+        let kv = cfg.kv_dim();
         // k, v, then the block's buffers in BlockActs order (one stream buffer for res_in and
         // residual3: each op reads it before the block's last one writes it), then the head.
         let (one, per_layer) = (|len: usize| (1, len), |len: usize| (l, len));
         #[rustfmt::skip]
         let views = [
-            per_layer(capacity * c), per_layer(capacity * c),
-            one(ch * c), one(ch * c), one(ch), one(ch), one(ch * 3 * c), one(ch * c), one(nh * ch * capacity),
-            one(ch * c), one(ch * c), one(ch), one(ch), one(ch * 4 * c), one(ch * 4 * c), one(ch * c),
+            per_layer(capacity * kv), per_layer(capacity * kv),
+            one(ch * c), one(ch * c), one(ch), one(ch), one(ch * qkv), one(ch * c), one(nh * ch * capacity),
+            one(ch * c), one(ch * c), one(ch), one(ch), one(ch * fc), one(ch * f), one(ch * c),
             one(c), one(1), one(1), one(vp),
         ];
         let (whole, v) = carve(be, views)?;
@@ -244,7 +260,7 @@ impl KvCache {
             ln2_mean: v[11],
             ln2_rstd: v[12],
             fch: v[13],
-            fch_gelu: v[14],
+            fch_act: v[14],
             residual3: v[2],
             scratch: v[15],
         };
@@ -270,27 +286,29 @@ impl KvCache {
         self.pos = 0;
     }
 
-    /// Layer `l`'s views for `tn` new positions, and its key and value rows (cap, C).
-    pub(crate) fn layer(&self, cfg: &GPT2Config, l: usize, tn: usize) -> (BlockActs, Buf, Buf) {
+    /// Layer `l`'s views for `tn` new positions, and its key and value rows (cap, KV*HS).
+    pub(crate) fn layer(&self, cfg: &ModelConfig, l: usize, tn: usize) -> (BlockActs, Buf, Buf) {
         let (c, nh, cap) = (cfg.channels, cfg.num_heads, self.capacity);
+        let (qkv, fc, f, _, _) = widths(cfg);
         let x = &self.x;
         let acts = BlockActs {
             res_in: x.res_in.prefix(tn * c),
             ln1: x.ln1.prefix(tn * c),
             ln1_mean: x.ln1_mean.prefix(tn),
             ln1_rstd: x.ln1_rstd.prefix(tn),
-            qkv: x.qkv.prefix(tn * 3 * c),
+            qkv: x.qkv.prefix(tn * qkv),
             atty: x.atty.prefix(tn * c),
             att: x.att.prefix(nh * tn * cap),
             residual2: x.residual2.prefix(tn * c),
             ln2: x.ln2.prefix(tn * c),
             ln2_mean: x.ln2_mean.prefix(tn),
             ln2_rstd: x.ln2_rstd.prefix(tn),
-            fch: x.fch.prefix(tn * 4 * c),
-            fch_gelu: x.fch_gelu.prefix(tn * 4 * c),
+            fch: x.fch.prefix(tn * fc),
+            fch_act: x.fch_act.prefix(tn * f),
             residual3: x.residual3.prefix(tn * c),
             scratch: x.scratch.prefix(tn * c),
         };
-        (acts, self.k.part(l, cap * c), self.v.part(l, cap * c))
+        let kv = cfg.kv_dim();
+        (acts, self.k.part(l, cap * kv), self.v.part(l, cap * kv))
     }
 }

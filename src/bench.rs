@@ -2,7 +2,7 @@
 //! and put them against the machine's own measured peak.
 
 use crate::backend::Device;
-use crate::model::GPT2;
+use crate::model::Model;
 use crate::optim::OptimConfig;
 use anyhow::Result;
 use std::time::Instant;
@@ -64,7 +64,7 @@ pub struct BenchReport {
 }
 
 /// FLOPs per token of a training step (forward + backward), llm.c's `gpt2_estimate_mfu` count.
-pub fn flops_per_token(model: &GPT2, t: usize) -> f64 {
+pub fn flops_per_token(model: &Model, t: usize) -> f64 {
     let c = &model.config;
     6.0 * model.num_parameters() as f64 + 6.0 * (c.num_layers * c.channels * t) as f64
 }
@@ -198,7 +198,7 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         anyhow::bail!("-t {t} is longer than the model's context {}", weights.config.max_seq_len);
     }
     let (rank, world) = (comm.rank(), comm.world());
-    let mut model = GPT2::with_collectives(weights, crate::backend::open(cfg.device)?, comm, cfg.zero_stage)?;
+    let mut model = Model::with_collectives(weights, crate::backend::open(cfg.device)?, comm, cfg.zero_stage)?;
     model.alloc_training_state()?;
     model.reserve(b, t)?;
     let v = model.config.vocab_size as u64;

@@ -5,8 +5,8 @@
 //! the same directory, are fsynced and then renamed, so a crash never leaves a half-written file
 //! under the final name.
 
-use crate::config::GPT2Config;
-use crate::model::{Slot, GPT2};
+use crate::config::ModelConfig;
+use crate::model::{Model, Slot};
 use crate::params::Weights;
 use anyhow::{bail, Context, Result};
 use std::fs::File;
@@ -123,7 +123,11 @@ pub fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut dyn Write) -> std::
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create directory {}", dir.display()))?;
     let name = path.file_name().context("output path has no file name")?.to_string_lossy();
     remove_dead_temps(dir, &name);
-    let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
+    // PID for remove_dead_temps, and a count so that two threads writing one path never share
+    // a temp file (the later rename wins, whole).
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.tmp{}_{n}", std::process::id()));
     let result = (|| -> Result<()> {
         let mut f = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
         fill(&mut f)?;
@@ -143,14 +147,20 @@ pub fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut dyn Write) -> std::
     Ok(())
 }
 
-/// Remove `.NAME.tmpPID` files in `dir` left by write_atomic_with in processes that no longer
+/// The writer's PID from the part of a temp file's name after `.tmp` (`PID_N`, or `PID` from
+/// older llmrs), or None for a name write_atomic_with never makes.
+pub fn temp_pid(suffix: &str) -> Option<i32> {
+    suffix.split_once('_').map_or(suffix, |(pid, n)| if n.parse::<u64>().is_ok() { pid } else { "" }).parse().ok()
+}
+
+/// Remove `.NAME.tmpPID_N` files in `dir` left by write_atomic_with in processes that no longer
 /// run (killed mid-write, or by SIGXFSZ on a full disk); a live process's write is left alone.
 pub fn remove_dead_temps(dir: &Path, name: &str) {
     let prefix = format!(".{name}.tmp");
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for e in entries.flatten() {
         let f = e.file_name();
-        let Some(pid) = f.to_str().and_then(|f| f.strip_prefix(&prefix)).and_then(|p| p.parse::<i32>().ok()) else {
+        let Some(pid) = f.to_str().and_then(|f| f.strip_prefix(&prefix)).and_then(temp_pid) else {
             continue;
         };
         // SAFETY: kill with signal 0 only checks whether the process exists.
@@ -164,7 +174,7 @@ pub fn remove_dead_temps(dir: &Path, name: &str) {
 }
 
 /// The model-file header for `cfg`.
-fn model_header(cfg: &GPT2Config, dtype: Dtype) -> Vec<u8> {
+fn model_header(cfg: &ModelConfig, dtype: Dtype) -> Vec<u8> {
     let mut h = [0i32; HEADER_INTS];
     h[0] = MODEL_MAGIC;
     h[1] = dtype.version();
@@ -178,10 +188,10 @@ fn model_header(cfg: &GPT2Config, dtype: Dtype) -> Vec<u8> {
 }
 
 /// Parse a model-file header into a shape and dtype.
-fn parse_model_header(h: &[i32; HEADER_INTS], path: &Path) -> Result<(GPT2Config, Dtype)> {
+fn parse_model_header(h: &[i32; HEADER_INTS], path: &Path) -> Result<(ModelConfig, Dtype)> {
     if h[0] != MODEL_MAGIC {
         bail!(
-            "{} is not an llm.c model file (magic {} instead of {MODEL_MAGIC}); pass a model .bin written by llm.c or llmrs",
+            "{} is not an llm.c model file (magic {} instead of {MODEL_MAGIC}, or the llama3 branch's 20240803); pass a model .bin written by llm.c or llmrs",
             path.display(),
             h[0]
         );
@@ -200,22 +210,24 @@ fn parse_model_header(h: &[i32; HEADER_INTS], path: &Path) -> Result<(GPT2Config
             .filter(|&x| x > 0)
             .with_context(|| format!("{}: header field {name} = {} is invalid", path.display(), h[i]))
     };
-    let cfg = GPT2Config {
+    let cfg = ModelConfig {
         max_seq_len: dim(2, "max_seq_len")?,
         vocab_size: dim(3, "vocab_size")?,
-        num_layers: dim(4, "num_layers")?,
-        num_heads: dim(5, "num_heads")?,
-        channels: dim(6, "channels")?,
         padded_vocab_size: dim(7, "padded_vocab_size")?,
+        ..ModelConfig::gpt2(dim(4, "num_layers")?, dim(5, "num_heads")?, dim(6, "channels")?)
     };
     cfg.validate().with_context(|| format!("{}: bad model header", path.display()))?;
     Ok((cfg, dtype))
 }
 
-/// Load an llm.c model file (fp32 or bf16).
+/// Load an llm.c model file (fp32 or bf16): GPT-2's (magic 20240326) or the llama3 branch's
+/// (magic 20240803, [`crate::models::llama::read_llmc`]).
 pub fn load_model(path: &Path) -> Result<Weights> {
     let bytes = read_file(path)?;
     let h = parse_header(&bytes, path, "model")?;
+    if h[0] == crate::models::llama::LLMC_MAGIC {
+        return crate::models::llama::read_llmc(&bytes, path);
+    }
     let (cfg, dtype) = parse_model_header(&h, path)?;
     // Check the size before allocating anything the header asks for.
     let n = cfg.num_parameters();
@@ -237,8 +249,16 @@ pub fn load_model(path: &Path) -> Result<Weights> {
     Ok(w)
 }
 
-/// Write parameters as an llm.c model file (bf16 rounds to nearest even).
+/// Write parameters as an llm.c model file (bf16 rounds to nearest even): GPT-2's, or for a
+/// Llama model the llama3 branch's.
 pub fn save_model(w: &Weights, path: &Path, dtype: Dtype) -> Result<()> {
+    if w.config.family == crate::config::Family::Llama {
+        let (header, vals) = crate::models::llama::llmc_file(w, dtype)?;
+        return write_atomic_with(path, |f| {
+            f.write_all(&header)?;
+            write_values(f, &vals, dtype)
+        });
+    }
     let header = model_header(&w.config, dtype);
     write_atomic_with(path, |f| {
         f.write_all(&header)?;
@@ -259,7 +279,7 @@ pub struct DebugState {
 }
 
 /// Read a debug-state file for a model of shape `cfg`.
-pub fn load_debug_state(path: &Path, cfg: &GPT2Config) -> Result<DebugState> {
+pub fn load_debug_state(path: &Path, cfg: &ModelConfig) -> Result<DebugState> {
     let bytes = read_file(path)?;
     let h = parse_header(&bytes, path, "debug-state")?;
     if h[0] != DEBUG_STATE_MAGIC {
@@ -318,7 +338,7 @@ pub const NON_FINITE_STATE: &str = "the AdamW state holds non-finite values";
 
 /// Write llm.c's training-state file: header (step, data position), AdamW m and v, and with
 /// shuffling the loader's permutations and RNG.
-pub fn save_state(path: &Path, model: &mut GPT2, st: &TrainState) -> Result<()> {
+pub fn save_state(path: &Path, model: &mut Model, st: &TrainState) -> Result<()> {
     let mut h = [0i32; HEADER_INTS];
     let (rank, world) = model.rank();
     h[0] = STATE_MAGIC;
@@ -364,7 +384,7 @@ pub fn save_state(path: &Path, model: &mut GPT2, st: &TrainState) -> Result<()> 
 
 /// Read a training-state file into the model's AdamW moments (which must be allocated) and
 /// return the step and data position.
-pub fn load_state(path: &Path, model: &mut GPT2) -> Result<TrainState> {
+pub fn load_state(path: &Path, model: &mut Model) -> Result<TrainState> {
     let bytes = read_file(path)?;
     let h = parse_header(&bytes, path, "training-state")?;
     if h[0] != STATE_MAGIC {
@@ -458,23 +478,35 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id();
         child.wait().unwrap();
-        let (stale, live) = (dir.path().join(format!(".x.bin.tmp{dead}")), dir.path().join(".x.bin.tmp1"));
-        std::fs::write(&stale, b"half").unwrap();
-        std::fs::write(&live, b"init's write").unwrap(); // pid 1 always runs
+        let stale = [format!(".x.bin.tmp{dead}_3"), format!(".x.bin.tmp{dead}")].map(|n| dir.path().join(n));
+        let live = dir.path().join(".x.bin.tmp1_0"); // pid 1 always runs
+        let other = dir.path().join(format!(".x.bin.tmp{dead}_z")); // not a name we write
+        for (p, what) in [(&stale[0], "half"), (&stale[1], "half"), (&live, "init's write"), (&other, "?")] {
+            std::fs::write(p, what).unwrap();
+        }
         write_atomic(&dir.path().join("x.bin"), &[b"whole"]).unwrap();
-        assert!(!stale.exists() && live.exists());
+        assert!(!stale[0].exists() && !stale[1].exists() && live.exists() && other.exists());
         assert_eq!(std::fs::read(dir.path().join("x.bin")).unwrap(), b"whole");
+        // Two threads writing one path never share a temp file: both renames land whole.
+        std::thread::scope(|s| {
+            for i in 0..4u8 {
+                let p = dir.path().join("y.bin");
+                s.spawn(move || (0..50).for_each(|_| write_atomic(&p, &[&[i; 4096]]).unwrap()));
+            }
+        });
+        let y = std::fs::read(dir.path().join("y.bin")).unwrap();
+        assert!(y.len() == 4096 && y.iter().all(|&b| b == y[0]));
     }
     use crate::backend::Device;
 
-    fn on_cpu(w: Weights) -> GPT2 {
-        GPT2::new(w, Device::Cpu).unwrap()
+    fn on_cpu(w: Weights) -> Model {
+        Model::new(w, Device::Cpu).unwrap()
     }
 
     #[test]
     fn model_round_trip_fp32_and_bf16() {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = GPT2Config::from_descriptor("2x16:2:8").unwrap();
+        let cfg = ModelConfig::from_descriptor("2x16:2:8").unwrap();
         let w = Weights::random(cfg, 3).unwrap();
         let p = dir.path().join("m.bin");
         save_model(&w, &p, Dtype::F32).unwrap();
@@ -499,7 +531,7 @@ mod tests {
     #[test]
     fn training_state_round_trip_and_truncation() {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = GPT2Config::from_descriptor("1x8:2:4").unwrap();
+        let cfg = ModelConfig::from_descriptor("1x8:2:4").unwrap();
         let mut model = on_cpu(Weights::random(cfg, 1).unwrap());
         model.alloc_training_state().unwrap();
         let n = model.num_parameters();
@@ -537,7 +569,7 @@ mod tests {
         std::fs::write(&p, &other_world).unwrap();
         assert!(format!("{:#}", load_state(&p, &mut back).err().unwrap()).contains("same number of processes"));
         // A state for a bigger model does not load into a smaller one.
-        let mut big = on_cpu(Weights::random(GPT2Config::from_descriptor("1x16:2:4").unwrap(), 1).unwrap());
+        let mut big = on_cpu(Weights::random(ModelConfig::from_descriptor("1x16:2:4").unwrap(), 1).unwrap());
         big.alloc_training_state().unwrap();
         save_state(&p, &mut big, &TrainState { step: 1, loader, should_shuffle: true }).unwrap();
         assert!(load_state(&p, &mut back).is_err());
@@ -546,7 +578,7 @@ mod tests {
     #[test]
     fn bad_model_files_give_clear_errors() {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = GPT2Config::from_descriptor("1x8:2:4").unwrap();
+        let cfg = ModelConfig::from_descriptor("1x8:2:4").unwrap();
         let p = dir.path().join("m.bin");
         save_model(&Weights::random(cfg, 1).unwrap(), &p, Dtype::F32).unwrap();
         let good = std::fs::read(&p).unwrap();

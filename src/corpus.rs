@@ -7,7 +7,7 @@
 //! the next token (file, document, token offset) is saved in `NAME_progress.json`, so an
 //! interrupted run resumes where it stopped and produces the same shards.
 
-use crate::data::write_shard;
+use crate::data::write_shard_as;
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
@@ -130,6 +130,8 @@ pub struct CorpusSummary {
 
 /// Shard writer state: the current shard's tokens and where they started.
 struct Writer<'a> {
+    /// uint32 shards (a vocabulary past 16 bits).
+    wide: bool,
     out: &'a Path,
     name: &'a str,
     shard_size: usize,
@@ -171,7 +173,7 @@ impl Writer<'_> {
     fn flush(&mut self, next: Position, complete: bool) -> Result<()> {
         if !self.buf.is_empty() {
             let p = self.path(self.index);
-            write_shard(&p, &self.buf)?;
+            write_shard_as(&p, &self.buf, self.wide)?;
             self.written.push(p);
             self.index += 1;
             self.buf.clear();
@@ -183,9 +185,21 @@ impl Writer<'_> {
     }
 }
 
-/// Tokenize `inputs` (in order) into `out/NAME_{val,train}_%06d.bin`, resuming from
-/// `out/NAME_progress.json` when it belongs to the same inputs and shard size.
+/// Tokenize `inputs` (in order) with GPT-2's tokenizer into `out/NAME_{val,train}_%06d.bin`,
+/// resuming from `out/NAME_progress.json` when it belongs to the same inputs and shard size.
 pub fn prepare_corpus(inputs: &[PathBuf], out: &Path, name: &str, shard_size: usize) -> Result<CorpusSummary> {
+    prepare_corpus_with(inputs, out, name, shard_size, &Tokenizer::gpt2()?)
+}
+
+/// [`prepare_corpus`] with any tokenizer: each document starts with its `doc_start` token, and
+/// the shards are uint32 when its vocabulary needs more than 16 bits.
+pub fn prepare_corpus_with(
+    inputs: &[PathBuf],
+    out: &Path,
+    name: &str,
+    shard_size: usize,
+    tok: &Tokenizer,
+) -> Result<CorpusSummary> {
     if inputs.is_empty() {
         bail!("give one or more .parquet, .jsonl or .json files");
     }
@@ -198,7 +212,6 @@ pub fn prepare_corpus(inputs: &[PathBuf], out: &Path, name: &str, shard_size: us
         }
     }
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    let tok = Tokenizer::gpt2()?;
     let names: Vec<String> = inputs.iter().map(|p| p.display().to_string()).collect();
     let prog_path = out.join(format!("{name}_progress.json"));
     let old: Option<Progress> = std::fs::read_to_string(&prog_path).ok().and_then(|s| serde_json::from_str(&s).ok());
@@ -215,6 +228,7 @@ pub fn prepare_corpus(inputs: &[PathBuf], out: &Path, name: &str, shard_size: us
     }
     let bar = crate::progress::bar(0, name);
     let mut w = Writer {
+        wide: tok.vocab_size() > 1 << 16,
         out,
         name,
         shard_size,
@@ -231,7 +245,7 @@ pub fn prepare_corpus(inputs: &[PathBuf], out: &Path, name: &str, shard_size: us
         let toks: Vec<Vec<u32>> = batch
             .par_iter()
             .map(|(_, _, text)| {
-                let mut t = vec![tok.eot];
+                let mut t = vec![tok.doc_start];
                 t.extend(tok.encode(text)?);
                 Ok(t)
             })
@@ -331,8 +345,7 @@ pub(crate) mod tests {
         let s = prepare_corpus(&[pq, jl], &out, "fineweb", 5000).unwrap();
         let want = stream(&[a, b].concat());
         assert_eq!(s.tokens, want.len());
-        let got: Vec<u32> =
-            s.shards.iter().flat_map(|p| crate::data::read_shard(p).unwrap()).map(|t| t as u32).collect();
+        let got: Vec<u32> = s.shards.iter().flat_map(|p| crate::data::read_shard(p).unwrap()).collect();
         assert_eq!(got, want);
         assert!(s.shards[0].ends_with("fineweb_val_000000.bin") && s.shards[1].ends_with("fineweb_train_000001.bin"));
         for p in &s.shards[..s.shards.len() - 1] {
@@ -398,7 +411,7 @@ pub(crate) mod tests {
         let got = fetch_parquet_sample("HuggingFaceFW/fineweb", "sample/10BT", None, &base, &cache).unwrap();
         assert_eq!(got.len(), 2);
         let s = prepare_corpus(&got, &dir.path().join("out"), "fineweb", 4000).unwrap();
-        let toks: Vec<u32> = s.shards.iter().flat_map(|p| crate::data::read_shard(p).unwrap()).map(u32::from).collect();
+        let toks: Vec<u32> = s.shards.iter().flat_map(|p| crate::data::read_shard(p).unwrap()).collect();
         assert_eq!(toks, stream(&[a, b].concat()));
     }
 
@@ -408,7 +421,7 @@ pub(crate) mod tests {
         let p = dir.path().join("data00.json");
         std::fs::write(&p, r#"[{"story": "  Once upon a time.\n"}, {"story": "The end. "}]"#).unwrap();
         let s = prepare_corpus(&[p], &dir.path().join("o"), "TinyStories", 1000).unwrap();
-        let toks: Vec<u32> = crate::data::read_shard(&s.shards[0]).unwrap().into_iter().map(u32::from).collect();
+        let toks: Vec<u32> = crate::data::read_shard(&s.shards[0]).unwrap();
         assert_eq!(toks, stream(&["Once upon a time.".into(), "The end.".into()]));
     }
 

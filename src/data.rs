@@ -1,7 +1,8 @@
 //! llm.c token shards and the data loader that serves (B, T) batches from them.
 //!
 //! Shard format: a header of 256 int32 (magic 20240520, version 1, token count), then the
-//! tokens as uint16. The loader reproduces llm.c's `DataLoader` exactly, including its shuffled
+//! tokens as uint16; or for vocabularies past 16 bits (Llama 3's 128256) llm.c's llama3 shards,
+//! magic 20240801, version 7, tokens as uint32. The loader reproduces llm.c's `DataLoader` exactly, including its shuffled
 //! order (shards and samples permuted by a Mersenne Twister seeded with 42), so llmrs sees the
 //! same batches as llm.c, batch for batch.
 
@@ -14,44 +15,68 @@ use std::path::{Path, PathBuf};
 
 pub const SHARD_MAGIC: i32 = 20240520;
 pub const SHARD_VERSION: i32 = 1;
+/// llm.c's uint32 shards (its llama3 branch).
+pub const SHARD32_MAGIC: i32 = 20240801;
+pub const SHARD32_VERSION: i32 = 7;
 
-/// Write `tokens` as an llm.c shard (atomically).
+/// Write `tokens` as an llm.c uint16 shard (atomically).
 pub fn write_shard(path: &Path, tokens: &[u32]) -> Result<()> {
+    write_shard_as(path, tokens, false)
+}
+
+/// Write `tokens` as an llm.c shard, uint32 when `wide` (a vocabulary past 16 bits).
+pub fn write_shard_as(path: &Path, tokens: &[u32], wide: bool) -> Result<()> {
     if tokens.len() >= i32::MAX as usize {
         bail!("{} tokens do not fit in one shard (the header stores an int32 count)", tokens.len());
     }
-    if let Some(t) = tokens.iter().find(|&&t| t > u16::MAX as u32) {
+    if let Some(t) = tokens.iter().find(|&&t| t > u16::MAX as u32 && !wide) {
         bail!("token id {t} does not fit in a uint16 shard");
     }
     let mut header = [0i32; 256];
-    header[0] = SHARD_MAGIC;
-    header[1] = SHARD_VERSION;
+    (header[0], header[1]) = if wide { (SHARD32_MAGIC, SHARD32_VERSION) } else { (SHARD_MAGIC, SHARD_VERSION) };
     header[2] = tokens.len() as i32;
     let h: Vec<u8> = header.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let body: Vec<u8> = tokens.iter().flat_map(|&t| (t as u16).to_le_bytes()).collect();
+    let body: Vec<u8> = if wide {
+        tokens.iter().flat_map(|&t| t.to_le_bytes()).collect()
+    } else {
+        tokens.iter().flat_map(|&t| (t as u16).to_le_bytes()).collect()
+    };
     write_atomic(path, &[&h, &body])
 }
 
 /// Read a whole shard into memory (for tools and tests; training streams batches instead).
-pub fn read_shard(path: &Path) -> Result<Vec<u16>> {
+pub fn read_shard(path: &Path) -> Result<Vec<u32>> {
     let bytes = crate::checkpoint::read_file(path)?;
-    let ntok = check_shard_header(&bytes[..bytes.len().min(HEADER_BYTES)], bytes.len() as u64, path)?;
-    Ok(bytes[HEADER_BYTES..HEADER_BYTES + 2 * ntok].chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+    let (ntok, width) = check_shard_header(&bytes[..bytes.len().min(HEADER_BYTES)], bytes.len() as u64, path)?;
+    Ok(bytes[HEADER_BYTES..HEADER_BYTES + width * ntok].chunks_exact(width).map(token).collect())
 }
 
-/// Validate a shard header against the file size; returns the token count.
-fn check_shard_header(header: &[u8], file_len: u64, path: &Path) -> Result<usize> {
-    let h = parse_header(header, path, "token shard")?;
-    if h[0] != SHARD_MAGIC {
-        bail!(
-            "{}: bad magic {} in token shard (expected {SHARD_MAGIC}); is this an llm.c .bin token file? Re-run `llmrs prepare`",
-            path.display(),
-            h[0]
-        );
+/// A little-endian token of 2 or 4 bytes.
+fn token(b: &[u8]) -> u32 {
+    if b.len() == 2 {
+        u16::from_le_bytes([b[0], b[1]]) as u32
+    } else {
+        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
     }
-    if h[1] != SHARD_VERSION {
+}
+
+/// Validate a shard header against the file size; returns the token count and the bytes per
+/// token.
+fn check_shard_header(header: &[u8], file_len: u64, path: &Path) -> Result<(usize, usize)> {
+    let h = parse_header(header, path, "token shard")?;
+    let width = match h[0] {
+        SHARD_MAGIC => 2,
+        SHARD32_MAGIC => 4,
+        m => bail!(
+            "{}: bad magic {m} in token shard (expected {SHARD_MAGIC}, or {SHARD32_MAGIC} for uint32 tokens); is this \
+             an llm.c .bin token file? Re-run `llmrs prepare`",
+            path.display()
+        ),
+    };
+    let version = if width == 2 { SHARD_VERSION } else { SHARD32_VERSION };
+    if h[1] != version {
         bail!(
-            "{}: token shard version {} is not supported (expected {SHARD_VERSION}); re-run `llmrs prepare`",
+            "{}: token shard version {} is not supported (expected {version}); re-run `llmrs prepare`",
             path.display(),
             h[1]
         );
@@ -60,14 +85,14 @@ fn check_shard_header(header: &[u8], file_len: u64, path: &Path) -> Result<usize
         .ok()
         .filter(|&n| n > 0)
         .with_context(|| format!("{}: token count {} is invalid", path.display(), h[2]))?;
-    let want = (HEADER_BYTES + 2 * ntok) as u64;
+    let want = (HEADER_BYTES + width * ntok) as u64;
     if file_len != want {
         bail!(
             "{}: file is {file_len} bytes but its header promises {ntok} tokens ({want} bytes): the shard is truncated or corrupt",
             path.display()
         );
     }
-    Ok(ntok)
+    Ok((ntok, width))
 }
 
 /// Expand a file name or glob pattern into a sorted list of shards (as C's glob does).
@@ -124,7 +149,9 @@ pub struct DataLoader {
     current_sample_idx: usize,
     shard_num_samples: usize,
     file: Option<(File, PathBuf)>,
-    buffer: Vec<u8>,       // (B*T + 1) uint16
+    /// Bytes per token of the open shard (2 or 4).
+    width: usize,
+    buffer: Vec<u8>,       // (B*T + 1) tokens of up to 4 bytes
     pub inputs: Vec<u32>,  // (B, T)
     pub targets: Vec<u32>, // (B, T)
 }
@@ -172,7 +199,8 @@ impl DataLoader {
             current_sample_idx: 0,
             shard_num_samples: 0,
             file: None,
-            buffer: vec![0u8; 2 * (b * t + 1)],
+            width: 2,
+            buffer: vec![0u8; 4 * (b * t + 1)],
             inputs: vec![0; b * t],
             targets: vec![0; b * t],
         };
@@ -207,7 +235,8 @@ impl DataLoader {
         let len = f.metadata()?.len();
         let mut header = vec![0u8; HEADER_BYTES.min(len as usize)];
         f.read_exact(&mut header)?;
-        let ntok = check_shard_header(&header, len, &path)?;
+        let (ntok, width) = check_shard_header(&header, len, &path)?;
+        self.width = width;
         // One sample is B*T tokens per process; the last needs one extra token for its final target.
         self.shard_num_samples = (ntok - 1) / (self.split.world * self.b * self.t);
         self.file = Some((f, path));
@@ -257,13 +286,15 @@ impl DataLoader {
             self.current_sample_idx
         };
         let bt = self.b * self.t;
-        let offset = HEADER_BYTES + (idx * self.split.world + self.split.rank) * bt * 2;
+        let w = self.width;
+        let offset = HEADER_BYTES + (idx * self.split.world + self.split.rank) * bt * w;
         let (f, path) = self.file.as_mut().context("data loader has no open shard")?;
         f.seek(SeekFrom::Start(offset as u64))?;
-        f.read_exact(&mut self.buffer).with_context(|| format!("cannot read a batch from {}", path.display()))?;
+        let buf = &mut self.buffer[..(bt + 1) * w];
+        f.read_exact(buf).with_context(|| format!("cannot read a batch from {}", path.display()))?;
         for i in 0..bt {
-            self.inputs[i] = u16::from_le_bytes([self.buffer[2 * i], self.buffer[2 * i + 1]]) as u32;
-            self.targets[i] = u16::from_le_bytes([self.buffer[2 * i + 2], self.buffer[2 * i + 3]]) as u32;
+            self.inputs[i] = token(&buf[i * w..(i + 1) * w]);
+            self.targets[i] = token(&buf[(i + 1) * w..(i + 2) * w]);
         }
         if let Some(&bad) = self.inputs.iter().chain(&self.targets).find(|&&x| x as usize >= self.vocab_size) {
             bail!(
@@ -345,6 +376,26 @@ mod tests {
             }
         }
         assert_eq!(read_shard(&dir.path().join("a.bin")).unwrap().len(), 25);
+    }
+
+    /// uint32 shards (llm.c's llama3 format) hold ids past 16 bits and serve the same batches.
+    #[test]
+    fn uint32_shards_hold_large_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let toks: Vec<u32> = (0..25).map(|i| 100_000 + i).collect();
+        assert!(write_shard(&dir.path().join("x.bin"), &toks).unwrap_err().to_string().contains("uint16"));
+        let p = dir.path().join("w.bin");
+        write_shard_as(&p, &toks, true).unwrap();
+        let bytes = std::fs::read(&p).unwrap();
+        assert_eq!((&bytes[..4], bytes.len()), (&SHARD32_MAGIC.to_le_bytes()[..], HEADER_BYTES + 4 * 25));
+        assert_eq!(read_shard(&p).unwrap(), toks);
+        let mut dl = DataLoader::new(p.to_str().unwrap(), 2, 3, 200_000, false).unwrap();
+        dl.next_batch().unwrap();
+        dl.next_batch().unwrap();
+        assert_eq!(dl.inputs, (100_006..100_012).collect::<Vec<_>>());
+        assert_eq!(dl.targets, (100_007..100_013).collect::<Vec<_>>());
+        let e = DataLoader::new(p.to_str().unwrap(), 2, 3, 50_000, false).and_then(|mut d| d.next_batch());
+        assert!(e.unwrap_err().to_string().contains("out of range"));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! the uncached reference (the whole prefix again every token), and sampling with temperature,
 //! top-k and top-p.
 
-use crate::model::GPT2;
+use crate::model::Model;
 use crate::rng::random_f32;
 use anyhow::{bail, Result};
 
@@ -102,7 +102,7 @@ pub struct GenConfig {
 /// Generate after `prompt`, calling `on_token` for every new token; returns the new tokens.
 /// Stops at `max_new_tokens`, the stop token, or the model's context length.
 pub fn generate(
-    model: &mut GPT2,
+    model: &mut Model,
     prompt: &[u32],
     g: &GenConfig,
     mut on_token: impl FnMut(u32) -> Result<()>,
@@ -183,15 +183,15 @@ impl Utf8Stream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::GPT2Config;
+    use crate::config::ModelConfig;
 
-    fn model() -> GPT2 {
-        let cfg = GPT2Config {
+    fn model() -> Model {
+        let cfg = ModelConfig {
             vocab_size: 101,
             padded_vocab_size: 128,
-            ..GPT2Config::from_descriptor("2x24:3:600").unwrap()
+            ..ModelConfig::from_descriptor("2x24:3:600").unwrap()
         };
-        GPT2::new(crate::params::Weights::random(cfg, 11).unwrap(), crate::backend::Device::Cpu).unwrap()
+        Model::new(crate::params::Weights::random(cfg, 11).unwrap(), crate::backend::Device::Cpu).unwrap()
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! Reads HellaSwag's JSON lines and llm.c's eval file (magic 20240522), and writes the latter.
 
 use crate::checkpoint::{parse_header, write_atomic, HEADER_BYTES};
-use crate::model::GPT2;
+use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 use std::io::BufRead;
@@ -175,7 +175,7 @@ fn argmin(x: &[f32; 4]) -> usize {
 }
 
 /// Score examples, several per forward pass; `on_progress(done)` after each batch.
-pub fn score(model: &mut GPT2, examples: &[Example], mut on_progress: impl FnMut(usize)) -> Result<Vec<Scored>> {
+pub fn score(model: &mut Model, examples: &[Example], mut on_progress: impl FnMut(usize)) -> Result<Vec<Scored>> {
     check(examples)?;
     let max_t = model.config.max_seq_len;
     let longest =
@@ -282,8 +282,8 @@ mod tests {
         let empty_end = Example { label: 0, ctx: vec![1], endings: vec![vec![2], vec![], vec![3], vec![4]] };
         write_bin(&bin, std::slice::from_ref(&empty_end)).unwrap();
         assert!(format!("{:#}", load(&bin, &tok).unwrap_err()).contains("4 non-empty endings"));
-        let cfg = crate::config::GPT2Config::from_descriptor("1x16:2:32").unwrap();
-        let mut m = GPT2::new(crate::params::Weights::random(cfg, 3).unwrap(), crate::backend::Device::Cpu).unwrap();
+        let cfg = crate::config::ModelConfig::from_descriptor("1x16:2:32").unwrap();
+        let mut m = Model::new(crate::params::Weights::random(cfg, 3).unwrap(), crate::backend::Device::Cpu).unwrap();
         let no_ctx = Example { ctx: vec![], ..empty_end.clone() };
         for e in [no_ctx, empty_end, Example { label: 4, ctx: vec![1], endings: vec![vec![2]; 4] }] {
             assert!(score(&mut m, &[e], |_| {}).is_err());
@@ -302,12 +302,12 @@ mod tests {
     fn scoring_uses_only_the_ending_tokens() {
         // A model that has learned nothing scores every ending by its tokens alone: compare one
         // example scored in a batch with the same rows scored by hand.
-        let cfg = crate::config::GPT2Config {
+        let cfg = crate::config::ModelConfig {
             vocab_size: 64,
             padded_vocab_size: 128,
-            ..crate::config::GPT2Config::from_descriptor("1x16:2:32").unwrap()
+            ..crate::config::ModelConfig::from_descriptor("1x16:2:32").unwrap()
         };
-        let mut m = GPT2::new(crate::params::Weights::random(cfg, 3).unwrap(), crate::backend::Device::Cpu).unwrap();
+        let mut m = Model::new(crate::params::Weights::random(cfg, 3).unwrap(), crate::backend::Device::Cpu).unwrap();
         let e = Example { label: 1, ctx: vec![3, 4, 5], endings: vec![vec![6], vec![7, 8], vec![9, 10, 11], vec![12]] };
         let other = Example { label: 0, ctx: vec![1; 9], endings: vec![vec![2; 5], vec![3], vec![4], vec![5]] };
         let s = score(&mut m, &[other, e.clone()], |_| {}).unwrap();

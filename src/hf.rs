@@ -1,12 +1,15 @@
-//! Hugging Face GPT-2 checkpoints: `model.safetensors` + `config.json` in transformers' layout.
+//! Hugging Face checkpoints: `config.json` and safetensors (one `model.safetensors`, or shards
+//! listed by `model.safetensors.index.json`) in transformers' layout, for every family.
 //!
-//! transformers stores GPT-2's linear layers as `Conv1D`, whose weight is (in, out): the
-//! transpose of llm.c's (out, in). Names are `transformer.h.N.attn.c_attn.weight` and so on (the
-//! `transformer.` prefix is absent in some Hub checkpoints); the LM head is tied to `wte` and
-//! usually not stored. Buffers such as `attn.bias` (the causal mask) are ignored.
+//! `config.json` names the architecture (`GPT2LMHeadModel`, `LlamaForCausalLM`); the family's
+//! file ([`crate::models::gpt2`], [`crate::models::llama`]) turns it into a [`ModelConfig`],
+//! writes it back, and lists its tensors as [`HfTensor`]s: transformers' name, where the values
+//! live in the flat parameter buffer, the shape as stored, and whether stored transposed. Import
+//! and export follow that one table. fp32, bf16 and f16 are read; fp32 and bf16 written.
 
-use crate::checkpoint::{bf16s_from_le, f32s_from_le, f32s_to_bf16_le, f32s_to_le, write_atomic, Dtype};
-use crate::config::{pad_vocab, GPT2Config};
+use crate::checkpoint::{bf16s_from_le, f32s_from_le, f32s_to_bf16_le, f32s_to_le, read_file, write_atomic, Dtype};
+use crate::config::{Family, ModelConfig};
+use crate::models::{gpt2, llama};
 use crate::params::{Tensor, Weights};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::TensorView;
@@ -14,170 +17,109 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-/// The fields of transformers' `GPT2Config` that matter to llmrs.
-#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
-pub struct HfConfig {
-    pub vocab_size: usize,
-    pub n_positions: usize,
-    pub n_embd: usize,
-    pub n_layer: usize,
-    pub n_head: usize,
-    #[serde(default)]
-    pub n_inner: Option<usize>,
-    #[serde(default = "default_act")]
-    pub activation_function: String,
-    #[serde(default = "default_eps")]
-    pub layer_norm_epsilon: f64,
-    #[serde(default = "default_true")]
-    pub tie_word_embeddings: bool,
+/// One tensor as transformers stores it, and where its values live in the flat buffer.
+pub struct HfTensor {
+    /// transformers' name (GPT-2's without the optional `transformer.` prefix).
+    pub name: String,
+    /// Its elements in the flat parameter buffer (row-major, contiguous).
+    pub range: std::ops::Range<usize>,
+    /// Its shape as stored.
+    pub shape: Vec<usize>,
+    /// Stored as the transpose of llmrs's (out, in) (GPT-2's Conv1D weights).
+    pub transposed: bool,
 }
 
-fn default_act() -> String {
-    "gelu_new".into()
-}
-fn default_eps() -> f64 {
-    1e-5
-}
-fn default_true() -> bool {
-    true
-}
-
-impl HfConfig {
-    /// Parse and check that llmrs computes exactly this model.
-    pub fn parse(text: &str, path: &Path) -> Result<Self> {
-        let c: HfConfig =
-            serde_json::from_str(text).with_context(|| format!("{}: not a GPT-2 config.json", path.display()))?;
-        if let Some(inner) = c.n_inner {
-            if inner != 4 * c.n_embd {
-                bail!("{}: n_inner {inner} is not 4*n_embd; llmrs's GPT-2 has a 4C MLP", path.display());
-            }
-        }
-        if !matches!(c.activation_function.as_str(), "gelu_new" | "gelu_pytorch_tanh") {
-            bail!("{}: activation '{}' is not GPT-2's tanh GELU (gelu_new)", path.display(), c.activation_function);
-        }
-        if (c.layer_norm_epsilon - 1e-5).abs() > 1e-12 {
-            bail!("{}: layer_norm_epsilon {} is not 1e-5", path.display(), c.layer_norm_epsilon);
-        }
-        if !c.tie_word_embeddings {
-            bail!("{}: untied word embeddings are not supported (GPT-2 ties the LM head to wte)", path.display());
-        }
-        Ok(c)
-    }
-
-    pub fn to_llmc(&self) -> Result<GPT2Config> {
-        let cfg = GPT2Config {
-            max_seq_len: self.n_positions,
-            vocab_size: self.vocab_size,
-            padded_vocab_size: pad_vocab(self.vocab_size),
-            num_layers: self.n_layer,
-            num_heads: self.n_head,
-            channels: self.n_embd,
-        };
-        cfg.validate()?;
-        Ok(cfg)
+/// The family `config.json` describes, from its `architectures` (or `model_type`).
+fn family_of(v: &serde_json::Value, path: &Path) -> Result<Family> {
+    let arch = v["architectures"].get(0).and_then(|a| a.as_str()).unwrap_or("");
+    let kind = v["model_type"].as_str().unwrap_or("");
+    match (arch, kind) {
+        ("GPT2LMHeadModel", _) | ("", "gpt2") => Ok(Family::Gpt2),
+        ("LlamaForCausalLM", _) | ("", "llama") => Ok(Family::Llama),
+        _ => bail!(
+            "{}: architecture '{}' is not supported: llmrs runs GPT2LMHeadModel and LlamaForCausalLM",
+            path.display(),
+            if arch.is_empty() { kind } else { arch }
+        ),
     }
 }
 
-/// `config.json` as transformers writes it for a GPT2LMHeadModel of this shape.
-pub fn config_json(cfg: &GPT2Config, dtype: Dtype) -> String {
-    let v = serde_json::json!({
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.max_seq_len,
-        "n_ctx": cfg.max_seq_len,
-        "n_embd": cfg.channels,
-        "n_layer": cfg.num_layers,
-        "n_head": cfg.num_heads,
-        "n_inner": null,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": true,
-        "bos_token_id": 50256,
-        "eos_token_id": 50256,
-        "torch_dtype": match dtype { Dtype::F32 => "float32", Dtype::BF16 => "bfloat16" },
-    });
+/// Parse `config.json` into the model's shape, checking that llmrs computes exactly this model.
+pub fn parse_config(text: &str, path: &Path) -> Result<ModelConfig> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).with_context(|| format!("{}: not a model config.json", path.display()))?;
+    if !v.is_object() {
+        bail!("{}: not a model config.json (not a JSON object)", path.display());
+    }
+    let cfg = match family_of(&v, path)? {
+        Family::Gpt2 => gpt2::parse_hf_config(text, path)?,
+        Family::Llama => llama::parse_hf_config(&v, path)?,
+    };
+    cfg.validate().with_context(|| format!("{}: bad model shape", path.display()))?;
+    Ok(cfg)
+}
+
+/// `config.json` as transformers writes it for a model of this shape.
+pub fn config_json(cfg: &ModelConfig, dtype: Dtype) -> String {
+    let torch_dtype = match dtype {
+        Dtype::F32 => "float32",
+        Dtype::BF16 => "bfloat16",
+    };
+    let v = match cfg.family {
+        Family::Gpt2 => gpt2::hf_config(cfg, torch_dtype),
+        Family::Llama => llama::hf_config(cfg, torch_dtype),
+    };
     serde_json::to_string_pretty(&v).unwrap() + "\n"
 }
 
-/// Locate `config.json` and `model.safetensors` for a directory or a `.safetensors` file.
-pub fn resolve_paths(path: &Path) -> Result<(PathBuf, PathBuf)> {
-    let (dir, st) = if path.is_dir() {
+fn hf_tensors(w: &Weights) -> Vec<HfTensor> {
+    match w.config.family {
+        Family::Gpt2 => gpt2::hf_tensors(&w.config, &w.layout),
+        Family::Llama => llama::hf_tensors(&w.config, &w.layout),
+    }
+}
+
+/// The safetensors files of a checkpoint: `config.json` and its shards.
+struct Files {
+    config: PathBuf,
+    shards: Vec<PathBuf>,
+}
+
+/// Locate `config.json` and the safetensors file(s) of a directory or a `.safetensors` file.
+fn resolve(path: &Path) -> Result<Files> {
+    let (dir, single) = if path.is_dir() {
         (path.to_path_buf(), path.join("model.safetensors"))
     } else {
         (path.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf), path.to_path_buf())
     };
-    let cfg = dir.join("config.json");
-    if !st.is_file() {
-        bail!("{} not found: a Hugging Face model directory holds model.safetensors and config.json", st.display());
-    }
-    if !cfg.is_file() {
-        bail!("{} not found next to {}: it gives the model's shape", cfg.display(), st.display());
-    }
-    Ok((cfg, st))
-}
-
-/// One tensor of transformers' GPT2LMHeadModel and where it lives in llm.c's layout: the one
-/// table that both import and export follow.
-struct HfTensor {
-    /// Name without the `transformer.` prefix, e.g. `h.3.attn.c_attn.weight`.
-    name: String,
-    /// Its elements in the flat parameter buffer.
-    range: std::ops::Range<usize>,
-    /// Its shape as transformers stores it.
-    shape: Vec<usize>,
-    /// Conv1D weights are (in, out), the transpose of llm.c's (out, in).
-    transposed: bool,
-}
-
-fn hf_tensors(w: &Weights) -> Vec<HfTensor> {
-    let (cfg, lay) = (&w.config, &w.layout);
-    let wte = lay.range(Tensor::Wte);
-    let mut out = vec![
-        // Only the V real rows of the padded embedding.
-        HfTensor {
-            name: "wte.weight".into(),
-            range: wte.start..wte.start + cfg.vocab_size * cfg.channels,
-            shape: vec![cfg.vocab_size, cfg.channels],
-            transposed: false,
-        },
-        HfTensor {
-            name: "wpe.weight".into(),
-            range: lay.range(Tensor::Wpe),
-            shape: Tensor::Wpe.shape(cfg),
-            transposed: false,
-        },
-    ];
-    let per_layer = [
-        ("ln_1.weight", Tensor::Ln1W),
-        ("ln_1.bias", Tensor::Ln1B),
-        ("attn.c_attn.weight", Tensor::QkvW),
-        ("attn.c_attn.bias", Tensor::QkvB),
-        ("attn.c_proj.weight", Tensor::AttProjW),
-        ("attn.c_proj.bias", Tensor::AttProjB),
-        ("ln_2.weight", Tensor::Ln2W),
-        ("ln_2.bias", Tensor::Ln2B),
-        ("mlp.c_fc.weight", Tensor::FcW),
-        ("mlp.c_fc.bias", Tensor::FcB),
-        ("mlp.c_proj.weight", Tensor::FcProjW),
-        ("mlp.c_proj.bias", Tensor::FcProjB),
-    ];
-    for l in 0..cfg.num_layers {
-        for (suffix, t) in per_layer {
-            let mut shape = t.shape(cfg);
-            let transposed = shape.len() == 2;
-            shape.reverse();
-            out.push(HfTensor { name: format!("h.{l}.{suffix}"), range: lay.layer(t, l), shape, transposed });
+    let config = dir.join("config.json");
+    let index = dir.join("model.safetensors.index.json");
+    let shards = if single.is_file() {
+        vec![single]
+    } else if path.is_dir() && index.is_file() {
+        let text =
+            String::from_utf8(read_file(&index)?).map_err(|_| anyhow::anyhow!("{} is not UTF-8", index.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{}: not a safetensors index", index.display()))?;
+        let map = v["weight_map"].as_object().with_context(|| format!("{}: no weight_map", index.display()))?;
+        let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(String::from)).collect();
+        files.sort();
+        files.dedup();
+        if files.is_empty() || files.iter().any(|f| f.contains('/') || f.contains("..")) {
+            bail!("{}: weight_map must name shard files in this directory", index.display());
         }
+        files.into_iter().map(|f| dir.join(f)).collect()
+    } else {
+        bail!(
+            "{} not found: a Hugging Face model directory holds model.safetensors (or shards and \
+             model.safetensors.index.json) and config.json",
+            single.display()
+        );
+    };
+    if !config.is_file() {
+        bail!("{} not found next to {}: it gives the model's shape", config.display(), shards[0].display());
     }
-    for (name, t) in [("ln_f.weight", Tensor::LnfW), ("ln_f.bias", Tensor::LnfB)] {
-        out.push(HfTensor { name: name.into(), range: lay.range(t), shape: t.shape(cfg), transposed: false });
-    }
-    out
+    Ok(Files { config, shards })
 }
 
 /// Convert one stored tensor to f32 (F32, BF16 and F16 are accepted).
@@ -209,49 +151,68 @@ fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     y
 }
 
-/// Load a Hugging Face GPT-2 (directory or `.safetensors` path) as llm.c-layout weights.
+/// Load a Hugging Face model (directory or `.safetensors` path) as llmrs-layout weights.
 pub fn load_hf(path: &Path) -> Result<Weights> {
-    let (cfg_path, st_path) = resolve_paths(path)?;
-    let cfg_text = String::from_utf8(crate::checkpoint::read_file(&cfg_path)?)
-        .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", cfg_path.display()))?;
-    let hf = HfConfig::parse(&cfg_text, &cfg_path)?;
-    let cfg = hf.to_llmc().with_context(|| format!("{}: bad model shape", cfg_path.display()))?;
-    let bytes = crate::checkpoint::read_file(&st_path)?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", st_path.display()))?;
-    let prefix = if st.names().iter().any(|n| n.starts_with("transformer.")) { "transformer." } else { "" };
-    // The file must hold every tensor config.json implies (checked before allocating for it).
-    let stored: usize = st.tensors().iter().map(|(_, t)| t.shape().iter().product::<usize>()).sum();
-    if stored < cfg.num_parameters() - (cfg.padded_vocab_size - cfg.vocab_size) * cfg.channels {
+    let files = resolve(path)?;
+    let cfg_text = String::from_utf8(read_file(&files.config)?)
+        .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", files.config.display()))?;
+    let cfg = parse_config(&cfg_text, &files.config)?;
+    let shards: Vec<Vec<u8>> = files.shards.iter().map(|p| read_file(p)).collect::<Result<_>>()?;
+    let mut parsed = vec![];
+    for (bytes, p) in shards.iter().zip(&files.shards) {
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", p.display()))?;
+        parsed.push(st);
+    }
+    let names: Vec<String> = parsed.iter().flat_map(|st| st.names().into_iter().map(String::from)).collect();
+    let prefix = if cfg.family == Family::Gpt2 && names.iter().any(|n| n.starts_with("transformer.")) {
+        "transformer."
+    } else {
+        ""
+    };
+    // The files must hold every tensor config.json implies (checked before allocating for it).
+    let stored: usize =
+        parsed.iter().flat_map(|st| st.tensors()).map(|(_, t)| t.shape().iter().product::<usize>()).sum();
+    let padding = (cfg.padded_vocab_size - cfg.vocab_size) * cfg.channels;
+    let heads = if cfg.tied_head { 1 } else { 2 };
+    if stored < cfg.num_parameters() - heads * padding {
         bail!(
             "{}: holds {stored} values, fewer than the {} parameters config.json describes",
-            st_path.display(),
+            files.shards[0].display(),
             cfg.num_parameters()
         );
     }
+    let find = |name: &str| parsed.iter().zip(&files.shards).find_map(|(st, p)| st.tensor(name).ok().map(|t| (t, p)));
     let mut w = Weights::zeros(cfg)?;
     for e in hf_tensors(&w) {
         let full = format!("{prefix}{}", e.name);
-        let t = st.tensor(&full).map_err(|_| anyhow::anyhow!("{}: tensor {full} is missing", st_path.display()))?;
+        let (t, p) =
+            find(&full).ok_or_else(|| anyhow::anyhow!("{}: tensor {full} is missing", files.shards[0].display()))?;
         if t.shape() != e.shape {
-            bail!("{}: tensor {full} has shape {:?}, config.json implies {:?}", st_path.display(), t.shape(), e.shape);
+            bail!("{}: tensor {full} has shape {:?}, config.json implies {:?}", p.display(), t.shape(), e.shape);
         }
         let x = to_f32(&t, &full)?;
         let x = if e.transposed { transposed(&x, e.shape[0], e.shape[1]) } else { x };
         w.data[e.range].copy_from_slice(&x);
     }
-    if let Ok(head) = st.tensor("lm_head.weight") {
-        // A stored head must be the tied embedding.
-        let (v, c) = (cfg.vocab_size, cfg.channels);
-        if head.shape() != [v, c] || to_f32(&head, "lm_head.weight")? != w.tensor(Tensor::Wte)[..v * c] {
-            bail!("{}: lm_head.weight differs from wte: untied heads are not supported", st_path.display());
+    if cfg.tied_head {
+        if let Some((head, p)) = find("lm_head.weight") {
+            // A stored head must be the tied embedding.
+            let (v, c) = (cfg.vocab_size, cfg.channels);
+            if head.shape() != [v, c] || to_f32(&head, "lm_head.weight")? != w.tensor(Tensor::Wte)[..v * c] {
+                bail!(
+                    "{}: lm_head.weight differs from the token embedding, but config.json ties them \
+                     (tie_word_embeddings)",
+                    p.display()
+                );
+            }
         }
     }
     Ok(w)
 }
 
 /// Export to a directory with `model.safetensors` and `config.json` that transformers'
-/// `GPT2LMHeadModel.from_pretrained` loads. The padded vocab rows are dropped.
+/// `from_pretrained` loads. The padded vocab rows are dropped.
 pub fn save_hf(w: &Weights, dir: &Path, dtype: Dtype) -> Result<()> {
     let table = hf_tensors(w);
     let st_dtype = match dtype {
@@ -272,10 +233,11 @@ pub fn save_hf(w: &Weights, dir: &Path, dtype: Dtype) -> Result<()> {
             b
         })
         .collect();
+    let prefix = if w.config.family == Family::Gpt2 { "transformer." } else { "" };
     let views = table
         .iter()
         .zip(&bytes)
-        .map(|(e, b)| Ok((format!("transformer.{}", e.name), TensorView::new(st_dtype, e.shape.clone(), b)?)))
+        .map(|(e, b)| Ok((format!("{prefix}{}", e.name), TensorView::new(st_dtype, e.shape.clone(), b)?)))
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     let out = safetensors::serialize(views, Some(meta))?;
@@ -291,22 +253,24 @@ mod tests {
 
     #[test]
     fn export_import_round_trip() {
-        let dir = tempfile::tempdir().unwrap();
-        let model = Weights::random(GPT2Config::from_descriptor("2x16:2:8").unwrap(), 7).unwrap();
-        save_hf(&model, dir.path(), Dtype::F32).unwrap();
-        let back = load_hf(dir.path()).unwrap();
-        assert_eq!(back, model);
-        save_hf(&model, dir.path(), Dtype::BF16).unwrap();
-        let back = load_hf(&dir.path().join("model.safetensors")).unwrap();
-        for (a, b) in back.data.iter().zip(&model.data) {
-            assert!((a - b).abs() <= b.abs() / 128.0);
+        for desc in ["2x16:2:8", "llama:2x16:4:2"] {
+            let dir = tempfile::tempdir().unwrap();
+            let model = Weights::random(ModelConfig::from_descriptor(desc).unwrap(), 7).unwrap();
+            save_hf(&model, dir.path(), Dtype::F32).unwrap();
+            let back = load_hf(dir.path()).unwrap();
+            assert_eq!(back, model, "{desc}");
+            save_hf(&model, dir.path(), Dtype::BF16).unwrap();
+            let back = load_hf(&dir.path().join("model.safetensors")).unwrap();
+            for (a, b) in back.data.iter().zip(&model.data) {
+                assert!((a - b).abs() <= b.abs() / 128.0);
+            }
         }
     }
 
     #[test]
     fn bad_checkpoints_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let model = Weights::random(GPT2Config::from_descriptor("1x8:2:8").unwrap(), 7).unwrap();
+        let model = Weights::random(ModelConfig::from_descriptor("1x8:2:8").unwrap(), 7).unwrap();
         save_hf(&model, dir.path(), Dtype::F32).unwrap();
         let cfg_path = dir.path().join("config.json");
         let good_cfg = std::fs::read_to_string(&cfg_path).unwrap();
@@ -317,8 +281,10 @@ mod tests {
         assert!(err().contains("has shape"), "{}", err());
         std::fs::write(&cfg_path, good_cfg.replace("gelu_new", "relu")).unwrap();
         assert!(err().contains("activation"));
+        std::fs::write(&cfg_path, good_cfg.replace("GPT2LMHeadModel", "MistralForCausalLM")).unwrap();
+        assert!(err().contains("'MistralForCausalLM' is not supported"), "{}", err());
         std::fs::write(&cfg_path, "{not json").unwrap();
-        assert!(err().contains("not a GPT-2 config.json"));
+        assert!(err().contains("not a model config.json"));
         std::fs::write(&cfg_path, &good_cfg).unwrap();
         let st = dir.path().join("model.safetensors");
         let bytes = std::fs::read(&st).unwrap();

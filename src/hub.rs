@@ -1,4 +1,12 @@
-//! Fetch a GPT-2 model from the Hugging Face Hub into a local cache.
+//! Fetch a model from the Hugging Face Hub into Hugging Face's own cache.
+//!
+//! Models live where transformers keeps them (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, default
+//! `~/.cache/huggingface/hub`): `models--owner--name/refs/REVISION` holds the commit a revision
+//! points at and `models--owner--name/snapshots/COMMIT/` the files, so a model transformers
+//! already downloaded is read from there without a request, and one llmrs downloads is found by
+//! transformers. (llmrs writes the files into the snapshot directly, without transformers'
+//! deduplicating `blobs/` links; transformers reads either.) The `hf-hub` crate was not used:
+//! its client would replace the timeouts, validation, resume and locking below.
 //!
 //! Files are requested as the Hub serves them, `{endpoint}/{owner}/{name}/resolve/{revision}/{file}`
 //! (the endpoint is `$HF_ENDPOINT`, default https://huggingface.co). A `HEAD` without following
@@ -12,8 +20,11 @@ use std::fs::OpenOptions;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-/// The files of a GPT-2 model repository that llmrs needs.
+/// The files of a model repository that llmrs needs (or the shards the index lists instead of
+/// model.safetensors), then those it uses when they are there.
 pub const MODEL_FILES: [&str; 2] = ["config.json", "model.safetensors"];
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const OPTIONAL_FILES: [&str; 2] = ["tokenizer.json", "generation_config.json"];
 
 /// `owner/name[@revision]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,22 +64,108 @@ pub fn cache_dir() -> PathBuf {
     base.join("llmrs")
 }
 
-/// Download the model's files (if not cached) and return the local directory.
+/// Hugging Face's cache of Hub repositories: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+/// `~/.cache/huggingface/hub`.
+pub fn hf_cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("HF_HUB_CACHE") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
+        let base = std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(|| PathBuf::from(".cache"));
+        base.join("huggingface")
+    });
+    home.join("hub")
+}
+
+/// The snapshot directory of a model in the cache, when it holds a complete model: the
+/// revision's commit from `refs/`, or the revision itself when it is a commit.
+fn cached_snapshot(repo_dir: &Path, revision: &str) -> Option<PathBuf> {
+    let commit = std::fs::read_to_string(repo_dir.join("refs").join(revision))
+        .map(|c| c.trim().to_string())
+        .unwrap_or_else(|_| revision.to_string());
+    let dir = repo_dir.join("snapshots").join(commit);
+    complete(&dir).then_some(dir)
+}
+
+/// Whether a directory holds config.json and every safetensors file of the model, valid.
+fn complete(dir: &Path) -> bool {
+    let ok = |f: &str| valid_model_file(&dir.join(f)).is_ok();
+    ok("config.json")
+        && (ok("model.safetensors") || shard_names(&dir.join(INDEX_FILE)).is_ok_and(|s| s.iter().all(|f| ok(f))))
+}
+
+/// The shard files a `model.safetensors.index.json` lists.
+fn shard_names(index: &Path) -> Result<Vec<String>> {
+    let text = crate::checkpoint::read_file(index)?;
+    let v: serde_json::Value = serde_json::from_slice(&text).context("not a safetensors index")?;
+    let mut files: Vec<String> = v["weight_map"]
+        .as_object()
+        .context("the index has no weight_map")?
+        .values()
+        .filter_map(|f| f.as_str().map(String::from))
+        .collect();
+    files.sort();
+    files.dedup();
+    if files.is_empty() || files.iter().any(|f| f.contains('/') || f.contains("..") || !f.ends_with(".safetensors")) {
+        bail!("{}: weight_map must name .safetensors files beside it", index.display());
+    }
+    Ok(files)
+}
+
+/// The commit a revision names, from the Hub's `X-Repo-Commit` (the revision itself when the
+/// server does not say).
+fn resolve_commit(url: &str, revision: &str) -> String {
+    let resp = crate::download::agent(false).head(url).call();
+    let commit =
+        resp.ok().and_then(|r| r.headers().get("x-repo-commit").and_then(|v| v.to_str().ok()).map(String::from));
+    commit.filter(|c| c.len() == 40 && c.chars().all(|x| x.is_ascii_hexdigit())).unwrap_or_else(|| revision.to_string())
+}
+
+/// The model's files from the cache, or downloaded into it: config.json, the weights (one
+/// file, or the index and its shards), and tokenizer.json and generation_config.json when the
+/// repository has them. Returns the snapshot directory.
 pub fn fetch_model(r: &HubRef, endpoint: &str, cache: &Path) -> Result<PathBuf> {
-    let dir = cache.join("hub").join(r.repo.replace('/', "--")).join(&r.revision);
-    for f in MODEL_FILES {
+    let repo_dir = cache.join(format!("models--{}", r.repo.replace('/', "--")));
+    if let Some(dir) = cached_snapshot(&repo_dir, &r.revision) {
+        return Ok(dir);
+    }
+    let url = |f: &str| format!("{endpoint}/{}/resolve/{}/{f}", r.repo, r.revision);
+    let commit = resolve_commit(&url("config.json"), &r.revision);
+    let dir = repo_dir.join("snapshots").join(&commit);
+    let get = |f: &str| -> Result<()> {
         let dest = dir.join(f);
-        // A cached file that no longer checks out (cached by an older llmrs, or damaged) is fetched again.
+        // A cached file that no longer checks out (damaged, or cut short) is fetched again.
         if dest.is_file() && valid_model_file(&dest).is_err() {
             eprintln!("the cached {} is broken; fetching it again", dest.display());
             std::fs::remove_file(&dest).with_context(|| format!("cannot remove {}", dest.display()))?;
         }
         if !dest.is_file() {
-            let url = format!("{endpoint}/{}/resolve/{}/{f}", r.repo, r.revision);
-            fetch_file(&url, &dest, &valid_model_file)
+            fetch_file(&url(f), &dest, &valid_model_file)
                 .with_context(|| format!("cannot fetch {f} of {}@{}", r.repo, r.revision))?;
         }
+        Ok(())
+    };
+    get("config.json")?;
+    if let Err(single) = get("model.safetensors") {
+        // Large models come in shards: model.safetensors.index.json lists them.
+        if get(INDEX_FILE).is_err() {
+            return Err(single);
+        }
+        for f in shard_names(&dir.join(INDEX_FILE))? {
+            get(&f)?;
+        }
     }
+    for f in OPTIONAL_FILES {
+        if !dir.join(f).is_file() && head(&url(f)).is_ok() {
+            get(f)?;
+        }
+    }
+    let refs = repo_dir.join("refs");
+    std::fs::create_dir_all(&refs).with_context(|| format!("cannot create {}", refs.display()))?;
+    crate::checkpoint::write_atomic(&refs.join(&r.revision), &[commit.as_bytes()])?;
     Ok(dir)
 }
 
@@ -244,13 +341,17 @@ pub fn any_file(_: &Path) -> Result<()> {
     Ok(())
 }
 
-/// What [`fetch_model`] accepts for each model file: `config.json` must be a GPT-2 config and
-/// `model.safetensors` must have a readable header (the Hub sends config.json without a hash).
+/// What [`fetch_model`] accepts for each model file: `config.json` must be a config llmrs
+/// runs, JSON files must parse, and safetensors files must have a readable header (the Hub
+/// sends small files without a hash).
 fn valid_model_file(path: &Path) -> Result<()> {
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     if name.starts_with("config.json") {
         let text = String::from_utf8(crate::checkpoint::read_file(path)?).context("config.json is not UTF-8")?;
-        crate::hf::HfConfig::parse(&text, path)?.to_llmc()?;
+        crate::hf::parse_config(&text, path)?;
+    } else if name.contains(".json") {
+        let text = crate::checkpoint::read_file(path)?;
+        serde_json::from_slice::<serde_json::Value>(&text).with_context(|| format!("{name} is not JSON"))?;
     } else {
         let mut f = std::fs::File::open(path)?;
         let mut n = [0u8; 8];
@@ -342,8 +443,8 @@ pub(crate) mod tests {
 
     fn model_files(repo: &str) -> (crate::params::Weights, Vec<(String, Vec<u8>)>) {
         let dir = tempfile::tempdir().unwrap();
-        let m =
-            crate::params::Weights::random(crate::config::GPT2Config::from_descriptor("1x16:2:8").unwrap(), 3).unwrap();
+        let m = crate::params::Weights::random(crate::config::ModelConfig::from_descriptor("1x16:2:8").unwrap(), 3)
+            .unwrap();
         crate::hf::save_hf(&m, dir.path(), crate::checkpoint::Dtype::F32).unwrap();
         let files = MODEL_FILES
             .iter()
@@ -355,13 +456,16 @@ pub(crate) mod tests {
     #[test]
     fn fetches_a_model_in_the_hubs_layout_and_caches_it() {
         let (m, files) = model_files("someone/tiny-gpt2");
-        let (base, log) = hub_server(files, false, 4);
+        let (base, log) = hub_server(files, false, 7);
         let cache = tempfile::tempdir().unwrap();
         let r: HubRef = "someone/tiny-gpt2".parse().unwrap();
         let dir = fetch_model(&r, &base, cache.path()).unwrap();
         let back = crate::hf::load_hf(&dir).unwrap();
         assert_eq!(back, m);
-        assert_eq!(log.lock().unwrap().len(), 4, "HEAD + GET per file");
+        // The commit HEAD, HEAD + GET per file, a HEAD for each optional file (absent here).
+        assert_eq!(log.lock().unwrap().len(), 7, "{:?}", log.lock().unwrap());
+        assert_eq!(dir, cache.path().join("models--someone--tiny-gpt2/snapshots/main"));
+        assert_eq!(std::fs::read_to_string(cache.path().join("models--someone--tiny-gpt2/refs/main")).unwrap(), "main");
         // Cached: no further requests (the server would not answer them).
         fetch_model(&r, &base, cache.path()).unwrap();
         let e = fetch_model(&"someone/other".parse().unwrap(), &base, cache.path()).unwrap_err();
@@ -371,12 +475,12 @@ pub(crate) mod tests {
     #[test]
     fn an_interrupted_download_resumes_with_a_range_request() {
         let (m, files) = model_files("a/b");
-        let (base, log) = hub_server(files, true, 8);
+        let (base, log) = hub_server(files, true, 20);
         let cache = tempfile::tempdir().unwrap();
         let r: HubRef = "a/b".parse().unwrap();
         let e = fetch_model(&r, &base, cache.path()).unwrap_err();
         assert!(format!("{e:#}").contains("resume"), "{e:#}");
-        let part = cache.path().join("hub/a--b/main/model.safetensors.part");
+        let part = cache.path().join("models--a--b/snapshots/main/model.safetensors.part");
         let half = std::fs::metadata(&part).unwrap().len();
         assert!(half > 0);
         let dir = fetch_model(&r, &base, cache.path()).unwrap();
@@ -441,12 +545,12 @@ pub(crate) mod tests {
         let r: HubRef = "a/b".parse().unwrap();
         let e = fetch_model(&r, &base, cache.path()).unwrap_err();
         assert!(format!("{e:#}").contains("broken file"), "{e:#}");
-        let cached = cache.path().join("hub/a--b/main/config.json");
+        let cached = cache.path().join("models--a--b/snapshots/main/config.json");
         assert!(!cached.exists() && !cached.with_file_name("config.json.part").exists());
         // A broken file already in the cache (from an older llmrs) is replaced.
         std::fs::write(&cached, b"{not json").unwrap();
         files[0].1 = good_config;
-        let (base, _) = hub_server(files, false, 4);
+        let (base, _) = hub_server(files, false, 10);
         let dir = fetch_model(&r, &base, cache.path()).unwrap();
         assert_eq!(crate::hf::load_hf(&dir).unwrap(), m);
     }
@@ -454,7 +558,7 @@ pub(crate) mod tests {
     #[test]
     fn two_fetches_of_one_model_take_turns() {
         let (m, files) = model_files("a/b");
-        let (base, log) = hub_server(files, false, 8);
+        let (base, log) = hub_server(files, false, 20);
         let cache = tempfile::tempdir().unwrap();
         let r: HubRef = "a/b".parse().unwrap();
         std::thread::scope(|s| {
@@ -466,6 +570,38 @@ pub(crate) mod tests {
         });
         let log = log.lock().unwrap();
         assert_eq!(log.iter().filter(|l| l.starts_with("GET")).count(), 2, "each file downloaded once: {log:?}");
+    }
+
+    /// A model transformers already downloaded (refs/main naming a commit whose snapshot holds
+    /// the files) is read from Hugging Face's cache without a request; a sharded one with its
+    /// tokenizer is downloaded into that layout, commit from X-Repo-Commit aside.
+    #[test]
+    fn reads_and_writes_hugging_faces_cache_layout() {
+        let cache = tempfile::tempdir().unwrap();
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        let repo = cache.path().join("models--HuggingFaceTB--tiny");
+        let m =
+            crate::params::Weights::random(crate::config::ModelConfig::from_descriptor("llama:1x16:2:1").unwrap(), 3)
+                .unwrap();
+        crate::hf::save_hf(&m, &repo.join("snapshots").join(commit), crate::checkpoint::Dtype::F32).unwrap();
+        std::fs::create_dir_all(repo.join("refs")).unwrap();
+        std::fs::write(repo.join("refs/main"), commit).unwrap();
+        let dir = fetch_model(&"HuggingFaceTB/tiny".parse().unwrap(), "http://127.0.0.1:9", cache.path()).unwrap();
+        assert_eq!(crate::hf::load_hf(&dir).unwrap(), m, "read from the cache, no request");
+        // Shards: the index and each file it lists; the tokenizer when the repository has one.
+        let src = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/gqa_sharded");
+        let mut files = vec![];
+        for e in std::fs::read_dir(&src).unwrap() {
+            let p = e.unwrap().path();
+            let name = p.file_name().unwrap().to_string_lossy().to_string();
+            files.push((format!("/o/sharded/resolve/main/{name}"), std::fs::read(&p).unwrap()));
+        }
+        files.push(("/o/sharded/resolve/main/tokenizer.json".into(), b"{\"model\": {}}".to_vec()));
+        let (base, _) = hub_server(files, false, 40);
+        let dir = fetch_model(&"o/sharded".parse().unwrap(), &base, cache.path()).unwrap();
+        assert_eq!(crate::hf::load_hf(&dir).unwrap(), crate::hf::load_hf(&src).unwrap());
+        assert!(dir.join("tokenizer.json").is_file() && dir.join(INDEX_FILE).is_file());
+        assert!(cached_snapshot(&cache.path().join("models--o--sharded"), "main").is_some());
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! llm.rs: GPT-2 training from scratch in pure Rust, in the spirit of llm.c.
+//! llm.rs: GPT-2 and Llama training from scratch in pure Rust, in the spirit of llm.c.
 //!
 //! Dimension names (B, T, C, NH, HS, L, V, Vp, maxT) are defined in [`config`].
 
@@ -18,6 +18,7 @@ pub mod hf;
 pub mod hub;
 pub mod mem;
 pub mod model;
+pub mod models;
 pub mod optim;
 pub mod params;
 pub mod plot;

@@ -4,7 +4,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use llmrs::checkpoint::Dtype;
 use llmrs::optim::OptimConfig;
-use llmrs::prepare::{prepare_text, prepare_tinyshakespeare, Source};
+use llmrs::prepare::{prepare_tinyshakespeare, Source};
 use llmrs::train::{run, TrainConfig};
 use std::path::PathBuf;
 
@@ -113,6 +113,10 @@ enum PrepareCmd {
         /// Tokens for the validation shard.
         #[arg(long, default_value_t = 32768)]
         val_tokens: usize,
+        /// Tokenize with this tokenizer.json (a file, a model directory, or hf:owner/name) instead
+        /// of GPT-2's.
+        #[arg(long)]
+        tokenizer: Option<String>,
     },
     /// FineWeb or FineWeb-Edu as llm.c's dev/data/fineweb.py: local .parquet/.jsonl files, or
     /// (with none given) the sample's parquet files downloaded from the Hugging Face Hub.
@@ -179,6 +183,10 @@ enum EvalCmd {
         /// Score only the first N examples.
         #[arg(long)]
         limit: Option<usize>,
+        /// The tokenizer (a tokenizer.json, a model directory, hf:owner/name, or gpt2); default: the
+        /// model's own tokenizer.json, else GPT-2's. A .bin eval file is already tokenized (GPT-2).
+        #[arg(long)]
+        tokenizer: Option<String>,
     },
 }
 
@@ -191,9 +199,13 @@ struct GenArgs {
     /// Model from the Hugging Face Hub: owner/name[@revision].
     #[arg(long)]
     hf: Option<String>,
-    /// Text to continue ("" starts from <|endoftext|>).
+    /// Text to continue ("" starts from the document-start token, <|endoftext|> for GPT-2).
     #[arg(short, long, default_value = "")]
     prompt: String,
+    /// The tokenizer (a tokenizer.json, a model directory, hf:owner/name, or gpt2); default: the
+    /// model's own tokenizer.json, else GPT-2's.
+    #[arg(long)]
+    tokenizer: Option<String>,
     /// Tokens to generate at most.
     #[arg(short = 'n', long, default_value_t = 256)]
     max_new_tokens: usize,
@@ -222,6 +234,10 @@ struct ShardArgs {
     /// Tokens per shard (llm.c: 10^8).
     #[arg(long, default_value_t = 100_000_000)]
     shard_size: usize,
+    /// Tokenize with this tokenizer.json (a file, a model directory, or hf:owner/name) instead of
+    /// GPT-2's; a vocabulary past 16 bits writes uint32 shards (llm.c's llama3 format).
+    #[arg(long)]
+    tokenizer: Option<String>,
 }
 
 thread_local! {
@@ -457,9 +473,10 @@ fn run_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
         (None, Some(m)) => m,
         (None, None) => bail!("give a model with -e or --hf"),
     };
-    let mut model = llmrs::model::GPT2::new(llmrs::source::load_any(&spec, 0)?, device)?;
-    let tok = llmrs::tokenizer::Tokenizer::gpt2()?;
-    let prompt = if a.prompt.is_empty() { vec![tok.eot] } else { tok.encode(&a.prompt)? };
+    let mut model = llmrs::model::Model::new(llmrs::source::load_any(&spec, 0)?, device)?;
+    let tok = llmrs::tokenizer::Tokenizer::choose(a.tokenizer.as_deref(), Some(&spec))?;
+    tok.check_fits(model.config.vocab_size)?;
+    let prompt = if a.prompt.is_empty() { vec![tok.doc_start] } else { tok.encode(&a.prompt)? };
     let g = GenConfig {
         max_new_tokens: a.max_new_tokens,
         sampler: SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
@@ -617,18 +634,19 @@ fn run_command(cli: Cli, comm: Box<dyn llmrs::backend::comm::Collectives>) -> Re
             eprintln!("wrote {} and {}", png.display(), svg.display());
             Ok(())
         }
-        Some(Cmd::Eval(EvalCmd::Hellaswag { model, hf, data, limit })) => {
+        Some(Cmd::Eval(EvalCmd::Hellaswag { model, hf, data, limit, tokenizer })) => {
             let spec = match (hf, model) {
                 (Some(h), _) => format!("hf:{h}"),
                 (None, Some(m)) => m,
                 (None, None) => bail!("give a model with -e or --hf"),
             };
-            let mut model = llmrs::model::GPT2::new(llmrs::source::load_any(&spec, 42)?, device)?;
+            let mut model = llmrs::model::Model::new(llmrs::source::load_any(&spec, 42)?, device)?;
             let data = match data {
                 Some(d) => d,
                 None => llmrs::train::default_hellaswag_path()?,
             };
-            let tok = llmrs::tokenizer::Tokenizer::gpt2()?;
+            let tok = llmrs::tokenizer::Tokenizer::choose(tokenizer.as_deref(), Some(&spec))?;
+            tok.check_fits(model.config.vocab_size)?;
             let mut ex = llmrs::hellaswag::load(&data, &tok)?;
             if let Some(n) = limit {
                 ex.truncate(n);
@@ -689,7 +707,8 @@ fn run_command(cli: Cli, comm: Box<dyn llmrs::backend::comm::Collectives>) -> Re
             } else {
                 files
             };
-            llmrs::corpus::prepare_corpus(&files, &out, name, shards.shard_size).map(|_| ())
+            let tok = llmrs::tokenizer::Tokenizer::choose(shards.tokenizer.as_deref(), None)?;
+            llmrs::corpus::prepare_corpus_with(&files, &out, name, shards.shard_size, &tok).map(|_| ())
         }
         Some(Cmd::Prepare(PrepareCmd::Tinystories { files, out, shards })) => {
             let files = if files.is_empty() {
@@ -707,16 +726,19 @@ fn run_command(cli: Cli, comm: Box<dyn llmrs::backend::comm::Collectives>) -> Re
             } else {
                 files
             };
-            llmrs::corpus::prepare_corpus(&files, &out, "TinyStories", shards.shard_size).map(|_| ())
+            let tok = llmrs::tokenizer::Tokenizer::choose(shards.tokenizer.as_deref(), None)?;
+            llmrs::corpus::prepare_corpus_with(&files, &out, "TinyStories", shards.shard_size, &tok).map(|_| ())
         }
         Some(Cmd::Prepare(PrepareCmd::Docs { files, name, out, shards })) => {
-            llmrs::corpus::prepare_corpus(&files, &out, &name, shards.shard_size).map(|_| ())
+            let tok = llmrs::tokenizer::Tokenizer::choose(shards.tokenizer.as_deref(), None)?;
+            llmrs::corpus::prepare_corpus_with(&files, &out, &name, shards.shard_size, &tok).map(|_| ())
         }
-        Some(Cmd::Prepare(PrepareCmd::Text { files, out, val_tokens })) => {
+        Some(Cmd::Prepare(PrepareCmd::Text { files, out, val_tokens, tokenizer })) => {
+            let tok = llmrs::tokenizer::Tokenizer::choose(tokenizer.as_deref(), None)?;
             if files.is_empty() {
                 bail!("give one or more UTF-8 text files");
             }
-            prepare_text(&files, &out, val_tokens).map(|_| ())
+            llmrs::prepare::prepare_text_with(&files, &out, val_tokens, &tok).map(|_| ())
         }
     }
 }

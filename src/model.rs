@@ -1,26 +1,20 @@
-//! GPT-2: the forward, backward and update passes as llm.c's list of layer calls, on whatever
-//! backend was chosen at start-up. No autograd: every layer's backward is called by hand, in
-//! reverse. The model knows buffers only as [`Buf`] handles; the rest of the crate reaches
+//! A model of any family ([`crate::models`]): the forward, backward and update passes as
+//! llm.c's list of layer calls, on whatever backend was chosen at start-up. No autograd: every
+//! layer's backward is called by hand, in reverse. The family supplies its block's calls; the
+//! passes, ZeRO placement and the KV cache are the same for all. The model knows buffers only
+//! as [`Buf`] handles; the rest of the crate reaches
 //! parameters, gradients, optimizer state, losses and logits through the methods at the end
 //! (host copies of named tensors, the step's loss, one position's logits).
 
-use crate::acts::{Acts, BackActs, BlockActs, KvCache};
+use crate::acts::{Acts, KvCache};
 use crate::backend::comm::{read_host, Collectives, Reduce, SingleProcess};
 use crate::backend::{self, AdamWParams, Backend, Buf, DType, Device, SkipAbove};
-use crate::config::GPT2Config;
+use crate::config::ModelConfig;
+use crate::models::{self, t, Attn, Consts, NormActs};
 use crate::optim::OptimConfig;
-use crate::params::{Block, ParamLayout, Tensor, Weights};
-use crate::zero::{Piece, Sharding, EMBED};
+use crate::params::{Block, Outer, ParamLayout, Tensor, Weights, OUTER};
+use crate::zero::{Piece, Sharding};
 use anyhow::{bail, Context, Result};
-
-/// Charge a layer call to its kind in `llmrs bench`'s profile.
-macro_rules! t {
-    ($be:expr, $kind:ident, $e:expr) => {{
-        $be.profile_begin(crate::profile::Kind::$kind);
-        $e;
-        $be.profile_end();
-    }};
-}
 
 /// Which of the model's flat buffers (all in the parameter layout) a host copy is of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,15 +43,15 @@ pub struct StepStats {
 #[derive(Clone, Copy, Debug)]
 struct TrainBufs {
     grads: Buf,
-    /// ZeRO-2/3: backward's gradients of the embedding tensors (wte, wpe, lnf) and of one block
-    /// before they are reduce-scattered into `grads`.
+    /// ZeRO-2/3: backward's gradients of the tensors outside the blocks (wte, wpe, the head, the
+    /// final norm) and of one block before they are reduce-scattered into `grads`.
     buckets: Option<(Buf, Buf)>,
     m: Buf,
     v: Buf,
 }
 
 /// ZeRO-3: the full parameters gathered for the current pass, in one allocation: the
-/// embedding tensors (wte, wpe, lnf), then one block.
+/// tensors outside the blocks, then one block.
 #[derive(Clone, Copy, Debug)]
 struct Gathered {
     whole: Buf,
@@ -99,8 +93,8 @@ struct Last {
     backward_ready: bool,
 }
 
-pub struct GPT2 {
-    pub config: GPT2Config,
+pub struct Model {
+    pub config: ModelConfig,
     layout: ParamLayout,
     be: Box<dyn Backend>,
     comm: Box<dyn Collectives>,
@@ -114,146 +108,18 @@ pub struct GPT2 {
     /// Flags that the ranks agree on (checkpoint checks).
     flags: Buf, // (2)
     train: Option<TrainBufs>,
+    /// What the family computes once (Llama's rotary table), and its allocation.
+    consts: Consts,
+    consts_buf: Option<Buf>,
     acts: Option<Acts>,
     last: Last,
-    /// Set by [`GPT2::zero_grad`]: the next backward overwrites the GEMM-produced gradients.
+    /// Set by [`Model::zero_grad`]: the next backward overwrites the GEMM-produced gradients.
     grads_overwrite: bool,
     /// The limits of the last update, for step_stats to tell whether it was skipped.
     skip: SkipAbove,
 }
 
-/// How a block's attention sees its positions.
-#[derive(Clone, Copy)]
-enum Attn {
-    /// B whole sequences of T positions (training and evaluation).
-    Causal { b: usize, t: usize },
-    /// New positions of one sequence after `pos` cached ones; k and v (cap, C) hold the cache.
-    Cached { k: Buf, v: Buf, pos: usize, cap: usize },
-}
-
-/// One transformer block over N positions: residual2 = res_in + attn_proj(attention(qkv(ln1(res_in)))),
-/// residual3 = residual2 + fc_proj(gelu(fc(ln2(residual2)))). The training forward pass and the
-/// KV-cached inference pass both run this.
-fn block_forward(be: &mut dyn Backend, cfg: &GPT2Config, w: &Block<Buf>, x: &BlockActs, n: usize, attn: Attn) {
-    let (c, nh) = (cfg.channels, cfg.num_heads);
-    t!(be, LayerNorm, be.layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.res_in, w.ln1_w, w.ln1_b, n, c));
-    t!(be, Matmul, be.matmul_forward(x.qkv, x.ln1, w.qkv_w, Some(w.qkv_b), n, c, 3 * c));
-    match attn {
-        Attn::Causal { b, t } => {
-            t!(be, Attention, be.attention_forward(x.atty, x.att, x.scratch, x.qkv, b, t, c, nh))
-        }
-        Attn::Cached { k, v, pos, cap } => {
-            t!(be, Attention, be.attention_forward_cached(x.atty, x.att, x.scratch, x.qkv, k, v, pos, n, c, nh, cap))
-        }
-    }
-    t!(be, Matmul, be.matmul_forward(x.scratch, x.atty, w.attn_proj_w, Some(w.attn_proj_b), n, c, c));
-    t!(be, Residual, be.residual_forward(x.residual2, x.res_in, x.scratch));
-    t!(be, LayerNorm, be.layernorm_forward(x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2_w, w.ln2_b, n, c));
-    t!(be, Matmul, be.matmul_forward(x.fch, x.ln2, w.fc_w, Some(w.fc_b), n, c, 4 * c));
-    t!(be, Gelu, be.gelu_forward(x.fch_gelu, x.fch));
-    t!(be, Matmul, be.matmul_forward(x.scratch, x.fch_gelu, w.fc_proj_w, Some(w.fc_proj_b), n, 4 * c, c));
-    t!(be, Residual, be.residual_forward(x.residual3, x.residual2, x.scratch));
-}
-
-/// Backward of [`block_forward`] (training): d.dresidual holds d(residual3) on entry and
-/// d(res_in) on return; parameter gradients go to `dw` (added to, or overwritten when not `acc`).
-#[allow(clippy::too_many_arguments)]
-fn block_backward(
-    be: &mut dyn Backend,
-    cfg: &GPT2Config,
-    w: &Block<Buf>,
-    dw: &Block<Buf>,
-    x: &BlockActs,
-    d: &BackActs,
-    (b, t): (usize, usize),
-    acc: bool,
-) {
-    let (c, nh, n) = (cfg.channels, cfg.num_heads, b * t);
-    // MLP branch.
-    t!(
-        be,
-        Matmul,
-        be.matmul_backward(
-            Some(d.dfch),
-            dw.fc_proj_w,
-            Some(dw.fc_proj_b),
-            d.dresidual,
-            x.fch_gelu,
-            w.fc_proj_w,
-            n,
-            4 * c,
-            c,
-            acc
-        )
-    );
-    t!(be, Gelu, be.gelu_backward(d.dfch, x.fch));
-    t!(
-        be,
-        Matmul,
-        be.matmul_backward(Some(x.scratch), dw.fc_w, Some(dw.fc_b), d.dfch, x.ln2, w.fc_w, n, c, 4 * c, acc)
-    );
-    t!(
-        be,
-        LayerNorm,
-        be.layernorm_backward(
-            d.dresidual,
-            dw.ln2_w,
-            dw.ln2_b,
-            x.scratch,
-            x.residual2,
-            w.ln2_w,
-            x.ln2_mean,
-            x.ln2_rstd,
-            n,
-            c
-        )
-    );
-    // Attention branch; dfch is free again and serves as the attention workspace.
-    t!(
-        be,
-        Matmul,
-        be.matmul_backward(
-            Some(x.scratch),
-            dw.attn_proj_w,
-            Some(dw.attn_proj_b),
-            d.dresidual,
-            x.atty,
-            w.attn_proj_w,
-            n,
-            c,
-            c,
-            acc
-        )
-    );
-    t!(
-        be,
-        Attention,
-        be.attention_backward(d.dqkv, d.datt, d.dfch.prefix(n * 3 * c), x.scratch, x.qkv, x.att, b, t, c, nh)
-    );
-    t!(
-        be,
-        Matmul,
-        be.matmul_backward(Some(x.scratch), dw.qkv_w, Some(dw.qkv_b), d.dqkv, x.ln1, w.qkv_w, n, c, 3 * c, acc)
-    );
-    t!(
-        be,
-        LayerNorm,
-        be.layernorm_backward(
-            d.dresidual,
-            dw.ln1_w,
-            dw.ln1_b,
-            x.scratch,
-            x.res_in,
-            w.ln1_w,
-            x.ln1_mean,
-            x.ln1_rstd,
-            n,
-            c
-        )
-    );
-}
-
-impl GPT2 {
+impl Model {
     /// The model with these weights on `device`, as a single process.
     pub fn new(weights: Weights, device: Device) -> Result<Self> {
         Self::with_collectives(weights, backend::open(device)?, Box::new(SingleProcess), 0)
@@ -287,7 +153,15 @@ impl GPT2 {
         be.fill(stats, 0.0);
         let flags = be.alloc(2, DType::F32)?;
         be.fill(flags, 0.0);
-        Ok(GPT2 {
+        let consts_buf = match models::host_consts(&config) {
+            Some(h) => {
+                let b = be.alloc(h.len(), DType::F32)?;
+                be.upload(b, &h);
+                Some(b)
+            }
+            None => None,
+        };
+        Ok(Model {
             config,
             layout,
             be,
@@ -299,6 +173,8 @@ impl GPT2 {
             stats,
             flags,
             train: None,
+            consts: Consts { rope: consts_buf },
+            consts_buf,
             acts: None,
             last: Last::default(),
             grads_overwrite: false,
@@ -307,7 +183,7 @@ impl GPT2 {
     }
 
     /// Forward pass over `inputs (b, t)`: logits (b, t, Vp), and with `targets (b, t)` the
-    /// per-position losses (see [`GPT2::accumulate_loss`], [`GPT2::backward`]). Under ZeRO-3
+    /// per-position losses (see [`Model::accumulate_loss`], [`Model::backward`]). Under ZeRO-3
     /// it gathers weights, a collective: every rank must make the same passes.
     pub fn forward(&mut self, inputs: &[u32], targets: Option<&[u32]>, b: usize, t: usize) -> Result<()> {
         let cfg = self.config;
@@ -315,24 +191,20 @@ impl GPT2 {
         check_tokens(&cfg, inputs, targets, b, t)?;
         self.reserve(b, t)?;
         let a = self.acts.context("no activations")?;
-        let [wte, wpe, lnf_w, lnf_b] = self.embed_weights()?;
-        let be = &mut *self.be;
+        let o = self.outer_weights()?;
         let (inp, tgt) = a.tokens(n);
-        be.upload_u32(inp, inputs);
-        t!(be, Encoder, be.encoder_forward(a.encoded.prefix(n * c), inp, wte, wpe, b, t, c));
+        self.be.upload_u32(inp, inputs);
+        models::embed(&mut *self.be, &cfg, &o, a.encoded.prefix(n * c), inp, b, t, 0);
         for l in 0..cfg.num_layers {
             let w = self.block_weights(l)?;
-            block_forward(&mut *self.be, &cfg, &w, &a.layer(&cfg, l, b, t), n, Attn::Causal { b, t });
+            let x = a.layer(&cfg, l, b, t);
+            models::block_forward(&mut *self.be, &cfg, &self.consts, &w, &x, n, Attn::Causal { b, t });
         }
         let be = &mut *self.be;
-        let (lnf, logits) = (a.lnf.prefix(n * c), a.logits.prefix(n * vp));
-        let last = a.layer(&cfg, cfg.num_layers - 1, b, t).residual3;
-        t!(
-            be,
-            LayerNorm,
-            be.layernorm_forward(lnf, a.lnf_mean.prefix(n), a.lnf_rstd.prefix(n), last, lnf_w, lnf_b, n, c)
-        );
-        t!(be, Classifier, be.matmul_forward(logits, lnf, wte, None, n, c, vp));
+        let norm = NormActs { out: a.lnf.prefix(n * c), mean: a.lnf_mean.prefix(n), rstd: a.lnf_rstd.prefix(n) };
+        let logits = a.logits.prefix(n * vp);
+        models::final_norm(be, &cfg, &o, &norm, a.layer(&cfg, cfg.num_layers - 1, b, t).residual3, n);
+        t!(be, Classifier, be.matmul_forward(logits, norm.out, models::head(&cfg, &o), None, n, c, vp));
         if let Some(y) = targets {
             be.upload_u32(tgt, y);
             t!(be, Classifier, be.crossentropy_forward(a.losses.prefix(n), a.lse.prefix(n), logits, tgt, n, v, vp));
@@ -343,7 +215,7 @@ impl GPT2 {
 
     /// Backward pass of the last forward (which must have had targets), for the objective
     /// `loss_scale * mean loss` (gradient accumulation over k micro-batches passes 1/k). Adds
-    /// to the gradients (see [`GPT2::zero_grad`]) and that objective to the step's loss.
+    /// to the gradients (see [`Model::zero_grad`]) and that objective to the step's loss.
     /// Overwrites the logits with their gradient. Under ZeRO-2/3 each block's gradients are
     /// reduce-scattered into this rank's shard as soon as the block is done.
     pub fn backward(&mut self, loss_scale: f32) -> Result<()> {
@@ -356,32 +228,28 @@ impl GPT2 {
         self.last = Last { logits: false, backward_ready: false, ..self.last };
         let acc = !std::mem::take(&mut self.grads_overwrite) && self.zero.stage < 2;
         let a = self.acts.context("no activations")?;
-        let [wte, _, lnf_w, _] = self.embed_weights()?;
-        let [dwte, dwpe, dlnf_w, dlnf_b] = self.embed_grads();
+        let o = self.outer_weights()?;
+        let d_o = self.outer_grads();
         let (be, n) = (&mut *self.be, b * t);
         let (inp, tgt) = a.tokens(n);
-        let (logits, lse, lnf, scratch) =
-            (a.logits.prefix(n * vp), a.lse.prefix(n), a.lnf.prefix(n * c), a.scratch.prefix(n * c));
+        let (logits, lse, scratch) = (a.logits.prefix(n * vp), a.lse.prefix(n), a.scratch.prefix(n * c));
+        let norm = NormActs { out: a.lnf.prefix(n * c), mean: a.lnf_mean.prefix(n), rstd: a.lnf_rstd.prefix(n) };
         let d = a.back(&cfg, b, t);
         be.accumulate_mean(self.stats.prefix(1), a.losses.prefix(n), loss_scale);
         t!(be, Classifier, be.crossentropy_backward(logits, lse, tgt, loss_scale / n as f32, n, v, vp));
-        t!(be, Classifier, be.matmul_backward(Some(scratch), dwte, None, logits, lnf, wte, n, c, vp, acc));
+        let (head, dhead) = (models::head(&cfg, &o), models::head(&cfg, &d_o));
+        t!(be, Classifier, be.matmul_backward(Some(scratch), dhead, None, logits, norm.out, head, n, c, vp, acc));
         be.fill(d.dresidual, 0.0);
         let last = a.layer(&cfg, nl - 1, b, t).residual3;
-        let (lnf_mean, lnf_rstd) = (a.lnf_mean.prefix(n), a.lnf_rstd.prefix(n));
-        t!(
-            be,
-            LayerNorm,
-            be.layernorm_backward(d.dresidual, dlnf_w, dlnf_b, scratch, last, lnf_w, lnf_mean, lnf_rstd, n, c)
-        );
+        models::final_norm_backward(be, &cfg, &o, &d_o, &norm, d.dresidual, scratch, last, n);
         for l in (0..nl).rev() {
             let (w, dw) = (self.block_weights(l)?, self.block_grads(l));
-            block_backward(&mut *self.be, &cfg, &w, &dw, &a.layer(&cfg, l, b, t), &d, (b, t), acc);
+            let x = a.layer(&cfg, l, b, t);
+            models::block_backward(&mut *self.be, &cfg, &self.consts, &w, &dw, &x, &d, (b, t), acc);
             self.reduce_grads(&Tensor::BLOCK, l)?;
         }
-        let be = &mut *self.be;
-        t!(be, Encoder, be.encoder_backward(dwte, dwpe, d.dresidual, inp, b, t, c));
-        self.reduce_grads(&EMBED, 0)
+        models::embed_backward(&mut *self.be, &cfg, &d_o, d.dresidual, inp, b, t);
+        self.reduce_grads(&OUTER, 0)
     }
 
     /// Start a step: the step's loss to 0, and a new gradient. Like PyTorch's
@@ -395,7 +263,8 @@ impl GPT2 {
         if self.zero.stage >= 2 {
             self.be.fill(tr.grads, 0.0);
         } else {
-            for t in Tensor::ALL.into_iter().filter(|t| !t.written_whole_by_backward()) {
+            let cleared = crate::params::tensors(&self.config).into_iter();
+            for t in cleared.filter(|t| !t.written_whole_by_backward(&self.config)) {
                 self.be.fill(tr.grads.slice(self.layout.range(t)), 0.0);
             }
         }
@@ -409,7 +278,7 @@ impl GPT2 {
     /// tensor (weight decay on the 2-D weights): to everything (stage 0), or to this rank's
     /// parts, which are then all-gathered (stages 1-2) or stay sharded (stage 3). A step whose
     /// loss or norm is not finite, or above `skip`, leaves the model unchanged
-    /// ([`Backend::adamw_update`]); [`GPT2::step_stats`] tells.
+    /// ([`Backend::adamw_update`]); [`Model::step_stats`] tells.
     pub fn update(&mut self, o: &OptimConfig, lr: f32, step: usize, skip: SkipAbove) -> Result<()> {
         let tr = self.train.context("update needs training state: call alloc_training_state first")?;
         self.skip = skip;
@@ -439,13 +308,13 @@ impl GPT2 {
             beta1: o.beta1,
             beta2: o.beta2,
             eps: o.eps,
-            weight_decay: if x.weight_decay() { o.weight_decay } else { 0.0 },
+            weight_decay: if x.weight_decay(&self.config) { o.weight_decay } else { 0.0 },
             grad_clip: o.grad_clip,
             t: step as i32 + 1,
             skip,
         };
         if stage == 0 {
-            for x in Tensor::ALL {
+            for x in crate::params::tensors(&self.config) {
                 let r = self.layout.range(x);
                 let (p, g, m, v) =
                     (params.slice(r.clone()), tr.grads.slice(r.clone()), tr.m.slice(r.clone()), tr.v.slice(r));
@@ -471,21 +340,21 @@ impl GPT2 {
 
     // ---- where parameters and gradients are for a pass (ZeRO) ------------------------------
 
-    /// [wte, wpe, lnf_w, lnf_b] for this pass: views of the parameters, or under ZeRO-3
+    /// The tensors outside the blocks for this pass: views of the parameters, or under ZeRO-3
     /// gathered from every rank's shard (once per update).
-    fn embed_weights(&mut self) -> Result<[Buf; 4]> {
-        let Some(mut g) = self.gathered else { return Ok(EMBED.map(|x| self.params.slice(self.layout.range(x)))) };
+    fn outer_weights(&mut self) -> Result<Outer<Buf>> {
+        let Some(mut g) = self.gathered else { return Ok(self.layout.outer().map(|r| self.params.slice(r))) };
         let (ranges, _) = self.zero.embed_bucket();
         let views = ranges.map(|r| g.embed.slice(r));
         if !g.embed_valid {
-            for (x, dst) in EMBED.into_iter().zip(views) {
+            for (x, dst) in OUTER.into_iter().zip(views).filter(|(_, d)| d.len > 0) {
                 let src = self.params.slice(self.zero.piece(x, 0).shard);
                 self.comm.all_gather(&mut *self.be, src, dst)?;
             }
             g.embed_valid = true;
             self.gathered = Some(g);
         }
-        Ok(views)
+        Ok(Outer::from_array(views))
     }
 
     /// Block `l`'s weights: views of the parameters, or under ZeRO-3 gathered just before use
@@ -494,7 +363,7 @@ impl GPT2 {
         let Some(mut g) = self.gathered else { return Ok(self.layout.block(l).map(|r| self.params.slice(r))) };
         let views = self.zero.block_bucket().0.map(|r| g.block.slice(r));
         if g.block_held != Some(l) {
-            for x in Tensor::BLOCK {
+            for x in Tensor::BLOCK.into_iter().filter(|&x| views.get(x).len > 0) {
                 let src = self.params.slice(self.zero.piece(x, l).shard);
                 self.comm.all_gather(&mut *self.be, src, views.get(x))?;
             }
@@ -512,23 +381,28 @@ impl GPT2 {
         }
     }
 
-    /// Where backward writes the gradients of [wte, wpe, lnf_w, lnf_b]: the gradient buffer,
-    /// or under ZeRO-2/3 the embedding bucket, whose tensors that backward adds to are zeroed.
-    fn embed_grads(&mut self) -> [Buf; 4] {
+    /// Where backward writes the gradients of the tensors outside the blocks: the gradient
+    /// buffer, or under ZeRO-2/3 the embedding bucket, whose tensors that backward adds to
+    /// are zeroed.
+    fn outer_grads(&mut self) -> Outer<Buf> {
         let tr = self.train.expect("checked by the caller");
-        let Some((bucket, _)) = tr.buckets else { return EMBED.map(|x| tr.grads.slice(self.layout.range(x))) };
+        let Some((bucket, _)) = tr.buckets else { return self.layout.outer().map(|r| tr.grads.slice(r)) };
         let views = self.zero.embed_bucket().0.map(|r| bucket.slice(r));
-        views[1..].iter().for_each(|&b| self.be.fill(b, 0.0)); // wte is overwritten by the LM head's GEMM
-        views
+        for (x, b) in OUTER.into_iter().zip(views) {
+            if !x.written_whole_by_backward(&self.config) {
+                self.be.fill(b, 0.0);
+            }
+        }
+        Outer::from_array(views)
     }
 
     /// Where backward writes block `l`'s gradients: the gradient buffer, or under ZeRO-2/3 the
-    /// block bucket, with the layernorm gradients (which backward adds to) zeroed.
+    /// block bucket, with the gradients that backward adds to (the norms') zeroed.
     fn block_grads(&mut self, l: usize) -> Block<Buf> {
         let tr = self.train.expect("checked by the caller");
         let Some((_, bucket)) = tr.buckets else { return self.layout.block(l).map(|r| tr.grads.slice(r)) };
         let views = self.zero.block_bucket().0.map(|r| bucket.slice(r));
-        for x in [Tensor::Ln1W, Tensor::Ln1B, Tensor::Ln2W, Tensor::Ln2B] {
+        for x in Tensor::BLOCK.into_iter().filter(|x| !x.written_whole_by_backward(&self.config)) {
             self.be.fill(views.get(x), 0.0);
         }
         views
@@ -540,8 +414,8 @@ impl GPT2 {
         let tr = self.train.expect("checked by the caller");
         let Some((embed, block)) = tr.buckets else { return Ok(()) };
         let (er, br) = (self.zero.embed_bucket().0, self.zero.block_bucket().0);
-        for &x in tensors {
-            let src = match EMBED.iter().position(|&e| e == x) {
+        for &x in tensors.iter().filter(|x| x.numel(&self.config) > 0) {
+            let src = match OUTER.iter().position(|&e| e == x) {
                 Some(i) => embed.slice(er[i].clone()),
                 None => block.slice(br.get(x)),
             };
@@ -605,6 +479,7 @@ impl GPT2 {
         if let Some(g) = self.gathered {
             m.buffers += bytes(g.whole);
         }
+        m.buffers += self.consts_buf.map_or(0, bytes);
         if let Some(tr) = self.train {
             m.grads = bytes(tr.grads);
             m.adamw = bytes(tr.m) + bytes(tr.v);
@@ -652,7 +527,7 @@ impl GPT2 {
         let (cb, ct) = self.acts.map_or((b, t), |a| (a.cap_b.max(b), a.cap_t.max(t)));
         // A bound on every activation size Acts computes, so that none of them overflows.
         let cfg = &self.config;
-        let wide = (4 * cfg.channels).max(cfg.padded_vocab_size);
+        let wide = (2 * cfg.fc_dim() + cfg.qkv_dim() * 2).max(cfg.padded_vocab_size);
         let per_position = ct.checked_mul(cfg.num_heads).and_then(|x| x.checked_add(wide));
         let per_position = per_position.and_then(|x| x.checked_mul(16 * (cfg.num_layers + 2)));
         if per_position.and_then(|p| cb.checked_mul(ct)?.checked_mul(p)).is_none() {
@@ -669,7 +544,7 @@ impl GPT2 {
     // ---- KV-cached inference --------------------------------------------------------------
 
     /// A KV cache for one sequence of up to `positions` tokens (at most maxT), fed at most
-    /// `chunk` tokens per call. Release it with [`GPT2::free_kv_cache`] when done.
+    /// `chunk` tokens per call. Release it with [`Model::free_kv_cache`] when done.
     pub fn kv_cache(&mut self, positions: usize, chunk: usize) -> Result<KvCache> {
         let max_t = self.config.max_seq_len;
         if positions == 0 || positions > max_t || chunk == 0 {
@@ -684,7 +559,7 @@ impl GPT2 {
     }
 
     /// Feed `tokens` after the cached positions (in chunks); returns the first V logits of the
-    /// last one, read to the host once. Under ZeRO-3 a collective, as [`GPT2::forward`].
+    /// last one, read to the host once. Under ZeRO-3 a collective, as [`Model::forward`].
     pub fn forward_cached<'a>(&mut self, cache: &'a mut KvCache, tokens: &[u32]) -> Result<&'a [f32]> {
         let cfg = self.config;
         let (c, vp) = (cfg.channels, cfg.padded_vocab_size);
@@ -701,27 +576,27 @@ impl GPT2 {
         check_tokens(&cfg, tokens, None, 1, tokens.len())?;
         let mut tn = 0;
         for chunk in tokens.chunks(cache.chunk) {
-            let [wte, wpe, _, _] = self.embed_weights()?;
-            let be = &mut *self.be;
+            let o = self.outer_weights()?;
             let pos = cache.pos;
             tn = chunk.len();
             let ids = cache.tokens.prefix(tn);
-            be.upload_u32(ids, chunk);
-            let wpe = wpe.slice(pos * c..(pos + tn) * c); // positions pos..pos+tn
-            t!(be, Encoder, be.encoder_forward(cache.x.res_in.prefix(tn * c), ids, wte, wpe, 1, tn, c));
+            self.be.upload_u32(ids, chunk);
+            models::embed(&mut *self.be, &cfg, &o, cache.x.res_in.prefix(tn * c), ids, 1, tn, pos);
             for l in 0..cfg.num_layers {
                 let w = self.block_weights(l)?;
                 let (x, k, v) = cache.layer(&cfg, l, tn);
-                block_forward(&mut *self.be, &cfg, &w, &x, tn, Attn::Cached { k, v, pos, cap: cache.capacity });
+                let attn = Attn::Cached { k, v, pos, cap: cache.capacity };
+                models::block_forward(&mut *self.be, &cfg, &self.consts, &w, &x, tn, attn);
             }
             cache.pos += tn;
         }
         // Only the last position's logits are needed.
         let last = cache.x.residual3.slice((tn - 1) * c..tn * c);
-        let [wte, _, lnf_w, lnf_b] = self.embed_weights()?;
+        let o = self.outer_weights()?;
         let be = &mut *self.be;
-        t!(be, LayerNorm, be.layernorm_forward(cache.lnf, cache.lnf_mean, cache.lnf_rstd, last, lnf_w, lnf_b, 1, c));
-        t!(be, Classifier, be.matmul_forward(cache.logits, cache.lnf, wte, None, 1, c, vp));
+        let norm = NormActs { out: cache.lnf, mean: cache.lnf_mean, rstd: cache.lnf_rstd };
+        models::final_norm(be, &cfg, &o, &norm, last, 1);
+        t!(be, Classifier, be.matmul_forward(cache.logits, cache.lnf, models::head(&cfg, &o), None, 1, c, vp));
         be.download(cache.logits.prefix(cfg.vocab_size), &mut cache.host_logits)?;
         Ok(&cache.host_logits)
     }
@@ -764,7 +639,7 @@ impl GPT2 {
         Ok(out)
     }
 
-    /// A host copy of a whole slot as this rank holds it ([`GPT2::slot_len`]: llm.c order, or
+    /// A host copy of a whole slot as this rank holds it ([`Model::slot_len`]: llm.c order, or
     /// the shard layout of [`crate::zero`]). The parameters come whole: under ZeRO-3 they are
     /// gathered, a collective that every rank must call.
     pub fn read_all(&mut self, slot: Slot) -> Result<Vec<f32>> {
@@ -793,7 +668,7 @@ impl GPT2 {
         Ok(out)
     }
 
-    /// Overwrite a whole slot from the host, in the layout [`GPT2::read_all`] gives. Under
+    /// Overwrite a whole slot from the host, in the layout [`Model::read_all`] gives. Under
     /// ZeRO-3 each rank keeps its part of the parameters.
     pub fn write_all(&mut self, slot: Slot, data: &[f32]) -> Result<()> {
         let b = self.slot(slot)?;
@@ -839,7 +714,7 @@ impl GPT2 {
         Ok(Weights { config: self.config, layout: self.layout.clone(), data: self.read_all(Slot::Params)? })
     }
 
-    /// [`GPT2::weights`] on rank 0 only (None elsewhere): every rank calls it, only rank 0
+    /// [`Model::weights`] on rank 0 only (None elsewhere): every rank calls it, only rank 0
     /// holds a host copy (the checkpoint's model file).
     pub fn weights_on_rank0(&mut self) -> Result<Option<Weights>> {
         let rank0 = self.comm.rank() == 0;
@@ -911,7 +786,7 @@ impl GPT2 {
         Ok(s[0])
     }
 
-    /// [`GPT2::take_loss`] of the accumulator averaged over the ranks (validation, where each
+    /// [`Model::take_loss`] of the accumulator averaged over the ranks (validation, where each
     /// rank evaluates its part of every batch).
     pub fn take_mean_loss(&mut self) -> Result<f32> {
         self.comm.all_reduce(&mut *self.be, self.stats.prefix(1), Reduce::Mean)?;
@@ -943,7 +818,7 @@ impl GPT2 {
 }
 
 /// Shapes and token ids of a batch, checked on the host before anything reaches the device.
-fn check_tokens(cfg: &GPT2Config, inputs: &[u32], targets: Option<&[u32]>, b: usize, t: usize) -> Result<()> {
+fn check_tokens(cfg: &ModelConfig, inputs: &[u32], targets: Option<&[u32]>, b: usize, t: usize) -> Result<()> {
     let (v, n) = (cfg.vocab_size, b * t);
     if b == 0 || t == 0 || t > cfg.max_seq_len {
         bail!("sequence length {t} must be between 1 and the model's max_seq_len {} (and B > 0)", cfg.max_seq_len);
@@ -961,8 +836,8 @@ fn check_tokens(cfg: &GPT2Config, inputs: &[u32], targets: Option<&[u32]>, b: us
 mod tests {
     use super::*;
 
-    fn model(desc: &str, seed: u32) -> GPT2 {
-        GPT2::new(Weights::random(GPT2Config::from_descriptor(desc).unwrap(), seed).unwrap(), Device::Cpu).unwrap()
+    fn model(desc: &str, seed: u32) -> Model {
+        Model::new(Weights::random(ModelConfig::from_descriptor(desc).unwrap(), seed).unwrap(), Device::Cpu).unwrap()
     }
 
     /// zero_grad leaves stale values in the tensors the next backward overwrites; the gradients
@@ -992,12 +867,12 @@ mod tests {
 
     #[test]
     fn cached_logits_match_the_full_forward_pass() {
-        let cfg = GPT2Config {
+        let cfg = ModelConfig {
             vocab_size: 101,
             padded_vocab_size: 128,
-            ..GPT2Config::from_descriptor("2x24:3:600").unwrap()
+            ..ModelConfig::from_descriptor("2x24:3:600").unwrap()
         };
-        let mut m = GPT2::new(Weights::random(cfg, 11).unwrap(), Device::Cpu).unwrap();
+        let mut m = Model::new(Weights::random(cfg, 11).unwrap(), Device::Cpu).unwrap();
         // 540 tokens: 530 in chunks of 256 (two whole and one partial), then single tokens.
         let toks: Vec<u32> = (0..540).map(|i| (i * 37 % 101) as u32).collect();
         let mut cache = m.kv_cache(540, 256).unwrap();

@@ -1,7 +1,7 @@
 //! The optimizer step as llm.c's training loop does it: global-norm clipping, then AdamW.
 
 use crate::backend::SkipAbove;
-use crate::model::{StepStats, GPT2};
+use crate::model::{Model, StepStats};
 use anyhow::Result;
 
 /// Optimizer hyperparameters (defaults are llm.c train_gpt2.cu's).
@@ -22,7 +22,7 @@ impl Default for OptimConfig {
 
 /// Clip (if the global norm exceeds `grad_clip`) and apply AdamW for 0-based `step`, then read
 /// the step's loss and the gradient norm before clipping.
-pub fn optimizer_step(model: &mut GPT2, o: &OptimConfig, lr: f32, step: usize) -> Result<StepStats> {
+pub fn optimizer_step(model: &mut Model, o: &OptimConfig, lr: f32, step: usize) -> Result<StepStats> {
     model.update(o, lr, step, SkipAbove::NON_FINITE)?;
     model.step_stats()
 }

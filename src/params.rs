@@ -1,44 +1,49 @@
-//! llm.c's 16 parameter tensors by name, where each lives in the one flat parameter buffer, and
-//! a model's weights in host memory.
+//! The parameter tensors by name, where each lives in the one flat parameter buffer, and a
+//! model's weights in host memory.
 //!
 //! All parameters (and, with the same layout, their gradients and the AdamW moments) live in one
-//! buffer in llm.c's order, so the optimizer, checkpoints and collectives work on one flat
-//! buffer. Code reaches a tensor by name, `layout.layer(Tensor::QkvW, l)` or
+//! buffer, tensor after tensor in [`Tensor::ALL`]'s order (llm.c's file order for GPT-2 and for
+//! Llama), so the optimizer, checkpoints and collectives work on one flat buffer. Which tensors
+//! a model has and their shapes are its family's ([`crate::models`]); a tensor the family does
+//! not have takes no space. Code reaches a tensor by name, `layout.layer(Tensor::QkvW, l)` or
 //! `layout.block(l).qkv_w`, never by an offset computed at the call site. The parameter count
 //! is computed here and nowhere else ([`Tensor::numel`]).
 
-use crate::config::GPT2Config;
+use crate::config::ModelConfig;
 use crate::rng::Mt19937;
 use anyhow::Result;
 use std::ops::Range;
 
-/// llm.c's 16 parameter tensors, in file order. The per-layer ones are stacked over the L
-/// blocks, e.g. `QkvW` is (L, 3*C, C).
+/// Every parameter tensor of every family, in file order. The per-layer ones are stacked over
+/// the L blocks, e.g. `QkvW` is (L, QKV, C). Shapes are (out, in) for the weights of a
+/// projection; what each tensor holds in a family is described in [`crate::models`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Tensor {
-    Wte,      // (Vp, C)
-    Wpe,      // (maxT, C)
-    Ln1W,     // (L, C)
+    Wte,      // (Vp, C) token embedding (and the tied LM head)
+    Wpe,      // (maxT, C) GPT-2's learned positions
+    LmHead,   // (Vp, C) an untied LM head (Llama)
+    Ln1W,     // (L, C) the attention's norm
     Ln1B,     // (L, C)
-    QkvW,     // (L, 3*C, C)
-    QkvB,     // (L, 3*C)
+    QkvW,     // (L, QKV, C) q, k and v stacked
+    QkvB,     // (L, QKV)
     AttProjW, // (L, C, C)
     AttProjB, // (L, C)
-    Ln2W,     // (L, C)
+    Ln2W,     // (L, C) the MLP's norm
     Ln2B,     // (L, C)
-    FcW,      // (L, 4*C, C)
-    FcB,      // (L, 4*C)
-    FcProjW,  // (L, C, 4*C)
+    FcW,      // (L, F or 2F, C) GPT-2's fc; Llama's up and gate projections stacked
+    FcB,      // (L, F)
+    FcProjW,  // (L, C, F)
     FcProjB,  // (L, C)
-    LnfW,     // (C)
+    LnfW,     // (C) the final norm
     LnfB,     // (C)
 }
 
 impl Tensor {
-    /// All 16, in llm.c's file order.
-    pub const ALL: [Tensor; 16] = [
+    /// All of them, in file order.
+    pub const ALL: [Tensor; 17] = [
         Tensor::Wte,
         Tensor::Wpe,
+        Tensor::LmHead,
         Tensor::Ln1W,
         Tensor::Ln1B,
         Tensor::QkvW,
@@ -55,12 +60,13 @@ impl Tensor {
         Tensor::LnfB,
     ];
 
-    /// The twelve tensors of a block, in file order (those of [`Tensor::ALL`] between wpe and lnf).
+    /// The twelve tensors of a block, in file order (those of [`Tensor::ALL`] between the
+    /// embeddings and the final norm).
     pub const BLOCK: [Tensor; 12] = {
         let mut b = [Tensor::Wte; 12];
         let mut i = 0;
         while i < 12 {
-            b[i] = Tensor::ALL[i + 2];
+            b[i] = Tensor::ALL[i + 3];
             i += 1;
         }
         b
@@ -71,6 +77,7 @@ impl Tensor {
         match self {
             Tensor::Wte => "wte",
             Tensor::Wpe => "wpe",
+            Tensor::LmHead => "lmhead",
             Tensor::Ln1W => "ln1w",
             Tensor::Ln1B => "ln1b",
             Tensor::QkvW => "qkvw",
@@ -90,76 +97,61 @@ impl Tensor {
 
     /// True for the tensors stacked over the L blocks.
     pub fn per_layer(self) -> bool {
-        !matches!(self, Tensor::Wte | Tensor::Wpe | Tensor::LnfW | Tensor::LnfB)
+        Tensor::BLOCK.contains(&self)
     }
 
-    /// Shape of the tensor, per layer for the stacked ones (llm.c's (out, in) for weights).
-    pub fn shape(self, cfg: &GPT2Config) -> Vec<usize> {
-        let c = cfg.channels;
-        match self {
-            Tensor::Wte => vec![cfg.padded_vocab_size, c],
-            Tensor::Wpe => vec![cfg.max_seq_len, c],
-            Tensor::QkvW => vec![3 * c, c],
-            Tensor::QkvB => vec![3 * c],
-            Tensor::AttProjW => vec![c, c],
-            Tensor::FcW => vec![4 * c, c],
-            Tensor::FcB => vec![4 * c],
-            Tensor::FcProjW => vec![c, 4 * c],
-            Tensor::Ln1W | Tensor::Ln1B | Tensor::AttProjB | Tensor::Ln2W | Tensor::Ln2B | Tensor::FcProjB => vec![c],
-            Tensor::LnfW | Tensor::LnfB => vec![c],
-        }
+    /// Shape of the tensor in a model of `cfg`, per layer for the stacked ones; None when its
+    /// family does not have it.
+    pub fn shape(self, cfg: &ModelConfig) -> Option<Vec<usize>> {
+        crate::models::shape(cfg, self)
     }
 
-    /// Elements of one layer's tensor (of the whole tensor when it is not per layer).
-    pub fn numel_per_layer(self, cfg: &GPT2Config) -> usize {
-        self.shape(cfg).iter().product()
+    /// Elements of one layer's tensor (of the whole tensor when it is not per layer); 0 when
+    /// the model does not have it.
+    pub fn numel_per_layer(self, cfg: &ModelConfig) -> usize {
+        self.shape(cfg).map_or(0, |s| s.iter().product())
     }
 
     /// Elements of the whole (stacked) tensor.
-    pub fn numel(self, cfg: &GPT2Config) -> usize {
+    pub fn numel(self, cfg: &ModelConfig) -> usize {
         self.numel_per_layer(cfg) * if self.per_layer() { cfg.num_layers } else { 1 }
     }
 
-    /// Whether AdamW applies weight decay: the 2-D weights only, as llm.c's train_gpt2.cu.
-    pub fn weight_decay(self) -> bool {
-        matches!(self, Tensor::Wte | Tensor::Wpe | Tensor::QkvW | Tensor::AttProjW | Tensor::FcW | Tensor::FcProjW)
+    /// Whether AdamW applies weight decay: the 2-D weights (matrices and embeddings), as
+    /// llm.c's train_gpt2.cu and PyTorch's `p.dim() >= 2` rule.
+    pub fn weight_decay(self, cfg: &ModelConfig) -> bool {
+        self.shape(cfg).is_some_and(|s| s.len() == 2)
     }
 
     /// Whether a backward pass writes the whole gradient through a matmul, so that the first
-    /// backward after a zero_grad can overwrite it instead of adding to it: every block's
-    /// qkv, attn_proj, fc and fc_proj weights and biases, and wte through the LM head (the
-    /// encoder's scatter-add into it comes after).
-    pub fn written_whole_by_backward(self) -> bool {
-        matches!(
-            self,
-            Tensor::Wte
-                | Tensor::QkvW
-                | Tensor::QkvB
-                | Tensor::AttProjW
-                | Tensor::AttProjB
-                | Tensor::FcW
-                | Tensor::FcB
-                | Tensor::FcProjW
-                | Tensor::FcProjB
-        )
+    /// backward after a zero_grad can overwrite it instead of adding to it (every other
+    /// gradient is added to and must be cleared).
+    pub fn written_whole_by_backward(self, cfg: &ModelConfig) -> bool {
+        crate::models::written_whole_by_backward(cfg, self)
     }
 }
 
+/// The tensors a model of `cfg` has, in file order.
+pub fn tensors(cfg: &ModelConfig) -> Vec<Tensor> {
+    Tensor::ALL.into_iter().filter(|t| t.numel(cfg) > 0).collect()
+}
+
 /// One transformer block's tensors, as ranges of the flat buffer ([`ParamLayout::block`]) or
-/// mapped to anything else with [`Block::map`] (a backend's buffer handles, host slices).
+/// mapped to anything else with [`Block::map`] (a backend's buffer handles, host slices). A
+/// tensor the model's family does not have is an empty range or buffer.
 #[derive(Clone, Copy, Debug)]
 pub struct Block<T> {
     pub ln1_w: T,       // (C)
     pub ln1_b: T,       // (C)
-    pub qkv_w: T,       // (3*C, C)
-    pub qkv_b: T,       // (3*C)
+    pub qkv_w: T,       // (QKV, C)
+    pub qkv_b: T,       // (QKV)
     pub attn_proj_w: T, // (C, C)
     pub attn_proj_b: T, // (C)
     pub ln2_w: T,       // (C)
     pub ln2_b: T,       // (C)
-    pub fc_w: T,        // (4*C, C)
-    pub fc_b: T,        // (4*C)
-    pub fc_proj_w: T,   // (C, 4*C)
+    pub fc_w: T,        // (F or 2F, C)
+    pub fc_b: T,        // (F)
+    pub fc_proj_w: T,   // (C, F)
     pub fc_proj_b: T,   // (C)
 }
 
@@ -204,26 +196,74 @@ impl<T> Block<T> {
     }
 }
 
+/// The tensors outside the blocks, as ranges of the flat buffer or anything else (see
+/// [`Block`]): what the embedding and the head of a pass read.
+#[derive(Clone, Copy, Debug)]
+pub struct Outer<T> {
+    pub wte: T,     // (Vp, C)
+    pub wpe: T,     // (maxT, C) or empty
+    pub lm_head: T, // (Vp, C) or empty (tied)
+    pub lnf_w: T,   // (C)
+    pub lnf_b: T,   // (C) or empty
+}
+
+impl<T> Outer<T> {
+    pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> Outer<U> {
+        Outer {
+            wte: f(self.wte),
+            wpe: f(self.wpe),
+            lm_head: f(self.lm_head),
+            lnf_w: f(self.lnf_w),
+            lnf_b: f(self.lnf_b),
+        }
+    }
+}
+
+impl<T> Outer<T> {
+    /// From the tensors in [`OUTER`]'s order.
+    pub fn from_array([wte, wpe, lm_head, lnf_w, lnf_b]: [T; 5]) -> Self {
+        Outer { wte, wpe, lm_head, lnf_w, lnf_b }
+    }
+}
+
+impl<T: Clone> Outer<T> {
+    /// The field of tensor `t` (one of [`OUTER`]).
+    pub fn get(&self, t: Tensor) -> T {
+        match t {
+            Tensor::Wte => self.wte.clone(),
+            Tensor::Wpe => self.wpe.clone(),
+            Tensor::LmHead => self.lm_head.clone(),
+            Tensor::LnfW => self.lnf_w.clone(),
+            Tensor::LnfB => self.lnf_b.clone(),
+            _ => panic!("{} is a block tensor", t.name()),
+        }
+    }
+}
+
+/// The tensors outside the blocks, in file order.
+pub const OUTER: [Tensor; 5] = [Tensor::Wte, Tensor::Wpe, Tensor::LmHead, Tensor::LnfW, Tensor::LnfB];
+
 /// Where every parameter lives in the flat buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamLayout {
-    /// Start of each of the 16 stacked tensors, in `Tensor::ALL` order, then the total.
-    starts: [usize; 17],
+    /// Start of each stacked tensor, in `Tensor::ALL` order, then the total.
+    starts: [usize; Tensor::ALL.len() + 1],
     /// Elements per layer of each tensor.
-    per_layer: [usize; 16],
+    per_layer: [usize; Tensor::ALL.len()],
     pub num_parameters: usize,
 }
 
 impl ParamLayout {
-    pub fn new(cfg: &GPT2Config) -> Self {
-        let mut starts = [0usize; 17];
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let mut starts = [0usize; Tensor::ALL.len() + 1];
         for (i, t) in Tensor::ALL.iter().enumerate() {
             starts[i + 1] = starts[i] + t.numel(cfg);
         }
-        ParamLayout { starts, per_layer: Tensor::ALL.map(|t| t.numel_per_layer(cfg)), num_parameters: starts[16] }
+        let n = starts[Tensor::ALL.len()];
+        ParamLayout { starts, per_layer: Tensor::ALL.map(|t| t.numel_per_layer(cfg)), num_parameters: n }
     }
 
-    /// The whole (stacked) tensor.
+    /// The whole (stacked) tensor (empty when the model does not have it).
     pub fn range(&self, t: Tensor) -> Range<usize> {
         let i = t as usize;
         self.starts[i]..self.starts[i + 1]
@@ -233,7 +273,11 @@ impl ParamLayout {
     pub fn layer(&self, t: Tensor, l: usize) -> Range<usize> {
         let (i, n) = (t as usize, self.per_layer[t as usize]);
         let start = self.starts[i] + l * n;
-        assert!(start + n <= self.starts[i + 1], "layer {l} of {} is out of range", t.name());
+        assert!(
+            start + n <= self.starts[i + 1] || (n == 0 && start == self.starts[i]),
+            "layer {l} of {} is out of range",
+            t.name()
+        );
         start..start + n
     }
 
@@ -254,45 +298,42 @@ impl ParamLayout {
             fc_proj_b: self.layer(Tensor::FcProjB, l),
         }
     }
+
+    /// The tensors outside the blocks.
+    pub fn outer(&self) -> Outer<Range<usize>> {
+        Outer {
+            wte: self.range(Tensor::Wte),
+            wpe: self.range(Tensor::Wpe),
+            lm_head: self.range(Tensor::LmHead),
+            lnf_w: self.range(Tensor::LnfW),
+            lnf_b: self.range(Tensor::LnfB),
+        }
+    }
 }
 
 /// A model's parameters in host memory, fp32 in llm.c's order: what model files hold, what
 /// Hugging Face import and export work on, and what a model on a device is built from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Weights {
-    pub config: GPT2Config,
+    pub config: ModelConfig,
     pub layout: ParamLayout,
     pub data: Vec<f32>, // (num_parameters)
 }
 
 impl Weights {
     /// All parameters zero (to be filled from a file).
-    pub fn zeros(config: GPT2Config) -> Result<Self> {
+    pub fn zeros(config: ModelConfig) -> Result<Self> {
         config.validate()?;
         let layout = ParamLayout::new(&config);
         let data = crate::mem::zeroed::<f32>(layout.num_parameters);
         Ok(Weights { config, layout, data })
     }
 
-    /// llm.c's random init (train_gpt2.cu `gpt_build_from_descriptor`): N(0, 0.02) weights,
-    /// residual projections N(0, 0.02/sqrt(2L)), zero biases, unit LayerNorm weights, drawn from
-    /// the PyTorch-compatible Mersenne Twister in PyTorch's module order.
-    pub fn random(config: GPT2Config, seed: u32) -> Result<Self> {
+    /// The family's random init ([`crate::models`]: llm.c's for GPT-2), drawn from the
+    /// PyTorch-compatible Mersenne Twister seeded with `seed`.
+    pub fn random(config: ModelConfig, seed: u32) -> Result<Self> {
         let mut w = Self::zeros(config)?;
-        let (l_n, c, v) = (config.num_layers, config.channels, config.vocab_size);
-        let mut rng = Mt19937::new(seed);
-        let residual_scale = 1.0 / (2.0 * l_n as f32).sqrt();
-        for t in [Tensor::Ln1W, Tensor::Ln2W, Tensor::LnfW] {
-            w.tensor_mut(t).fill(1.0);
-        }
-        rng.normal(&mut w.tensor_mut(Tensor::Wte)[..v * c], 0.0, 0.02); // only the V real rows
-        rng.normal(w.tensor_mut(Tensor::Wpe), 0.0, 0.02);
-        for l in 0..l_n {
-            rng.normal(w.layer_mut(Tensor::QkvW, l), 0.0, 0.02);
-            rng.normal(w.layer_mut(Tensor::AttProjW, l), 0.0, 0.02 * residual_scale);
-            rng.normal(w.layer_mut(Tensor::FcW, l), 0.0, 0.02);
-            rng.normal(w.layer_mut(Tensor::FcProjW, l), 0.0, 0.02 * residual_scale);
-        }
+        crate::models::init(&mut w, &mut Mt19937::new(seed));
         Ok(w)
     }
 
@@ -323,7 +364,7 @@ mod tests {
     #[test]
     fn gpt2_124m_parameter_count() {
         // llm.c prints num_parameters: 124475904 for GPT-2 124M with the padded vocab.
-        let cfg = GPT2Config::from_descriptor("d12").unwrap();
+        let cfg = ModelConfig::from_descriptor("d12").unwrap();
         let lay = ParamLayout::new(&cfg);
         assert_eq!(lay.num_parameters, 124_475_904);
         assert_eq!(cfg.num_parameters(), lay.num_parameters);
@@ -335,7 +376,9 @@ mod tests {
         for pair in Tensor::ALL.windows(2) {
             assert_eq!(lay.range(pair[0]).end, lay.range(pair[1]).start, "{:?}", pair);
         }
-        assert_eq!(Tensor::ALL.iter().filter(|t| t.weight_decay()).count(), 6);
+        assert_eq!(Tensor::ALL.iter().filter(|t| t.weight_decay(&cfg)).count(), 6);
+        assert!(lay.range(Tensor::LmHead).is_empty(), "GPT-2's head is wte");
+        assert_eq!(tensors(&cfg).len(), 16);
         // BLOCK is the per-layer tensors, and a block's fields are their layer slices.
         assert_eq!(Tensor::ALL.iter().filter(|t| t.per_layer()).count(), Tensor::BLOCK.len());
         for t in Tensor::BLOCK {
@@ -347,7 +390,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "out of range")]
     fn a_layer_past_the_last_is_refused() {
-        let cfg = GPT2Config::from_descriptor("2x16:2:8").unwrap();
+        let cfg = ModelConfig::from_descriptor("2x16:2:8").unwrap();
         ParamLayout::new(&cfg).layer(Tensor::QkvW, 2);
     }
 }

@@ -1,6 +1,6 @@
 //! Turn text into llm.c token shards.
 
-use crate::data::write_shard;
+use crate::data::{write_shard, write_shard_as};
 use crate::download::{download, sha256_hex, TINY_SHAKESPEARE};
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
@@ -118,7 +118,17 @@ pub fn hellaswag_jsonl(input: Option<&Path>, out_dir: &Path) -> Result<PathBuf> 
 /// `llmrs prepare text FILE... -o DIR`: UTF-8 documents, each preceded by <|endoftext|>, the
 /// first `val_tokens` tokens to `DIR/val_000000.bin`, the rest to `DIR/train_000000.bin`.
 pub fn prepare_text(files: &[PathBuf], out_dir: &Path, val_tokens: usize) -> Result<(PathBuf, PathBuf)> {
-    let tok = Tokenizer::gpt2()?;
+    prepare_text_with(files, out_dir, val_tokens, &Tokenizer::gpt2()?)
+}
+
+/// [`prepare_text`] with any tokenizer: documents start with its `doc_start` token, and the
+/// shards are uint32 when its vocabulary needs more than 16 bits.
+pub fn prepare_text_with(
+    files: &[PathBuf],
+    out_dir: &Path,
+    val_tokens: usize,
+    tok: &Tokenizer,
+) -> Result<(PathBuf, PathBuf)> {
     let mut tokens = vec![];
     for f in files {
         let bytes = std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?;
@@ -132,7 +142,7 @@ pub fn prepare_text(files: &[PathBuf], out_dir: &Path, val_tokens: usize) -> Res
         if text.is_empty() {
             bail!("{} is empty", f.display());
         }
-        tokens.push(tok.eot);
+        tokens.push(tok.doc_start);
         tokens.extend(tok.encode(&text)?);
     }
     if tokens.len() <= val_tokens + 1 {
@@ -143,8 +153,9 @@ pub fn prepare_text(files: &[PathBuf], out_dir: &Path, val_tokens: usize) -> Res
     }
     let train = tokens.split_off(val_tokens);
     let (train_path, val_path) = (out_dir.join("train_000000.bin"), out_dir.join("val_000000.bin"));
-    write_shard(&val_path, &tokens)?;
-    write_shard(&train_path, &train)?;
+    let wide = tok.vocab_size() > 1 << 16;
+    write_shard_as(&val_path, &tokens, wide)?;
+    write_shard_as(&train_path, &train, wide)?;
     eprintln!("wrote {} val and {} train tokens to {}", tokens.len(), train.len(), out_dir.display());
     Ok((train_path, val_path))
 }

@@ -79,11 +79,13 @@ impl RunDir {
         Ok(dir)
     }
 
-    /// `.NAME.tmpPID` files of atomic writes that never finished (a kill, a full disk).
+    /// `.NAME.tmpPID_N` files of atomic writes that never finished (a kill, a full disk).
     fn remove_leftovers(&self) -> Result<()> {
         for e in std::fs::read_dir(&self.path)? {
             let name = e?.file_name().to_string_lossy().into_owned();
-            if name.starts_with('.') && name.rsplit_once(".tmp").is_some_and(|(_, pid)| pid.parse::<u32>().is_ok()) {
+            if name.starts_with('.')
+                && name.rsplit_once(".tmp").is_some_and(|(_, n)| crate::checkpoint::temp_pid(n).is_some())
+            {
                 let _ = std::fs::remove_file(self.path.join(&name));
             }
         }
@@ -139,12 +141,12 @@ mod tests {
         assert!(e.contains("in use by another llmrs run") && e.contains(&std::process::id().to_string()), "{e}");
         drop(first);
         // Checkpoints of an earlier run: refused, or deleted with --overwrite.
-        for f in ["model_00000005.bin", "state_00000005_00000.bin", "DONE_00000005", ".model_00000006.bin.tmp4242"] {
+        for f in ["model_00000005.bin", "state_00000005_00000.bin", "DONE_00000005", ".model_00000006.bin.tmp4242_0"] {
             std::fs::write(d.join(f), b"x").unwrap();
         }
         let e = RunDir::open(&d, false, Existing::Refuse).map(|_| ()).unwrap_err().to_string();
         assert!(e.contains("holds checkpoints of an earlier run") && e.contains("--overwrite"), "{e}");
-        assert!(!d.join(".model_00000006.bin.tmp4242").exists(), "a killed write's temp file was left");
+        assert!(!d.join(".model_00000006.bin.tmp4242_0").exists(), "a killed write's temp file was left");
         assert!(d.join("DONE_00000005").exists(), "refusing deleted something");
         drop(RunDir::open(&d, false, Existing::Delete).unwrap());
         let left: Vec<_> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name()).collect();

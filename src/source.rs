@@ -2,7 +2,7 @@
 //! `.safetensors` file, `hf:owner/name[@revision]` from the Hub, or a descriptor for random init.
 
 use crate::checkpoint::load_model;
-use crate::config::GPT2Config;
+use crate::config::ModelConfig;
 use crate::params::Weights;
 use anyhow::Result;
 use std::path::Path;
@@ -10,7 +10,7 @@ use std::path::Path;
 /// The weights `spec` names, in host memory (a descriptor gives llm.c's random init with `seed`).
 pub fn load_any(spec: &str, seed: u32) -> Result<Weights> {
     if let Some(hub) = spec.strip_prefix("hf:") {
-        let dir = crate::hub::fetch_model(&hub.parse()?, &crate::hub::endpoint(), &crate::hub::cache_dir())?;
+        let dir = crate::hub::fetch_model(&hub.parse()?, &crate::hub::endpoint(), &crate::hub::hf_cache_dir())?;
         return crate::hf::load_hf(&dir);
     }
     let p = Path::new(spec);
@@ -21,7 +21,30 @@ pub fn load_any(spec: &str, seed: u32) -> Result<Weights> {
     if spec.ends_with(".bin") || p.exists() {
         return load_model(p);
     }
-    Weights::random(GPT2Config::from_descriptor(spec)?, seed)
+    Weights::random(ModelConfig::from_descriptor(spec)?, seed)
+}
+
+/// Where `spec`'s tokenizer.json is: `spec` itself (a tokenizer.json), beside a Hugging Face
+/// model (its directory or `.safetensors` file), or in the Hub cache for `hf:owner/name`
+/// (fetched with the model). None for llm.c files and descriptors (GPT-2's tokenizer).
+pub fn tokenizer_path(spec: &str) -> Result<Option<std::path::PathBuf>> {
+    let dir = if let Some(hub) = spec.strip_prefix("hf:") {
+        crate::hub::fetch_model(&hub.parse()?, &crate::hub::endpoint(), &crate::hub::hf_cache_dir())?
+    } else {
+        let p = Path::new(spec);
+        if p.is_file() && spec.ends_with(".json") {
+            return Ok(Some(p.to_path_buf()));
+        }
+        if p.is_dir() {
+            p.to_path_buf()
+        } else if spec.ends_with(".safetensors") {
+            p.parent().map(Path::to_path_buf).unwrap_or_default()
+        } else {
+            return Ok(None);
+        }
+    };
+    let t = dir.join("tokenizer.json");
+    Ok(t.is_file().then_some(t))
 }
 
 #[cfg(test)]

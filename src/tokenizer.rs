@@ -1,5 +1,7 @@
-//! The GPT-2 byte-level BPE (built in, from tiktoken-rs's `r50k_base`, which equals OpenAI's
-//! GPT-2 tables) and llm.c's `gpt2_tokenizer.bin` (magic 20240328, versions 1 and 2).
+//! Tokenizers: the GPT-2 byte-level BPE (built in, from tiktoken-rs's `r50k_base`, which equals
+//! OpenAI's GPT-2 tables), llm.c's `gpt2_tokenizer.bin` (magic 20240328, versions 1 and 2,
+//! decode only), and a model's own `tokenizer.json` through Hugging Face's `tokenizers` crate
+//! (Llama 3, SmolLM2, TinyLlama: byte-level BPE or SentencePiece-style with byte fallback).
 
 use crate::checkpoint::{parse_header, write_atomic, HEADER_BYTES};
 use crate::config::GPT2_EOT;
@@ -8,12 +10,32 @@ use std::path::Path;
 
 pub const TOKENIZER_MAGIC: i32 = 20240328;
 
-/// Encoder + decoder for GPT-2 tokens.
+/// Encoder + decoder of token ids.
 pub struct Tokenizer {
     bpe: Option<tiktoken_rs::CoreBPE>,
-    /// Byte string of every token id (decode table).
+    hf: Option<Box<tokenizers::Tokenizer>>,
+    /// Byte string of every token id (decode table, for streaming).
     table: Vec<Vec<u8>>,
+    /// The end-of-text token (generation stops at it).
     pub eot: u32,
+    /// The token that starts every document in prepared data: GPT-2's `<|endoftext|>`, or the
+    /// beginning-of-text token of a tokenizer that has one (Llama 3's `<|begin_of_text|>`).
+    pub doc_start: u32,
+}
+
+/// GPT-2's byte-to-character map of byte-level BPE (every byte a printable character), inverted.
+fn byte_level_decoder() -> std::collections::HashMap<char, u8> {
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut cs = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    bs.into_iter().zip(cs).map(|(b, c)| (char::from_u32(c).expect("a valid char"), b as u8)).collect()
 }
 
 impl Tokenizer {
@@ -24,7 +46,88 @@ impl Tokenizer {
             .map(|i| bpe.decode_bytes(&[i]).map_err(|e| anyhow::anyhow!("token {i}: {e:?}")))
             .chain(std::iter::once(Ok(b"<|endoftext|>".to_vec())))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Tokenizer { bpe: Some(bpe), table, eot: GPT2_EOT })
+        Ok(Tokenizer { bpe: Some(bpe), hf: None, table, eot: GPT2_EOT, doc_start: GPT2_EOT })
+    }
+
+    /// A model's `tokenizer.json` (Hugging Face `tokenizers`).
+    pub fn load_hf(path: &Path) -> Result<Self> {
+        let bytes = crate::checkpoint::read_file(path)?;
+        let hf = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| anyhow::anyhow!("{}: not a tokenizer.json that `tokenizers` reads: {e}", path.display()))?;
+        let json: serde_json::Value = serde_json::from_slice(&bytes).context("tokenizer.json is not JSON")?;
+        // The decoder says how token strings map to bytes.
+        let decoder = json["decoder"].to_string();
+        let byte_level = decoder.contains("\"ByteLevel\"");
+        let bytes_of = byte_level_decoder();
+        let n = hf.get_vocab_size(true);
+        let special: std::collections::HashMap<u32, String> =
+            hf.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, t.content)).collect();
+        let mut table = Vec::with_capacity(n);
+        for id in 0..n as u32 {
+            let Some(t) = hf.id_to_token(id) else {
+                table.push(vec![]);
+                continue;
+            };
+            // SentencePiece's byte-fallback tokens (`<0x31>`) are one byte each, even where the
+            // file also lists them as added tokens.
+            let byte_token = (!byte_level)
+                .then(|| t.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')))
+                .flatten()
+                .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+            let b = if let Some(b) = byte_token {
+                vec![b]
+            } else if let Some(s) = special.get(&id) {
+                s.as_bytes().to_vec()
+            } else if byte_level {
+                t.chars().map(|c| bytes_of.get(&c).copied().unwrap_or(b'?')).collect()
+            } else {
+                t.replace('\u{2581}', " ").into_bytes()
+            };
+            table.push(b);
+        }
+        let find = |names: &[&str]| names.iter().find_map(|n| hf.token_to_id(n));
+        let eot =
+            find(&["<|endoftext|>", "<|end_of_text|>", "</s>", "<|eot_id|>", "<|im_end|>"]).with_context(|| {
+                format!("{}: no end-of-text token (<|endoftext|>, <|end_of_text|>, </s>)", path.display())
+            })?;
+        let doc_start = find(&["<|begin_of_text|>", "<s>"]).unwrap_or(eot);
+        Ok(Tokenizer { bpe: None, hf: Some(Box::new(hf)), table, eot, doc_start })
+    }
+
+    /// The tokenizer of a model: `tokenizer.json` beside a Hugging Face model (a directory or
+    /// `hf:owner/name`), else GPT-2's.
+    pub fn for_model(spec: &str) -> Result<Self> {
+        match crate::source::tokenizer_path(spec)? {
+            Some(p) => Self::load_hf(&p),
+            None => Self::gpt2(),
+        }
+    }
+
+    /// The tokenizer `--tokenizer` names (a tokenizer.json, a directory holding one, or
+    /// `hf:owner/name`), else the model's ([`Tokenizer::for_model`]).
+    pub fn choose(explicit: Option<&str>, model: Option<&str>) -> Result<Self> {
+        match (explicit, model) {
+            (Some("gpt2"), _) => Self::gpt2(),
+            (Some(t), _) => {
+                let p = crate::source::tokenizer_path(t)?
+                    .with_context(|| format!("--tokenizer {t}: no tokenizer.json there (give a tokenizer.json, a model directory or hf:owner/name)"))?;
+                Self::load_hf(&p)
+            }
+            (None, Some(m)) => Self::for_model(m),
+            (None, None) => Self::gpt2(),
+        }
+    }
+
+    /// Refuse a tokenizer whose ids reach past the model's vocabulary.
+    pub fn check_fits(&self, vocab_size: usize) -> Result<()> {
+        if self.vocab_size() > vocab_size {
+            bail!(
+                "the tokenizer has {} tokens but the model's vocabulary is {vocab_size}: they do not belong together \
+                 (give the model's own tokenizer with --tokenizer)",
+                self.vocab_size()
+            );
+        }
+        Ok(())
     }
 
     /// Decode-only tokenizer from llm.c's `gpt2_tokenizer.bin`.
@@ -61,7 +164,7 @@ impl Tokenizer {
         if off != bytes.len() {
             bail!("{}: {} trailing bytes after {n} tokens", path.display(), bytes.len() - off);
         }
-        Ok(Tokenizer { bpe: None, table, eot })
+        Ok(Tokenizer { bpe: None, hf: None, table, eot, doc_start: eot })
     }
 
     /// Write llm.c's `gpt2_tokenizer.bin` (version 2).
@@ -86,8 +189,12 @@ impl Tokenizer {
         self.table.len()
     }
 
-    /// Encode text with no special tokens (`encode_ordinary`).
+    /// Encode text with no special tokens (`encode_ordinary`; `add_special_tokens=False`).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        if let Some(hf) = &self.hf {
+            let e = hf.encode(text, false).map_err(|e| anyhow::anyhow!("cannot tokenize: {e}"))?;
+            return Ok(e.get_ids().to_vec());
+        }
         let bpe = self
             .bpe
             .as_ref()
@@ -102,6 +209,11 @@ impl Tokenizer {
 
     /// Decode tokens to text (invalid UTF-8 from partial sequences is replaced).
     pub fn decode(&self, ids: &[u32]) -> String {
+        if let Some(hf) = &self.hf {
+            if let Ok(s) = hf.decode(ids, false) {
+                return s;
+            }
+        }
         let bytes: Vec<u8> = ids.iter().flat_map(|&i| self.token_bytes(i).iter().copied()).collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }

@@ -6,7 +6,7 @@ use crate::acts::KvCache;
 use crate::backend::Device;
 use crate::checkpoint::{load_model, load_state, save_model, save_state, Dtype, TrainState};
 use crate::data::DataLoader;
-use crate::model::{StepStats, GPT2};
+use crate::model::{Model, StepStats};
 use crate::optim::{skip_limits, OptimConfig, OutlierDetector};
 use crate::rng::random_f32;
 use crate::rundir::{Existing, RunDir};
@@ -250,13 +250,13 @@ fn ckpt_paths(dir: &Path, step: usize, rank: usize) -> [PathBuf; 3] {
     ]
 }
 
-/// Sample `n` tokens after <|endoftext|> with llm.c's sampler (xorshift seeded 1337, softmax
+/// Sample `n` tokens after `start` (GPT-2's <|endoftext|>) with llm.c's sampler (xorshift seeded 1337, softmax
 /// over the V real logits, inverse CDF), each from the KV-cached pass over the tokens before
 /// it. `cache` must hold `n` positions (see [`sample_cache`]).
-pub fn sample_tokens(model: &mut GPT2, cache: &mut KvCache, n: usize, eot: u32) -> Result<Vec<u32>> {
+pub fn sample_tokens(model: &mut Model, cache: &mut KvCache, n: usize, start: u32) -> Result<Vec<u32>> {
     let n = n.min(cache.capacity + 1);
     let mut rng = 1337u64;
-    let mut toks = vec![eot; n.max(1)];
+    let mut toks = vec![start; n.max(1)];
     cache.reset();
     for t in 1..n {
         let logits = model.forward_cached(cache, &toks[t - 1..t])?;
@@ -279,7 +279,7 @@ pub fn sample_tokens(model: &mut GPT2, cache: &mut KvCache, n: usize, eot: u32) 
 
 /// A KV cache for [`sample_tokens`] of `n` tokens (one position at a time), or None when a
 /// sample that short needs no forward pass.
-pub fn sample_cache(model: &mut GPT2, n: usize) -> Result<Option<KvCache>> {
+pub fn sample_cache(model: &mut Model, n: usize) -> Result<Option<KvCache>> {
     let positions = n.min(model.config.max_seq_len + 1).saturating_sub(1);
     if positions == 0 {
         return Ok(None);
@@ -374,7 +374,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let mut train =
         DataLoader::new_split(train_pattern, b, t, mc.vocab_size, shuffle, split).context("train data (-i)")?;
     let mut val = DataLoader::new_split(&cfg.val_data, b, t, mc.vocab_size, false, split).context("val data (-j)")?;
-    let mut model = GPT2::with_collectives(weights, crate::backend::open(cfg.device)?, comm, cfg.zero_stage)?;
+    let mut model = Model::with_collectives(weights, crate::backend::open(cfg.device)?, comm, cfg.zero_stage)?;
     model.alloc_training_state()?;
     model.reserve(b, t)?;
     let steps = cfg.max_steps.unwrap_or(train.num_tokens / total);
@@ -407,9 +407,14 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
         total_steps: steps,
         final_frac: cfg.final_lr_frac,
     };
-    // Like llm.c, decode samples with ./gpt2_tokenizer.bin when it is there; else the built-in BPE.
+    // A Hugging Face model's own tokenizer.json; else, like llm.c, ./gpt2_tokenizer.bin when it is
+    // there, else the built-in GPT-2 BPE.
     let llmc_tokenizer = Path::new("gpt2_tokenizer.bin");
-    let tokenizer = if llmc_tokenizer.is_file() { Tokenizer::load_llmc(llmc_tokenizer)? } else { Tokenizer::gpt2()? };
+    let tokenizer = match crate::source::tokenizer_path(&cfg.model)? {
+        Some(p) => Tokenizer::load_hf(&p)?,
+        None if llmc_tokenizer.is_file() => Tokenizer::load_llmc(llmc_tokenizer)?,
+        None => Tokenizer::gpt2()?,
+    };
     let log = match out.filter(|_| rank == 0) {
         Some(dir) => {
             std::fs::create_dir_all(dir)
@@ -468,7 +473,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
             Some(p) => p.clone(),
             None => default_hellaswag_path()?,
         };
-        let mut ex = crate::hellaswag::load(&path, &Tokenizer::gpt2()?)?;
+        let mut ex = crate::hellaswag::load(&path, &Tokenizer::for_model(&cfg.model)?)?;
         ex.truncate(cfg.hellaswag_limit.unwrap_or(usize::MAX));
         Some(ex)
     } else {
@@ -508,7 +513,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
         }
         if cfg.sample_every > 0 && ((step > 0 && step % cfg.sample_every == 0) || last) {
             let toks = match &mut sampler_cache {
-                Some(cache) => sample_tokens(&mut model, cache, cfg.gen_tokens, tokenizer.eot)?,
+                Some(cache) => sample_tokens(&mut model, cache, cfg.gen_tokens, tokenizer.doc_start)?,
                 None => vec![],
             };
             let text = tokenizer.decode(&toks);
@@ -547,7 +552,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
         let skip = skip_limits(&loss_window, cfg.skip_loss_z, &norm_window, cfg.skip_grad_z);
         model.update(&cfg.optim, lr, step, skip)?;
         let StepStats { loss, grad_norm: norm, skipped } = model.step_stats()?;
-        // A step with a non-finite loss or norm left the parameters as they were (see GPT2::update).
+        // A step with a non-finite loss or norm left the parameters as they were (see Model::update).
         if !loss.is_finite() {
             bail!(
                 "the training loss is {loss} at step {step}: training diverged. Lower the learning rate (-l), keep clipping on \
@@ -614,7 +619,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
 /// file, then (after all have) rank 0 the DONE marker, so a checkpoint without DONE is ignored.
 /// A diverged model (non-finite parameters or AdamW moments) is refused before anything is
 /// written, so the newest complete checkpoint is always one that can be resumed.
-fn write_checkpoint(dir: &Path, step: usize, model: &mut GPT2, train: &DataLoader, dtype: Dtype) -> Result<()> {
+fn write_checkpoint(dir: &Path, step: usize, model: &mut Model, train: &DataLoader, dtype: Dtype) -> Result<()> {
     let rank = model.rank().0;
     let [m, s, d] = ckpt_paths(dir, step, rank);
     let diverged = |what: &str| {
@@ -669,8 +674,8 @@ mod tests {
         let shard = dir.path().join("shard.bin");
         crate::data::write_shard(&shard, &(0..200).map(|i| i % 50).collect::<Vec<_>>()).unwrap();
         let dl = DataLoader::new(shard.to_str().unwrap(), 2, 8, 50, false).unwrap();
-        let cfg = crate::config::GPT2Config::from_descriptor("1x16:2:32").unwrap();
-        let mut model = GPT2::new(crate::params::Weights::random(cfg, 1).unwrap(), Device::Cpu).unwrap();
+        let cfg = crate::config::ModelConfig::from_descriptor("1x16:2:32").unwrap();
+        let mut model = Model::new(crate::params::Weights::random(cfg, 1).unwrap(), Device::Cpu).unwrap();
         model.alloc_training_state().unwrap();
         let out = dir.path().join("run");
         write_checkpoint(&out, 3, &mut model, &dl, Dtype::F32).unwrap();

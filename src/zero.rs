@@ -1,7 +1,7 @@
 //! ZeRO stages: which part of the parameters, gradients and AdamW state each rank holds.
 //!
-//! As llm.c (`-z`): every piece, one layer's slice of one of the 16 tensors (the whole tensor
-//! for wte, wpe and lnf), is cut into `world` equal parts, and rank r owns part r of every
+//! As llm.c (`-z`): every piece, one layer's slice of one of the model's tensors (the whole
+//! tensor for those outside the blocks: wte, wpe, an untied head, the final norm), is cut into `world` equal parts, and rank r owns part r of every
 //! piece. Its AdamW state is laid out tensor by tensor, each tensor's layers one after another,
 //! so it is `num_parameters / world` long and a state file interchanges with llm.c's ZeRO-1.
 //!
@@ -9,17 +9,14 @@
 //! - stage 1: AdamW m and v sharded; gradients reduce-scattered after backward into the owned
 //!   parts of the full gradient buffer; each rank updates its parts, then all-gathers them.
 //! - stage 2: gradients sharded too: backward writes into a bucket (one block, or the embedding
-//!   tensors), reduce-scattered into the shard as soon as the block is done.
+//!   tensors outside the blocks), reduce-scattered into the shard as soon as the block is done.
 //! - stage 3: parameters sharded too: a block's weights are all-gathered into a buffer just
 //!   before the block runs (forward and backward), the embedding tensors once per pass.
 
-use crate::config::GPT2Config;
-use crate::params::{Block, ParamLayout, Tensor};
+use crate::config::ModelConfig;
+use crate::params::{Block, ParamLayout, Tensor, OUTER};
 use anyhow::{bail, Result};
 use std::ops::Range;
-
-/// The tensors outside the blocks, in the order of the embedding bucket.
-pub const EMBED: [Tensor; 4] = [Tensor::Wte, Tensor::Wpe, Tensor::LnfW, Tensor::LnfB];
 
 /// One piece: a layer's slice of a tensor, with this rank's part of it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,12 +38,12 @@ pub struct Sharding {
     pub rank: usize,
     pub world: usize,
     pub layout: ParamLayout,
-    pub config: GPT2Config,
+    pub config: ModelConfig,
 }
 
 impl Sharding {
     /// Stage `stage` over `world` ranks; every piece must split evenly, as in llm.c.
-    pub fn new(stage: usize, rank: usize, world: usize, config: GPT2Config) -> Result<Self> {
+    pub fn new(stage: usize, rank: usize, world: usize, config: ModelConfig) -> Result<Self> {
         if stage > 3 {
             bail!("-z {stage}: ZeRO stages are 0 (none), 1 (AdamW state), 2 (+ gradients) and 3 (+ parameters)");
         }
@@ -87,9 +84,10 @@ impl Sharding {
         self.pieces().iter().map(|p| if sharded { p.shard.len() } else { p.full.len() }).collect()
     }
 
-    /// Every piece, tensor by tensor in llm.c's order, layers in order within each.
+    /// Every piece, tensor by tensor in llm.c's order, layers in order within each (the
+    /// tensors the model has).
     pub fn pieces(&self) -> Vec<Piece> {
-        Tensor::ALL
+        crate::params::tensors(&self.config)
             .into_iter()
             .flat_map(|t| self.layers(t).map(move |l| (t, l)))
             .map(|(t, l)| self.piece(t, l))
@@ -128,10 +126,11 @@ impl Sharding {
         (block, off)
     }
 
-    /// Where each of [`EMBED`] sits in the embedding bucket, and its length.
-    pub fn embed_bucket(&self) -> ([Range<usize>; 4], usize) {
+    /// Where each of [`OUTER`] sits in the embedding bucket (empty where the model lacks
+    /// it), and its length.
+    pub fn embed_bucket(&self) -> ([Range<usize>; OUTER.len()], usize) {
         let mut off = 0;
-        let r = EMBED.map(|t| {
+        let r = OUTER.map(|t| {
             let n = self.layout.range(t).len();
             off += n;
             off - n..off
@@ -147,7 +146,7 @@ mod tests {
     #[test]
     fn owned_parts_tile_every_piece_and_the_shards_tile_the_shard_buffer() {
         let cfg =
-            GPT2Config { vocab_size: 60, padded_vocab_size: 64, ..GPT2Config::from_descriptor("3x8:2:12").unwrap() };
+            ModelConfig { vocab_size: 60, padded_vocab_size: 64, ..ModelConfig::from_descriptor("3x8:2:12").unwrap() };
         for world in [1, 2, 4] {
             let mut covered = vec![0u8; ParamLayout::new(&cfg).num_parameters];
             for rank in 0..world {

@@ -7,8 +7,8 @@
 
 use llmrs::backend::Device;
 use llmrs::checkpoint::{load_model, load_state, save_model, save_state, Dtype, TrainState};
-use llmrs::config::GPT2Config;
-use llmrs::model::GPT2;
+use llmrs::config::ModelConfig;
+use llmrs::model::Model;
 use llmrs::params::Weights;
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
@@ -62,7 +62,7 @@ fn valid() -> &'static Valid {
     V.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
         let cfg =
-            GPT2Config { vocab_size: 50, padded_vocab_size: 64, ..GPT2Config::from_descriptor("1x8:2:8").unwrap() };
+            ModelConfig { vocab_size: 50, padded_vocab_size: 64, ..ModelConfig::from_descriptor("1x8:2:8").unwrap() };
         let w = Weights::random(cfg, 1).unwrap();
         let model = dir.path().join("model.bin");
         save_model(&w, &model, Dtype::F32).unwrap();
@@ -82,8 +82,8 @@ fn valid() -> &'static Valid {
 }
 
 /// The model file on the CPU backend, ready to take a training state.
-fn trainable(model: &Path) -> GPT2 {
-    let mut m = GPT2::new(load_model(model).unwrap(), Device::Cpu).unwrap();
+fn trainable(model: &Path) -> Model {
+    let mut m = Model::new(load_model(model).unwrap(), Device::Cpu).unwrap();
     m.alloc_training_state().unwrap();
     m
 }

@@ -16,8 +16,8 @@ mod common;
 
 use llmrs::backend::{Backend, Device, SkipAbove};
 use llmrs::checkpoint::{load_debug_state, load_model, save_model, Dtype};
-use llmrs::config::GPT2Config;
-use llmrs::model::{Slot, GPT2};
+use llmrs::config::ModelConfig;
+use llmrs::model::{Model, Slot};
 use llmrs::optim::{optimizer_step, OptimConfig};
 use llmrs::params::{Tensor, Weights};
 use llmrs::schedule::{LrSchedule, ScheduleKind};
@@ -49,7 +49,7 @@ fn gpu_logits_loss_and_all_16_gradients_match_pytorch() {
     let Some(dev) = gpu("gpu_logits_loss_and_all_16_gradients_match_pytorch") else { return };
     let weights = load_model(&fixture("ref_model.bin")).unwrap();
     let st = load_debug_state(&fixture("ref_debug_state.bin"), &weights.config).unwrap();
-    let mut model = GPT2::new(weights, dev).unwrap();
+    let mut model = Model::new(weights, dev).unwrap();
     model.alloc_training_state().unwrap();
     model.forward(&st.inputs, Some(&st.targets), st.b, st.t).unwrap();
     let logits: Vec<f32> = (0..st.b * st.t).flat_map(|row| model.logits_at(row).unwrap()).collect();
@@ -73,7 +73,7 @@ fn gpu_ten_adamw_steps_follow_pytorch() {
     let Some(dev) = gpu("gpu_ten_adamw_steps_follow_pytorch") else { return };
     let j: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("ref_trajectory.json")).unwrap()).unwrap();
-    let mut model = GPT2::new(load_model(&fixture("ref_model.bin")).unwrap(), dev).unwrap();
+    let mut model = Model::new(load_model(&fixture("ref_model.bin")).unwrap(), dev).unwrap();
     model.alloc_training_state().unwrap();
     let (b, t) = (j["B"].as_u64().unwrap() as usize, j["T"].as_u64().unwrap() as usize);
     let accum = j["grad_accum_steps"].as_u64().unwrap() as usize;
@@ -137,7 +137,7 @@ fn gpu_reproduces_llmc_41_step_run() {
         }
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = Weights::random(GPT2Config::from_descriptor("2x64:4:64").unwrap(), 42).unwrap();
+    let model = Weights::random(ModelConfig::from_descriptor("2x64:4:64").unwrap(), 42).unwrap();
     let model_path = dir.path().join("gpt2_124M.bin");
     save_model(&model, &model_path, Dtype::F32).unwrap();
     let src = llmrs::prepare::Source {
@@ -181,7 +181,7 @@ fn gpu_reproduces_llmc_41_step_run() {
 /// A model file with a vocabulary of 512 (fast on lavapipe), and shards of ids below it.
 fn small_setup(dir: &Path) -> (String, String, String) {
     let cfg =
-        GPT2Config { vocab_size: 500, padded_vocab_size: 512, ..GPT2Config::from_descriptor("2x32:2:32").unwrap() };
+        ModelConfig { vocab_size: 500, padded_vocab_size: 512, ..ModelConfig::from_descriptor("2x32:2:32").unwrap() };
     let model = dir.join("small.bin");
     save_model(&Weights::random(cfg, 7).unwrap(), &model, Dtype::F32).unwrap();
     let mut x = 99u64;
@@ -286,7 +286,7 @@ fn gpu_greedy_generation_gives_transformers_tokens() {
         serde_json::from_str(&std::fs::read_to_string(fixture("hf/greedy.json")).unwrap()).unwrap();
     let weights = llmrs::hf::load_hf(&fixture("hf/gpt2_tiny_fp32")).unwrap();
     for device in [Device::Cpu, dev] {
-        let mut model = GPT2::new(weights.clone(), device).unwrap();
+        let mut model = Model::new(weights.clone(), device).unwrap();
         for case in j["cases"].as_array().unwrap() {
             let ids = |k: &str| -> Vec<u32> {
                 case[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
@@ -325,10 +325,10 @@ fn gpu_hellaswag_matches_the_cpu_and_the_pytorch_scorer() {
             endings: (0..4).map(|k| ids(&w["ending_tokens"][k])).collect(),
         })
         .collect();
-    let weights = Weights::random(GPT2Config::from_descriptor("2x64:4:256").unwrap(), 42).unwrap();
+    let weights = Weights::random(ModelConfig::from_descriptor("2x64:4:256").unwrap(), 42).unwrap();
     let mut results = vec![];
     for device in [Device::Cpu, dev] {
-        let mut model = GPT2::new(weights.clone(), device).unwrap();
+        let mut model = Model::new(weights.clone(), device).unwrap();
         results.push(score(&mut model, &ex, |_| {}).unwrap());
     }
     let (cpu, gpu) = (&results[0], &results[1]);
@@ -356,10 +356,11 @@ fn gpu_lost_device_is_an_error_not_a_panic() {
     assert!(e.contains("was lost") && e.contains("-y 1") && e.contains("--device cpu"), "{e}");
     assert!(be.synchronize().is_err());
     // A model on a device that is lost mid-step: the step's read is the error.
-    let cfg = GPT2Config { vocab_size: 60, padded_vocab_size: 64, ..GPT2Config::from_descriptor("1x16:2:8").unwrap() };
+    let cfg =
+        ModelConfig { vocab_size: 60, padded_vocab_size: 64, ..ModelConfig::from_descriptor("1x16:2:8").unwrap() };
     let opts = llmrs::gpu::Options { lose_after: Some(2), ..Default::default() };
     let be = llmrs::gpu::GpuBackend::open(opts).unwrap();
-    let mut m = GPT2::with_collectives(
+    let mut m = Model::with_collectives(
         Weights::random(cfg, 1).unwrap(),
         Box::new(be),
         Box::new(llmrs::backend::comm::SingleProcess),
@@ -368,7 +369,7 @@ fn gpu_lost_device_is_an_error_not_a_panic() {
     .unwrap();
     m.alloc_training_state().unwrap();
     let (x, y) = ([1u32, 2, 3, 4], [2u32, 3, 4, 5]);
-    let step = |m: &mut GPT2| -> anyhow::Result<()> {
+    let step = |m: &mut Model| -> anyhow::Result<()> {
         m.zero_grad()?;
         m.forward(&x, Some(&y), 1, 4)?;
         m.backward(1.0)?;

@@ -139,28 +139,80 @@ fn gpu_layernorm_forward_and_backward() {
 }
 
 #[test]
+fn gpu_rmsnorm_forward_and_backward() {
+    both("gpu_rmsnorm_forward_and_backward", |p| {
+        for &(n, c) in &[(1, 1), (1, 3), (7, 65), (17, 3), (40, 48), (3, 257), (130, 5)] {
+            let [out, rstd, inp, w, dout, dinp, dw] = p.parts([n * c, n, n * c, c, n * c, n * c, c]);
+            p.poison(out);
+            p.poison(rstd);
+            p.both(|be, [out, rstd, inp, w]| be.rmsnorm_forward(out, rstd, inp, w, n, c, 1e-5), [out, rstd, inp, w]);
+            let what = format!("rmsnorm n={n} c={c}");
+            p.check(out, 1e-5, &what);
+            p.check(rstd, 1e-5, &what);
+            p.both(
+                |be, [dinp, dw, dout, inp, w, rstd]| be.rmsnorm_backward(dinp, dw, dout, inp, w, rstd, n, c),
+                [dinp, dw, dout, inp, w, rstd],
+            );
+            p.check(dinp, 1e-4, &what);
+            p.check(dw, 1e-5, &what);
+        }
+    });
+}
+
+#[test]
+fn gpu_rope_and_swiglu() {
+    both("gpu_rope_and_swiglu", |p| {
+        // (B, T, pos, NH, KV, HS): rows at positions pos + t of a table of maxT = pos + T + 2.
+        for &(b, t, pos, nh, nkv, hs) in
+            &[(1, 1, 0, 1, 1, 2), (2, 5, 3, 4, 2, 6), (3, 7, 0, 3, 1, 16), (1, 40, 9, 2, 2, 8)]
+        {
+            let (n, qd, max_t) = (b * t, (nh + 2 * nkv) * hs, pos + t + 2);
+            let [qkv, table] = p.parts([n * qd, max_t * hs]);
+            let what = format!("rope b={b} t={t} pos={pos} nh={nh} nkv={nkv} hs={hs}");
+            p.both(|be, [qkv, table]| be.rope_forward(qkv, table, n, t, pos, nh, nkv, hs), [qkv, table]);
+            p.check(qkv, 1e-6, &what);
+            p.both(|be, [qkv, table]| be.rope_backward(qkv, table, n, t, pos, nh, nkv, hs), [qkv, table]);
+            p.check(qkv, 1e-6, &what);
+        }
+        for &(n, f) in &[(1, 1), (3, 5), (17, 64), (130, 7), (2, 200)] {
+            let [out, inp, dout, dinp] = p.parts([n * f, n * 2 * f, n * f, n * 2 * f]);
+            p.scale(inp, 4.0);
+            p.poison(out);
+            p.both(|be, [out, inp]| be.swiglu_forward(out, inp, n, f), [out, inp]);
+            let what = format!("swiglu n={n} f={f}");
+            p.check(out, 1e-5, &what);
+            p.poison(dinp);
+            p.both(|be, [dinp, dout, inp]| be.swiglu_backward(dinp, dout, inp, n, f), [dinp, dout, inp]);
+            p.check(dinp, 1e-5, &what);
+        }
+    });
+}
+
+#[test]
 fn gpu_encoder_forward_and_backward() {
     both("gpu_encoder_forward_and_backward", |p| {
         for &(b, t, c, v) in &[(1, 1, 1, 3), (3, 7, 5, 11), (2, 9, 48, 300), (4, 16, 8, 2)] {
-            let max_t = t + 3;
-            let [out, wte, wpe, dwte, dwpe] = p.parts([b * t * c, v * c, max_t * c, v * c, max_t * c]);
+            let [out, wte, wpe, dwte, dwpe] = p.parts([b * t * c, v * c, t * c, v * c, t * c]);
             let ids: Vec<u32> = (0..b * t).map(|i| ((i * 7 + 3) % v) as u32).collect();
             let inp = p.tokens(&ids);
-            p.poison(out);
-            p.both_t(
-                |be, [out, wte, wpe], [inp]| be.encoder_forward(out, inp, wte, wpe, b, t, c),
-                [out, wte, wpe],
-                [inp],
-            );
-            let what = format!("encoder b={b} t={t} c={c} v={v}");
-            p.check(out, 1e-6, &what);
-            p.both_t(
-                |be, [dwte, dwpe, out], [inp]| be.encoder_backward(dwte, dwpe, out, inp, b, t, c),
-                [dwte, dwpe, out],
-                [inp],
-            );
-            p.check(dwte, 1e-6, &what);
-            p.check(dwpe, 1e-6, &what);
+            // GPT-2's token + position embedding, and Llama's tokens alone.
+            for pe in [true, false] {
+                p.poison(out);
+                p.both_t(
+                    |be, [out, wte, wpe], [inp]| be.encoder_forward(out, inp, wte, pe.then_some(wpe), b, t, c),
+                    [out, wte, wpe],
+                    [inp],
+                );
+                let what = format!("encoder b={b} t={t} c={c} v={v} positions={pe}");
+                p.check(out, 1e-6, &what);
+                p.both_t(
+                    |be, [dwte, dwpe, out], [inp]| be.encoder_backward(dwte, pe.then_some(dwpe), out, inp, b, t, c),
+                    [dwte, dwpe, out],
+                    [inp],
+                );
+                p.check(dwte, 1e-6, &what);
+                p.check(dwpe, 1e-6, &what);
+            }
         }
     });
 }
@@ -188,34 +240,54 @@ fn gpu_elementwise_ops() {
 fn gpu_attention_forward_and_backward() {
     both("gpu_attention_forward_and_backward", |p| {
         // A (b, h) plane of scores must fit one binding: up to T = 22 with tiny ones.
+        // (B, T, C, NH, KV): GPT-2's (KV = NH) and grouped-query shapes (KV < NH).
         let shapes: &[_] = if p.tiny() {
-            &[(1, 1, 4, 2), (2, 5, 12, 3), (3, 9, 8, 1), (2, 20, 8, 2), (3, 17, 6, 3)]
+            &[
+                (1, 1, 4, 2, 2),
+                (2, 5, 12, 3, 3),
+                (3, 9, 8, 1, 1),
+                (2, 20, 8, 2, 2),
+                (3, 17, 6, 3, 3),
+                (2, 7, 16, 4, 2),
+                (2, 9, 12, 3, 1),
+            ]
         } else {
-            &[(1, 1, 4, 2), (2, 5, 12, 3), (1, 70, 16, 2), (3, 9, 8, 1), (2, 66, 8, 2)]
+            &[
+                (1, 1, 4, 2, 2),
+                (2, 5, 12, 3, 3),
+                (1, 70, 16, 2, 2),
+                (3, 9, 8, 1, 1),
+                (2, 66, 8, 2, 2),
+                (2, 70, 24, 6, 2),
+            ]
         };
-        for &(b, t, c, nh) in shapes {
+        for &(b, t, c, nh, nkv) in shapes {
+            let qd = c + 2 * nkv * (c / nh);
             let [out, att, ws, qkv, dout, dqkv, datt, ws3] = p.parts([
                 b * t * c,
                 b * nh * t * t,
                 b * t * c,
-                b * t * 3 * c,
+                b * t * qd,
                 b * t * c,
-                b * t * 3 * c,
+                b * t * qd,
                 b * nh * t * t,
                 b * t * 3 * c,
             ]);
             p.scale(qkv, 2.0);
             p.poison(out);
             p.poison(att);
-            p.both(|be, [out, att, ws, qkv]| be.attention_forward(out, att, ws, qkv, b, t, c, nh), [out, att, ws, qkv]);
-            let what = format!("attention b={b} t={t} c={c} nh={nh}");
+            p.both(
+                |be, [out, att, ws, qkv]| be.attention_forward(out, att, ws, qkv, b, t, c, nh, nkv),
+                [out, att, ws, qkv],
+            );
+            let what = format!("attention b={b} t={t} c={c} nh={nh} nkv={nkv}");
             p.check(out, 2e-5, &what);
             p.check(att, 2e-5, &what);
             p.poison(dqkv);
             p.poison(datt);
             p.both(
                 |be, [dqkv, datt, ws3, dout, qkv, att]| {
-                    be.attention_backward(dqkv, datt, ws3, dout, qkv, att, b, t, c, nh)
+                    be.attention_backward(dqkv, datt, ws3, dout, qkv, att, b, t, c, nh, nkv)
                 },
                 [dqkv, datt, ws3, dout, qkv, att],
             );
@@ -228,25 +300,27 @@ fn gpu_attention_forward_and_backward() {
 fn gpu_cached_attention() {
     both("gpu_cached_attention", |p| {
         // One sequence's cache and scores are bound whole (far below a binding in real models).
+        // (pos, TN, C, NH, KV, maxT)
         let shapes: &[_] = if p.tiny() {
-            &[(0, 1, 4, 2, 1), (0, 5, 12, 3, 9), (4, 1, 12, 3, 9), (3, 6, 8, 2, 20)]
+            &[(0, 1, 4, 2, 2, 1), (0, 5, 12, 3, 3, 9), (4, 1, 12, 3, 3, 9), (3, 6, 8, 2, 2, 20), (2, 3, 16, 4, 2, 8)]
         } else {
-            &[(0, 1, 4, 2, 1), (0, 5, 12, 3, 9), (4, 1, 12, 3, 9), (3, 66, 8, 2, 80)]
+            &[(0, 1, 4, 2, 2, 1), (0, 5, 12, 3, 3, 9), (4, 1, 12, 3, 3, 9), (3, 66, 8, 2, 2, 80), (5, 9, 24, 6, 3, 20)]
         };
-        for &(pos, tn, c, nh, max_t) in shapes {
+        for &(pos, tn, c, nh, nkv, max_t) in shapes {
+            let kv = nkv * (c / nh);
             let [out, scores, ws, qkv, kc, vc] =
-                p.parts([tn * c, nh * tn * max_t, tn * c, tn * 3 * c, max_t * c, max_t * c]);
+                p.parts([tn * c, nh * tn * max_t, tn * c, tn * (c + 2 * kv), max_t * kv, max_t * kv]);
             p.poison(out);
             p.both(
                 |be, [out, scores, ws, qkv, kc, vc]| {
-                    be.attention_forward_cached(out, scores, ws, qkv, kc, vc, pos, tn, c, nh, max_t)
+                    be.attention_forward_cached(out, scores, ws, qkv, kc, vc, pos, tn, c, nh, nkv, max_t)
                 },
                 [out, scores, ws, qkv, kc, vc],
             );
-            let what = format!("cached attention pos={pos} tn={tn} c={c} nh={nh}");
+            let what = format!("cached attention pos={pos} tn={tn} c={c} nh={nh} nkv={nkv}");
             p.check(out, 2e-5, &what);
-            p.check_prefix(kc, (pos + tn) * c, 0.0, &what);
-            p.check_prefix(vc, (pos + tn) * c, 0.0, &what);
+            p.check_prefix(kc, (pos + tn) * kv, 0.0, &what);
+            p.check_prefix(vc, (pos + tn) * kv, 0.0, &what);
         }
     });
 }

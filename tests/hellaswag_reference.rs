@@ -5,9 +5,9 @@
 //! JSON reading and tokenization, and the whole data set, where present, all 300.
 
 use llmrs::backend::Device;
-use llmrs::config::GPT2Config;
+use llmrs::config::ModelConfig;
 use llmrs::hellaswag::{accuracy, load_jsonl, score, Example};
-use llmrs::model::GPT2;
+use llmrs::model::Model;
 use llmrs::params::Weights;
 use llmrs::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
@@ -83,8 +83,8 @@ fn losses_and_predictions_match_the_pytorch_scorer() {
     let ex = reference_examples(&want);
     assert_eq!(ex.len(), n);
     // The fixture's model is `llmrs convert 2x64:4:256 --seed 42`: our random init.
-    let weights = Weights::random(GPT2Config::from_descriptor("2x64:4:256").unwrap(), 42).unwrap();
-    let mut model = GPT2::new(weights, Device::Cpu).unwrap();
+    let weights = Weights::random(ModelConfig::from_descriptor("2x64:4:256").unwrap(), 42).unwrap();
+    let mut model = Model::new(weights, Device::Cpu).unwrap();
     let got = score(&mut model, &ex, |_| {}).unwrap();
     assert_eq!(got.len(), n);
     for (i, (w, g)) in want["examples"].as_array().unwrap().iter().zip(&got).enumerate() {

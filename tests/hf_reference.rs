@@ -24,7 +24,7 @@ fn io() -> (Vec<u32>, Vec<f32>, Vec<f32>) {
 
 fn logits_of(weights: llmrs::params::Weights, ids: &[u32]) -> Vec<f32> {
     let (b, t) = (2, ids.len() / 2);
-    let mut model = llmrs::model::GPT2::new(weights, llmrs::backend::Device::Cpu).unwrap();
+    let mut model = llmrs::model::Model::new(weights, llmrs::backend::Device::Cpu).unwrap();
     model.forward(ids, None, b, t).unwrap();
     (0..b * t).flat_map(|row| model.logits_at(row).unwrap()).collect()
 }

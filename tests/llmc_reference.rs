@@ -28,7 +28,7 @@ fn same_losses_as_llmc_train_gpt2c() {
     let dir = tempfile::tempdir().unwrap();
     // The model llm.c was given: our random init, written as an llm.c fp32 model file.
     let model =
-        llmrs::params::Weights::random(llmrs::config::GPT2Config::from_descriptor("2x64:4:64").unwrap(), 42).unwrap();
+        llmrs::params::Weights::random(llmrs::config::ModelConfig::from_descriptor("2x64:4:64").unwrap(), 42).unwrap();
     let model_path = dir.path().join("gpt2_124M.bin");
     llmrs::checkpoint::save_model(&model, &model_path, llmrs::checkpoint::Dtype::F32).unwrap();
     assert_eq!(

@@ -8,8 +8,8 @@
 
 use llmrs::backend::Device;
 use llmrs::checkpoint::{load_debug_state, load_model};
-use llmrs::config::GPT2Config;
-use llmrs::model::{Slot, GPT2};
+use llmrs::config::ModelConfig;
+use llmrs::model::{Model, Slot};
 use llmrs::optim::{optimizer_step, OptimConfig};
 use llmrs::params::{Tensor, Weights};
 use llmrs::schedule::{LrSchedule, ScheduleKind};
@@ -57,8 +57,8 @@ fn random_init_matches_pytorch() {
 fn logits_loss_and_all_16_gradients_match() {
     let weights = load_model(&fixture("ref_model.bin")).unwrap();
     let st = load_debug_state(&fixture("ref_debug_state.bin"), &weights.config).unwrap();
-    let GPT2Config { vocab_size: v, .. } = weights.config;
-    let mut model = GPT2::new(weights, Device::Cpu).unwrap();
+    let ModelConfig { vocab_size: v, .. } = weights.config;
+    let mut model = Model::new(weights, Device::Cpu).unwrap();
     model.alloc_training_state().unwrap();
     model.forward(&st.inputs, Some(&st.targets), st.b, st.t).unwrap();
     let logits: Vec<f32> = (0..st.b * st.t).flat_map(|row| model.logits_at(row).unwrap()).collect();
@@ -83,7 +83,7 @@ fn logits_loss_and_all_16_gradients_match() {
 fn ten_adamw_steps_follow_pytorch() {
     let text = std::fs::read_to_string(fixture("ref_trajectory.json")).unwrap();
     let j: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let mut model = GPT2::new(load_model(&fixture("ref_model.bin")).unwrap(), Device::Cpu).unwrap();
+    let mut model = Model::new(load_model(&fixture("ref_model.bin")).unwrap(), Device::Cpu).unwrap();
     model.alloc_training_state().unwrap();
     let (b, t) = (j["B"].as_u64().unwrap() as usize, j["T"].as_u64().unwrap() as usize);
     let accum = j["grad_accum_steps"].as_u64().unwrap() as usize;

@@ -8,9 +8,9 @@
 //! so it is checked against the references instead (CI runs the suite with it).
 
 use llmrs::backend::Device;
-use llmrs::config::GPT2Config;
+use llmrs::config::ModelConfig;
 use llmrs::cpu::simd::Isa;
-use llmrs::model::{Slot, GPT2};
+use llmrs::model::{Model, Slot};
 use llmrs::optim::{optimizer_step, OptimConfig};
 use llmrs::params::Weights;
 use std::process::Command;
@@ -58,8 +58,8 @@ fn digests() -> Vec<String> {
         out.push(format!("gemv {c}x{oc} {:016x}", digest(&y)));
     }
     let cfg =
-        GPT2Config { vocab_size: 1000, padded_vocab_size: 1024, ..GPT2Config::from_descriptor("2x64:4:64").unwrap() };
-    let mut model = GPT2::new(Weights::random(cfg, 7).unwrap(), Device::Cpu).unwrap();
+        ModelConfig { vocab_size: 1000, padded_vocab_size: 1024, ..ModelConfig::from_descriptor("2x64:4:64").unwrap() };
+    let mut model = Model::new(Weights::random(cfg, 7).unwrap(), Device::Cpu).unwrap();
     model.alloc_training_state().unwrap();
     let (b, t) = (3, 37);
     let opt = OptimConfig::default();

@@ -53,3 +53,41 @@ fn tokenizer() -> &'static Tokenizer {
     static T: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
     T.get_or_init(|| Tokenizer::gpt2().unwrap())
 }
+
+/// A model's tokenizer.json through the `tokenizers` crate encodes and decodes as Python's
+/// `tokenizers` (scripts/make_hf_tokenizer_reference.py): byte-level BPE (Llama 3, SmolLM2) and
+/// SentencePiece-style BPE with byte fallback (Llama 2, TinyLlama). Streaming decode (the token
+/// bytes `generate` prints one at a time) gives the same text.
+#[test]
+fn tokenizer_json_encodes_as_python_tokenizers_does() {
+    use llmrs::tokenizer::Tokenizer;
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers");
+    let cases: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    for (name, vocab, eot, start) in [("bytelevel", 600, 0, 1), ("sentencepiece", 500, 2, 1)] {
+        let tok = Tokenizer::load_hf(&dir.join(format!("{name}.json"))).unwrap();
+        assert_eq!((tok.vocab_size(), tok.eot, tok.doc_start), (vocab, eot, start), "{name}");
+        for c in cases[name].as_array().unwrap() {
+            let text = c["text"].as_str().unwrap();
+            let want: Vec<u32> = c["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+            let ids = tok.encode(text).unwrap();
+            assert_eq!(ids, want, "{name}: {text:?}");
+            assert_eq!(tok.decode(&ids), c["decoded"].as_str().unwrap(), "{name}: decode of {text:?}");
+            let streamed: Vec<u8> = ids.iter().flat_map(|&i| tok.token_bytes(i).to_vec()).collect();
+            // SentencePiece prepends a space to non-empty text, which its decoder strips.
+            let streamed = String::from_utf8(streamed).unwrap();
+            let streamed = if name == "sentencepiece" {
+                streamed.strip_prefix(' ').unwrap_or(&streamed).to_string()
+            } else {
+                streamed
+            };
+            assert_eq!(streamed, text, "{name}: streamed bytes of {text:?}");
+        }
+        let e = tok.check_fits(vocab - 1).unwrap_err().to_string();
+        assert!(e.contains(&format!("the tokenizer has {vocab} tokens")), "{e}");
+        tok.check_fits(vocab).unwrap();
+    }
+    // A file that is not a tokenizer.json is a clear error.
+    let bad = dir.join("cases.json");
+    assert!(format!("{:#}", Tokenizer::load_hf(&bad).err().unwrap()).contains("not a tokenizer.json"));
+}

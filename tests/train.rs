@@ -103,7 +103,7 @@ fn bad_settings_and_data_are_refused_clearly() {
     assert!(err(TrainConfig { train_data: "/nonexistent/x*.bin".into(), ..base.clone() }).contains("no token files"));
     // A vocabulary smaller than the data's token ids.
     let m = dir.path().join("small_vocab.bin");
-    let mut cfg = llmrs::config::GPT2Config::from_descriptor("1x8:2:16").unwrap();
+    let mut cfg = llmrs::config::ModelConfig::from_descriptor("1x8:2:16").unwrap();
     cfg.vocab_size = 50;
     cfg.padded_vocab_size = 128;
     llmrs::checkpoint::save_model(&llmrs::params::Weights::random(cfg, 1).unwrap(), &m, llmrs::checkpoint::Dtype::F32)
@@ -197,9 +197,19 @@ fn hellaswag_during_training_is_logged_at_validation_steps() {
 /// same train and val losses at every step and the same parameters after the last, up to the
 /// order of float sums (gradients are averaged over ranks and micro-batches differently). The
 /// sharded AdamW state, put back together from the ranks' state files in llm.c's shard layout,
-/// is the one process's.
+/// is the one process's. For GPT-2 and for a Llama model (grouped-query attention, no biases:
+/// the families' different tensors shard alike).
 #[test]
 fn ranks_train_as_one_process_with_the_whole_batch_at_every_zero_stage() {
+    ranks_equal_one_process("2x32:2:32", &[2, 4]);
+}
+
+#[test]
+fn llama_ranks_train_as_one_process_at_every_zero_stage() {
+    ranks_equal_one_process("llama:2x32:4:2:64:32", &[2]);
+}
+
+fn ranks_equal_one_process(model: &str, worlds: &[usize]) {
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
     let base = TrainConfig {
@@ -210,6 +220,7 @@ fn ranks_train_as_one_process_with_the_whole_batch_at_every_zero_stage() {
         checkpoint_every: 20,
         sample_every: 10,
         gen_tokens: 6,
+        model: model.into(),
         ..small(dir.path(), &train, &val)
     };
     // Each rank reads B=2 rows of every batch; one process reads all B = 2 * world of them.
@@ -227,20 +238,20 @@ fn ranks_train_as_one_process_with_the_whole_batch_at_every_zero_stage() {
     };
     let load = |d: &Path| llmrs::checkpoint::load_model(&d.join("model_00000020.bin")).unwrap();
     let close = |a: f32, b: f32, tol: f32| (a - b).abs() <= tol * b.abs().max(1.0);
-    for world in [2, 4] {
+    for &world in worlds {
         let (one, one_dir) = run_ranks(1, 0, 2 * world);
         let one = &one[0];
         assert_eq!(one.train_losses.len(), 20);
         // Training moved the loss, so agreement is not that of two untrained models.
         assert!(one.train_losses[19].1 < one.train_losses[0].1 - 0.5, "{:?}", one.train_losses);
         let one_params = load(&one_dir).data;
-        let mut one_model = llmrs::model::GPT2::new(load(&one_dir), llmrs::backend::Device::Cpu).unwrap();
+        let mut one_model = llmrs::model::Model::new(load(&one_dir), llmrs::backend::Device::Cpu).unwrap();
         one_model.alloc_training_state().unwrap();
         llmrs::checkpoint::load_state(&one_dir.join("state_00000020_00000.bin"), &mut one_model).unwrap();
         let one_m = one_model.read_all(llmrs::model::Slot::AdamM).unwrap();
         for stage in 0..=3 {
             let (runs, out) = run_ranks(world, stage, 2);
-            let what = format!("{world} ranks, ZeRO-{stage}");
+            let what = format!("{model}: {world} ranks, ZeRO-{stage}");
             for r in &runs {
                 assert_eq!(r.train_losses.len(), one.train_losses.len());
                 for ((s, a), (_, b)) in r.train_losses.iter().zip(&one.train_losses) {

@@ -238,10 +238,11 @@ pub trait Backend {
 
     // ---- layers ---------------------------------------------------------------------------
 
-    /// out (B, T, C) = wte (Vp, C)[inp (B, T)] + wpe (maxT, C)[t]. Ids must be < V.
-    fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Buf, b: usize, t: usize, c: usize);
-    /// dwte (Vp, C) and dwpe (maxT, C) (inout) += the scatter of dout (B, T, C) by token and position.
-    fn encoder_backward(&mut self, dwte: Buf, dwpe: Buf, dout: Buf, inp: Buf, b: usize, t: usize, c: usize);
+    /// out (B, T, C) = wte (Vp, C)[inp (B, T)] [+ wpe (maxT, C)[t]]. Ids must be < V.
+    fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize);
+    /// dwte (Vp, C) [and dwpe (maxT, C)] (inout) += the scatter of dout (B, T, C) by token [and
+    /// position].
+    fn encoder_backward(&mut self, dwte: Buf, dwpe: Option<Buf>, dout: Buf, inp: Buf, b: usize, t: usize, c: usize);
 
     /// out (N, C) = (inp - mean) * rstd * weight + bias; mean (N) and rstd (N) kept for backward.
     fn layernorm_forward(
@@ -270,6 +271,37 @@ pub trait Backend {
         c: usize,
     );
 
+    /// RMSNorm: out (N, C) = inp * rstd * weight, rstd (N) = 1 / sqrt(mean(inp^2) + eps), kept
+    /// for backward.
+    fn rmsnorm_forward(&mut self, out: Buf, rstd: Buf, inp: Buf, weight: Buf, n: usize, c: usize, eps: f32);
+    /// dinp (N, C) and dweight (C): both inout, `+=`.
+    fn rmsnorm_backward(
+        &mut self,
+        dinp: Buf,
+        dweight: Buf,
+        dout: Buf,
+        inp: Buf,
+        weight: Buf,
+        rstd: Buf,
+        n: usize,
+        c: usize,
+    );
+
+    /// The rotary embedding, in place on the q and k of qkv (N, QKV) (N = B*T rows; row r sits
+    /// at position pos + r % T): within each head, element i and i + HS/2 rotate by the
+    /// angle of pair i (transformers' `rotate_half` layout). rope (maxT, HS) holds each
+    /// position's cosines (HS/2) then sines (HS/2).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_forward(&mut self, qkv: Buf, rope: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize);
+    /// Its backward, in place on dqkv (N, QKV): the rotation by the opposite angles.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_backward(&mut self, dqkv: Buf, rope: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize);
+
+    /// SwiGLU: out (N, F) = up * silu(gate), from inp (N, 2F) holding up then gate.
+    fn swiglu_forward(&mut self, out: Buf, inp: Buf, n: usize, f: usize);
+    /// dinp (N, 2F) (out): d(up), d(gate) from dout (N, F).
+    fn swiglu_backward(&mut self, dinp: Buf, dout: Buf, inp: Buf, n: usize, f: usize);
+
     /// out (N) = a (N) + b (N). Its backward is the identity, so there is no residual_backward.
     fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf);
 
@@ -297,7 +329,9 @@ pub trait Backend {
     fn gelu_backward(&mut self, d: Buf, inp: Buf);
 
     /// Causal self-attention: out (B, T, C) and the probabilities att (B, NH, T, T) (zero above
-    /// the diagonal, kept for backward) from qkv (B, T, 3*C). workspace (B, T, C): scratch.
+    /// the diagonal, kept for backward) from qkv (B, T, QKV): the NH query heads, then the
+    /// `nkv` key heads, then the value heads, query head h reading key and value head
+    /// h / (NH / nkv) (grouped-query attention; GPT-2: nkv = NH). workspace (B, T, C): scratch.
     fn attention_forward(
         &mut self,
         out: Buf,
@@ -308,9 +342,10 @@ pub trait Backend {
         t: usize,
         c: usize,
         nh: usize,
+        nkv: usize,
     );
-    /// dqkv (B, T, 3*C) (out) from dout (B, T, C). datt (B, NH, T, T) and workspace
-    /// (B, T, 3*C): scratch.
+    /// dqkv (B, T, QKV) (out) from dout (B, T, C); a key or value head's gradient sums over
+    /// its query heads in order. datt (B, NH, T, T) and workspace (B, T, 3*C): scratch.
     fn attention_backward(
         &mut self,
         dqkv: Buf,
@@ -323,11 +358,12 @@ pub trait Backend {
         t: usize,
         c: usize,
         nh: usize,
+        nkv: usize,
     );
     /// Attention of `tn` new positions of one sequence against a KV cache: the new keys and
-    /// values in qkv (TN, 3*C) go to rows pos..pos+tn of k_cache and v_cache (maxT, C) (inout),
-    /// then out (TN, C) = attention of each new position over cache rows 0..=its own. scores
-    /// (NH, TN, maxT) and workspace (TN, C): scratch.
+    /// values in qkv (TN, QKV) go to rows pos..pos+tn of k_cache and v_cache (maxT, KV*HS)
+    /// (inout), then out (TN, C) = attention of each new position over cache rows 0..=its own.
+    /// scores (NH, TN, maxT) and workspace (TN, C): scratch.
     fn attention_forward_cached(
         &mut self,
         out: Buf,
@@ -340,6 +376,7 @@ pub trait Backend {
         tn: usize,
         c: usize,
         nh: usize,
+        nkv: usize,
         max_t: usize,
     );
 

@@ -1,8 +1,10 @@
-//! Causal multi-head self-attention on the packed qkv activations.
+//! Causal multi-head self-attention on the packed qkv activations, with grouped-query attention.
 //!
-//! Layout: `qkv (B, T, 3*C)` holds q, k, v for each position side by side; head h of q is
-//! `qkv[b, t, h*HS .. (h+1)*HS]`, of k at offset C, of v at offset 2*C. The softmax output
-//! `att (B, NH, T, T)` is kept for backward (entries above the diagonal are 0).
+//! Layout: `qkv (B, T, QKV)` holds each position's NH query heads, then its KV key heads, then
+//! its KV value heads (QKV = (NH + 2 KV) * HS; GPT-2: KV = NH, QKV = 3C). Query head h of
+//! position t is `qkv[b, t, h*HS .. (h+1)*HS]`; it reads key and value head g = h / (NH / KV),
+//! at offsets C + g*HS and C + KV*HS + g*HS. The softmax output `att (B, NH, T, T)` is kept for
+//! backward (entries above the diagonal are 0).
 
 use super::math::{add_lanes, combine_lanes, max_lanes};
 use super::team::{self, Disjoint};
@@ -30,22 +32,41 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// Where head h's key (and value) sit in a row of qkv: (k offset, v offset).
+#[inline]
+fn kv_offsets(h: usize, c: usize, nh: usize, nkv: usize) -> (usize, usize) {
+    let hs = c / nh;
+    let g = h / (nh / nkv);
+    (c + g * hs, c + nkv * hs + g * hs)
+}
+
 /// Loop version of [`attention_forward`], kept as the tests' oracle.
 #[cfg(test)]
-fn attention_forward_loops(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usize, t: usize, c: usize, nh: usize) {
+#[allow(clippy::too_many_arguments)]
+fn attention_forward_loops(
+    out: &mut [f32],
+    att: &mut [f32],
+    qkv: &[f32],
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+    nkv: usize,
+) {
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
-    let c3 = 3 * c;
+    let c3 = c + 2 * nkv * hs;
     // Pass 1: attention probabilities, one (b, h) plane per task.
     att[..b * nh * t * t].par_chunks_mut(t * t).enumerate().for_each(|(bh, plane)| {
         let (bi, h) = (bh / nh, bh % nh);
         let base = bi * t * c3;
+        let (ko, _) = kv_offsets(h, c, nh, nkv);
         for ti in 0..t {
             let q = &qkv[base + ti * c3 + h * hs..][..hs];
             let row = &mut plane[ti * t..(ti + 1) * t];
             let mut maxv = f32::NEG_INFINITY;
             for t2 in 0..=ti {
-                let k = &qkv[base + t2 * c3 + c + h * hs..][..hs];
+                let k = &qkv[base + t2 * c3 + ko..][..hs];
                 let s = dot(q, k) * scale;
                 row[t2] = s;
                 maxv = maxv.max(s);
@@ -70,8 +91,9 @@ fn attention_forward_loops(out: &mut [f32], att: &mut [f32], qkv: &[f32], b: usi
         for h in 0..nh {
             let p = &att[(bi * nh + h) * t * t + ti * t..][..t];
             let oh = &mut o[h * hs..(h + 1) * hs];
+            let (_, vo) = kv_offsets(h, c, nh, nkv);
             for t2 in 0..=ti {
-                let v = &qkv[(bi * t + t2) * c3 + 2 * c + h * hs..][..hs];
+                let v = &qkv[(bi * t + t2) * c3 + vo..][..hs];
                 let w = p[t2];
                 for i in 0..hs {
                     oh[i] += w * v[i];
@@ -117,7 +139,7 @@ crate::simd_fn! {
 /// is one block, the full T x T.
 const ROW_BLOCK: usize = 64;
 
-/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, 3*C). Per (batch, head) and block of query
+/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, QKV). Per (batch, head) and block of query
 /// rows, two GEMMs: scores = Q K^T over the visible keys (then the causal mask inside the
 /// block), and out = softmax(scores) V. `att` is zero above the diagonal. `heads (B, NH, T, HS)`
 /// is workspace.
@@ -131,8 +153,9 @@ pub fn attention_forward(
     t: usize,
     c: usize,
     nh: usize,
+    nkv: usize,
 ) {
-    attention_forward_blocked(out, att, heads, qkv, b, t, c, nh, ROW_BLOCK)
+    attention_forward_blocked(out, att, heads, qkv, b, t, c, nh, nkv, ROW_BLOCK)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -145,22 +168,25 @@ fn attention_forward_blocked(
     t: usize,
     c: usize,
     nh: usize,
+    nkv: usize,
     block: usize,
 ) {
     use crate::cpu::matmul::gemm_strided_serial as gemm;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
-    let (c3, ti_, hs_) = (3 * c as isize, t as isize, hs as isize);
+    let qd = c + 2 * nkv * hs;
+    let (c3, ti_, hs_) = (qd as isize, t as isize, hs as isize);
     let heads_d = Disjoint::new(&mut heads[..b * nh * t * hs]);
     team::chunks_mut(&mut att[..b * nh * t * t], t * t, |bh, p| {
         // SAFETY: plane bh of the heads is this task's alone.
         let o = unsafe { heads_d.part(bh * t * hs..(bh + 1) * t * hs) };
-        let base = (bh / nh) * t * 3 * c + (bh % nh) * hs;
-        let (q, k, v) = (&qkv[base..], &qkv[base + c..], &qkv[base + 2 * c..]);
+        let (row0, h) = ((bh / nh) * t * qd, bh % nh);
+        let (ko, vo) = kv_offsets(h, c, nh, nkv);
+        let (q, k, v) = (&qkv[row0 + h * hs..], &qkv[row0 + ko..], &qkv[row0 + vo..]);
         for r0 in (0..t).step_by(block) {
             let r1 = (r0 + block).min(t);
             // Rows r0..r1 see keys 0..r1; softmax_prefix zeroes the rest of each row.
-            gemm(r1 - r0, r1, hs, &mut p[r0 * t..], (ti_, 1), false, &q[r0 * 3 * c..], (c3, 1), k, (1, c3));
+            gemm(r1 - r0, r1, hs, &mut p[r0 * t..], (ti_, 1), false, &q[r0 * qd..], (c3, 1), k, (1, c3));
             for ti in r0..r1 {
                 softmax_prefix(&mut p[ti * t..(ti + 1) * t], ti + 1, scale);
             }
@@ -178,8 +204,9 @@ fn attention_forward_blocked(
 
 /// Backward of [`attention_forward`], as GEMMs per (batch, head): dP = dO V^T, the softmax
 /// backward dS = P (dP - rowsum(P dP)) (scaled), dQ = dS K, dK = dS^T Q, dV = P^T dO, each
-/// restricted to the causal triangle by blocks of rows (dP, dQ) or of keys (dK, dV).
-/// `dqkv (B, T, 3*C)` is overwritten; `scratch (B, NH, T, T)` and `heads (B, NH, 3, T, HS)` are
+/// restricted to the causal triangle by blocks of rows (dP, dQ) or of keys (dK, dV). A key or
+/// value head's gradient is the sum of its query heads', in head order.
+/// `dqkv (B, T, QKV)` is overwritten; `scratch (B, NH, T, T)` and `heads (B, NH, 3, T, HS)` are
 /// workspace.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
@@ -193,8 +220,9 @@ pub fn attention_backward(
     t: usize,
     c: usize,
     nh: usize,
+    nkv: usize,
 ) {
-    attention_backward_blocked(dqkv, scratch, heads, dout, qkv, att, b, t, c, nh, ROW_BLOCK)
+    attention_backward_blocked(dqkv, scratch, heads, dout, qkv, att, b, t, c, nh, nkv, ROW_BLOCK)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -209,19 +237,22 @@ fn attention_backward_blocked(
     t: usize,
     c: usize,
     nh: usize,
+    nkv: usize,
     block: usize,
 ) {
     use crate::cpu::matmul::gemm_strided_serial as gemm;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
-    let (c_, c3, ti_, hs_) = (c as isize, 3 * c as isize, t as isize, hs as isize);
+    let qd = c + 2 * nkv * hs;
+    let (c_, c3, ti_, hs_) = (c as isize, qd as isize, t as isize, hs as isize);
     let heads_d = Disjoint::new(&mut heads[..b * nh * 3 * t * hs]);
     team::chunks_mut(&mut scratch[..b * nh * t * t], t * t, |bh, ds| {
         // SAFETY: plane bh of the heads is this task's alone.
         let hd = unsafe { heads_d.part(bh * 3 * t * hs..(bh + 1) * 3 * t * hs) };
         let (bi, h) = (bh / nh, bh % nh);
-        let base = bi * t * 3 * c + h * hs;
-        let (q, k, v) = (&qkv[base..], &qkv[base + c..], &qkv[base + 2 * c..]);
+        let row0 = bi * t * qd;
+        let (ko, vo) = kv_offsets(h, c, nh, nkv);
+        let (q, k, v) = (&qkv[row0 + h * hs..], &qkv[row0 + ko..], &qkv[row0 + vo..]);
         let d = &dout[bi * t * c + h * hs..];
         let p = &att[bh * t * t..(bh + 1) * t * t];
         let (dq, rest) = hd.split_at_mut(t * hs);
@@ -239,27 +270,37 @@ fn attention_backward_blocked(
             let k1 = (k0 + block).min(t);
             // Keys k0..k1 were seen by queries k0..t only: dK = dS^T Q and dV = P^T dO over those.
             let (lhs_ds, lhs_p) = (&ds[k0 * t + k0..], &p[k0 * t + k0..]);
-            gemm(k1 - k0, hs, t - k0, &mut dk[k0 * hs..], (hs_, 1), false, lhs_ds, (1, ti_), &q[k0 * 3 * c..], (c3, 1));
+            gemm(k1 - k0, hs, t - k0, &mut dk[k0 * hs..], (hs_, 1), false, lhs_ds, (1, ti_), &q[k0 * qd..], (c3, 1));
             gemm(k1 - k0, hs, t - k0, &mut dv[k0 * hs..], (hs_, 1), false, lhs_p, (1, ti_), &d[k0 * c..], (c_, 1));
         }
     });
+    // dQ per head; dK and dV per key/value head, summed over its query heads in order.
     let heads = &heads[..b * nh * 3 * t * hs];
-    team::chunks_mut(&mut dqkv[..b * t * 3 * c], 3 * c, |bt, row| {
+    let rep = nh / nkv;
+    team::chunks_mut(&mut dqkv[..b * t * qd], qd, |bt, row| {
         let (bi, ti) = (bt / t, bt % t);
+        let part = |h: usize, p: usize| &heads[((bi * nh + h) * 3 + p) * t * hs + ti * hs..][..hs];
         for h in 0..nh {
-            for part in 0..3 {
-                let src = &heads[((bi * nh + h) * 3 + part) * t * hs + ti * hs..][..hs];
-                row[part * c + h * hs..part * c + (h + 1) * hs].copy_from_slice(src);
+            row[h * hs..(h + 1) * hs].copy_from_slice(part(h, 0));
+        }
+        for g in 0..nkv {
+            for (p, off) in [(1, c + g * hs), (2, c + (nkv + g) * hs)] {
+                let dst = &mut row[off..off + hs];
+                dst.copy_from_slice(part(g * rep, p));
+                for h in g * rep + 1..(g + 1) * rep {
+                    dst.iter_mut().zip(part(h, p)).for_each(|(d, s)| *d += s);
+                }
             }
         }
     });
 }
 
 /// Attention of `tn` new positions against a KV cache (inference, one sequence).
-/// `qkv (tn, 3*C)` holds the new positions' q, k, v; their k and v must already be copied into
-/// `k_cache`/`v_cache (maxT, C)` at rows `pos..pos+tn`. New position i sits at absolute position
-/// `pos + i` and attends to cache rows `0..=pos+i`. Per head, two GEMMs: scores = Q K^T and
-/// out = softmax(scores) V. `scores (NH, tn, maxT)` and `head_out (NH, tn, HS)` are workspace.
+/// `qkv (tn, QKV)` holds the new positions' q, k, v; their k and v must already be copied into
+/// `k_cache`/`v_cache (maxT, KV*HS)` at rows `pos..pos+tn`. New position i sits at absolute
+/// position `pos + i` and attends to cache rows `0..=pos+i`. Per head, two GEMMs: scores =
+/// Q K^T and out = softmax(scores) V. `scores (NH, tn, maxT)` and `head_out (NH, tn, HS)` are
+/// workspace.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_cached(
     out: &mut [f32],
@@ -272,26 +313,29 @@ pub fn attention_forward_cached(
     tn: usize,
     c: usize,
     nh: usize,
+    nkv: usize,
     max_t: usize,
 ) {
     use crate::cpu::matmul::gemm_strided_serial;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let n = pos + tn; // keys visible to the last new position
-    let (c_, c3, mt) = (c as isize, 3 * c as isize, max_t as isize);
+    let (kvd, rep) = (nkv * hs, nh / nkv);
+    let (kv_, c3, mt) = (kvd as isize, (c + 2 * kvd) as isize, max_t as isize);
     let head_out_d = Disjoint::new(&mut head_out[..nh * tn * hs]);
     team::chunks_mut(&mut scores[..nh * tn * max_t], tn * max_t, |h, sc| {
         // SAFETY: head h's output rows are this task's alone.
         let ho = unsafe { head_out_d.part(h * tn * hs..(h + 1) * tn * hs) };
-        // sc (tn, n) = Q_h (tn, HS) @ K_h^T (HS, n)
+        // sc (tn, n) = Q_h (tn, HS) @ K_g^T (HS, n), g = h's key/value head
         let q = &qkv[h * hs..];
-        let k = &k_cache[h * hs..];
-        gemm_strided_serial(tn, n, hs, sc, (mt, 1), false, q, (c3, 1), k, (1, c_));
+        let g = h / rep;
+        let k = &k_cache[g * hs..];
+        gemm_strided_serial(tn, n, hs, sc, (mt, 1), false, q, (c3, 1), k, (1, kv_));
         for i in 0..tn {
             softmax_prefix(&mut sc[i * max_t..i * max_t + n], pos + i + 1, scale);
         }
-        // ho (tn, HS) = P (tn, n) @ V_h (n, HS)
-        gemm_strided_serial(tn, hs, n, ho, (hs as isize, 1), false, sc, (mt, 1), &v_cache[h * hs..], (c_, 1));
+        // ho (tn, HS) = P (tn, n) @ V_g (n, HS)
+        gemm_strided_serial(tn, hs, n, ho, (hs as isize, 1), false, sc, (mt, 1), &v_cache[g * hs..], (kv_, 1));
     });
     for i in 0..tn {
         for h in 0..nh {
@@ -301,7 +345,8 @@ pub fn attention_forward_cached(
     }
 }
 
-/// Loop version of [`attention_backward`], kept as the tests' oracle.
+/// Loop version of [`attention_backward`], kept as the tests' oracle (one query head per
+/// key/value head: GPT-2's attention).
 #[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 fn attention_backward_loops(
@@ -377,17 +422,19 @@ mod tests {
     use super::*;
     use crate::cpu::testutil::{self, *};
 
-    /// Straightforward f64 reference of causal attention.
-    fn reference(qkv: &[f32], b: usize, t: usize, c: usize, nh: usize) -> Vec<f32> {
+    /// Straightforward f64 reference of causal attention (with grouped key/value heads).
+    fn reference(qkv: &[f32], b: usize, t: usize, c: usize, nh: usize, nkv: usize) -> Vec<f32> {
         let hs = c / nh;
+        let qd = c + 2 * nkv * hs;
         let mut out = vec![0f32; b * t * c];
         for bi in 0..b {
             for h in 0..nh {
+                let (ko, vo) = kv_offsets(h, c, nh, nkv);
                 for ti in 0..t {
-                    let q = |tq: usize, i: usize| qkv[(bi * t + tq) * 3 * c + h * hs + i] as f64;
+                    let q = |tq: usize, i: usize| qkv[(bi * t + tq) * qd + h * hs + i] as f64;
                     let s: Vec<f64> = (0..=ti)
                         .map(|t2| {
-                            (0..hs).map(|i| q(ti, i) * qkv[(bi * t + t2) * 3 * c + c + h * hs + i] as f64).sum::<f64>()
+                            (0..hs).map(|i| q(ti, i) * qkv[(bi * t + t2) * qd + ko + i] as f64).sum::<f64>()
                                 / (hs as f64).sqrt()
                         })
                         .collect();
@@ -396,7 +443,7 @@ mod tests {
                     for i in 0..hs {
                         let mut acc = 0.0;
                         for t2 in 0..=ti {
-                            acc += (s[t2] - m).exp() / z * qkv[(bi * t + t2) * 3 * c + 2 * c + h * hs + i] as f64;
+                            acc += (s[t2] - m).exp() / z * qkv[(bi * t + t2) * qd + vo + i] as f64;
                         }
                         out[(bi * t + ti) * c + h * hs + i] = acc as f32;
                     }
@@ -408,15 +455,25 @@ mod tests {
 
     #[test]
     fn forward_and_backward_on_odd_shapes() {
-        for &(b, t, c, nh) in &[(1, 1, 1, 1), (1, 3, 3, 1), (2, 7, 6, 3), (3, 5, 8, 2), (1, 11, 4, 2)] {
-            let mut r = TestRng((b * 1000 + t * 10 + c) as u64);
-            let qkv: Vec<f32> = r.vec(b * t * 3 * c).iter().map(|x| x * 2.0).collect();
+        let shapes = [
+            (1, 1, 1, 1, 1),
+            (1, 3, 3, 1, 1),
+            (2, 7, 6, 3, 3),
+            (3, 5, 8, 2, 2),
+            (1, 11, 4, 2, 2),
+            (2, 7, 12, 6, 2),
+            (1, 9, 8, 4, 1),
+        ];
+        for &(b, t, c, nh, nkv) in &shapes {
+            let qd = c + 2 * nkv * (c / nh);
+            let mut r = TestRng((b * 1000 + t * 10 + c + nkv * 7) as u64);
+            let qkv: Vec<f32> = r.vec(b * t * qd).iter().map(|x| x * 2.0).collect();
             let proj = r.vec(b * t * c);
             let fwd = |qkv: &[f32]| {
                 let mut out = vec![0f32; b * t * c];
                 let mut att = vec![0f32; b * nh * t * t];
                 let mut heads = vec![0f32; b * t * c];
-                attention_forward(&mut out, &mut att, &mut heads, qkv, b, t, c, nh);
+                attention_forward(&mut out, &mut att, &mut heads, qkv, b, t, c, nh, nkv);
                 (out, att)
             };
             // Causal blocks of 1, 2 and 3 rows (several blocks, a ragged last one) give the
@@ -424,50 +481,42 @@ mod tests {
             let full = {
                 let (mut out, mut att, mut heads) =
                     (vec![0f32; b * t * c], vec![0f32; b * nh * t * t], vec![0f32; b * t * c]);
-                attention_forward_blocked(&mut out, &mut att, &mut heads, &qkv, b, t, c, nh, t.max(1));
+                attention_forward_blocked(&mut out, &mut att, &mut heads, &qkv, b, t, c, nh, nkv, t.max(1));
                 let (mut dqkv, mut scratch, mut heads) =
-                    (vec![0f32; b * t * 3 * c], vec![0f32; b * nh * t * t], vec![0f32; b * t * 3 * c]);
-                attention_backward_blocked(
-                    &mut dqkv,
-                    &mut scratch,
-                    &mut heads,
-                    &proj,
-                    &qkv,
-                    &att,
-                    b,
-                    t,
-                    c,
-                    nh,
-                    t.max(1),
-                );
+                    (vec![0f32; b * t * qd], vec![0f32; b * nh * t * t], vec![0f32; b * t * 3 * c]);
+                let (h, s) = (&mut heads, &mut scratch);
+                attention_backward_blocked(&mut dqkv, s, h, &proj, &qkv, &att, b, t, c, nh, nkv, t.max(1));
                 (out, att, dqkv)
             };
             for block in [1, 2, 3] {
                 let (mut out, mut att, mut heads) =
                     (vec![9f32; b * t * c], vec![9f32; b * nh * t * t], vec![9f32; b * t * c]);
-                attention_forward_blocked(&mut out, &mut att, &mut heads, &qkv, b, t, c, nh, block);
+                attention_forward_blocked(&mut out, &mut att, &mut heads, &qkv, b, t, c, nh, nkv, block);
                 assert_close(&out, &full.0, 1e-6, 1e-5, "blocked fwd");
                 assert_close(&att, &full.1, 1e-6, 1e-5, "blocked att");
                 let (mut dqkv, mut scratch, mut heads) =
-                    (vec![9f32; b * t * 3 * c], vec![9f32; b * nh * t * t], vec![9f32; b * t * 3 * c]);
-                attention_backward_blocked(&mut dqkv, &mut scratch, &mut heads, &proj, &qkv, &att, b, t, c, nh, block);
+                    (vec![9f32; b * t * qd], vec![9f32; b * nh * t * t], vec![9f32; b * t * 3 * c]);
+                let (h, s) = (&mut heads, &mut scratch);
+                attention_backward_blocked(&mut dqkv, s, h, &proj, &qkv, &att, b, t, c, nh, nkv, block);
                 assert_close(&dqkv, &full.2, 1e-5, 1e-4, "blocked bwd");
             }
             let (out, att) = fwd(&qkv);
-            assert_close(&out, &reference(&qkv, b, t, c, nh), 1e-5, 1e-4, "attention fwd");
-            let mut dqkv = vec![7f32; b * t * 3 * c];
+            assert_close(&out, &reference(&qkv, b, t, c, nh, nkv), 1e-5, 1e-4, "attention fwd");
+            let mut dqkv = vec![7f32; b * t * qd];
             let mut scratch = vec![3f32; b * nh * t * t];
             let mut heads = vec![5f32; b * t * 3 * c];
-            attention_backward(&mut dqkv, &mut scratch, &mut heads, &proj, &qkv, &att, b, t, c, nh);
+            attention_backward(&mut dqkv, &mut scratch, &mut heads, &proj, &qkv, &att, b, t, c, nh, nkv);
             check_grad(&qkv, &dqkv, |x| testutil::dot(&fwd(x).0, &proj), "dqkv");
             // The loop versions agree with the GEMM versions.
             let (mut out2, mut att2) = (vec![0f32; b * t * c], vec![0f32; b * nh * t * t]);
-            attention_forward_loops(&mut out2, &mut att2, &qkv, b, t, c, nh);
+            attention_forward_loops(&mut out2, &mut att2, &qkv, b, t, c, nh, nkv);
             assert_close(&out2, &out, 1e-6, 1e-5, "loops fwd");
             assert_close(&att2, &att, 1e-6, 1e-5, "loops att");
-            let mut dqkv2 = vec![0f32; b * t * 3 * c];
-            attention_backward_loops(&mut dqkv2, &mut scratch, &proj, &qkv, &att, b, t, c, nh);
-            assert_close(&dqkv2, &dqkv, 1e-5, 1e-4, "loops bwd");
+            if nkv == nh {
+                let mut dqkv2 = vec![0f32; b * t * qd];
+                attention_backward_loops(&mut dqkv2, &mut scratch, &proj, &qkv, &att, b, t, c, nh);
+                assert_close(&dqkv2, &dqkv, 1e-5, 1e-4, "loops bwd");
+            }
         }
     }
 }

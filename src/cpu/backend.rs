@@ -11,7 +11,7 @@
 //! training loop's divergence checks. Gradient and loss buffers are op outputs, so a NaN that
 //! reaches a loss or a gradient from unwritten memory is caught at the op that put it there.
 
-use super::{adamw, attention, classifier, encoder, gelu, layernorm, matmul, residual};
+use super::{adamw, attention, classifier, encoder, gelu, layernorm, matmul, residual, rmsnorm, rope, swiglu};
 use crate::backend::{lens, AdamWParams, Backend, Buf, DType};
 use crate::profile::{Kind, WallTimer};
 use anyhow::{bail, Context, Result};
@@ -55,6 +55,15 @@ pub struct CpuBackend {
     timer: WallTimer,
     /// Partial sums of the global norm, one per chunk (grown on first use).
     norm_partials: Vec<f64>,
+}
+
+/// QKV: the width of a fused q, k, v row with `nkv` key/value heads (checked to divide).
+fn qkv_width(c: usize, nh: usize, nkv: usize) -> usize {
+    assert!(
+        nh > 0 && nkv > 0 && nh.is_multiple_of(nkv) && c.is_multiple_of(nh),
+        "attention: {nh} heads, {nkv} kv heads, C={c}"
+    );
+    c + 2 * nkv * (c / nh)
 }
 
 /// A zero-length handle that overlaps nothing, for an absent optional input.
@@ -250,19 +259,28 @@ impl Backend for CpuBackend {
         Ok(self.timer.totals())
     }
 
-    fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Buf, b: usize, t: usize, c: usize) {
+    fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize) {
         lens!("encoder_forward"; out => b * t * c, inp => b * t);
-        assert!(wte.len.is_multiple_of(c) && wpe.len >= t * c, "encoder_forward: embedding shapes");
-        self.run("encoder_forward", [W(out)], [wte, wpe], [inp], |[o], [wte, wpe], [inp]| {
-            encoder::encoder_forward(o, inp, wte, wpe, b, t, c)
+        assert!(wte.len.is_multiple_of(c), "encoder_forward: embedding shapes");
+        if let Some(wpe) = wpe {
+            lens!("encoder_forward"; wpe => t * c);
+        }
+        let has_wpe = wpe.is_some();
+        self.run("encoder_forward", [W(out)], [wte, wpe.unwrap_or(NONE)], [inp], |[o], [wte, wpe], [inp]| {
+            encoder::encoder_forward(o, inp, wte, has_wpe.then_some(wpe), b, t, c)
         });
     }
 
-    fn encoder_backward(&mut self, dwte: Buf, dwpe: Buf, dout: Buf, inp: Buf, b: usize, t: usize, c: usize) {
+    fn encoder_backward(&mut self, dwte: Buf, dwpe: Option<Buf>, dout: Buf, inp: Buf, b: usize, t: usize, c: usize) {
         lens!("encoder_backward"; dout => b * t * c, inp => b * t);
-        assert!(dwte.len.is_multiple_of(c) && dwpe.len >= t * c, "encoder_backward: embedding shapes");
-        self.run("encoder_backward", [Rw(dwte), Rw(dwpe)], [dout], [inp], |[dwte, dwpe], [dout], [inp]| {
-            encoder::encoder_backward(dwte, dwpe, dout, inp, b, t, c)
+        assert!(dwte.len.is_multiple_of(c), "encoder_backward: embedding shapes");
+        if let Some(dwpe) = dwpe {
+            lens!("encoder_backward"; dwpe => t * c);
+        }
+        let has_wpe = dwpe.is_some();
+        let outs = [Rw(dwte), dwpe.map_or(W(NONE), Rw)];
+        self.run("encoder_backward", outs, [dout], [inp], |[dwte, dwpe], [dout], [inp]| {
+            encoder::encoder_backward(dwte, has_wpe.then_some(dwpe), dout, inp, b, t, c)
         });
     }
 
@@ -309,6 +327,72 @@ impl Backend for CpuBackend {
             [],
             |[di, dw, db], [d, x, w, m, r], []| layernorm::layernorm_backward(di, dw, db, d, x, w, m, r, n, c),
         );
+    }
+
+    fn rmsnorm_forward(&mut self, out: Buf, rstd: Buf, inp: Buf, weight: Buf, n: usize, c: usize, eps: f32) {
+        lens!("rmsnorm_forward"; out => n * c, rstd => n, inp => n * c, weight => c);
+        self.run("rmsnorm_forward", [W(out), W(rstd)], [inp, weight], [], |[o, r], [x, w], []| {
+            rmsnorm::rmsnorm_forward(o, r, x, w, n, c, eps)
+        });
+    }
+
+    fn rmsnorm_backward(
+        &mut self,
+        dinp: Buf,
+        dweight: Buf,
+        dout: Buf,
+        inp: Buf,
+        weight: Buf,
+        rstd: Buf,
+        n: usize,
+        c: usize,
+    ) {
+        lens!("rmsnorm_backward"; dinp => n * c, dweight => c, dout => n * c, inp => n * c, weight => c, rstd => n);
+        self.run(
+            "rmsnorm_backward",
+            [Rw(dinp), Rw(dweight)],
+            [dout, inp, weight, rstd],
+            [],
+            |[di, dw], [d, x, w, r], []| rmsnorm::rmsnorm_backward(di, dw, d, x, w, r, n, c),
+        );
+    }
+
+    fn rope_forward(&mut self, qkv: Buf, table: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize) {
+        lens!("rope_forward"; qkv => n * (nh + 2 * nkv) * hs);
+        assert!(t > 0 && n.is_multiple_of(t) && table.len >= (pos + t) * hs, "rope_forward: positions past the table");
+        self.run("rope_forward", [Rw(qkv)], [table], [], |[x], [r], []| {
+            rope::rope_forward(x, r, n, t, pos, nh, nkv, hs)
+        });
+    }
+
+    fn rope_backward(
+        &mut self,
+        dqkv: Buf,
+        table: Buf,
+        n: usize,
+        t: usize,
+        pos: usize,
+        nh: usize,
+        nkv: usize,
+        hs: usize,
+    ) {
+        lens!("rope_backward"; dqkv => n * (nh + 2 * nkv) * hs);
+        assert!(t > 0 && n.is_multiple_of(t) && table.len >= (pos + t) * hs, "rope_backward: positions past the table");
+        self.run("rope_backward", [Rw(dqkv)], [table], [], |[x], [r], []| {
+            rope::rope_backward(x, r, n, t, pos, nh, nkv, hs)
+        });
+    }
+
+    fn swiglu_forward(&mut self, out: Buf, inp: Buf, n: usize, f: usize) {
+        lens!("swiglu_forward"; out => n * f, inp => n * 2 * f);
+        self.run("swiglu_forward", [W(out)], [inp], [], |[o], [x], []| swiglu::swiglu_forward(o, x, n, f));
+    }
+
+    fn swiglu_backward(&mut self, dinp: Buf, dout: Buf, inp: Buf, n: usize, f: usize) {
+        lens!("swiglu_backward"; dinp => n * 2 * f, dout => n * f, inp => n * 2 * f);
+        self.run("swiglu_backward", [W(dinp)], [dout, inp], [], |[di], [d, x], []| {
+            swiglu::swiglu_backward(di, d, x, n, f)
+        });
     }
 
     fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf) {
@@ -376,10 +460,12 @@ impl Backend for CpuBackend {
         t: usize,
         c: usize,
         nh: usize,
+        nkv: usize,
     ) {
-        lens!("attention_forward"; out => b * t * c, att => b * nh * t * t, workspace => b * t * c, qkv => b * t * 3 * c);
+        let qd = qkv_width(c, nh, nkv);
+        lens!("attention_forward"; out => b * t * c, att => b * nh * t * t, workspace => b * t * c, qkv => b * t * qd);
         self.run("attention_forward", [W(out), W(att), Scratch(workspace)], [qkv], [], |[o, a, ws], [qkv], []| {
-            attention::attention_forward(o, a, ws, qkv, b, t, c, nh)
+            attention::attention_forward(o, a, ws, qkv, b, t, c, nh, nkv)
         });
     }
 
@@ -395,16 +481,18 @@ impl Backend for CpuBackend {
         t: usize,
         c: usize,
         nh: usize,
+        nkv: usize,
     ) {
-        lens!("attention_backward"; dqkv => b * t * 3 * c, datt => b * nh * t * t, workspace => b * t * 3 * c,
-              dout => b * t * c, qkv => b * t * 3 * c, att => b * nh * t * t);
+        let qd = qkv_width(c, nh, nkv);
+        lens!("attention_backward"; dqkv => b * t * qd, datt => b * nh * t * t, workspace => b * t * 3 * c,
+              dout => b * t * c, qkv => b * t * qd, att => b * nh * t * t);
         self.run(
             "attention_backward",
             [W(dqkv), Scratch(datt), Scratch(workspace)],
             [dout, qkv, att],
             [],
             |[dqkv, datt, ws], [dout, qkv, att], []| {
-                attention::attention_backward(dqkv, datt, ws, dout, qkv, att, b, t, c, nh)
+                attention::attention_backward(dqkv, datt, ws, dout, qkv, att, b, t, c, nh, nkv)
             },
         );
     }
@@ -421,25 +509,28 @@ impl Backend for CpuBackend {
         tn: usize,
         c: usize,
         nh: usize,
+        nkv: usize,
         max_t: usize,
     ) {
+        let qd = qkv_width(c, nh, nkv);
+        let kv = (qd - c) / 2;
         lens!("attention_forward_cached"; out => tn * c, scores => nh * tn * max_t, workspace => tn * c,
-              qkv => tn * 3 * c, k_cache => max_t * c, v_cache => max_t * c);
+              qkv => tn * qd, k_cache => max_t * kv, v_cache => max_t * kv);
         assert!(tn > 0 && pos + tn <= max_t, "attention_forward_cached: positions {pos}+{tn} past {max_t}");
         // Rows past pos+tn are not written yet: hand the op only the rows it may read.
-        let (k_cache, v_cache) = (k_cache.prefix((pos + tn) * c), v_cache.prefix((pos + tn) * c));
+        let (k_cache, v_cache) = (k_cache.prefix((pos + tn) * kv), v_cache.prefix((pos + tn) * kv));
         self.run(
             "attention_forward_cached",
             [W(out), Scratch(scores), Scratch(workspace), Rw(k_cache), Rw(v_cache)],
             [qkv],
             [],
             |[o, sc, ws, kc, vc], [qkv], []| {
-                for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
-                    let at = (pos + i) * c;
-                    kc[at..at + c].copy_from_slice(&row[c..2 * c]);
-                    vc[at..at + c].copy_from_slice(&row[2 * c..]);
+                for (i, row) in qkv.chunks_exact(qd).enumerate() {
+                    let at = (pos + i) * kv;
+                    kc[at..at + kv].copy_from_slice(&row[c..c + kv]);
+                    vc[at..at + kv].copy_from_slice(&row[c + kv..]);
                 }
-                attention::attention_forward_cached(o, sc, ws, qkv, kc, vc, pos, tn, c, nh, max_t)
+                attention::attention_forward_cached(o, sc, ws, qkv, kc, vc, pos, tn, c, nh, nkv, max_t)
             },
         );
     }

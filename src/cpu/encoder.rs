@@ -1,24 +1,38 @@
-//! Token + position embedding.
+//! Token embedding, plus GPT-2's learned position embedding (Llama has none: its positions
+//! are rotary, inside attention).
 
 use super::team;
 
-/// out (B, T, C) = wte (Vp, C)[inp (B, T)] + wpe (maxT, C)[t]. Token ids must already be < V.
-pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: &[f32], wpe: &[f32], b: usize, t: usize, c: usize) {
+/// out (B, T, C) = wte (Vp, C)[inp (B, T)] [+ wpe (T, C)[t]]. Token ids must already be < V.
+pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: &[f32], wpe: Option<&[f32]>, b: usize, t: usize, c: usize) {
     team::chunks_mut(&mut out[..b * t * c], c, |bt, o| {
         let tok = inp[bt] as usize;
-        let pos = bt % t;
         let we = &wte[tok * c..(tok + 1) * c];
-        let pe = &wpe[pos * c..(pos + 1) * c];
-        for i in 0..c {
-            o[i] = we[i] + pe[i];
+        match wpe {
+            Some(wpe) => {
+                let pos = bt % t;
+                let pe = &wpe[pos * c..(pos + 1) * c];
+                for i in 0..c {
+                    o[i] = we[i] + pe[i];
+                }
+            }
+            None => o.copy_from_slice(we),
         }
     });
 }
 
-/// dwte += scatter of dout by token, dwpe += sum over the batch of dout.
+/// dwte += scatter of dout by token, dwpe (T, C) += sum over the batch of dout.
 /// Sequential over positions for dwte (tokens repeat, and the scatter is cheap next to the
 /// matmuls); this keeps the summation order fixed.
-pub fn encoder_backward(dwte: &mut [f32], dwpe: &mut [f32], dout: &[f32], inp: &[u32], b: usize, t: usize, c: usize) {
+pub fn encoder_backward(
+    dwte: &mut [f32],
+    dwpe: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[u32],
+    b: usize,
+    t: usize,
+    c: usize,
+) {
     for bt in 0..b * t {
         let tok = inp[bt] as usize;
         let d = &dout[bt * c..(bt + 1) * c];
@@ -26,6 +40,7 @@ pub fn encoder_backward(dwte: &mut [f32], dwpe: &mut [f32], dout: &[f32], inp: &
             *w += g;
         }
     }
+    let Some(dwpe) = dwpe else { return };
     team::chunks_mut(&mut dwpe[..t * c], c, |pos, dp| {
         for bi in 0..b {
             let d = &dout[(bi * t + pos) * c..(bi * t + pos + 1) * c];
@@ -51,12 +66,19 @@ mod tests {
         let proj = r.vec(b * t * c);
         let fwd = |wte: &[f32], wpe: &[f32]| {
             let mut o = vec![0f32; b * t * c];
-            encoder_forward(&mut o, &inp, wte, wpe, b, t, c);
+            encoder_forward(&mut o, &inp, wte, Some(wpe), b, t, c);
             dot(&o, &proj)
         };
         let (mut dwte, mut dwpe) = (vec![0f32; v * c], vec![0f32; t * c]);
-        encoder_backward(&mut dwte, &mut dwpe, &proj, &inp, b, t, c);
+        encoder_backward(&mut dwte, Some(&mut dwpe), &proj, &inp, b, t, c);
         check_grad(&wte, &dwte, |x| fwd(x, &wpe), "dwte");
         check_grad(&wpe, &dwpe, |x| fwd(&wte, x), "dwpe");
+        // Without positions: the token rows alone.
+        let mut o = vec![0f32; b * t * c];
+        encoder_forward(&mut o, &inp, &wte, None, b, t, c);
+        assert_eq!(o[2 * c..3 * c], wte[inp[2] as usize * c..][..c]);
+        let mut dwte2 = vec![0f32; v * c];
+        encoder_backward(&mut dwte2, None, &proj, &inp, b, t, c);
+        assert_eq!(dwte2, dwte);
     }
 }

@@ -11,8 +11,11 @@ pub mod layernorm;
 pub mod math;
 pub mod matmul;
 pub mod residual;
+pub mod rmsnorm;
+pub mod rope;
 pub mod sgemm;
 pub mod simd;
+pub mod swiglu;
 pub mod team;
 
 #[cfg(test)]

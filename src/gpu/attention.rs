@@ -1,10 +1,10 @@
 //! Causal self-attention on the GPU as GEMMs (kernels/matmul.wgsl) around a row softmax
 //! (kernels/attention.wgsl): scores = Q K^T, P = softmax, out = P V per (batch, head) plane,
 //! each GEMM skipping the tiles that the causal mask makes zero. The heads are read from and
-//! written to the packed (B, T, 3*C) and (B, T, C) layouts through strides, with no copies.
+//! written to the packed (B, T, QKV) and (B, T, C) layouts through strides, with no copies.
 //! Planes are processed in groups whose tensors fit one binding each.
 
-use super::matmul::{Batches, Operand, K_LOWER, K_UPPER, SKIP_UPPER};
+use super::matmul::{Batches, Operand, ACCUMULATE, K_LOWER, K_UPPER, SKIP_UPPER};
 use super::{u, GpuBackend, Groups, K};
 use crate::backend::{lens, Buf};
 use std::ops::Range;
@@ -50,8 +50,9 @@ impl GpuBackend {
         let pieces = self.mem.plane_pieces(b * nh, nh, self.cuts.max_groups, per_plane, per_batch);
         if pieces.is_none() {
             self.fault.get_or_insert(format!(
-                "attention needs {:.1} MB per head for its scores, more than {} binds at once: lower the \
-                 sequence length (-t), or run on the CPU with --device cpu",
+                "attention needs {:.1} MB for the scores of a head (of the heads that share a key/value \
+                 head), more than {} binds at once: lower the sequence length (-t), or run on the CPU with \
+                 --device cpu",
                 (plane * 4) as f64 / 1e6,
                 self.ctx.name()
             ));
@@ -59,7 +60,9 @@ impl GpuBackend {
         pieces
     }
 
-    /// out (B, T, C) and att (B, NH, T, T) from qkv (B, T, 3*C).
+    /// out (B, T, C) and att (B, NH, T, T) from qkv (B, T, QKV). With grouped-query attention
+    /// (REP = NH / KV query heads per key/value head), query head h = g*REP + r: the GEMMs run
+    /// once per r over the (batch, g) planes, whose operands are then evenly strided.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_forward_(
         &mut self,
@@ -71,32 +74,41 @@ impl GpuBackend {
         t: usize,
         c: usize,
         nh: usize,
+        nkv: usize,
     ) {
-        lens!("attention_forward"; out => b * t * c, att => b * nh * t * t, workspace => b * t * c, qkv => b * t * 3 * c);
-        let (hs, tt, c3) = (c / nh, t * t, 3 * c);
+        let ((hs, qd, kv, rep), tt) = (shapes(c, nh, nkv), t * t);
+        lens!("attention_forward"; out => b * t * c, att => b * nh * t * t, workspace => b * t * c, qkv => b * t * qd);
         let scale = 1.0 / (hs as f32).sqrt();
         Self::disjoint("attention_forward", &[out, att, workspace], &[qkv]);
-        let Some(pieces) = self.planes(b, nh, tt, &[(att, tt)], &[(qkv, t * c3), (out, t * c)]) else { return };
+        let per_batch = [(qkv, t * qd), (out, t * c)];
+        let Some(pieces) = self.planes(b, nkv, rep * tt, &[(att, rep * tt)], &per_batch) else { return };
         for z in pieces {
-            let (b0, b1) = (z.start / nh, (z.end - 1) / nh + 1);
-            let q = qkv.slice(b0 * t * c3..b1 * t * c3);
+            let (b0, b1) = (z.start / nkv, (z.end - 1) / nkv + 1);
+            let q = qkv.slice(b0 * t * qd..b1 * t * qd);
             let o = out.slice(b0 * t * c..b1 * t * c);
-            let a = att.slice(z.start * tt..z.end * tt);
-            let batches = Batches { z0: z.start, count: z.end - z.start, inner: nh };
-            let heads = |x: Buf, off: usize| Operand::rows(x.slice(off..x.len), c3).batched(t * c3, hs);
-            let scores = Operand::rows(a, t).each(tt);
-            // scores = Q K^T
-            let kt = Operand::transposed(q.slice(c..q.len), c3).batched(t * c3, hs);
-            self.gemm((t, t, hs), heads(q, 0), kt, scores, None, SKIP_UPPER, batches);
-            self.softmax(a, None, z.end - z.start, t, t, tt, 0, t, scale);
-            // out = P V, into the heads' columns of out
-            let dst = Operand::rows(o, c).batched(t * c, hs);
-            self.gemm((t, hs, t), scores, heads(q, 2 * c), dst, None, K_UPPER, batches);
+            let a = att.slice(z.start * rep * tt..z.end * rep * tt);
+            let batches = Batches { z0: z.start, count: z.end - z.start, inner: nkv };
+            // Query head g*REP + r and key/value head g of each (batch, g) plane.
+            let q_heads = |r: usize| Operand::rows(q.slice(r * hs..q.len), qd).batched(t * qd, rep * hs);
+            let scores = |r: usize| Operand::rows(a.slice(r * tt..a.len), t).each(rep * tt);
+            for r in 0..rep {
+                // scores = Q K^T
+                let kt = Operand::transposed(q.slice(c..q.len), qd).batched(t * qd, hs);
+                self.gemm((t, t, hs), q_heads(r), kt, scores(r), None, SKIP_UPPER, batches);
+            }
+            self.softmax(a, None, (z.end - z.start) * rep, t, t, tt, 0, t, scale);
+            for r in 0..rep {
+                // out = P V, into the heads' columns of out
+                let v = Operand::rows(q.slice(c + kv..q.len), qd).batched(t * qd, hs);
+                let dst = Operand::rows(o.slice(r * hs..o.len), c).batched(t * c, rep * hs);
+                self.gemm((t, hs, t), scores(r), v, dst, None, K_UPPER, batches);
+            }
         }
     }
 
-    /// dqkv (B, T, 3*C) from dout (B, T, C): dP = dO V^T, dS = softmax'(dP) (in datt),
-    /// dQ = dS K, dK = dS^T Q, dV = P^T dO.
+    /// dqkv (B, T, QKV) from dout (B, T, C): dP = dO V^T, dS = softmax'(dP) (in datt),
+    /// dQ = dS K, dK = dS^T Q, dV = P^T dO; a key/value head's gradient sums its query heads'
+    /// in order (the GEMM of r > 0 adds to that of r - 1).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_backward_(
         &mut self,
@@ -110,40 +122,49 @@ impl GpuBackend {
         t: usize,
         c: usize,
         nh: usize,
+        nkv: usize,
     ) {
-        lens!("attention_backward"; dqkv => b * t * 3 * c, datt => b * nh * t * t, workspace => b * t * 3 * c,
-              dout => b * t * c, qkv => b * t * 3 * c, att => b * nh * t * t);
-        let (hs, tt, c3) = (c / nh, t * t, 3 * c);
+        let ((hs, qd, kv, rep), tt) = (shapes(c, nh, nkv), t * t);
+        lens!("attention_backward"; dqkv => b * t * qd, datt => b * nh * t * t, workspace => b * t * 3 * c,
+              dout => b * t * c, qkv => b * t * qd, att => b * nh * t * t);
         let scale = 1.0 / (hs as f32).sqrt();
         Self::disjoint("attention_backward", &[dqkv, datt, workspace], &[dout, qkv, att]);
-        let per_batch = [(qkv, t * c3), (dqkv, t * c3), (dout, t * c)];
-        let Some(pieces) = self.planes(b, nh, tt, &[(att, tt), (datt, tt)], &per_batch) else { return };
+        let per_batch = [(qkv, t * qd), (dqkv, t * qd), (dout, t * c)];
+        let per_plane = [(att, rep * tt), (datt, rep * tt)];
+        let Some(pieces) = self.planes(b, nkv, rep * tt, &per_plane, &per_batch) else { return };
         for z in pieces {
-            let (b0, b1) = (z.start / nh, (z.end - 1) / nh + 1);
-            let q = qkv.slice(b0 * t * c3..b1 * t * c3);
-            let dq = dqkv.slice(b0 * t * c3..b1 * t * c3);
+            let (b0, b1) = (z.start / nkv, (z.end - 1) / nkv + 1);
+            let q = qkv.slice(b0 * t * qd..b1 * t * qd);
+            let dq = dqkv.slice(b0 * t * qd..b1 * t * qd);
             let d = dout.slice(b0 * t * c..b1 * t * c);
-            let p = att.slice(z.start * tt..z.end * tt);
-            let dp = datt.slice(z.start * tt..z.end * tt);
-            let batches = Batches { z0: z.start, count: z.end - z.start, inner: nh };
-            let heads = |x: Buf, off: usize| Operand::rows(x.slice(off..x.len), c3).batched(t * c3, hs);
-            let plane = |x: Buf| Operand::rows(x, t).each(tt);
-            let plane_t = |x: Buf| Operand::transposed(x, t).each(tt);
-            let d_heads = Operand::rows(d, c).batched(t * c, hs);
-            // dP = dO V^T
-            let vt = Operand::transposed(q.slice(2 * c..q.len), c3).batched(t * c3, hs);
-            self.gemm((t, t, hs), d_heads, vt, plane(dp), None, SKIP_UPPER, batches);
-            self.softmax(dp, Some(p), z.end - z.start, t, t, tt, 0, t, scale);
-            // dQ = dS K, dK = dS^T Q, dV = P^T dO: every element of dqkv written once
-            self.gemm((t, hs, t), plane(dp), heads(q, c), heads(dq, 0), None, K_UPPER, batches);
-            self.gemm((t, hs, t), plane_t(dp), heads(q, 0), heads(dq, c), None, K_LOWER, batches);
-            self.gemm((t, hs, t), plane_t(p), d_heads, heads(dq, 2 * c), None, K_LOWER, batches);
+            let p = att.slice(z.start * rep * tt..z.end * rep * tt);
+            let dp = datt.slice(z.start * rep * tt..z.end * rep * tt);
+            let batches = Batches { z0: z.start, count: z.end - z.start, inner: nkv };
+            // Query heads (r) and key/value heads (at `off`) of a (B, T, QKV) buffer.
+            let q_heads = |x: Buf, r: usize| Operand::rows(x.slice(r * hs..x.len), qd).batched(t * qd, rep * hs);
+            let kv_heads = |x: Buf, off: usize| Operand::rows(x.slice(off..x.len), qd).batched(t * qd, hs);
+            let plane = |x: Buf, r: usize| Operand::rows(x.slice(r * tt..x.len), t).each(rep * tt);
+            let plane_t = |x: Buf, r: usize| Operand::transposed(x.slice(r * tt..x.len), t).each(rep * tt);
+            let d_heads = |r: usize| Operand::rows(d.slice(r * hs..d.len), c).batched(t * c, rep * hs);
+            for r in 0..rep {
+                // dP = dO V^T
+                let vt = Operand::transposed(q.slice(c + kv..q.len), qd).batched(t * qd, hs);
+                self.gemm((t, t, hs), d_heads(r), vt, plane(dp, r), None, SKIP_UPPER, batches);
+            }
+            self.softmax(dp, Some(p), (z.end - z.start) * rep, t, t, tt, 0, t, scale);
+            for r in 0..rep {
+                // dQ = dS K, dK += dS^T Q, dV += P^T dO: every element of dqkv written, then added to
+                let acc = if r > 0 { ACCUMULATE } else { 0 };
+                self.gemm((t, hs, t), plane(dp, r), kv_heads(q, c), q_heads(dq, r), None, K_UPPER, batches);
+                self.gemm((t, hs, t), plane_t(dp, r), q_heads(q, r), kv_heads(dq, c), None, K_LOWER | acc, batches);
+                self.gemm((t, hs, t), plane_t(p, r), d_heads(r), kv_heads(dq, c + kv), None, K_LOWER | acc, batches);
+            }
         }
     }
 
     /// `tn` new positions of one sequence against its KV cache: their keys and values go to
-    /// rows pos.. of the caches, then out (TN, C) = attention over cache rows 0..=pos+i, in
-    /// groups of heads whose scores (TN, maxT) fit one binding.
+    /// rows pos.. of the caches (maxT, KV*HS), then out (TN, C) = attention over cache rows
+    /// 0..=pos+i, in groups of heads whose scores (TN, maxT) fit one binding.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_forward_cached_(
         &mut self,
@@ -157,29 +178,46 @@ impl GpuBackend {
         tn: usize,
         c: usize,
         nh: usize,
+        nkv: usize,
         max_t: usize,
     ) {
+        let (hs, qd, kv, rep) = shapes(c, nh, nkv);
         lens!("attention_forward_cached"; out => tn * c, scores => nh * tn * max_t, workspace => tn * c,
-              qkv => tn * 3 * c, k_cache => max_t * c, v_cache => max_t * c);
+              qkv => tn * qd, k_cache => max_t * kv, v_cache => max_t * kv);
         assert!(tn > 0 && pos + tn <= max_t, "attention_forward_cached: positions {pos}+{tn} past {max_t}");
         Self::disjoint("attention_forward_cached", &[out, scores, workspace, k_cache, v_cache], &[qkv]);
-        let (hs, n, c3, plane) = (c / nh, pos + tn, 3 * c, tn * max_t);
+        let (n, plane) = (pos + tn, tn * max_t);
         let scale = 1.0 / (hs as f32).sqrt();
-        self.copy_rows(k_cache.slice(pos * c..n * c), c, qkv.slice(c..qkv.len), c3, tn, c);
-        self.copy_rows(v_cache.slice(pos * c..n * c), c, qkv.slice(2 * c..qkv.len), c3, tn, c);
-        // One batch of NH heads: the queries, caches and output are one sequence's, far below a
-        // binding; the scores are cut by heads.
-        let Some(pieces) = self.planes(1, nh, plane, &[(scores, plane)], &[]) else { return };
+        self.copy_rows(k_cache.slice(pos * kv..n * kv), kv, qkv.slice(c..qkv.len), qd, tn, kv);
+        self.copy_rows(v_cache.slice(pos * kv..n * kv), kv, qkv.slice(c + kv..qkv.len), qd, tn, kv);
+        // One batch of KV groups: the queries, caches and output are one sequence's, far below
+        // a binding; the scores are cut by groups of heads.
+        let Some(pieces) = self.planes(1, nkv, rep * plane, &[(scores, rep * plane)], &[]) else { return };
         for z in pieces {
-            let heads = Batches { z0: z.start, count: z.end - z.start, inner: nh };
-            let sc = scores.slice(z.start * plane..z.end * plane);
-            let scs = Operand::rows(sc, max_t).each(plane);
-            let q = Operand::rows(qkv, c3).batched(0, hs);
-            let kt = Operand::transposed(k_cache, c).batched(0, hs);
-            self.gemm((tn, n, hs), q, kt, scs, None, 0, heads);
-            self.softmax(sc, None, z.end - z.start, tn, max_t, plane, pos, n, scale);
-            let v = Operand::rows(v_cache, c).batched(0, hs);
-            self.gemm((tn, hs, n), scs, v, Operand::rows(out, c).batched(0, hs), None, 0, heads);
+            let groups = Batches { z0: z.start, count: z.end - z.start, inner: nkv };
+            let sc = scores.slice(z.start * rep * plane..z.end * rep * plane);
+            let scs = |r: usize| Operand::rows(sc.slice(r * plane..sc.len), max_t).each(rep * plane);
+            let q = |r: usize| Operand::rows(qkv.slice(r * hs..qkv.len), qd).batched(0, rep * hs);
+            for r in 0..rep {
+                let kt = Operand::transposed(k_cache, kv).batched(0, hs);
+                self.gemm((tn, n, hs), q(r), kt, scs(r), None, 0, groups);
+            }
+            self.softmax(sc, None, (z.end - z.start) * rep, tn, max_t, plane, pos, n, scale);
+            for r in 0..rep {
+                let v = Operand::rows(v_cache, kv).batched(0, hs);
+                let dst = Operand::rows(out.slice(r * hs..out.len), c).batched(0, rep * hs);
+                self.gemm((tn, hs, n), scs(r), v, dst, None, 0, groups);
+            }
         }
     }
+}
+
+/// (HS, QKV, KV*HS, REP) of an attention with `nkv` key/value heads.
+fn shapes(c: usize, nh: usize, nkv: usize) -> (usize, usize, usize, usize) {
+    assert!(
+        nh > 0 && nkv > 0 && nh.is_multiple_of(nkv) && c.is_multiple_of(nh),
+        "attention: {nh} heads, {nkv} kv heads, C={c}"
+    );
+    let hs = c / nh;
+    (hs, c + 2 * nkv * hs, nkv * hs, nh / nkv)
 }

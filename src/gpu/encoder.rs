@@ -1,20 +1,37 @@
-//! Token + position embedding on the GPU (kernels/encoder.wgsl).
+//! Token (+ position) embedding on the GPU (kernels/encoder.wgsl).
 
 use super::{cut, u, GpuBackend, Threads, K};
 use crate::backend::{lens, Buf, DType};
 use std::ops::Range;
 
 impl GpuBackend {
-    /// out (B, T, C) = wte (Vp, C)[inp (B, T)] + wpe (maxT, C)[t], a dispatch per window of wte.
+    /// out (B, T, C) = wte (Vp, C)[inp (B, T)] [+ wpe (T, C)[t]], a dispatch per window of wte.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn encoder_forward_(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Buf, b: usize, t: usize, c: usize) {
+    pub(super) fn encoder_forward_(
+        &mut self,
+        out: Buf,
+        inp: Buf,
+        wte: Buf,
+        wpe: Option<Buf>,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
         lens!("encoder_forward"; out => b * t * c, inp => b * t);
-        assert!(c > 0 && wte.len.is_multiple_of(c) && wpe.len >= t * c, "encoder_forward: embedding shapes");
-        Self::disjoint("encoder_forward", &[out], &[inp, wte, wpe]);
+        assert!(c > 0 && wte.len.is_multiple_of(c), "encoder_forward: embedding shapes");
+        if let Some(wpe) = wpe {
+            lens!("encoder_forward"; wpe => t * c);
+        }
+        let ins: Vec<Buf> = [inp, wte].into_iter().chain(wpe).collect();
+        Self::disjoint("encoder_forward", &[out], &ins);
         if b * t == 0 {
             return;
         }
-        let wpe = self.win(wpe.prefix(t * c));
+        let pe = u(wpe.is_some() as usize);
+        let wpe = match wpe {
+            Some(w) => self.win(w),
+            None => self.mem.dummy.clone(),
+        };
         let table = self.mem.row_pieces(wte.len / c, &[(wte, c)]);
         for seqs in self.mem.row_pieces(b, &[(out, t * c), (inp, t)]) {
             let n = (seqs.end - seqs.start) * t;
@@ -22,14 +39,14 @@ impl GpuBackend {
             let i = self.win(inp.slice(seqs.start * t..seqs.end * t));
             for rows in &table {
                 let w = self.win(wte.slice(rows.start * c..rows.end * c));
-                let imm = [o.off, i.off, w.off, wpe.off, u(n), u(t), u(c), u(rows.start), u(rows.end)];
+                let imm = [o.off, i.off, w.off, wpe.off, u(n), u(t), u(c), u(rows.start), u(rows.end), 0, pe];
                 self.dispatch(K::EncoderForward, &[o.clone(), i.clone(), w, wpe.clone()], &imm, Threads(n * c));
             }
         }
     }
 
-    /// dwte (Vp, C) += the rows of dout (B, T, C) grouped by token, dwpe (maxT, C) += their sum
-    /// over the batch. The positions of each token are grouped on the host, from the host's copy
+    /// dwte (Vp, C) += the rows of dout (B, T, C) grouped by token, [dwpe (T, C) += their sum
+    /// over the batch]. The positions of each token are grouped on the host, from the host's copy
     /// of the token ids, as llm.c's encoder backward does; each token's rows are then added in
     /// position order (pieces of dout that fit a binding one after another), so the result is
     /// the same on every run.
@@ -37,7 +54,7 @@ impl GpuBackend {
     pub(super) fn encoder_backward_(
         &mut self,
         dwte: Buf,
-        dwpe: Buf,
+        dwpe: Option<Buf>,
         dout: Buf,
         inp: Buf,
         b: usize,
@@ -45,8 +62,12 @@ impl GpuBackend {
         c: usize,
     ) {
         lens!("encoder_backward"; dout => b * t * c, inp => b * t);
-        assert!(c > 0 && dwte.len.is_multiple_of(c) && dwpe.len >= t * c, "encoder_backward: embedding shapes");
-        Self::disjoint("encoder_backward", &[dwte, dwpe], &[dout, inp]);
+        assert!(c > 0 && dwte.len.is_multiple_of(c), "encoder_backward: embedding shapes");
+        if let Some(dwpe) = dwpe {
+            lens!("encoder_backward"; dwpe => t * c);
+        }
+        let outs: Vec<Buf> = [dwte].into_iter().chain(dwpe).collect();
+        Self::disjoint("encoder_backward", &outs, &[dout, inp]);
         if b * t == 0 {
             return;
         }
@@ -60,7 +81,7 @@ impl GpuBackend {
         let Some(bk) = self.workspace(|s| &mut s.buckets, data.len(), DType::U32) else { return };
         crate::backend::Backend::upload_u32(self, bk, &data);
         let table = self.mem.row_pieces(dwte.len / c, &[(dwte, c)]);
-        let (wpe, dummy) = (self.win(dwpe.prefix(t * c)), self.mem.dummy.clone());
+        let (wpe, dummy) = (dwpe.map(|w| self.win(w)), self.mem.dummy.clone());
         for (s, (range, tokens)) in seqs.iter().zip(at) {
             let d = self.win(dout.slice(s.start * t * c..s.end * t * c));
             let k = self.win(bk.slice(range));
@@ -69,8 +90,10 @@ impl GpuBackend {
                 let imm = [w.off, k.off, d.off, 0, u(tokens), 0, u(c), u(rows.start), u(rows.end)];
                 self.dispatch(K::EncoderBackwardWte, &[w, k.clone(), d.clone()], &imm, Threads(tokens * c));
             }
-            let imm = [wpe.off, 0, d.off, 0, u(t), 0, u(c), 0, 0, u(s.end - s.start)];
-            self.dispatch(K::EncoderBackwardWpe, &[wpe.clone(), dummy.clone(), d], &imm, Threads(t * c));
+            if let Some(wpe) = &wpe {
+                let imm = [wpe.off, 0, d.off, 0, u(t), 0, u(c), 0, 0, u(s.end - s.start)];
+                self.dispatch(K::EncoderBackwardWpe, &[wpe.clone(), dummy.clone(), d], &imm, Threads(t * c));
+            }
         }
     }
 }

@@ -14,10 +14,13 @@ pub const IMMEDIATE_BYTES: u32 = 128;
 pub const COMMON: &str = include_str!("kernels/common.wgsl");
 
 /// Every kernel module, by file name.
-const FILES: [(&str, &str); 9] = [
+const FILES: [(&str, &str); 12] = [
     ("memory", include_str!("kernels/memory.wgsl")),
     ("encoder", include_str!("kernels/encoder.wgsl")),
     ("layernorm", include_str!("kernels/layernorm.wgsl")),
+    ("rmsnorm", include_str!("kernels/rmsnorm.wgsl")),
+    ("rope", include_str!("kernels/rope.wgsl")),
+    ("swiglu", include_str!("kernels/swiglu.wgsl")),
     ("residual", include_str!("kernels/residual.wgsl")),
     ("gelu", include_str!("kernels/gelu.wgsl")),
     ("matmul", include_str!("kernels/matmul.wgsl")),
@@ -44,6 +47,12 @@ pub enum K {
     LayernormForward,
     LayernormBackwardInput,
     LayernormBackwardParams,
+    RmsnormForward,
+    RmsnormBackwardInput,
+    RmsnormBackwardParams,
+    Rope,
+    SwigluForward,
+    SwigluBackward,
     ResidualForward,
     GeluForward,
     GeluBackward,
@@ -61,7 +70,7 @@ pub enum K {
 
 /// (kernel, module, entry point, storage buffers bound at 0..n, which of them hold u32 (a bit
 /// per binding; the others f32)).
-const TABLE: [(K, &str, &str, usize, u8); 22] = [
+const TABLE: [(K, &str, &str, usize, u8); 28] = [
     (K::Fill, "memory", "fill", 1, 0),
     (K::CopyRows, "memory", "copy_rows", 2, 0),
     (K::ColumnSums, "memory", "column_sums", 2, 0),
@@ -71,6 +80,12 @@ const TABLE: [(K, &str, &str, usize, u8); 22] = [
     (K::LayernormForward, "layernorm", "layernorm_forward", 6, 0),
     (K::LayernormBackwardInput, "layernorm", "layernorm_backward_input", 6, 0),
     (K::LayernormBackwardParams, "layernorm", "layernorm_backward_params", 6, 0),
+    (K::RmsnormForward, "rmsnorm", "rmsnorm_forward", 4, 0),
+    (K::RmsnormBackwardInput, "rmsnorm", "rmsnorm_backward_input", 5, 0),
+    (K::RmsnormBackwardParams, "rmsnorm", "rmsnorm_backward_params", 4, 0),
+    (K::Rope, "rope", "rope", 2, 0),
+    (K::SwigluForward, "swiglu", "swiglu_forward", 2, 0),
+    (K::SwigluBackward, "swiglu", "swiglu_backward", 3, 0),
     (K::ResidualForward, "residual", "residual_forward", 3, 0),
     (K::GeluForward, "gelu", "gelu_forward", 2, 0),
     (K::GeluBackward, "gelu", "gelu_backward", 2, 0),

@@ -20,6 +20,9 @@ mod matmul;
 mod memory;
 mod record;
 mod residual;
+mod rmsnorm;
+mod rope;
+mod swiglu;
 
 use crate::backend::{AdamWParams, Backend, Buf, DType};
 use crate::profile::Kind;
@@ -376,10 +379,10 @@ impl Backend for GpuBackend {
         self.rec.profile_totals(&self.ctx)
     }
 
-    fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Buf, b: usize, t: usize, c: usize) {
+    fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize) {
         self.encoder_forward_(out, inp, wte, wpe, b, t, c)
     }
-    fn encoder_backward(&mut self, dwte: Buf, dwpe: Buf, dout: Buf, inp: Buf, b: usize, t: usize, c: usize) {
+    fn encoder_backward(&mut self, dwte: Buf, dwpe: Option<Buf>, dout: Buf, inp: Buf, b: usize, t: usize, c: usize) {
         self.encoder_backward_(dwte, dwpe, dout, inp, b, t, c)
     }
     fn layernorm_forward(&mut self, out: Buf, mean: Buf, rstd: Buf, inp: Buf, w: Buf, bias: Buf, n: usize, c: usize) {
@@ -399,6 +402,44 @@ impl Backend for GpuBackend {
         c: usize,
     ) {
         self.layernorm_backward_(dinp, dweight, dbias, dout, inp, weight, mean, rstd, n, c)
+    }
+    fn rmsnorm_forward(&mut self, out: Buf, rstd: Buf, inp: Buf, weight: Buf, n: usize, c: usize, eps: f32) {
+        self.rmsnorm_forward_(out, rstd, inp, weight, n, c, eps)
+    }
+    fn rmsnorm_backward(
+        &mut self,
+        dinp: Buf,
+        dweight: Buf,
+        dout: Buf,
+        inp: Buf,
+        weight: Buf,
+        rstd: Buf,
+        n: usize,
+        c: usize,
+    ) {
+        self.rmsnorm_backward_(dinp, dweight, dout, inp, weight, rstd, n, c)
+    }
+    fn rope_forward(&mut self, qkv: Buf, rope: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize) {
+        self.rope_(qkv, rope, n, t, pos, nh, nkv, hs, 1.0)
+    }
+    fn rope_backward(
+        &mut self,
+        dqkv: Buf,
+        rope: Buf,
+        n: usize,
+        t: usize,
+        pos: usize,
+        nh: usize,
+        nkv: usize,
+        hs: usize,
+    ) {
+        self.rope_(dqkv, rope, n, t, pos, nh, nkv, hs, -1.0)
+    }
+    fn swiglu_forward(&mut self, out: Buf, inp: Buf, n: usize, f: usize) {
+        self.swiglu_forward_(out, inp, n, f)
+    }
+    fn swiglu_backward(&mut self, dinp: Buf, dout: Buf, inp: Buf, n: usize, f: usize) {
+        self.swiglu_backward_(dinp, dout, inp, n, f)
     }
     fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf) {
         self.residual_forward_(out, a, b)
@@ -427,8 +468,19 @@ impl Backend for GpuBackend {
     fn gelu_backward(&mut self, d: Buf, inp: Buf) {
         self.gelu_backward_(d, inp)
     }
-    fn attention_forward(&mut self, out: Buf, att: Buf, ws: Buf, qkv: Buf, b: usize, t: usize, c: usize, nh: usize) {
-        self.attention_forward_(out, att, ws, qkv, b, t, c, nh)
+    fn attention_forward(
+        &mut self,
+        out: Buf,
+        att: Buf,
+        ws: Buf,
+        qkv: Buf,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+        nkv: usize,
+    ) {
+        self.attention_forward_(out, att, ws, qkv, b, t, c, nh, nkv)
     }
     fn attention_backward(
         &mut self,
@@ -442,8 +494,9 @@ impl Backend for GpuBackend {
         t: usize,
         c: usize,
         nh: usize,
+        nkv: usize,
     ) {
-        self.attention_backward_(dqkv, datt, workspace, dout, qkv, att, b, t, c, nh)
+        self.attention_backward_(dqkv, datt, workspace, dout, qkv, att, b, t, c, nh, nkv)
     }
     fn attention_forward_cached(
         &mut self,
@@ -457,9 +510,10 @@ impl Backend for GpuBackend {
         tn: usize,
         c: usize,
         nh: usize,
+        nkv: usize,
         max_t: usize,
     ) {
-        self.attention_forward_cached_(out, scores, workspace, qkv, k_cache, v_cache, pos, tn, c, nh, max_t)
+        self.attention_forward_cached_(out, scores, workspace, qkv, k_cache, v_cache, pos, tn, c, nh, nkv, max_t)
     }
     fn crossentropy_forward(&mut self, losses: Buf, lse: Buf, logits: Buf, tg: Buf, n: usize, v: usize, vp: usize) {
         self.crossentropy_forward_(losses, lse, logits, tg, n, v, vp)

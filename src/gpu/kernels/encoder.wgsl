@@ -1,4 +1,4 @@
-// Token + position embedding, forward and backward (cpu/encoder.rs). wte may be larger than
+// Token (+ position) embedding, forward and backward (cpu/encoder.rs). wte may be larger than
 // one binding: each dispatch sees rows lo..hi of it (or of dwte), and handles only the
 // positions whose token is among them.
 
@@ -6,13 +6,14 @@ struct Params {
     o0: u32, // forward: out (B*T, C); backward_wte: dwte rows lo..hi; backward_wpe: dwpe (T, C)
     o1: u32, // forward: inp (B*T); backward_wte: buckets
     o2: u32, // forward: wte rows lo..hi; backward: dout (B*T, C)
-    o3: u32, // forward: wpe (maxT, C)
+    o3: u32, // forward: wpe (T, C), when pe is 1
     n: u32,  // forward: positions B*T; backward_wte: distinct tokens U; backward_wpe: T
     t: u32,  // forward: T
     c: u32,  // C
     lo: u32, // first wte row in the window
     hi: u32, // one past the last
     b: u32,  // backward_wpe: B
+    pe: u32, // forward: 1 to add wpe (GPT-2), 0 without (Llama)
 }
 var<immediate> p: Params;
 
@@ -21,7 +22,7 @@ var<immediate> p: Params;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;   // wte or dout
 @group(0) @binding(3) var<storage, read_write> z: array<f32>;   // wpe
 
-// out[n, c] = wte[inp[n], c] + wpe[n % T, c], for the positions whose token is in lo..hi.
+// out[n, c] = wte[inp[n], c] (+ wpe[n % T, c]), for the positions whose token is in lo..hi.
 @compute @workgroup_size(WG)
 fn encoder_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                    @builtin(local_invocation_index) tid: u32) {
@@ -35,7 +36,11 @@ fn encoder_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     if (tok < p.lo || tok >= p.hi) {
         return;
     }
-    x[p.o0 + i] = y[p.o2 + (tok - p.lo) * p.c + ch] + z[p.o3 + (pos % p.t) * p.c + ch];
+    var e = y[p.o2 + (tok - p.lo) * p.c + ch];
+    if (p.pe != 0u) {
+        e = e + z[p.o3 + (pos % p.t) * p.c + ch];
+    }
+    x[p.o0 + i] = e;
 }
 
 // dwte[tok] += the rows of dout at the positions holding tok, added one after another in

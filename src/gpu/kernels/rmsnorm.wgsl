@@ -1,0 +1,87 @@
+// RMSNorm over the channel dimension (cpu/rmsnorm.rs). One workgroup per row for the forward
+// and the input gradient; the weight gradient is a column sum over the rows, in two passes:
+// partial sums of blocks of ROWS rows here, then their sums (memory.wgsl: column_sums).
+
+struct Params {
+    o0: u32, o1: u32, o2: u32, o3: u32, o4: u32, // offsets of b0..b4
+    n: u32,   // rows
+    c: u32,   // channels
+    eps: f32, // forward: added to the mean square
+}
+var<immediate> p: Params;
+
+// forward: out, rstd, inp, weight
+// backward_input: dinp, dout, inp, weight, rstd
+// backward_params: dweight partials, dout, inp, rstd
+@group(0) @binding(0) var<storage, read_write> b0: array<f32>;
+@group(0) @binding(1) var<storage, read_write> b1: array<f32>;
+@group(0) @binding(2) var<storage, read_write> b2: array<f32>;
+@group(0) @binding(3) var<storage, read_write> b3: array<f32>;
+@group(0) @binding(4) var<storage, read_write> b4: array<f32>;
+
+// out (N, C) = (inp * rstd) * weight, rstd (N) = 1 / sqrt(mean(inp^2) + eps) kept for backward.
+@compute @workgroup_size(WG)
+fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_index) tid: u32) {
+    let row = group_id(wid, nwg);
+    if (row >= p.n) {
+        return;
+    }
+    let x0 = p.o2 + row * p.c;
+    var s = 0.0;
+    for (var i = tid; i < p.c; i = i + WG) {
+        let v = b2[x0 + i];
+        s = s + v * v;
+    }
+    let r = 1.0 / sqrt(wg_sum(s, tid) / f32(p.c) + p.eps);
+    for (var i = tid; i < p.c; i = i + WG) {
+        b0[p.o0 + row * p.c + i] = (b2[x0 + i] * r) * b3[p.o3 + i];
+    }
+    if (tid == 0u) {
+        b1[p.o1 + row] = r;
+    }
+}
+
+// dinp (N, C) += rstd * w * d - inp * rstd^3 / C * sum(w * d * inp).
+@compute @workgroup_size(WG)
+fn rmsnorm_backward_input(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                          @builtin(local_invocation_index) tid: u32) {
+    let row = group_id(wid, nwg);
+    if (row >= p.n) {
+        return;
+    }
+    let r = b4[p.o4 + row];
+    let d0 = p.o1 + row * p.c;
+    let x0 = p.o2 + row * p.c;
+    var s = 0.0;
+    for (var i = tid; i < p.c; i = i + WG) {
+        s = s + b3[p.o3 + i] * b1[d0 + i] * b2[x0 + i];
+    }
+    let k = wg_sum(s, tid) * r * r * r / f32(p.c);
+    for (var i = tid; i < p.c; i = i + WG) {
+        let at = p.o0 + row * p.c + i;
+        b0[at] = b0[at] + (r * b3[p.o3 + i] * b1[d0 + i] - b2[x0 + i] * k);
+    }
+}
+
+// Rows per partial sum of the weight gradient (src/gpu/rmsnorm.rs: ROWS).
+const ROWS: u32 = 64u;
+
+// For block k of ROWS rows and channel c: dweight partial [k, c] = the block's sum of
+// dout * (inp * rstd).
+@compute @workgroup_size(WG)
+fn rmsnorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                           @builtin(local_invocation_index) tid: u32) {
+    let i = group_id(wid, nwg) * WG + tid;
+    let blocks = (p.n + ROWS - 1u) / ROWS;
+    if (i >= blocks * p.c) {
+        return;
+    }
+    let k = i / p.c;
+    let ch = i % p.c;
+    var dw = 0.0;
+    for (var row = k * ROWS; row < min(p.n, (k + 1u) * ROWS); row = row + 1u) {
+        dw = dw + b1[p.o1 + row * p.c + ch] * (b2[p.o2 + row * p.c + ch] * b3[p.o3 + row]);
+    }
+    b0[p.o0 + i] = dw;
+}

@@ -1,0 +1,301 @@
+//! The Llama family against Hugging Face transformers' `LlamaForCausalLM`: fixtures written by
+//! scripts/make_llama_reference.py (a tiny model with grouped-query attention, Llama 3.1's
+//! rope scaling, an untied head and randomised RMSNorm weights; and a tied one with attention
+//! biases). Logits, loss, every gradient, 10 AdamW steps and greedy generation, at the GPT-2
+//! fixtures' tolerances (tests/pytorch_reference.rs), on the CPU and on the GPU backend (lavapipe
+//! in CI; SKIPPED without an adapter); the checkpoint formats both ways; and the errors for what
+//! llmrs does not implement.
+
+mod common;
+
+use llmrs::backend::Device;
+use llmrs::checkpoint::{load_model, save_model, Dtype};
+use llmrs::config::{Family, ModelConfig};
+use llmrs::generate::{generate, GenConfig, SamplerConfig};
+use llmrs::hf::{load_hf, save_hf};
+use llmrs::model::{Model, Slot};
+use llmrs::optim::{optimizer_step, OptimConfig};
+use llmrs::params::{tensors, Weights};
+use llmrs::schedule::{LrSchedule, ScheduleKind};
+use safetensors::SafeTensors;
+use std::path::PathBuf;
+
+/// The CPU, and the GPU when there is an adapter (else a loud SKIPPED line for its half).
+fn devices(test: &str) -> Vec<Device> {
+    let mut d = vec![Device::Cpu];
+    if common::gpu::available(test) {
+        d.push(Device::Gpu(None));
+    }
+    d
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama").join(name)
+}
+
+/// |a - b| <= atol + rtol |b|, atol 1e-5 of b's largest magnitude.
+fn compare(a: &[f32], b: &[f32], rtol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: length");
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let atol = 1e-5 * scale.max(1e-30);
+    let (mut worst, mut at) = (0f32, 0);
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let r = (x - y).abs() / (atol + rtol * y.abs());
+        if r > worst {
+            (worst, at) = (r, i);
+        }
+    }
+    assert!(worst <= 1.0, "{what}: element {at}: {} vs {} (ratio {worst})", a[at], b[at]);
+}
+
+struct Io {
+    inputs: Vec<u32>,
+    targets: Vec<u32>,
+    bytes: Vec<u8>,
+}
+
+impl Io {
+    fn load() -> Io {
+        let bytes = std::fs::read(fixture("io.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let ints = |n: &str| -> Vec<u32> {
+            st.tensor(n)
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+                .collect()
+        };
+        let (inputs, targets) = (ints("input_ids"), ints("targets"));
+        Io { inputs, targets, bytes }
+    }
+    fn floats(&self, name: &str) -> Vec<f32> {
+        let st = SafeTensors::deserialize(&self.bytes).unwrap();
+        st.tensor(name).unwrap().data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+}
+
+#[test]
+fn configs_are_read_as_transformers_defines_them() {
+    let g = load_hf(&fixture("gqa")).unwrap().config;
+    assert_eq!(g.family, Family::Llama);
+    assert_eq!((g.num_layers, g.channels, g.num_heads, g.num_kv_heads, g.hidden), (2, 48, 6, 2, 128));
+    assert_eq!((g.vocab_size, g.padded_vocab_size, g.max_seq_len), (199, 256, 32));
+    assert!(!g.tied_head && !g.attn_bias && g.norm_eps == 1e-5 && g.rope.theta == 500000.0);
+    let s = g.rope.scaling.expect("llama3 scaling");
+    assert_eq!(
+        (s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings),
+        (8.0, 1.0, 4.0, 8192)
+    );
+    let t = load_hf(&fixture("tied")).unwrap().config;
+    assert!(t.tied_head && t.attn_bias && t.rope.scaling.is_none() && t.num_kv_heads == 4 && t.norm_eps == 1e-6);
+}
+
+#[test]
+fn logits_loss_and_every_gradient_match_transformers() {
+    let io = Io::load();
+    let (b, t) = (2, io.inputs.len() / 2);
+    for (dev, name) in
+        devices("logits_loss_and_every_gradient_match_transformers").into_iter().flat_map(|d| [(d, "gqa"), (d, "tied")])
+    {
+        let w = load_hf(&fixture(name)).unwrap();
+        let v = w.config.vocab_size;
+        let mut model = Model::new(w, dev).unwrap();
+        model.alloc_training_state().unwrap();
+        model.forward(&io.inputs, Some(&io.targets), b, t).unwrap();
+        let logits: Vec<f32> = (0..b * t).flat_map(|row| model.logits_at(row).unwrap()).collect();
+        assert_eq!(logits.len(), b * t * v);
+        compare(&logits, &io.floats(&format!("logits_{name}")), 1e-5, &format!("{dev} {name} logits"));
+        model.accumulate_loss(1.0).unwrap();
+        let (loss, want) = (model.take_loss().unwrap(), io.floats(&format!("loss_{name}"))[0]);
+        assert!((loss - want).abs() <= 1e-5 * want, "{dev} {name} loss {loss} vs {want}");
+        if name == "gqa" {
+            model.zero_grad().unwrap();
+            model.backward(1.0).unwrap();
+            let grads = model.read_all(Slot::Grads).unwrap();
+            // transformers' gradients, saved under the parameters' names: read as a checkpoint.
+            let want = load_hf(&fixture("gqa_grads")).unwrap();
+            let cfg = want.config;
+            for x in tensors(&cfg) {
+                let r = want.layout.range(x);
+                compare(&grads[r.clone()], &want.data[r], 1e-4, &format!("{dev}: gradient of {}", x.name()));
+            }
+        }
+    }
+}
+
+#[test]
+fn ten_adamw_steps_follow_transformers() {
+    for dev in devices("ten_adamw_steps_follow_transformers") {
+        ten_steps(dev);
+    }
+}
+
+fn ten_steps(dev: Device) {
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("trajectory.json")).unwrap()).unwrap();
+    let mut model = Model::new(load_hf(&fixture("gqa")).unwrap(), dev).unwrap();
+    model.alloc_training_state().unwrap();
+    let (b, t) = (j["B"].as_u64().unwrap() as usize, j["T"].as_u64().unwrap() as usize);
+    let accum = j["grad_accum_steps"].as_u64().unwrap() as usize;
+    let o = &j["optimizer"];
+    let f = |k: &str| o[k].as_f64().unwrap() as f32;
+    let opt = OptimConfig {
+        beta1: f("beta1"),
+        beta2: f("beta2"),
+        eps: f("eps"),
+        weight_decay: f("weight_decay"),
+        grad_clip: f("grad_clip"),
+    };
+    let steps = j["steps"].as_u64().unwrap() as usize;
+    let sched = LrSchedule {
+        kind: o["schedule"].as_str().unwrap().parse::<ScheduleKind>().unwrap(),
+        max_lr: f("lr"),
+        warmup: o["warmup"].as_u64().unwrap() as usize,
+        total_steps: steps,
+        final_frac: f("final_frac"),
+    };
+    let toks = |k: &str, i: usize| -> Vec<u32> {
+        j[k][i].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    };
+    let want = |k: &str| -> Vec<f32> { j[k].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect() };
+    let (want_loss, want_norm) = (want("losses"), want("grad_norms"));
+    for step in 0..steps {
+        model.zero_grad().unwrap();
+        for micro in 0..accum {
+            let i = step * accum + micro;
+            model.forward(&toks("inputs", i), Some(&toks("targets", i)), b, t).unwrap();
+            model.backward(1.0 / accum as f32).unwrap();
+        }
+        let s = optimizer_step(&mut model, &opt, sched.lr(step), step).unwrap();
+        assert!(
+            (s.loss - want_loss[step]).abs() <= 1e-5 * want_loss[step],
+            "{dev} step {step} loss {} vs {}",
+            s.loss,
+            want_loss[step]
+        );
+        assert!(
+            (s.grad_norm - want_norm[step]).abs() <= 1e-5 * want_norm[step],
+            "{dev} step {step} norm {} vs {}",
+            s.grad_norm,
+            want_norm[step]
+        );
+    }
+    // Every parameter after the ten steps.
+    let after = load_hf(&fixture("gqa_after10")).unwrap();
+    let ours = model.read_all(Slot::Params).unwrap();
+    for x in tensors(&after.config) {
+        let r = after.layout.range(x);
+        compare(&ours[r.clone()], &after.data[r], 1e-4, &format!("{dev}: {} after 10 steps", x.name()));
+    }
+}
+
+#[test]
+fn greedy_generation_gives_transformers_tokens() {
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("greedy.json")).unwrap()).unwrap();
+    for (dev, name) in
+        devices("greedy_generation_gives_transformers_tokens").into_iter().flat_map(|d| [(d, "gqa"), (d, "tied")])
+    {
+        let mut model = Model::new(load_hf(&fixture(name)).unwrap(), dev).unwrap();
+        for case in j[name].as_array().unwrap() {
+            let ids = |k: &str| -> Vec<u32> {
+                case[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+            };
+            let (prompt, want) = (ids("prompt"), ids("new"));
+            for use_cache in [true, false] {
+                let g = GenConfig {
+                    max_new_tokens: 100,
+                    sampler: SamplerConfig { temperature: 0.0, ..Default::default() },
+                    stop_token: None,
+                    use_cache,
+                };
+                let got = generate(&mut model, &prompt, &g, |_| Ok(())).unwrap();
+                assert_eq!(got, want, "{dev} {name}, cache {use_cache}, prompt {prompt:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn sharded_bf16_and_llmc_files_hold_the_same_model() {
+    let w = load_hf(&fixture("gqa")).unwrap();
+    assert_eq!(load_hf(&fixture("gqa_sharded")).unwrap(), w, "the sharded checkpoint");
+    let bf16 = load_hf(&fixture("gqa_bf16")).unwrap();
+    for (a, b) in bf16.data.iter().zip(&w.data) {
+        assert_eq!(*a, half::bf16::from_f32(*b).to_f32(), "bf16 weights are the fp32 ones rounded");
+    }
+    // llm.c's llama3 file (Meta's q/k layout) is the same model, and writing it back gives its bytes.
+    let bin = fixture("gqa_llmc.bin");
+    let from_llmc = load_model(&bin).unwrap();
+    assert_eq!(from_llmc, w);
+    let dir = tempfile::tempdir().unwrap();
+    save_model(&from_llmc, &dir.path().join("m.bin"), Dtype::F32).unwrap();
+    assert!(std::fs::read(dir.path().join("m.bin")).unwrap() == std::fs::read(&bin).unwrap(), "byte-exact round trip");
+    // bf16 (version 5) round trip, and the export transformers loads (scripts/make_llama_reference.py
+    // --check-export checks its logits) re-imports as the same model.
+    save_model(&w, &dir.path().join("b.bin"), Dtype::BF16).unwrap();
+    assert_eq!(load_model(&dir.path().join("b.bin")).unwrap(), bf16);
+    for name in ["gqa", "tied"] {
+        let w = load_hf(&fixture(name)).unwrap();
+        save_hf(&w, &dir.path().join(name), Dtype::F32).unwrap();
+        assert_eq!(load_hf(&dir.path().join(name)).unwrap(), w);
+    }
+}
+
+#[test]
+fn what_llmrs_does_not_implement_is_a_one_line_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture("gqa");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let good = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let err = |text: String| -> String {
+        std::fs::write(dir.path().join("config.json"), text).unwrap();
+        let e = format!("{:#}", load_hf(dir.path()).map(|_| ()).expect_err("must fail"));
+        assert!(!e.contains('\n'), "one line: {e}");
+        e
+    };
+    let e = err(good.replace("LlamaForCausalLM", "MistralForCausalLM"));
+    assert!(e.contains("'MistralForCausalLM' is not supported"), "{e}");
+    let e = err(good.replace("\"llama3\"", "\"yarn\""));
+    assert!(e.contains("rope_parameters.rope_type 'yarn' is not supported"), "{e}");
+    let e = err(good.replace("\"mlp_bias\": false", "\"mlp_bias\": true"));
+    assert!(e.contains("mlp_bias"), "{e}");
+    let e = err(good.replace("\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\""));
+    assert!(e.contains("hidden_act 'gelu'"), "{e}");
+    let e = err(good.replace("\"intermediate_size\": 128", "\"intermediate_size\": 96"));
+    assert!(e.contains("up_proj.weight has shape [128, 48], config.json implies [96, 48]"), "{e}");
+    let e = err(good.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 4"));
+    assert!(e.contains("6 attention heads cannot share 4 key/value heads"), "{e}");
+    let e = err(good.replace("\"hidden_size\": 48", "\"hidden_size\": \"big\""));
+    assert!(e.contains("hidden_size is missing or not a whole number"), "{e}");
+    // A truncated llm.c file, and a tokenizer id past the vocabulary, are refused too.
+    let bin = std::fs::read(fixture("gqa_llmc.bin")).unwrap();
+    std::fs::write(dir.path().join("t.bin"), &bin[..bin.len() - 8]).unwrap();
+    let e = format!("{:#}", load_model(&dir.path().join("t.bin")).unwrap_err());
+    assert!(e.contains("truncated"), "{e}");
+    let mut model = Model::new(load_hf(&src).unwrap(), Device::Cpu).unwrap();
+    assert!(model.forward(&[1, 199], None, 1, 2).unwrap_err().to_string().contains("out of range for vocab size 199"));
+}
+
+#[test]
+fn random_llama_models_by_descriptor_train() {
+    // SmolLM2-135M's shape (random weights) builds, and a tiny GQA model learns one batch.
+    let cfg = ModelConfig::from_descriptor("llama:smollm2-135m").unwrap();
+    assert_eq!(cfg.num_parameters(), 134_515_008);
+    let w = Weights::random(ModelConfig::from_descriptor("llama:2x32:4:2:64:16").unwrap(), 3).unwrap();
+    let mut m = Model::new(w, Device::Cpu).unwrap();
+    m.alloc_training_state().unwrap();
+    let x: Vec<u32> = (0..16).map(|i| (i * 37 % 500) as u32).collect();
+    let y: Vec<u32> = (0..16).map(|i| (i * 11 % 500 + 3) as u32).collect();
+    let opt = OptimConfig::default();
+    let mut losses = vec![];
+    for step in 0..30 {
+        m.zero_grad().unwrap();
+        m.forward(&x, Some(&y), 2, 8).unwrap();
+        m.backward(1.0).unwrap();
+        losses.push(optimizer_step(&mut m, &opt, 3e-3, step).unwrap().loss);
+    }
+    assert!(losses[29] < losses[0] - 3.0, "{losses:?}");
+}
