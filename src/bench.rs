@@ -79,102 +79,6 @@ pub fn peak_rss_mib() -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-/// Ten independent chains of 8-wide FMAs: enough in flight to keep both FMA units busy.
-/// SAFETY: callers check that the CPU has AVX2 and FMA.
-pub(crate) unsafe fn fma_chains(iters: usize) -> f32 {
-    use std::arch::x86_64::*;
-    let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
-    let mut acc = [_mm256_set1_ps(1.0); 10];
-    for _ in 0..iters {
-        for x in acc.iter_mut() {
-            *x = _mm256_fmadd_ps(*x, a, b);
-        }
-    }
-    let mut out = [0f32; 8];
-    let s = acc.iter().fold(_mm256_setzero_ps(), |s, x| _mm256_add_ps(s, *x));
-    // SAFETY: `out` has room for 8 floats.
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
-    out.iter().sum()
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-/// [`fma_chains`] with 16-wide FMAs and twelve chains (32 registers leave room for more in flight).
-/// SAFETY: callers check that the CPU has AVX-512F.
-pub(crate) unsafe fn fma_chains_512(iters: usize) -> f32 {
-    use std::arch::x86_64::*;
-    let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
-    let mut acc = [_mm512_set1_ps(1.0); 12];
-    for _ in 0..iters {
-        for x in acc.iter_mut() {
-            *x = _mm512_fmadd_ps(*x, a, b);
-        }
-    }
-    let s = acc.iter().fold(_mm512_setzero_ps(), |s, x| _mm512_add_ps(s, *x));
-    _mm512_reduce_add_ps(s)
-}
-
-/// The machine's fp32 peak, measured: an FMA loop on every thread of the team where AVX2+FMA
-/// exist, else the best of a few large GEMMs. Returns (GFLOP/s, method). The best of several
-/// short trials: on a shared or virtual machine a trial in which one thread lost its core for a
-/// moment reads as half the peak, and a low peak would flatter the MFU.
-pub fn measure_peak() -> (f64, String) {
-    let threads = crate::cpu::team::threads();
-    // The widest FMA the CPU has, whatever the kernels were told to use: the peak is the
-    // machine's, and MFU says how much of it a step uses.
-    #[cfg(target_arch = "x86_64")]
-    {
-        let avx512 = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma");
-        if avx512 || (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            let iters = 20_000_000;
-            let (chains, lanes) = if avx512 { (12, 16) } else { (10, 8) };
-            let mut best = 0f64;
-            for _ in 0..8 {
-                let t0 = Instant::now();
-                // The same threads as the training step's loops (see cpu::team).
-                crate::cpu::team::broadcast(&|_| {
-                    // SAFETY: the features each loop needs were detected above.
-                    let r = unsafe {
-                        if avx512 {
-                            fma_chains_512(iters)
-                        } else {
-                            fma_chains(iters)
-                        }
-                    };
-                    std::hint::black_box(r);
-                });
-                let flops = (threads * iters * chains * lanes * 2) as f64;
-                best = best.max(flops / t0.elapsed().as_secs_f64());
-            }
-            let isa = if avx512 { "AVX-512" } else { "AVX2" };
-            return (best / 1e9, format!("{isa} FMA loop on {threads} threads"));
-        }
-    }
-    let n = 1024;
-    let (a, b) = (vec![1.0f32; n * n], vec![0.5f32; n * n]);
-    let mut c = vec![0f32; n * n];
-    let mut best = 0f64;
-    for _ in 0..3 {
-        let t0 = Instant::now();
-        crate::cpu::matmul::gemm_strided(
-            n,
-            n,
-            n,
-            &mut c,
-            (n as isize, 1),
-            false,
-            &a,
-            (n as isize, 1),
-            &b,
-            (n as isize, 1),
-        );
-        best = best.max(2.0 * (n * n * n) as f64 / t0.elapsed().as_secs_f64());
-    }
-    (best / 1e9, format!("{n}^3 GEMM on {threads} threads"))
-}
-
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let m = v.len() / 2;
@@ -215,10 +119,9 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let opt = OptimConfig::default();
     let (mut times, mut comm_ms) = (vec![], vec![]);
     let mut phase = [0f64; 3];
-    // The CPU's peak, for MFU; a GPU's is not measured.
-    let cpu = cfg.device == Device::Cpu;
+    // The backend's peak, for MFU (the CPU's is measured; a GPU's is not).
     model.barrier()?; // every rank measures its share of the machine at the same time
-    let peak_before = if cpu { measure_peak().0 } else { 0.0 };
+    let peak_before = model.measure_peak().map_or(0.0, |p| p.0);
     model.barrier()?;
     for step in 0..cfg.warmup + cfg.steps {
         if step == cfg.warmup {
@@ -256,11 +159,9 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let achieved = fpt * tokens_per_s_per_rank / 1e9;
     // Measured once before and once after the steps; the higher reading is the peak.
     model.barrier()?;
-    let (peak, method) = if cpu {
-        let (after, method) = measure_peak();
-        (Some(after.max(peak_before)), method)
-    } else {
-        (None, "not measured on a GPU".to_string())
+    let (peak, method) = match model.measure_peak() {
+        Some((after, method)) => (Some(after.max(peak_before)), method),
+        None => (None, "not measured on a GPU".to_string()),
     };
     model.barrier()?;
     Ok(BenchReport {

@@ -1,22 +1,22 @@
 //! llm.c's binary files: the model file (magic 20240326, v3 fp32 / v5 bf16), the debug-state file
 //! (magic 20240327) and the training-state file (magic 20240527).
 //!
-//! Every file starts with a header of 256 little-endian int32. Writes go to a temporary file in
-//! the same directory, are fsynced and then renamed, so a crash never leaves a half-written file
-//! under the final name.
+//! Every file starts with llm.c's header of 256 little-endian int32 and is written atomically
+//! (crate::files).
 
 use crate::config::ModelConfig;
+use crate::files::{
+    bf16s_from_le, f32s_from_le, f32s_to_bf16_le, f32s_to_le, parse_header, read_file, write_atomic_with, HEADER_BYTES,
+    HEADER_INTS,
+};
 use crate::model::{Model, Slot};
 use crate::params::Weights;
 use anyhow::{bail, Context, Result};
-use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
 
 pub const MODEL_MAGIC: i32 = 20240326;
 pub const DEBUG_STATE_MAGIC: i32 = 20240327;
-pub const HEADER_INTS: usize = 256;
-pub const HEADER_BYTES: usize = HEADER_INTS * 4;
 
 /// Storage precision of a model file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,63 +40,6 @@ impl Dtype {
     }
 }
 
-/// Read a whole file, with an error that names it.
-pub fn read_file(path: &Path) -> Result<Vec<u8>> {
-    check_regular(path)?;
-    std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
-}
-
-/// Refuse anything but a regular file (after symlinks): reading a FIFO or a device would block
-/// or never end, and a directory is a mistake worth naming.
-pub fn check_regular(path: &Path) -> Result<()> {
-    let md = std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
-    if !md.is_file() {
-        let kind = if md.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device?)" };
-        bail!("{} is {kind}; give the path of a file", path.display());
-    }
-    Ok(())
-}
-
-/// Parse the 256-int header at the start of `bytes`.
-pub fn parse_header(bytes: &[u8], path: &Path, what: &str) -> Result<[i32; HEADER_INTS]> {
-    if bytes.len() < HEADER_BYTES {
-        bail!(
-            "{} is too short to be an llm.c {what} file ({} bytes, the header alone is {HEADER_BYTES}): it is truncated or not such a file",
-            path.display(),
-            bytes.len()
-        );
-    }
-    Ok(std::array::from_fn(|i| i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap())))
-}
-
-pub fn f32s_from_le(bytes: &[u8], out: &mut [f32]) {
-    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-        *o = f32::from_le_bytes(b.try_into().unwrap());
-    }
-}
-
-pub fn f32s_to_le(vals: &[f32], out: &mut Vec<u8>) {
-    out.reserve(vals.len() * 4);
-    for v in vals {
-        out.extend_from_slice(&v.to_le_bytes());
-    }
-}
-
-/// Little-endian bf16 values to f32 (exact).
-pub fn bf16s_from_le(bytes: &[u8], out: &mut [f32]) {
-    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-        *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
-    }
-}
-
-/// f32 values as little-endian bf16 (round to nearest even, as PyTorch's `.bfloat16()`).
-pub fn f32s_to_bf16_le(vals: &[f32], out: &mut Vec<u8>) {
-    out.reserve(vals.len() * 2);
-    for v in vals {
-        out.extend_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
-    }
-}
-
 /// Write `vals` to `w` in `dtype`, a block at a time (no copy of the whole buffer as bytes).
 fn write_values(w: &mut dyn Write, vals: &[f32], dtype: Dtype) -> std::io::Result<()> {
     let mut bytes = Vec::with_capacity(1 << 16);
@@ -109,68 +52,6 @@ fn write_values(w: &mut dyn Write, vals: &[f32], dtype: Dtype) -> std::io::Resul
         w.write_all(&bytes)?;
     }
     Ok(())
-}
-
-/// Write `chunks` to `path` atomically: temp file in the same directory, fsync, rename.
-pub fn write_atomic(path: &Path, chunks: &[&[u8]]) -> Result<()> {
-    write_atomic_with(path, |w| chunks.iter().try_for_each(|c| w.write_all(c)))
-}
-
-/// Write what `fill` writes to `path` atomically: temp file in the same directory, fsync,
-/// rename, so a crash or a full disk never leaves a half-written file under the final name.
-pub fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create directory {}", dir.display()))?;
-    let name = path.file_name().context("output path has no file name")?.to_string_lossy();
-    remove_dead_temps(dir, &name);
-    // PID for remove_dead_temps, and a count so that two threads writing one path never share
-    // a temp file (the later rename wins, whole).
-    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = dir.join(format!(".{name}.tmp{}_{n}", std::process::id()));
-    let result = (|| -> Result<()> {
-        let mut f = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
-        fill(&mut f)?;
-        let f = f.into_inner().map_err(|e| e.into_error())?;
-        f.sync_all()?;
-        Ok(())
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e.context(format!("cannot write {} (is the disk full?)", path.display())));
-    }
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
-    // Make the rename itself durable (best effort: not every filesystem lets a directory be synced).
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(())
-}
-
-/// The writer's PID from the part of a temp file's name after `.tmp` (`PID_N`, or `PID` from
-/// older llmrs), or None for a name write_atomic_with never makes.
-pub fn temp_pid(suffix: &str) -> Option<i32> {
-    suffix.split_once('_').map_or(suffix, |(pid, n)| if n.parse::<u64>().is_ok() { pid } else { "" }).parse().ok()
-}
-
-/// Remove `.NAME.tmpPID_N` files in `dir` left by write_atomic_with in processes that no longer
-/// run (killed mid-write, or by SIGXFSZ on a full disk); a live process's write is left alone.
-pub fn remove_dead_temps(dir: &Path, name: &str) {
-    let prefix = format!(".{name}.tmp");
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for e in entries.flatten() {
-        let f = e.file_name();
-        let Some(pid) = f.to_str().and_then(|f| f.strip_prefix(&prefix)).and_then(temp_pid) else {
-            continue;
-        };
-        // SAFETY: kill with signal 0 only checks whether the process exists.
-        let gone = pid > 0
-            && unsafe { libc::kill(pid, 0) } != 0
-            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-        if gone {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
 }
 
 /// The model-file header for `cfg`.
@@ -472,31 +353,6 @@ pub fn load_state(path: &Path, model: &mut Model) -> Result<TrainState> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn temporary_files_of_dead_writers_are_removed_and_live_ones_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead = child.id();
-        child.wait().unwrap();
-        let stale = [format!(".x.bin.tmp{dead}_3"), format!(".x.bin.tmp{dead}")].map(|n| dir.path().join(n));
-        let live = dir.path().join(".x.bin.tmp1_0"); // pid 1 always runs
-        let other = dir.path().join(format!(".x.bin.tmp{dead}_z")); // not a name we write
-        for (p, what) in [(&stale[0], "half"), (&stale[1], "half"), (&live, "init's write"), (&other, "?")] {
-            std::fs::write(p, what).unwrap();
-        }
-        write_atomic(&dir.path().join("x.bin"), &[b"whole"]).unwrap();
-        assert!(!stale[0].exists() && !stale[1].exists() && live.exists() && other.exists());
-        assert_eq!(std::fs::read(dir.path().join("x.bin")).unwrap(), b"whole");
-        // Two threads writing one path never share a temp file: both renames land whole.
-        std::thread::scope(|s| {
-            for i in 0..4u8 {
-                let p = dir.path().join("y.bin");
-                s.spawn(move || (0..50).for_each(|_| write_atomic(&p, &[&[i; 4096]]).unwrap()));
-            }
-        });
-        let y = std::fs::read(dir.path().join("y.bin")).unwrap();
-        assert!(y.len() == 4096 && y.iter().all(|&b| b == y[0]));
-    }
     use crate::backend::Device;
 
     fn on_cpu(w: Weights) -> Model {

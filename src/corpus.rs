@@ -151,7 +151,7 @@ impl Writer<'_> {
 
     fn save_progress(&self) -> Result<()> {
         let p = self.out.join(format!("{}_progress.json", self.name));
-        crate::checkpoint::write_atomic(&p, &[serde_json::to_string_pretty(&self.progress)?.as_bytes()])
+        crate::files::write_atomic(&p, &[serde_json::to_string_pretty(&self.progress)?.as_bytes()])
     }
 
     /// Append one document's tokens (from `start`); `pos` is the document's place in the input.

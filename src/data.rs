@@ -6,7 +6,7 @@
 //! order (shards and samples permuted by a Mersenne Twister seeded with 42), so llmrs sees the
 //! same batches as llm.c, batch for batch.
 
-use crate::checkpoint::{parse_header, write_atomic, HEADER_BYTES};
+use crate::files::{parse_header, write_atomic, HEADER_BYTES};
 use crate::rng::Mt19937;
 use anyhow::{bail, Context, Result};
 use std::fs::File;
@@ -46,7 +46,7 @@ pub fn write_shard_as(path: &Path, tokens: &[u32], wide: bool) -> Result<()> {
 
 /// Read a whole shard into memory (for tools and tests; training streams batches instead).
 pub fn read_shard(path: &Path) -> Result<Vec<u32>> {
-    let bytes = crate::checkpoint::read_file(path)?;
+    let bytes = crate::files::read_file(path)?;
     let (ntok, width) = check_shard_header(&bytes[..bytes.len().min(HEADER_BYTES)], bytes.len() as u64, path)?;
     Ok(bytes[HEADER_BYTES..HEADER_BYTES + width * ntok].chunks_exact(width).map(token).collect())
 }
@@ -230,7 +230,7 @@ impl DataLoader {
     fn load_shard(&mut self, shard: usize) -> Result<usize> {
         let idx = if self.should_shuffle { self.shard_indices[shard] as usize } else { shard };
         let path = self.files.get(idx).context("shard index out of range")?.clone();
-        crate::checkpoint::check_regular(&path)?;
+        crate::files::check_regular(&path)?;
         let mut f = File::open(&path).with_context(|| format!("cannot open token shard {}", path.display()))?;
         let len = f.metadata()?.len();
         let mut header = vec![0u8; HEADER_BYTES.min(len as usize)];

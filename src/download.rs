@@ -79,7 +79,7 @@ pub fn download(url: &str, dest: &Path, sha256: Option<&str>) -> Result<()> {
             bail!("{url}: SHA-256 is {got}, expected {want}: the download is corrupt or the file changed upstream");
         }
     }
-    crate::checkpoint::write_atomic(dest, &[&bytes])?;
+    crate::files::write_atomic(dest, &[&bytes])?;
     std::io::stderr().flush().ok();
     Ok(())
 }

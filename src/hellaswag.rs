@@ -4,7 +4,7 @@
 //!
 //! Reads HellaSwag's JSON lines and llm.c's eval file (magic 20240522), and writes the latter.
 
-use crate::checkpoint::{parse_header, write_atomic, HEADER_BYTES};
+use crate::files::{parse_header, write_atomic, HEADER_BYTES};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
@@ -84,7 +84,7 @@ pub fn write_bin(path: &Path, examples: &[Example]) -> Result<()> {
 
 /// Read llm.c's eval file.
 pub fn load_bin(path: &Path) -> Result<Vec<Example>> {
-    let bytes = crate::checkpoint::read_file(path)?;
+    let bytes = crate::files::read_file(path)?;
     let h = parse_header(&bytes, path, "eval")?;
     if h[0] != EVAL_MAGIC {
         bail!("{}: bad magic {} (expected {EVAL_MAGIC}); is this llm.c's hellaswag_val.bin?", path.display(), h[0]);

@@ -7,8 +7,9 @@
 //! live in the flat parameter buffer, the shape as stored, and whether stored transposed. Import
 //! and export follow that one table. fp32, bf16 and f16 are read; fp32 and bf16 written.
 
-use crate::checkpoint::{bf16s_from_le, f32s_from_le, f32s_to_bf16_le, f32s_to_le, read_file, write_atomic, Dtype};
+use crate::checkpoint::Dtype;
 use crate::config::{Family, ModelConfig};
+use crate::files::{bf16s_from_le, f32s_from_le, f32s_to_bf16_le, f32s_to_le, read_file, write_atomic};
 use crate::models::{gpt2, llama};
 use crate::params::{Tensor, Weights};
 use anyhow::{bail, Context, Result};

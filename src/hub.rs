@@ -49,35 +49,24 @@ impl std::str::FromStr for HubRef {
 }
 
 pub fn endpoint() -> String {
-    std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into()).trim_end_matches('/').to_string()
+    crate::env::text(crate::env::HF_ENDPOINT)
+        .unwrap_or_else(|| "https://huggingface.co".into())
+        .trim_end_matches('/')
+        .to_string()
 }
 
 /// `$LLMRS_CACHE_DIR`, else `$XDG_CACHE_HOME/llmrs` or `~/.cache/llmrs`.
 pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("LLMRS_CACHE_DIR") {
-        return PathBuf::from(d);
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(|| PathBuf::from(".cache"));
-    base.join("llmrs")
+    crate::env::get(crate::env::CACHE_DIR).map_or_else(|| crate::env::cache_home().join("llmrs"), PathBuf::from)
 }
 
 /// Hugging Face's cache of Hub repositories: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
 /// `~/.cache/huggingface/hub`.
 pub fn hf_cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("HF_HUB_CACHE") {
-        return PathBuf::from(d);
-    }
-    let home = std::env::var_os("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
-        let base = std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .unwrap_or_else(|| PathBuf::from(".cache"));
-        base.join("huggingface")
-    });
-    home.join("hub")
+    use crate::env::{get, HF_HOME, HF_HUB_CACHE};
+    get(HF_HUB_CACHE).map(PathBuf::from).unwrap_or_else(|| {
+        get(HF_HOME).map_or_else(|| crate::env::cache_home().join("huggingface"), PathBuf::from).join("hub")
+    })
 }
 
 /// The snapshot directory of a model in the cache, when it holds a complete model: the
@@ -99,7 +88,7 @@ fn complete(dir: &Path) -> bool {
 
 /// The shard files a `model.safetensors.index.json` lists.
 fn shard_names(index: &Path) -> Result<Vec<String>> {
-    let text = crate::checkpoint::read_file(index)?;
+    let text = crate::files::read_file(index)?;
     let v: serde_json::Value = serde_json::from_slice(&text).context("not a safetensors index")?;
     let mut files: Vec<String> = v["weight_map"]
         .as_object()
@@ -165,7 +154,7 @@ pub fn fetch_model(r: &HubRef, endpoint: &str, cache: &Path) -> Result<PathBuf> 
     }
     let refs = repo_dir.join("refs");
     std::fs::create_dir_all(&refs).with_context(|| format!("cannot create {}", refs.display()))?;
-    crate::checkpoint::write_atomic(&refs.join(&r.revision), &[commit.as_bytes()])?;
+    crate::files::write_atomic(&refs.join(&r.revision), &[commit.as_bytes()])?;
     Ok(dir)
 }
 
@@ -347,10 +336,10 @@ pub fn any_file(_: &Path) -> Result<()> {
 fn valid_model_file(path: &Path) -> Result<()> {
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     if name.starts_with("config.json") {
-        let text = String::from_utf8(crate::checkpoint::read_file(path)?).context("config.json is not UTF-8")?;
+        let text = String::from_utf8(crate::files::read_file(path)?).context("config.json is not UTF-8")?;
         crate::hf::parse_config(&text, path)?;
     } else if name.contains(".json") {
-        let text = crate::checkpoint::read_file(path)?;
+        let text = crate::files::read_file(path)?;
         serde_json::from_slice::<serde_json::Value>(&text).with_context(|| format!("{name} is not JSON"))?;
     } else {
         let mut f = std::fs::File::open(path)?;

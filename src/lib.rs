@@ -11,6 +11,8 @@ pub mod corpus;
 pub mod cpu;
 pub mod data;
 pub mod download;
+pub mod env;
+pub mod files;
 pub mod generate;
 pub mod gpu;
 pub mod hellaswag;

@@ -3,10 +3,14 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use llmrs::checkpoint::Dtype;
+use llmrs::generate::SamplerConfig;
 use llmrs::optim::OptimConfig;
 use llmrs::prepare::{prepare_tinyshakespeare, Source};
 use llmrs::train::{run, TrainConfig};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+/// Where `prepare tinyshakespeare` writes by default, and where the default run's data lives.
+const TINYSHAKESPEARE_DIR: &str = "data/tinyshakespeare";
 
 #[derive(Parser)]
 #[command(name = "llmrs", version, about = "GPT-2 training from scratch in pure Rust (llm.c compatible)")]
@@ -86,7 +90,7 @@ enum Cmd {
         #[arg(long)]
         hf: Option<String>,
         /// Output precision: fp32 or bf16.
-        #[arg(long, default_value = "fp32")]
+        #[arg(long, default_value = dtype_name(Dtype::F32))]
         dtype: String,
         /// Seed when the input is a descriptor for random init (e.g. d12).
         #[arg(long, default_value_t = 42)]
@@ -102,7 +106,7 @@ enum PrepareCmd {
         /// A local copy of input.txt.
         #[arg(long)]
         input: Option<PathBuf>,
-        #[arg(short, long, default_value = "data/tinyshakespeare")]
+        #[arg(short, long, default_value = TINYSHAKESPEARE_DIR)]
         out: PathBuf,
     },
     /// UTF-8 text files, one document each, into train/val shards.
@@ -210,16 +214,16 @@ struct GenArgs {
     #[arg(short = 'n', long, default_value_t = 256)]
     max_new_tokens: usize,
     /// Sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = SamplerConfig::default().temperature)]
     temperature: f32,
     /// Sample among the k most likely tokens only (0 = all).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = SamplerConfig::default().top_k)]
     top_k: usize,
     /// Sample among the most likely tokens that make up probability p (1 = all).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = SamplerConfig::default().top_p)]
     top_p: f32,
     /// Random seed: the same seed gives the same text.
-    #[arg(long, default_value_t = 1337)]
+    #[arg(long, default_value_t = SamplerConfig::default().seed)]
     seed: u64,
     /// Recompute the whole prefix for every token instead of using the KV cache.
     #[arg(long)]
@@ -298,8 +302,7 @@ struct TrainArgs {
     #[arg(short = 'q', long = "final-lr-frac", default_value_t = D.with(|d| d.final_lr_frac))]
     final_lr_frac: f32,
     /// Learning-rate schedule: cosine, linear, constant, wsd.
-    #[arg(short = 'k', long = "schedule", default_value = "cosine")]
-    // ScheduleKind::Cosine, as TrainConfig
+    #[arg(short = 'k', long = "schedule", default_value_t = D.with(|d| d.schedule.to_string()))]
     schedule: String,
     /// Weight decay (2-D weights only).
     #[arg(short = 'c', long = "weight-decay", default_value_t = D.with(|d| d.optim.weight_decay))]
@@ -347,7 +350,7 @@ struct TrainArgs {
     #[arg(long = "no-shuffle")]
     no_shuffle: bool,
     /// Checkpoint model dtype: fp32 or bf16.
-    #[arg(long = "save-dtype", default_value = "fp32")]
+    #[arg(long = "save-dtype", default_value = D.with(|d| dtype_name(d.save_dtype)))]
     save_dtype: String,
     /// Start from a model on the Hugging Face Hub (owner/name[@revision]) instead of -e.
     #[arg(long)]
@@ -398,7 +401,8 @@ fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
     out
 }
 
-fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainConfig> {
+/// The checks on flags that have no field of their own in `TrainConfig` (0/1 switches, -1 defaults).
+fn check_train_flags(a: &TrainArgs) -> Result<()> {
     for (flag, v) in
         [("-y/--resume", a.resume), ("-a/--overfit-single-batch", a.overfit), ("-h/--hellaswag", a.hellaswag)]
     {
@@ -416,6 +420,11 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
             bail!("{flag} {v}: give a number >= {min}, or -1 for the default");
         }
     }
+    Ok(())
+}
+
+fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainConfig> {
+    check_train_flags(&a)?;
     let cfg = TrainConfig {
         train_data: a.train_data,
         val_data: a.val_data,
@@ -465,14 +474,19 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
     Ok(cfg)
 }
 
-fn run_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
-    use llmrs::generate::{generate, GenConfig, SamplerConfig, Utf8Stream};
-    use std::io::Write;
-    let spec = match (a.hf, a.model) {
+/// The model to load from `--hf owner/name` (first) or `-e`.
+fn model_spec(hf: Option<String>, model: Option<String>) -> Result<String> {
+    Ok(match (hf, model) {
         (Some(h), _) => format!("hf:{h}"),
         (None, Some(m)) => m,
         (None, None) => bail!("give a model with -e or --hf"),
-    };
+    })
+}
+
+fn cmd_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
+    use llmrs::generate::{generate, GenConfig, Utf8Stream};
+    use std::io::Write;
+    let spec = model_spec(a.hf, a.model)?;
     let mut model = llmrs::model::Model::new(llmrs::source::load_any(&spec, 0)?, device)?;
     let tok = llmrs::tokenizer::Tokenizer::choose(a.tokenizer.as_deref(), Some(&spec))?;
     tok.check_fits(model.config.vocab_size)?;
@@ -508,6 +522,14 @@ fn run_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
     Ok(())
 }
 
+/// A model dtype as the command line names it; `parse_dtype` reads it back.
+fn dtype_name(d: Dtype) -> &'static str {
+    match d {
+        Dtype::F32 => "fp32",
+        Dtype::BF16 => "bf16",
+    }
+}
+
 fn parse_dtype(d: &str) -> Result<Dtype> {
     Ok(match d {
         "fp32" | "f32" | "float32" => Dtype::F32,
@@ -519,12 +541,12 @@ fn parse_dtype(d: &str) -> Result<Dtype> {
 /// The default run's data: prepare Tiny Shakespeare if the default shards are missing.
 fn ensure_default_data(cfg: &TrainConfig) -> Result<()> {
     let def = TrainConfig::default();
-    let missing = |p: &str| !std::path::Path::new(p).exists();
+    let missing = |p: &str| !Path::new(p).exists();
     if (cfg.train_data == def.train_data && missing(&cfg.train_data))
         || (cfg.val_data == def.val_data && missing(&cfg.val_data))
     {
-        eprintln!("preparing Tiny Shakespeare into data/tinyshakespeare (first run)");
-        prepare_tinyshakespeare(&Source::from_env(None), std::path::Path::new("data/tinyshakespeare"))?;
+        eprintln!("preparing Tiny Shakespeare into {TINYSHAKESPEARE_DIR} (first run)");
+        prepare_tinyshakespeare(&Source::from_env(None), Path::new(TINYSHAKESPEARE_DIR))?;
     }
     Ok(())
 }
@@ -556,11 +578,11 @@ fn real_main(cli: Cli) -> Result<()> {
         pool = pool.num_threads(threads_per_rank(comm.local_world()));
     }
     pool.build_global().context("cannot set up the worker threads")?;
-    llmrs::cpu::simd::init()?; // the kernels' instruction set; a bad LLMRS_CPU_ISA is an error here
-                               // The pool's size also sizes the training step's thread team (cpu::team), made on first
-                               // use. Commands run on a worker of the pool: rayon's loops (data preparation) then fork
-                               // from a worker that takes its own share at once, instead of the main thread handing each
-                               // loop to the pool and sleeping until it is done.
+    llmrs::backend::init_host()?;
+    // The pool's size also sizes the host backend's thread team, made on first use. Commands run
+    // on a worker of the pool: rayon's loops (data preparation) then fork from a worker that
+    // takes its own share at once, instead of the main thread handing each loop to the pool and
+    // sleeping until it is done.
     rayon::scope(|_| run_command(cli, comm))
 }
 
@@ -573,174 +595,195 @@ fn threads_per_rank(local: usize) -> usize {
     (online / local.max(1)).min(allowed).max(1)
 }
 
-fn run_command(cli: Cli, comm: Box<dyn llmrs::backend::comm::Collectives>) -> Result<()> {
+type Comm = Box<dyn llmrs::backend::comm::Collectives>;
+
+fn run_command(cli: Cli, comm: Comm) -> Result<()> {
     let device = cli.device;
     if comm.world() > 1 && !matches!(cli.cmd, Some(Cmd::Train(_)) | Some(Cmd::Bench { .. })) {
         bail!("only `llmrs train` and `llmrs bench` run as several processes; run this command without mpirun");
     }
     match cli.cmd {
-        None => {
-            let cfg = TrainConfig { device, ..TrainConfig::default() };
-            ensure_default_data(&cfg)?;
-            run(&cfg).map(|_| ())
+        None => cmd_default_run(device),
+        Some(Cmd::Train(a)) => cmd_train(a, device, comm),
+        Some(Cmd::Prepare(p)) => cmd_prepare(p),
+        Some(Cmd::Generate(a)) => cmd_generate(a, device),
+        Some(Cmd::Bench { model, batch_size, seq_len, steps, warmup, json, zero_stage }) => {
+            let steps = steps.max(1);
+            let cfg = llmrs::bench::BenchConfig { model, batch_size, seq_len, steps, warmup, device, zero_stage };
+            cmd_bench(&cfg, json, comm)
         }
-        Some(Cmd::Train(a)) => {
-            let cfg = train_config(a, device)?;
-            let mut comm = comm;
-            if comm.rank() == 0 {
-                ensure_default_data(&cfg)?;
-            }
-            comm.barrier()?; // the other ranks wait for the data rank 0 prepares
-            llmrs::train::run_with(&cfg, comm).map(|_| ())
-        }
-        Some(Cmd::Prepare(PrepareCmd::Tinyshakespeare { input, out })) => {
+        Some(Cmd::Devices) => cmd_devices(),
+        Some(Cmd::Plot { logs, out }) => cmd_plot(&logs, &out),
+        Some(Cmd::Eval(e)) => cmd_eval(e, device),
+        Some(Cmd::Convert { paths, hf, dtype, seed }) => cmd_convert(&paths, hf, &dtype, seed),
+    }
+}
+
+/// `llmrs` with no command: the default training run, preparing its data first if needed.
+fn cmd_default_run(device: llmrs::backend::Device) -> Result<()> {
+    let cfg = TrainConfig { device, ..TrainConfig::default() };
+    ensure_default_data(&cfg)?;
+    run(&cfg).map(|_| ())
+}
+
+fn cmd_train(a: TrainArgs, device: llmrs::backend::Device, mut comm: Comm) -> Result<()> {
+    let cfg = train_config(a, device)?;
+    if comm.rank() == 0 {
+        ensure_default_data(&cfg)?;
+    }
+    comm.barrier()?; // the other ranks wait for the data rank 0 prepares
+    llmrs::train::run_with(&cfg, comm).map(|_| ())
+}
+
+fn cmd_bench(cfg: &llmrs::bench::BenchConfig, json: bool, comm: Comm) -> Result<()> {
+    let r = llmrs::bench::run_with(cfg, comm)?;
+    if r.rank != 0 {
+        return Ok(());
+    }
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("{r}");
+    }
+    Ok(())
+}
+
+fn cmd_devices() -> Result<()> {
+    let lines = llmrs::gpu::describe_adapters();
+    if lines.is_empty() {
+        println!("no GPU adapters found (looked for {}); --device cpu runs on the CPU", llmrs::gpu::LOOKED_FOR);
+    }
+    for l in lines {
+        println!("{l}");
+    }
+    Ok(())
+}
+
+fn cmd_plot(logs: &[PathBuf], out: &Path) -> Result<()> {
+    let runs = logs.iter().map(|p| llmrs::plot::read_log(p)).collect::<Result<Vec<_>>>()?;
+    let (png, svg) = llmrs::plot::plot(&runs, out)?;
+    eprintln!("wrote {} and {}", png.display(), svg.display());
+    Ok(())
+}
+
+fn cmd_eval(e: EvalCmd, device: llmrs::backend::Device) -> Result<()> {
+    let EvalCmd::Hellaswag { model, hf, data, limit, tokenizer } = e;
+    let spec = model_spec(hf, model)?;
+    let mut model = llmrs::model::Model::new(llmrs::source::load_any(&spec, 42)?, device)?;
+    let data = match data {
+        Some(d) => d,
+        None => llmrs::train::default_hellaswag_path()?,
+    };
+    let tok = llmrs::tokenizer::Tokenizer::choose(tokenizer.as_deref(), Some(&spec))?;
+    tok.check_fits(model.config.vocab_size)?;
+    let mut ex = llmrs::hellaswag::load(&data, &tok)?;
+    if let Some(n) = limit {
+        ex.truncate(n);
+    }
+    let bar = llmrs::progress::bar(ex.len() as u64, "hellaswag");
+    let scored = llmrs::hellaswag::score(&mut model, &ex, |d| bar.set_position(d as u64))?;
+    bar.finish_and_clear();
+    let (c, cn, n) = llmrs::hellaswag::accuracy(&scored);
+    for (name, k) in [("acc", c), ("acc_norm", cn)] {
+        let (lo, hi) = llmrs::hellaswag::wilson(k, n);
+        println!("{name:8} {k}/{n} = {:.4}  (95% CI {lo:.4}..{hi:.4})", k as f64 / n as f64);
+    }
+    Ok(())
+}
+
+fn cmd_convert(paths: &[String], hf: Option<String>, dtype: &str, seed: u32) -> Result<()> {
+    let dtype = parse_dtype(dtype)?;
+    let (spec, output) = match (hf, paths) {
+        (Some(h), [out]) => (format!("hf:{h}"), PathBuf::from(out)),
+        (None, [input, out]) => (input.clone(), PathBuf::from(out)),
+        (Some(_), _) => bail!("with --hf, give only the output path: llmrs convert --hf owner/name OUT"),
+        (None, _) => bail!("give the input model and the output path: llmrs convert IN OUT"),
+    };
+    let weights = llmrs::source::load_any(&spec, seed)?;
+    if output.extension().is_some_and(|e| e == "bin") {
+        llmrs::checkpoint::save_model(&weights, &output, dtype)?;
+    } else {
+        llmrs::hf::save_hf(&weights, &output, dtype)?;
+    }
+    eprintln!("wrote {} ({} parameters, {:?})", output.display(), weights.num_parameters(), dtype);
+    Ok(())
+}
+
+fn cmd_prepare(p: PrepareCmd) -> Result<()> {
+    match p {
+        PrepareCmd::Tinyshakespeare { input, out } => {
             prepare_tinyshakespeare(&Source::from_env(input.as_deref()), &out).map(|_| ())
         }
-        Some(Cmd::Generate(a)) => run_generate(a, device),
-        Some(Cmd::Bench { model, batch_size, seq_len, steps, warmup, json, zero_stage }) => {
-            let cfg = llmrs::bench::BenchConfig {
-                model,
-                batch_size,
-                seq_len,
-                steps: steps.max(1),
-                warmup,
-                device,
-                zero_stage,
-            };
-            let r = llmrs::bench::run_with(&cfg, comm)?;
-            if r.rank != 0 {
-                return Ok(());
-            }
-            if json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!("{r}");
-            }
-            Ok(())
-        }
-        Some(Cmd::Devices) => {
-            let lines = llmrs::gpu::describe_adapters();
-            if lines.is_empty() {
-                println!("no GPU adapters found (looked for {}); --device cpu runs on the CPU", llmrs::gpu::LOOKED_FOR);
-            }
-            for l in lines {
-                println!("{l}");
-            }
-            Ok(())
-        }
-        Some(Cmd::Plot { logs, out }) => {
-            let runs = logs.iter().map(|p| llmrs::plot::read_log(p)).collect::<Result<Vec<_>>>()?;
-            let (png, svg) = llmrs::plot::plot(&runs, &out)?;
-            eprintln!("wrote {} and {}", png.display(), svg.display());
-            Ok(())
-        }
-        Some(Cmd::Eval(EvalCmd::Hellaswag { model, hf, data, limit, tokenizer })) => {
-            let spec = match (hf, model) {
-                (Some(h), _) => format!("hf:{h}"),
-                (None, Some(m)) => m,
-                (None, None) => bail!("give a model with -e or --hf"),
-            };
-            let mut model = llmrs::model::Model::new(llmrs::source::load_any(&spec, 42)?, device)?;
-            let data = match data {
-                Some(d) => d,
-                None => llmrs::train::default_hellaswag_path()?,
-            };
-            let tok = llmrs::tokenizer::Tokenizer::choose(tokenizer.as_deref(), Some(&spec))?;
-            tok.check_fits(model.config.vocab_size)?;
-            let mut ex = llmrs::hellaswag::load(&data, &tok)?;
-            if let Some(n) = limit {
-                ex.truncate(n);
-            }
-            let bar = llmrs::progress::bar(ex.len() as u64, "hellaswag");
-            let scored = llmrs::hellaswag::score(&mut model, &ex, |d| bar.set_position(d as u64))?;
-            bar.finish_and_clear();
-            let (c, cn, n) = llmrs::hellaswag::accuracy(&scored);
-            for (name, k) in [("acc", c), ("acc_norm", cn)] {
-                let (lo, hi) = llmrs::hellaswag::wilson(k, n);
-                println!("{name:8} {k}/{n} = {:.4}  (95% CI {lo:.4}..{hi:.4})", k as f64 / n as f64);
-            }
-            Ok(())
-        }
-        Some(Cmd::Prepare(PrepareCmd::Hellaswag { input, out })) => {
-            let tok = llmrs::tokenizer::Tokenizer::gpt2()?;
-            let src = llmrs::prepare::hellaswag_jsonl(input.as_deref(), &out)?;
-            let ex = llmrs::hellaswag::load_jsonl(&src, &tok)?;
-            let dest = out.join("hellaswag_val.bin");
-            llmrs::hellaswag::write_bin(&dest, &ex)?;
-            eprintln!("wrote {} examples to {}", ex.len(), dest.display());
-            Ok(())
-        }
-        Some(Cmd::Convert { paths, hf, dtype, seed }) => {
-            let dtype = parse_dtype(&dtype)?;
-            let (spec, output) = match (hf, &paths[..]) {
-                (Some(h), [out]) => (format!("hf:{h}"), PathBuf::from(out)),
-                (None, [input, out]) => (input.clone(), PathBuf::from(out)),
-                (Some(_), _) => bail!("with --hf, give only the output path: llmrs convert --hf owner/name OUT"),
-                (None, _) => bail!("give the input model and the output path: llmrs convert IN OUT"),
-            };
-            let weights = llmrs::source::load_any(&spec, seed)?;
-            if output.extension().is_some_and(|e| e == "bin") {
-                llmrs::checkpoint::save_model(&weights, &output, dtype)?;
-            } else {
-                llmrs::hf::save_hf(&weights, &output, dtype)?;
-            }
-            eprintln!("wrote {} ({} parameters, {:?})", output.display(), weights.num_parameters(), dtype);
-            Ok(())
-        }
-        Some(Cmd::Prepare(PrepareCmd::Fineweb { files, edu, version, max_files, out, shards })) => {
-            let (sample, size) = match version.as_str() {
-                "10B" => ("sample/10BT", "10B"),
-                "100B" => ("sample/100BT", "100B"),
-                v => bail!("unknown FineWeb version '{v}': use 10B or 100B"),
-            };
-            let (repo, name) =
-                if edu { ("HuggingFaceFW/fineweb-edu", "edu_fineweb") } else { ("HuggingFaceFW/fineweb", "fineweb") };
-            let out = out.unwrap_or_else(|| PathBuf::from(format!("data/{name}{size}")));
-            let files = if files.is_empty() {
-                llmrs::corpus::fetch_parquet_sample(
-                    repo,
-                    sample,
-                    max_files,
-                    &llmrs::hub::endpoint(),
-                    &llmrs::hub::cache_dir(),
-                )?
-            } else {
-                files
-            };
-            let tok = llmrs::tokenizer::Tokenizer::choose(shards.tokenizer.as_deref(), None)?;
-            llmrs::corpus::prepare_corpus_with(&files, &out, name, shards.shard_size, &tok).map(|_| ())
-        }
-        Some(Cmd::Prepare(PrepareCmd::Tinystories { files, out, shards })) => {
-            let files = if files.is_empty() {
-                // The Hub's parquet export of roneneldan/TinyStories; validation first (shard 0).
-                let ep = llmrs::hub::endpoint();
-                let mut got = llmrs::corpus::fetch_parquet_sample(
-                    "roneneldan/TinyStories",
-                    "data",
-                    None,
-                    &ep,
-                    &llmrs::hub::cache_dir(),
-                )?;
-                got.sort_by_key(|p| !p.to_string_lossy().contains("validation"));
-                got
-            } else {
-                files
-            };
-            let tok = llmrs::tokenizer::Tokenizer::choose(shards.tokenizer.as_deref(), None)?;
-            llmrs::corpus::prepare_corpus_with(&files, &out, "TinyStories", shards.shard_size, &tok).map(|_| ())
-        }
-        Some(Cmd::Prepare(PrepareCmd::Docs { files, name, out, shards })) => {
-            let tok = llmrs::tokenizer::Tokenizer::choose(shards.tokenizer.as_deref(), None)?;
-            llmrs::corpus::prepare_corpus_with(&files, &out, &name, shards.shard_size, &tok).map(|_| ())
-        }
-        Some(Cmd::Prepare(PrepareCmd::Text { files, out, val_tokens, tokenizer })) => {
+        PrepareCmd::Text { files, out, val_tokens, tokenizer } => {
             let tok = llmrs::tokenizer::Tokenizer::choose(tokenizer.as_deref(), None)?;
             if files.is_empty() {
                 bail!("give one or more UTF-8 text files");
             }
             llmrs::prepare::prepare_text_with(&files, &out, val_tokens, &tok).map(|_| ())
         }
+        PrepareCmd::Fineweb { files, edu, version, max_files, out, shards } => {
+            prepare_fineweb(files, edu, &version, max_files, out, &shards)
+        }
+        PrepareCmd::Tinystories { files, out, shards } => prepare_tinystories(files, &out, &shards),
+        PrepareCmd::Hellaswag { input, out } => prepare_hellaswag(input.as_deref(), &out),
+        PrepareCmd::Docs { files, name, out, shards } => shards.prepare(&files, &out, &name),
     }
+}
+
+impl ShardArgs {
+    /// Tokenize `files` into `out`'s NAME_val/NAME_train shards.
+    fn prepare(&self, files: &[PathBuf], out: &Path, name: &str) -> Result<()> {
+        let tok = llmrs::tokenizer::Tokenizer::choose(self.tokenizer.as_deref(), None)?;
+        llmrs::corpus::prepare_corpus_with(files, out, name, self.shard_size, &tok).map(|_| ())
+    }
+}
+
+fn prepare_fineweb(
+    files: Vec<PathBuf>,
+    edu: bool,
+    version: &str,
+    max_files: Option<usize>,
+    out: Option<PathBuf>,
+    shards: &ShardArgs,
+) -> Result<()> {
+    let (sample, size) = match version {
+        "10B" => ("sample/10BT", "10B"),
+        "100B" => ("sample/100BT", "100B"),
+        v => bail!("unknown FineWeb version '{v}': use 10B or 100B"),
+    };
+    let (repo, name) =
+        if edu { ("HuggingFaceFW/fineweb-edu", "edu_fineweb") } else { ("HuggingFaceFW/fineweb", "fineweb") };
+    let out = out.unwrap_or_else(|| PathBuf::from(format!("data/{name}{size}")));
+    let files = if files.is_empty() {
+        let (ep, cache) = (llmrs::hub::endpoint(), llmrs::hub::cache_dir());
+        llmrs::corpus::fetch_parquet_sample(repo, sample, max_files, &ep, &cache)?
+    } else {
+        files
+    };
+    shards.prepare(&files, &out, name)
+}
+
+fn prepare_tinystories(files: Vec<PathBuf>, out: &Path, shards: &ShardArgs) -> Result<()> {
+    let files = if files.is_empty() {
+        // The Hub's parquet export of roneneldan/TinyStories; validation first (shard 0).
+        let (ep, cache) = (llmrs::hub::endpoint(), llmrs::hub::cache_dir());
+        let mut got = llmrs::corpus::fetch_parquet_sample("roneneldan/TinyStories", "data", None, &ep, &cache)?;
+        got.sort_by_key(|p| !p.to_string_lossy().contains("validation"));
+        got
+    } else {
+        files
+    };
+    shards.prepare(&files, out, "TinyStories")
+}
+
+fn prepare_hellaswag(input: Option<&Path>, out: &Path) -> Result<()> {
+    let tok = llmrs::tokenizer::Tokenizer::gpt2()?;
+    let src = llmrs::prepare::hellaswag_jsonl(input, out)?;
+    let ex = llmrs::hellaswag::load_jsonl(&src, &tok)?;
+    let dest = out.join("hellaswag_val.bin");
+    llmrs::hellaswag::write_bin(&dest, &ex)?;
+    eprintln!("wrote {} examples to {}", ex.len(), dest.display());
+    Ok(())
 }
 
 #[cfg(test)]
@@ -762,5 +805,24 @@ mod tests {
         assert_eq!((paths, hf), (vec!["in.bin".to_string(), "out_dir".to_string()], None));
         assert!(parse(&["llmrs", "convert"]).is_err());
         assert!(parse(&["llmrs", "convert", "a", "b", "c"]).is_err());
+    }
+
+    #[test]
+    fn default_flags_give_the_default_config() {
+        use llmrs::schedule::ScheduleKind;
+        for d in [Dtype::F32, Dtype::BF16] {
+            assert_eq!(parse_dtype(dtype_name(d)).unwrap(), d);
+        }
+        for k in [ScheduleKind::Cosine, ScheduleKind::Linear, ScheduleKind::Constant, ScheduleKind::Wsd] {
+            assert_eq!(k.to_string().parse::<ScheduleKind>().unwrap(), k);
+        }
+        let Some(Cmd::Train(a)) = Cli::try_parse_from(["llmrs", "train"]).unwrap().cmd else { panic!("not train") };
+        let (cfg, def) = (train_config(a, llmrs::backend::Device::Cpu).unwrap(), TrainConfig::default());
+        assert_eq!((cfg.schedule, cfg.save_dtype), (def.schedule, def.save_dtype));
+        let Some(Cmd::Generate(g)) = Cli::try_parse_from(["llmrs", "generate", "-e", "m"]).unwrap().cmd else {
+            panic!("not generate")
+        };
+        let s = SamplerConfig::default();
+        assert_eq!((g.temperature, g.top_k, g.top_p, g.seed), (s.temperature, s.top_k, s.top_p, s.seed));
     }
 }

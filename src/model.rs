@@ -447,6 +447,11 @@ impl Model {
         self.be.describe()
     }
 
+    /// The backend's fp32 peak (GFLOP/s, method), where it measures one.
+    pub fn measure_peak(&self) -> Option<(f64, String)> {
+        self.be.measure_peak()
+    }
+
     /// This process's rank and the number of ranks.
     pub fn rank(&self) -> (usize, usize) {
         (self.comm.rank(), self.comm.world())

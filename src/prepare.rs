@@ -6,10 +6,6 @@ use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
-/// Environment variable naming a directory laid out like the project's shared data
-/// (`tinyshakespeare/input.txt`, `gpt2_bpe/`, `hellaswag/`), used instead of downloading.
-pub const DATA_DIR_ENV: &str = "LLMRS_DATA_DIR";
-
 /// Tokenize Tiny Shakespeare exactly as llm.c's dev/data/tinyshakespeare.py: sections split on
 /// blank lines, each preceded by <|endoftext|> and followed by the "\n\n" it was split on
 /// (except the last); the first 32768 tokens are validation.
@@ -52,7 +48,7 @@ pub struct Source<'a> {
 impl Source<'_> {
     /// The usual source: `$LLMRS_DATA_DIR` if set, else the public URL.
     pub fn from_env(file: Option<&Path>) -> Source<'_> {
-        Source { file, data_dir: std::env::var_os(DATA_DIR_ENV).map(PathBuf::from), url: TINY_SHAKESPEARE.url }
+        Source { file, data_dir: crate::env::data_dir(), url: TINY_SHAKESPEARE.url }
     }
 }
 
@@ -104,8 +100,8 @@ pub fn hellaswag_jsonl(input: Option<&Path>, out_dir: &Path) -> Result<PathBuf> 
     if let Some(p) = input {
         return Ok(p.to_path_buf());
     }
-    if let Some(d) = std::env::var_os(DATA_DIR_ENV) {
-        return Ok(PathBuf::from(d).join("hellaswag/hellaswag_val.preprocessed.jsonl"));
+    if let Some(d) = crate::env::data_dir() {
+        return Ok(d.join("hellaswag/hellaswag_val.preprocessed.jsonl"));
     }
     let cached = out_dir.join("hellaswag_val.jsonl");
     if !cached.exists() {

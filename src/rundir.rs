@@ -84,7 +84,7 @@ impl RunDir {
         for e in std::fs::read_dir(&self.path)? {
             let name = e?.file_name().to_string_lossy().into_owned();
             if name.starts_with('.')
-                && name.rsplit_once(".tmp").is_some_and(|(_, n)| crate::checkpoint::temp_pid(n).is_some())
+                && name.rsplit_once(".tmp").is_some_and(|(_, n)| crate::files::temp_pid(n).is_some())
             {
                 let _ = std::fs::remove_file(self.path.join(&name));
             }
@@ -122,7 +122,7 @@ impl RunDir {
             .flat_map(|l| [l, "\n"])
             .collect();
         if kept != text {
-            crate::checkpoint::write_atomic(&p, &[kept.as_bytes()])?;
+            crate::files::write_atomic(&p, &[kept.as_bytes()])?;
         }
         Ok(())
     }

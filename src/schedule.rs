@@ -24,6 +24,18 @@ impl std::str::FromStr for ScheduleKind {
     }
 }
 
+/// The name `from_str` reads (the CLI shows the default schedule this way).
+impl std::fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Cosine => "cosine",
+            Self::Linear => "linear",
+            Self::Constant => "constant",
+            Self::Wsd => "wsd",
+        })
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct LrSchedule {
     pub kind: ScheduleKind,

@@ -6,10 +6,7 @@ use std::path::{Path, PathBuf};
 
 /// The data directory: `$LLMRS_DATA_DIR`, else `<repository>/data`.
 pub fn data_dir() -> PathBuf {
-    match std::env::var_os(crate::prepare::DATA_DIR_ENV) {
-        Some(d) => PathBuf::from(d),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("data"),
-    }
+    crate::env::data_dir().unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("data"))
 }
 
 /// Tiny Shakespeare's text, with a message saying how to get it when it is missing.

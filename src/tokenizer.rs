@@ -3,8 +3,8 @@
 //! decode only), and a model's own `tokenizer.json` through Hugging Face's `tokenizers` crate
 //! (Llama 3, SmolLM2, TinyLlama: byte-level BPE or SentencePiece-style with byte fallback).
 
-use crate::checkpoint::{parse_header, write_atomic, HEADER_BYTES};
 use crate::config::GPT2_EOT;
+use crate::files::{parse_header, write_atomic, HEADER_BYTES};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -51,7 +51,7 @@ impl Tokenizer {
 
     /// A model's `tokenizer.json` (Hugging Face `tokenizers`).
     pub fn load_hf(path: &Path) -> Result<Self> {
-        let bytes = crate::checkpoint::read_file(path)?;
+        let bytes = crate::files::read_file(path)?;
         let hf = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| anyhow::anyhow!("{}: not a tokenizer.json that `tokenizers` reads: {e}", path.display()))?;
         let json: serde_json::Value = serde_json::from_slice(&bytes).context("tokenizer.json is not JSON")?;
@@ -132,7 +132,7 @@ impl Tokenizer {
 
     /// Decode-only tokenizer from llm.c's `gpt2_tokenizer.bin`.
     pub fn load_llmc(path: &Path) -> Result<Self> {
-        let bytes = crate::checkpoint::read_file(path)?;
+        let bytes = crate::files::read_file(path)?;
         let h = parse_header(&bytes, path, "tokenizer")?;
         if h[0] != TOKENIZER_MAGIC {
             bail!(

@@ -192,8 +192,8 @@ pub fn default_hellaswag_path() -> Result<PathBuf> {
     if bin.is_file() {
         return Ok(bin);
     }
-    if let Some(d) = std::env::var_os(crate::prepare::DATA_DIR_ENV) {
-        let j = PathBuf::from(d).join("hellaswag/hellaswag_val.preprocessed.jsonl");
+    if let Some(d) = crate::env::data_dir() {
+        let j = d.join("hellaswag/hellaswag_val.preprocessed.jsonl");
         if j.is_file() {
             return Ok(j);
         }
@@ -324,19 +324,49 @@ pub fn run(cfg: &TrainConfig) -> Result<RunSummary> {
 /// checkpoint model files.
 pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectives>) -> Result<RunSummary> {
     cfg.validate()?;
-    let (b, t) = (cfg.batch_size, cfg.seq_len);
-    let (rank, world) = (comm.rank(), comm.world());
-    let tokens_per_micro = b * t * world; // over all ranks
-    let total = cfg.total_batch_size.unwrap_or(tokens_per_micro);
-    if tokens_per_micro == 0 || !total.is_multiple_of(tokens_per_micro) {
-        bail!("total batch size -d {total} must be a multiple of B*T*processes = {tokens_per_micro}");
+    let shape = Shape::new(cfg, comm.rank(), comm.world())?;
+    // Rank 0's lock on the output directory: held until the run has returned.
+    let (_run_dir, resume_step) = open_output(cfg, shape.rank)?;
+    let mut run = Run::start(cfg, comm, shape, resume_step)?;
+    run.train()?;
+    run.finish()
+}
+
+/// How one optimizer step's tokens are divided: `grad_accum` micro-batches of B×T tokens on
+/// each of `world` ranks.
+#[derive(Clone, Copy)]
+struct Shape {
+    b: usize,
+    t: usize,
+    rank: usize,
+    world: usize,
+    /// One micro-batch over all ranks: B*T*world.
+    tokens_per_micro: usize,
+    /// One optimizer step (-d): a nonzero multiple of `tokens_per_micro`.
+    total: usize,
+    grad_accum: usize,
+}
+
+impl Shape {
+    fn new(cfg: &TrainConfig, rank: usize, world: usize) -> Result<Shape> {
+        let (b, t) = (cfg.batch_size, cfg.seq_len);
+        let tokens_per_micro = b * t * world; // over all ranks
+        let total = cfg.total_batch_size.unwrap_or(tokens_per_micro);
+        if tokens_per_micro == 0 || !total.is_multiple_of(tokens_per_micro) {
+            bail!("total batch size -d {total} must be a multiple of B*T*processes = {tokens_per_micro}");
+        }
+        Ok(Shape { b, t, rank, world, tokens_per_micro, total, grad_accum: total / tokens_per_micro })
     }
-    let grad_accum = total / tokens_per_micro;
+}
+
+/// Lock the output directory (rank 0), then resume or start fresh: returns the lock, which must
+/// be held for the whole run, and with -y 1 the step of the newest complete checkpoint (only
+/// ever with an output directory), whose state file this rank must have.
+fn open_output(cfg: &TrainConfig, rank: usize) -> Result<(Option<RunDir>, Option<usize>)> {
     let out = cfg.output_dir.as_deref();
     if cfg.checkpoint_every > 0 && out.is_none() {
         bail!("checkpoints (-n) need an output directory (-o)");
     }
-    // Lock the output directory (rank 0), then resume or start fresh.
     if cfg.resume && out.is_none() {
         bail!("-y 1 needs the output directory (-o) of the run to resume");
     }
@@ -350,7 +380,7 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
         rd.trim_log(s)?;
     }
     if let Some(s) = resume_step {
-        let state = &ckpt_paths(out.unwrap(), s, rank)[1];
+        let state = &resume_paths(cfg, s, rank)[1];
         if !state.exists() {
             bail!(
                 "checkpoint {s} has no state file for rank {rank} ({}): it was written by a run with fewer processes; \
@@ -359,185 +389,322 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
             );
         }
     }
+    Ok((run_dir, resume_step))
+}
+
+/// The files of checkpoint `s` being resumed. [`open_output`] found it in the output
+/// directory, so there is one.
+fn resume_paths(cfg: &TrainConfig, s: usize, rank: usize) -> [PathBuf; 3] {
+    ckpt_paths(cfg.output_dir.as_deref().unwrap(), s, rank)
+}
+
+/// The weights to train: checkpoint `resume_step`'s, else `-e`'s. Refused when the model
+/// cannot hold `-t` positions.
+fn load_weights(cfg: &TrainConfig, resume_step: Option<usize>, rank: usize) -> Result<crate::params::Weights> {
     let weights = match resume_step {
-        Some(s) => load_model(&ckpt_paths(out.unwrap(), s, rank)[0])?,
+        Some(s) => load_model(&resume_paths(cfg, s, rank)[0])?,
         None => crate::source::load_any(&cfg.model, cfg.seed)?,
     };
-    let mc = weights.config;
-    if t > mc.max_seq_len {
-        bail!("sequence length -t {t} is longer than the model's max_seq_len {}", mc.max_seq_len);
+    let (t, max_t) = (cfg.seq_len, weights.config.max_seq_len);
+    if t > max_t {
+        bail!("sequence length -t {t} is longer than the model's max_seq_len {max_t}");
     }
-    // The data first: a batch larger than the data is refused before anything big is allocated.
+    Ok(weights)
+}
+
+/// This rank's train and val loaders. With -a the train loader reads the val split, in order
+/// (the step resets it to the same batch). Also returns whether the train data is shuffled,
+/// which a resumed run must match.
+fn open_data(cfg: &TrainConfig, s: &Shape, vocab_size: usize) -> Result<(DataLoader, DataLoader, bool)> {
     let train_pattern = if cfg.overfit_single_batch { &cfg.val_data } else { &cfg.train_data };
     let shuffle = cfg.shuffle && !cfg.overfit_single_batch;
-    let split = crate::data::Split { rank, world };
-    let mut train =
-        DataLoader::new_split(train_pattern, b, t, mc.vocab_size, shuffle, split).context("train data (-i)")?;
-    let mut val = DataLoader::new_split(&cfg.val_data, b, t, mc.vocab_size, false, split).context("val data (-j)")?;
-    let mut model = Model::with_collectives(weights, crate::backend::open(cfg.device)?, comm, cfg.zero_stage)?;
-    model.alloc_training_state()?;
-    model.reserve(b, t)?;
-    let steps = cfg.max_steps.unwrap_or(train.num_tokens / total);
-    let val_batches = cfg.val_max_steps.unwrap_or(val.num_tokens / tokens_per_micro);
-    let mut step = 0;
-    if let Some(s) = resume_step {
-        let state_path = &ckpt_paths(out.unwrap(), s, rank)[1];
-        let st: TrainState = load_state(state_path, &mut model)?;
-        if st.step != s {
-            bail!(
-                "{} holds the state of step {}, not of checkpoint {s}: the checkpoint's files do not belong together; \
-                 resume from another checkpoint (delete DONE_{s:08}) or start afresh",
-                state_path.display(),
-                st.step
-            );
-        }
-        if st.should_shuffle != shuffle {
-            bail!(
-                "the run being resumed {} its training data; pass the same --no-shuffle setting",
-                if st.should_shuffle { "shuffled" } else { "did not shuffle" }
-            );
-        }
-        train.restore(&st.loader)?;
-        step = st.step;
+    let split = crate::data::Split { rank: s.rank, world: s.world };
+    let train =
+        DataLoader::new_split(train_pattern, s.b, s.t, vocab_size, shuffle, split).context("train data (-i)")?;
+    let val = DataLoader::new_split(&cfg.val_data, s.b, s.t, vocab_size, false, split).context("val data (-j)")?;
+    Ok((train, val, shuffle))
+}
+
+/// Load the optimizer and data-loader state of checkpoint `s` from `path`, refused when the
+/// file is another step's or the run being resumed had another shuffle setting. Returns the
+/// step to go on from.
+fn restore_state(path: &Path, s: usize, shuffle: bool, model: &mut Model, train: &mut DataLoader) -> Result<usize> {
+    let st: TrainState = load_state(path, model)?;
+    if st.step != s {
+        bail!(
+            "{} holds the state of step {}, not of checkpoint {s}: the checkpoint's files do not belong together; \
+             resume from another checkpoint (delete DONE_{s:08}) or start afresh",
+            path.display(),
+            st.step
+        );
     }
-    let sched = LrSchedule {
-        kind: cfg.schedule,
-        max_lr: cfg.learning_rate,
-        warmup: cfg.warmup,
-        total_steps: steps,
-        final_frac: cfg.final_lr_frac,
-    };
-    // A Hugging Face model's own tokenizer.json; else, like llm.c, ./gpt2_tokenizer.bin when it is
-    // there, else the built-in GPT-2 BPE.
+    if st.should_shuffle != shuffle {
+        bail!(
+            "the run being resumed {} its training data; pass the same --no-shuffle setting",
+            if st.should_shuffle { "shuffled" } else { "did not shuffle" }
+        );
+    }
+    train.restore(&st.loader)?;
+    Ok(st.step)
+}
+
+/// A Hugging Face model's own tokenizer.json; else, like llm.c, ./gpt2_tokenizer.bin when it is
+/// there, else the built-in GPT-2 BPE.
+fn load_tokenizer(model: &str) -> Result<Tokenizer> {
     let llmc_tokenizer = Path::new("gpt2_tokenizer.bin");
-    let tokenizer = match crate::source::tokenizer_path(&cfg.model)? {
+    Ok(match crate::source::tokenizer_path(model)? {
         Some(p) => Tokenizer::load_hf(&p)?,
         None if llmc_tokenizer.is_file() => Tokenizer::load_llmc(llmc_tokenizer)?,
         None => Tokenizer::gpt2()?,
-    };
-    let log = match out.filter(|_| rank == 0) {
-        Some(dir) => {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("cannot create output directory {}", dir.display()))?;
-            let p = dir.join("log.jsonl");
-            let f = std::fs::OpenOptions::new()
-                .create(true)
-                .append(resume_step.is_some())
-                .write(true)
-                .truncate(resume_step.is_none())
-                .open(&p);
-            Some(f.with_context(|| format!("cannot open {}", p.display()))?)
-        }
-        None => None,
-    };
-    let bar = if cfg.quiet { indicatif::ProgressBar::hidden() } else { crate::progress::bar(steps as u64, "train") };
-    bar.set_position(step as u64);
-    let mut rep = Reporter { bar, log, quiet: cfg.quiet || rank != 0 };
-    if !rep.quiet {
-        rep.line(&format!(
-            "model: L={} C={} NH={} maxT={} V={} ({} parameters){}",
-            mc.num_layers,
-            mc.channels,
-            mc.num_heads,
-            mc.max_seq_len,
-            mc.vocab_size,
-            model.num_parameters(),
-            resume_step.map_or(String::new(), |s| format!(", resumed at step {s}"))
-        ));
-        rep.line(&format!(
-            "data: {} train tokens in {} shard(s), {} val tokens; B={b} T={t} grad_accum={grad_accum}; {steps} steps",
-            train.num_tokens,
-            train.num_shards(),
-            val.num_tokens,
-        ));
-        rep.line(&format!("device: {}", model.describe_backend()));
+    })
+}
+
+/// Rank 0's `log.jsonl` in the output directory: appended to when resuming (`open_output`
+/// trimmed it to the checkpoint), else started empty.
+fn open_log(cfg: &TrainConfig, rank: usize, resuming: bool) -> Result<Option<std::fs::File>> {
+    let Some(dir) = cfg.output_dir.as_deref().filter(|_| rank == 0) else { return Ok(None) };
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create output directory {}", dir.display()))?;
+    let p = dir.join("log.jsonl");
+    let f = std::fs::OpenOptions::new().create(true).append(resuming).write(true).truncate(!resuming).open(&p);
+    Ok(Some(f.with_context(|| format!("cannot open {}", p.display()))?))
+}
+
+/// The HellaSwag examples scored at each validation with -h 1 (the first `hellaswag_limit`).
+fn load_hellaswag(cfg: &TrainConfig) -> Result<Option<Vec<crate::hellaswag::Example>>> {
+    if !cfg.hellaswag {
+        return Ok(None);
     }
-    let mem = model.memory();
-    if world > 1 {
-        let mb = |b: usize| format!("{:.1} MB", b as f64 / 1e6);
-        rep.line(&format!(
-            "{world} processes, ZeRO stage {}; memory per rank: parameters {}, gradients {}, AdamW {}, ZeRO buffers {}, activations {}",
-            model.zero_stage(),
-            mb(mem.params),
-            mb(mem.grads),
-            mb(mem.adamw),
-            mb(mem.buffers),
-            mb(mem.activations)
-        ));
-    }
-    rep.json(
-        serde_json::json!({"step": step, "processes": world, "zero_stage": model.zero_stage(), "memory_per_rank": mem}),
-    )?;
-    let hellaswag = if cfg.hellaswag {
-        let path = match &cfg.hellaswag_data {
-            Some(p) => p.clone(),
-            None => default_hellaswag_path()?,
+    let path = match &cfg.hellaswag_data {
+        Some(p) => p.clone(),
+        None => default_hellaswag_path()?,
+    };
+    let mut ex = crate::hellaswag::load(&path, &Tokenizer::for_model(&cfg.model)?)?;
+    ex.truncate(cfg.hellaswag_limit.unwrap_or(usize::MAX));
+    Ok(Some(ex))
+}
+
+/// A training run between its setup and its end. `step` counts the optimizer steps taken,
+/// those before a resume included; the run ends after the evaluations at `step == steps`.
+struct Run<'a> {
+    cfg: &'a TrainConfig,
+    shape: Shape,
+    steps: usize,
+    val_batches: usize,
+    step: usize,
+    /// Only during the first pass of a resumed run: its checkpoint is on disk already (not
+    /// written again), and older ones may still be due for pruning.
+    resuming: bool,
+    sched: LrSchedule,
+    train: DataLoader,
+    val: DataLoader,
+    model: Model,
+    tokenizer: Tokenizer,
+    rep: Reporter,
+    hellaswag: Option<Vec<crate::hellaswag::Example>>,
+    /// The samples' KV cache (-s), allocated once; None when no sample needs a forward pass.
+    sampler_cache: Option<KvCache>,
+    /// llm.c's outlier detectors (-sl, -sg) over the recent steps' loss and gradient norm.
+    loss_window: OutlierDetector,
+    norm_window: OutlierDetector,
+    /// A loss this far above uniform guessing's ln(V) is no longer training: stop, whatever
+    /// the detectors say.
+    exploded: f32,
+    summary: RunSummary,
+}
+
+impl<'a> Run<'a> {
+    /// Everything before the first step, in an order that refuses bad weights and data before
+    /// anything big is allocated, and touches the log only once model and state are loaded.
+    fn start(
+        cfg: &'a TrainConfig,
+        comm: Box<dyn crate::backend::comm::Collectives>,
+        shape: Shape,
+        resume_step: Option<usize>,
+    ) -> Result<Self> {
+        let weights = load_weights(cfg, resume_step, shape.rank)?;
+        let mc = weights.config;
+        // The data first: a batch larger than the data is refused before anything big is allocated.
+        let (mut train, val, shuffle) = open_data(cfg, &shape, mc.vocab_size)?;
+        let mut model = Model::with_collectives(weights, crate::backend::open(cfg.device)?, comm, cfg.zero_stage)?;
+        model.alloc_training_state()?;
+        model.reserve(shape.b, shape.t)?;
+        let steps = cfg.max_steps.unwrap_or(train.num_tokens / shape.total);
+        let val_batches = cfg.val_max_steps.unwrap_or(val.num_tokens / shape.tokens_per_micro);
+        let step = match resume_step {
+            Some(s) => restore_state(&resume_paths(cfg, s, shape.rank)[1], s, shuffle, &mut model, &mut train)?,
+            None => 0,
         };
-        let mut ex = crate::hellaswag::load(&path, &Tokenizer::for_model(&cfg.model)?)?;
-        ex.truncate(cfg.hellaswag_limit.unwrap_or(usize::MAX));
-        Some(ex)
-    } else {
-        None
-    };
-    let mut summary = RunSummary::default();
-    let mut resuming = resume_step.is_some();
-    let mut sampler_cache = if cfg.sample_every > 0 { sample_cache(&mut model, cfg.gen_tokens)? } else { None };
-    // llm.c's outlier detectors (-sl, -sg). A loss this far above uniform guessing's ln(V) is
-    // no longer training: stop, whatever the detectors say.
-    let (mut loss_window, mut norm_window) = (OutlierDetector::default(), OutlierDetector::default());
-    let exploded = 2.0 * (mc.vocab_size as f32).ln();
-    loop {
-        let last = step == steps;
-        if cfg.val_every > 0 && (step % cfg.val_every == 0 || last) {
-            val.reset()?;
-            model.take_loss()?;
-            for _ in 0..val_batches {
-                val.next_batch()?;
-                model.forward(&val.inputs, Some(&val.targets), b, t)?;
-                model.accumulate_loss(1.0 / val_batches as f32)?;
+        let (kind, max_lr, warmup, final_frac) = (cfg.schedule, cfg.learning_rate, cfg.warmup, cfg.final_lr_frac);
+        let sched = LrSchedule { kind, max_lr, warmup, total_steps: steps, final_frac };
+        let tokenizer = load_tokenizer(&cfg.model)?;
+        let log = open_log(cfg, shape.rank, resume_step.is_some())?;
+        let bar =
+            if cfg.quiet { indicatif::ProgressBar::hidden() } else { crate::progress::bar(steps as u64, "train") };
+        bar.set_position(step as u64);
+        let rep = Reporter { bar, log, quiet: cfg.quiet || shape.rank != 0 };
+        let mut run = Run {
+            cfg,
+            shape,
+            steps,
+            val_batches,
+            step,
+            resuming: resume_step.is_some(),
+            sched,
+            train,
+            val,
+            model,
+            tokenizer,
+            rep,
+            hellaswag: None,
+            sampler_cache: None,
+            loss_window: OutlierDetector::default(),
+            norm_window: OutlierDetector::default(),
+            exploded: 2.0 * (mc.vocab_size as f32).ln(),
+            summary: RunSummary::default(),
+        };
+        run.report_start(&mc, resume_step)?;
+        run.hellaswag = load_hellaswag(cfg)?;
+        if cfg.sample_every > 0 {
+            run.sampler_cache = sample_cache(&mut run.model, cfg.gen_tokens)?;
+        }
+        Ok(run)
+    }
+
+    /// The lines that open a run (model, data, device; memory per rank with several processes)
+    /// and the log's first record.
+    fn report_start(&mut self, mc: &crate::config::ModelConfig, resume_step: Option<usize>) -> Result<()> {
+        let (Shape { b, t, grad_accum, world, .. }, steps) = (self.shape, self.steps);
+        let (model, rep) = (&self.model, &mut self.rep);
+        if !rep.quiet {
+            rep.line(&format!(
+                "model: L={} C={} NH={} maxT={} V={} ({} parameters){}",
+                mc.num_layers,
+                mc.channels,
+                mc.num_heads,
+                mc.max_seq_len,
+                mc.vocab_size,
+                model.num_parameters(),
+                resume_step.map_or(String::new(), |s| format!(", resumed at step {s}"))
+            ));
+            rep.line(&format!(
+                "data: {} train tokens in {} shard(s), {} val tokens; B={b} T={t} grad_accum={grad_accum}; {steps} steps",
+                self.train.num_tokens,
+                self.train.num_shards(),
+                self.val.num_tokens,
+            ));
+            rep.line(&format!("device: {}", model.describe_backend()));
+        }
+        let mem = model.memory();
+        if world > 1 {
+            let mb = |b: usize| format!("{:.1} MB", b as f64 / 1e6);
+            rep.line(&format!(
+                "{world} processes, ZeRO stage {}; memory per rank: parameters {}, gradients {}, AdamW {}, ZeRO buffers {}, activations {}",
+                model.zero_stage(),
+                mb(mem.params),
+                mb(mem.grads),
+                mb(mem.adamw),
+                mb(mem.buffers),
+                mb(mem.activations)
+            ));
+        }
+        rep.json(
+            serde_json::json!({"step": self.step, "processes": world, "zero_stage": model.zero_stage(), "memory_per_rank": mem}),
+        )
+    }
+
+    /// At each step the evaluations and checkpoint that are due, then, except at the last, one
+    /// optimizer step.
+    fn train(&mut self) -> Result<()> {
+        loop {
+            let last = self.step == self.steps;
+            self.validate(last)?;
+            self.score_hellaswag(last)?;
+            self.sample(last)?;
+            self.checkpoint(last)?;
+            self.resuming = false;
+            if last {
+                return Ok(());
             }
-            let loss = model.take_mean_loss()?; // the validation's one host read, averaged over the ranks
-            rep.line(&format!("val loss {loss:.6}"));
-            rep.json(serde_json::json!({"step": step, "val_loss": loss}))?;
-            summary.val_losses.push((step, loss));
+            self.train_step()?;
         }
-        if let Some(ex) = &hellaswag {
-            if cfg.val_every > 0 && ((step > 0 && step % cfg.val_every == 0) || last) {
-                let scored = crate::hellaswag::score(&mut model, ex, |_| {})?;
-                let (_, cn, n) = crate::hellaswag::accuracy(&scored);
-                let acc = cn as f32 / n as f32;
-                rep.line(&format!("HellaSwag: {cn}/{n} = {acc:.6}"));
-                rep.json(serde_json::json!({"step": step, "hellaswag": acc}))?;
-                summary.hellaswag.push((step, acc));
-            }
+    }
+
+    /// Every `-v` steps (step 0 included) and at the end: the mean loss over the first
+    /// `val_batches` batches of the val split.
+    fn validate(&mut self, last: bool) -> Result<()> {
+        let (cfg, step, Shape { b, t, .. }) = (self.cfg, self.step, self.shape);
+        if !(cfg.val_every > 0 && (step % cfg.val_every == 0 || last)) {
+            return Ok(());
         }
-        if cfg.sample_every > 0 && ((step > 0 && step % cfg.sample_every == 0) || last) {
-            let toks = match &mut sampler_cache {
-                Some(cache) => sample_tokens(&mut model, cache, cfg.gen_tokens, tokenizer.doc_start)?,
-                None => vec![],
-            };
-            let text = tokenizer.decode(&toks);
-            rep.line(&format!("generating:\n---\n{text}\n---"));
-            summary.samples.push(text);
+        let (val, model) = (&mut self.val, &mut self.model);
+        val.reset()?;
+        model.take_loss()?;
+        for _ in 0..self.val_batches {
+            val.next_batch()?;
+            model.forward(&val.inputs, Some(&val.targets), b, t)?;
+            model.accumulate_loss(1.0 / self.val_batches as f32)?;
         }
-        if let (Some(dir), true) =
-            (out, cfg.checkpoint_every > 0 && !resuming && ((step > 0 && step % cfg.checkpoint_every == 0) || last))
-        {
-            write_checkpoint(dir, step, &mut model, &train, cfg.save_dtype)?;
+        let loss = model.take_mean_loss()?; // the validation's one host read, averaged over the ranks
+        self.rep.line(&format!("val loss {loss:.6}"));
+        self.rep.json(serde_json::json!({"step": step, "val_loss": loss}))?;
+        self.summary.val_losses.push((step, loss));
+        Ok(())
+    }
+
+    /// With -h 1, at every validation after step 0 and at the end: HellaSwag's acc_norm.
+    fn score_hellaswag(&mut self, last: bool) -> Result<()> {
+        let (cfg, step) = (self.cfg, self.step);
+        let Some(ex) = &self.hellaswag else { return Ok(()) };
+        if !(cfg.val_every > 0 && ((step > 0 && step % cfg.val_every == 0) || last)) {
+            return Ok(());
+        }
+        let scored = crate::hellaswag::score(&mut self.model, ex, |_| {})?;
+        let (_, cn, n) = crate::hellaswag::accuracy(&scored);
+        let acc = cn as f32 / n as f32;
+        self.rep.line(&format!("HellaSwag: {cn}/{n} = {acc:.6}"));
+        self.rep.json(serde_json::json!({"step": step, "hellaswag": acc}))?;
+        self.summary.hellaswag.push((step, acc));
+        Ok(())
+    }
+
+    /// Every `-s` steps after step 0 and at the end: a text sample of `-g` tokens.
+    fn sample(&mut self, last: bool) -> Result<()> {
+        let (cfg, step) = (self.cfg, self.step);
+        if !(cfg.sample_every > 0 && ((step > 0 && step % cfg.sample_every == 0) || last)) {
+            return Ok(());
+        }
+        let toks = match &mut self.sampler_cache {
+            Some(cache) => sample_tokens(&mut self.model, cache, cfg.gen_tokens, self.tokenizer.doc_start)?,
+            None => vec![],
+        };
+        let text = self.tokenizer.decode(&toks);
+        self.rep.line(&format!("generating:\n---\n{text}\n---"));
+        self.summary.samples.push(text);
+        Ok(())
+    }
+
+    /// Every `-n` steps after step 0 and at the end: the checkpoint of `step`, except the one a
+    /// resumed run starts from (on disk already); then rank 0 prunes old ones (`-nk`).
+    fn checkpoint(&mut self, last: bool) -> Result<()> {
+        let (cfg, step, Shape { rank, world, .. }) = (self.cfg, self.step, self.shape);
+        let Some(dir) = cfg.output_dir.as_deref().filter(|_| cfg.checkpoint_every > 0) else { return Ok(()) };
+        if !self.resuming && ((step > 0 && step % cfg.checkpoint_every == 0) || last) {
+            write_checkpoint(dir, step, &mut self.model, &self.train, cfg.save_dtype)?;
         }
         // After a checkpoint, and on resuming (a kill may have come between the newest
         // checkpoint and the deletions that should have followed it).
-        if let (Some(dir), 0) = (out, rank) {
-            if cfg.checkpoint_every > 0 && (resuming || (step > 0 && step.is_multiple_of(cfg.checkpoint_every)) || last)
-            {
-                prune_checkpoints(dir, step, cfg, world);
-            }
+        if rank == 0 && (self.resuming || (step > 0 && step.is_multiple_of(cfg.checkpoint_every)) || last) {
+            prune_checkpoints(dir, step, cfg, world);
         }
-        resuming = false;
-        if last {
-            break;
-        }
-        let (t0, comm0) = (Instant::now(), model.comm_seconds());
+        Ok(())
+    }
+
+    /// One optimizer step over `grad_accum` micro-batches, refused when training diverged
+    /// (the step then left the parameters as they were), then its report.
+    fn train_step(&mut self) -> Result<()> {
+        let (cfg, step, Shape { b, t, grad_accum, .. }) = (self.cfg, self.step, self.shape);
+        let (t0, comm0) = (Instant::now(), self.model.comm_seconds());
+        let (train, model) = (&mut self.train, &mut self.model);
         if cfg.overfit_single_batch {
             train.reset()?;
         }
@@ -548,42 +715,37 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
             model.forward(&train.inputs, Some(&train.targets), b, t)?;
             model.backward(1.0 / grad_accum as f32)?;
         }
-        let lr = sched.lr(step);
-        let skip = skip_limits(&loss_window, cfg.skip_loss_z, &norm_window, cfg.skip_grad_z);
+        let lr = self.sched.lr(step);
+        let skip = skip_limits(&self.loss_window, cfg.skip_loss_z, &self.norm_window, cfg.skip_grad_z);
         model.update(&cfg.optim, lr, step, skip)?;
-        let StepStats { loss, grad_norm: norm, skipped } = model.step_stats()?;
-        // A step with a non-finite loss or norm left the parameters as they were (see Model::update).
-        if !loss.is_finite() {
-            bail!(
-                "the training loss is {loss} at step {step}: training diverged. Lower the learning rate (-l), keep clipping on \
-                 (--grad-clip 1), or resume from the last good checkpoint with -y 1"
-            );
-        }
-        if !norm.is_finite() {
-            bail!("the gradient norm is {norm} at step {step}: training diverged. Lower the learning rate (-l) and resume from the last checkpoint with -y 1");
-        }
-        if loss > exploded {
-            bail!(
-                "the training loss is {loss} at step {step}, more than twice the {:.2} of guessing uniformly: training \
-                 diverged. Lower the learning rate (-l), keep clipping on (--grad-clip 1), or skip outlier steps (-sl, -sg)",
-                exploded / 2.0
-            );
-        }
+        let stats = model.step_stats()?;
+        let StepStats { loss, grad_norm: norm, skipped } = stats;
+        check_diverged(step, loss, norm, self.exploded)?;
         if skipped {
-            let (zl, zg) = (loss_window.z(loss as f64), norm_window.z(norm as f64));
-            rep.line(&format!("step {}: update skipped (loss z-score {zl:.2}, grad norm z-score {zg:.2})", step + 1));
+            let (zl, zg) = (self.loss_window.z(loss as f64), self.norm_window.z(norm as f64));
+            self.rep
+                .line(&format!("step {}: update skipped (loss z-score {zl:.2}, grad norm z-score {zg:.2})", step + 1));
         }
-        loss_window.push(loss as f64);
-        norm_window.push(norm as f64);
+        self.loss_window.push(loss as f64);
+        self.norm_window.push(norm as f64);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
-        let tok_s = (total as f64) / (ms / 1e3);
-        let comm_ms = (model.comm_seconds() - comm0) * 1e3;
+        let comm_ms = (self.model.comm_seconds() - comm0) * 1e3;
+        self.report_step(lr, stats, ms, comm_ms)?;
+        self.step += 1;
+        Ok(())
+    }
+
+    /// The step's line and log record: `ms` its wall time, `comm_ms` the part in collectives.
+    fn report_step(&mut self, lr: f32, stats: StepStats, ms: f64, comm_ms: f64) -> Result<()> {
+        let (step, steps, world) = (self.step, self.steps, self.shape.world);
+        let StepStats { loss, grad_norm: norm, skipped } = stats;
+        let tok_s = (self.shape.total as f64) / (ms / 1e3);
         let ranks = if world > 1 {
             format!(" ({:.0} per rank, {comm_ms:.1} ms in collectives)", tok_s / world as f64)
         } else {
             String::new()
         };
-        rep.line(&format!(
+        self.rep.line(&format!(
             "step {:4}/{steps} | loss {loss:.6} | norm {norm:.4} | lr {lr:.2e} | {ms:.2} ms | {tok_s:.0} tok/s{ranks}",
             step + 1
         ));
@@ -595,24 +757,51 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
         if skipped {
             line["skipped"] = true.into();
         }
-        rep.json(line)?;
-        rep.bar.inc(1);
-        summary.train_losses.push((step, loss));
-        step += 1;
+        self.rep.json(line)?;
+        self.rep.bar.inc(1);
+        self.summary.train_losses.push((step, loss));
+        Ok(())
     }
-    rep.bar.finish_and_clear();
-    if let Some(cache) = sampler_cache {
-        model.free_kv_cache(cache);
-    }
-    if let (Some(dir), 0) = (out, rank) {
-        drop(rep); // flush and close the log before reading it back
-        let run = crate::plot::read_log(&dir.join("log.jsonl"))?;
-        let (png, _) = crate::plot::plot(&[run], &dir.join("curves"))?;
-        if !cfg.quiet {
-            println!("training curves: {} (and .svg)", png.display());
+
+    /// After the last step: clear the progress bar, free the sampler's cache and (rank 0 with
+    /// an output directory) plot the log's curves.
+    fn finish(mut self) -> Result<RunSummary> {
+        self.rep.bar.finish_and_clear();
+        if let Some(cache) = self.sampler_cache.take() {
+            self.model.free_kv_cache(cache);
         }
+        if let (Some(dir), 0) = (self.cfg.output_dir.as_deref(), self.shape.rank) {
+            drop(self.rep); // flush and close the log before reading it back
+            let run = crate::plot::read_log(&dir.join("log.jsonl"))?;
+            let (png, _) = crate::plot::plot(&[run], &dir.join("curves"))?;
+            if !self.cfg.quiet {
+                println!("training curves: {} (and .svg)", png.display());
+            }
+        }
+        Ok(self.summary)
     }
-    Ok(summary)
+}
+
+/// Stop a run whose step came out non-finite or with a loss no longer better than guessing:
+/// more steps would not bring it back.
+fn check_diverged(step: usize, loss: f32, norm: f32, exploded: f32) -> Result<()> {
+    if !loss.is_finite() {
+        bail!(
+            "the training loss is {loss} at step {step}: training diverged. Lower the learning rate (-l), keep clipping on \
+             (--grad-clip 1), or resume from the last good checkpoint with -y 1"
+        );
+    }
+    if !norm.is_finite() {
+        bail!("the gradient norm is {norm} at step {step}: training diverged. Lower the learning rate (-l) and resume from the last checkpoint with -y 1");
+    }
+    if loss > exploded {
+        bail!(
+            "the training loss is {loss} at step {step}, more than twice the {:.2} of guessing uniformly: training \
+             diverged. Lower the learning rate (-l), keep clipping on (--grad-clip 1), or skip outlier steps (-sl, -sg)",
+            exploded / 2.0
+        );
+    }
+    Ok(())
 }
 
 /// Write the checkpoint of `step` as llm.c does: every rank its state file, rank 0 the model
@@ -658,7 +847,7 @@ fn write_checkpoint(dir: &Path, step: usize, model: &mut Model, train: &DataLoad
     }
     model.barrier()?;
     if rank == 0 {
-        crate::checkpoint::write_atomic(&d, &[])?;
+        crate::files::write_atomic(&d, &[])?;
     }
     Ok(())
 }

@@ -441,7 +441,7 @@ fn gpu_train_command_checkpoints_samples_evaluates_and_fails_cleanly() {
     // The device lost after 20 submissions (each step makes a few): an error naming the GPU,
     // with the checkpoints before it complete; they resume on the CPU.
     let o = Command::new(env!("CARGO_BIN_EXE_llmrs"))
-        .env(llmrs::gpu::FAULT_ENV, "lose-device-after=20")
+        .env(llmrs::env::GPU_TEST_FAULT, "lose-device-after=20")
         .current_dir(dir.path())
         .args(["--device", "gpu", "train", "-i", "train.bin", "-j", "val.bin", "-e", "1x16:2:128", "-b", "2"])
         .args(["-t", "16", "-x", "12", "-v", "0", "-s", "0", "-n", "2", "-o", "lost"])
@@ -464,7 +464,7 @@ fn gpu_train_command_checkpoints_samples_evaluates_and_fails_cleanly() {
     assert_eq!(llmrs::train::latest_checkpoint(&lost), Some(12));
     // Too little device memory: one line, before any step.
     let o = Command::new(env!("CARGO_BIN_EXE_llmrs"))
-        .env(llmrs::gpu::FAULT_ENV, "memory-limit=1000000")
+        .env(llmrs::env::GPU_TEST_FAULT, "memory-limit=1000000")
         .current_dir(dir.path())
         .args(["--device", "gpu", "train", "-i", "train.bin", "-j", "val.bin", "-e", "1x16:2:128", "-o", ""])
         .output()

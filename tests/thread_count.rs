@@ -103,7 +103,7 @@ fn results_do_not_depend_on_the_thread_count() {
             .args(["results_do_not_depend_on_the_thread_count", "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, "1")
             .env("RAYON_NUM_THREADS", threads.to_string())
-            .env(llmrs::cpu::simd::ISA_ENV, isa)
+            .env(llmrs::env::CPU_ISA, isa)
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);

@@ -161,18 +161,14 @@ impl Collectives for SingleProcess {
     }
 }
 
-/// Environment variables by which launchers tell a process how many ranks the job has
-/// (Open MPI, MPICH/Hydra and PMIx-based launchers such as Slurm's srun).
-const WORLD_SIZE_ENV: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
-
 /// The number of ranks a launcher (mpirun, srun) says this job has, if it says.
 pub fn launched_world_size() -> Option<usize> {
-    WORLD_SIZE_ENV.iter().find_map(|v| std::env::var(v).ok()?.parse().ok())
+    crate::env::launcher_number(&crate::env::WORLD_SIZE)
 }
 
 /// This process's rank as the launcher says it, if it says.
 pub fn launched_rank() -> Option<usize> {
-    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"].iter().find_map(|v| std::env::var(v).ok()?.parse().ok())
+    crate::env::launcher_number(&crate::env::WORLD_RANK)
 }
 
 /// End the process after the command, on the main thread. After success MPI (if any) is

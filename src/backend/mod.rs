@@ -119,18 +119,16 @@ impl std::fmt::Display for Device {
     }
 }
 
-/// Environment variable that turns on the CPU backend's NaN-checking mode (see
-/// [`crate::cpu::backend`]): every op's outputs are filled with NaN before it runs, and an op
-/// that leaves one unwritten, or lets one reach its outputs, stops the program.
-pub const NAN_CHECK_ENV: &str = "LLMRS_NAN_CHECK";
+/// Settle what every backend's host side relies on, once at start-up: the CPU kernels'
+/// instruction set (so a bad `LLMRS_CPU_ISA` is an error here, not a panic in a kernel).
+pub fn init_host() -> Result<()> {
+    crate::cpu::simd::init().map(|_| ())
+}
 
 /// The backend for `device`.
 pub fn open(device: Device) -> Result<Box<dyn Backend>> {
     match device {
-        Device::Cpu => {
-            let check = std::env::var_os(NAN_CHECK_ENV).is_some_and(|v| !v.is_empty() && v != "0");
-            Ok(Box::new(crate::cpu::backend::CpuBackend::new(check)))
-        }
+        Device::Cpu => Ok(Box::new(crate::cpu::backend::CpuBackend::new(crate::env::nan_check()))),
         Device::Gpu(adapter) => Ok(Box::new(crate::gpu::GpuBackend::open(crate::gpu::Options::from_env(adapter)?)?)),
         Device::Cuda(_) => {
             bail!(
@@ -196,6 +194,12 @@ impl SkipAbove {
 pub trait Backend {
     /// What runs, for logs and `llmrs bench` (e.g. "cpu: packed AVX2+FMA GEMM, 2 threads").
     fn describe(&self) -> String;
+
+    /// The device's fp32 peak in GFLOP/s and how it was found, for `llmrs bench`'s MFU; None
+    /// where the backend does not measure one.
+    fn measure_peak(&self) -> Option<(f64, String)> {
+        None
+    }
 
     // ---- memory -------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 //! one checked place, [`CpuBackend::run`]) and calls the layer functions of [`crate::cpu`]
 //! unchanged. Ops run to completion on the calling thread and the team.
 //!
-//! **NaN-checking mode** (`LLMRS_NAN_CHECK=1`, see [`crate::backend::NAN_CHECK_ENV`]): new
+//! **NaN-checking mode** (`LLMRS_NAN_CHECK=1`, see [`crate::env::NAN_CHECK`]): new
 //! allocations, and every op's outputs and scratch buffers before it runs, are filled with a
 //! NaN that carries a marker payload. After the op, an output element that still holds the
 //! marker was never written, and any output holding a marked NaN got it from memory that no op
@@ -183,6 +183,10 @@ impl Backend for CpuBackend {
         let check = if self.nan_check { ", NaN-checking mode" } else { "" };
         let isa = super::simd::isa().name();
         format!("cpu: fp32, {isa} kernels, {gemm}, {} threads{check}", super::team::threads())
+    }
+
+    fn measure_peak(&self) -> Option<(f64, String)> {
+        Some(super::peak::measure())
     }
 
     fn alloc(&mut self, len: usize, dtype: DType) -> Result<Buf> {

@@ -10,6 +10,7 @@ pub mod gelu;
 pub mod layernorm;
 pub mod math;
 pub mod matmul;
+pub mod peak;
 pub mod residual;
 pub mod rmsnorm;
 pub mod rope;

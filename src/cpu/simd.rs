@@ -15,7 +15,7 @@
 use std::sync::OnceLock;
 
 /// Environment variable that forces the kernels' instruction set.
-pub const ISA_ENV: &str = "LLMRS_CPU_ISA";
+use crate::env::CPU_ISA;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
@@ -68,7 +68,7 @@ impl std::str::FromStr for Isa {
             "avx512" => Isa::Avx512,
             "avx2" => Isa::Avx2,
             "portable" => Isa::Portable,
-            _ => anyhow::bail!("{ISA_ENV}={s}: use avx512, avx2 or portable"),
+            _ => anyhow::bail!("{CPU_ISA}={s}: use avx512, avx2 or portable"),
         })
     }
 }
@@ -86,11 +86,11 @@ pub fn init() -> anyhow::Result<Isa> {
 /// The instruction set [`init`] settles on (without touching `CHOSEN`: [`isa`] calls this
 /// from inside its initialisation).
 fn choose() -> anyhow::Result<Isa> {
-    Ok(match std::env::var(ISA_ENV) {
-        Ok(s) if !s.is_empty() => {
+    Ok(match crate::env::text(CPU_ISA) {
+        Some(s) => {
             let isa: Isa = s.parse()?;
             if !isa.supported() {
-                anyhow::bail!("{ISA_ENV}={s}: this CPU does not have {s} (it has {})", Isa::detect().name());
+                anyhow::bail!("{CPU_ISA}={s}: this CPU does not have {s} (it has {})", Isa::detect().name());
             }
             isa
         }

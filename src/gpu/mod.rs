@@ -96,18 +96,18 @@ use Grid::{Groups, Threads, Xyz};
 
 /// Environment variable that injects a device fault, for tests of the error paths through the
 /// whole program: `lose-device-after=N` (submissions), or `memory-limit=BYTES`.
-pub const FAULT_ENV: &str = "LLMRS_GPU_TEST_FAULT";
+use crate::env::GPU_TEST_FAULT;
 
 impl Options {
-    /// `adapter`, with a fault from [`FAULT_ENV`] when set.
+    /// `adapter`, with a fault from [`GPU_TEST_FAULT`] when set.
     pub fn from_env(adapter: Option<usize>) -> anyhow::Result<Self> {
         let mut o = Options { adapter, ..Default::default() };
-        let Ok(v) = std::env::var(FAULT_ENV) else { return Ok(o) };
-        let num = |s: &str| s.parse::<u64>().map_err(|_| anyhow::anyhow!("{FAULT_ENV}={v}: not a number"));
+        let Some(v) = crate::env::text(GPU_TEST_FAULT) else { return Ok(o) };
+        let num = |s: &str| s.parse::<u64>().map_err(|_| anyhow::anyhow!("{GPU_TEST_FAULT}={v}: not a number"));
         match v.split_once('=') {
             Some(("lose-device-after", n)) => o.lose_after = Some(num(n)? as usize),
             Some(("memory-limit", n)) => o.memory_limit = Some(num(n)?),
-            _ => anyhow::bail!("{FAULT_ENV}={v}: use lose-device-after=N or memory-limit=BYTES"),
+            _ => anyhow::bail!("{GPU_TEST_FAULT}={v}: use lose-device-after=N or memory-limit=BYTES"),
         }
         Ok(o)
     }

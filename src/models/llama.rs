@@ -330,7 +330,8 @@ fn interleave_qk(cfg: &ModelConfig, x: &[f32], rows: bool, to_hf: bool) -> Vec<f
 
 /// Read an llm.c llama3 model file's bytes (after its magic was recognised) as weights.
 pub fn read_llmc(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<Weights> {
-    use crate::checkpoint::{bf16s_from_le, f32s_from_le, Dtype, HEADER_BYTES};
+    use crate::checkpoint::Dtype;
+    use crate::files::{bf16s_from_le, f32s_from_le, HEADER_BYTES};
     use anyhow::{bail, Context};
     let at = |i: usize| i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
     if bytes.len() < 2 * HEADER_BYTES {
@@ -627,7 +628,7 @@ mod tests {
                 }
                 let (h, vals) = llmc_file(&w, Dtype::F32).unwrap();
                 let mut bytes = h.clone();
-                crate::checkpoint::f32s_to_le(&vals, &mut bytes);
+                crate::files::f32s_to_le(&vals, &mut bytes);
                 let back = read_llmc(&bytes, std::path::Path::new("x.bin")).unwrap();
                 assert_eq!(back, w, "{desc} tied={tied}");
                 let (h2, vals2) = llmc_file(&back, Dtype::F32).unwrap();

@@ -1,0 +1,61 @@
+//! Every environment variable llmrs reads, in one place: its name, what it means, and the one
+//! function that reads it. Flags are the interface; these are for paths a machine decides
+//! (data and cache directories), launchers (MPI ranks) and test hooks.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+/// A directory laid out like the project's shared data (`tinyshakespeare/input.txt`,
+/// `gpt2_bpe/`, `hellaswag/hellaswag_val.preprocessed.jsonl`), read instead of downloading.
+pub const DATA_DIR: &str = "LLMRS_DATA_DIR";
+/// Where llmrs caches downloads of its own (default `$XDG_CACHE_HOME/llmrs`, `~/.cache/llmrs`).
+pub const CACHE_DIR: &str = "LLMRS_CACHE_DIR";
+/// `1`: the CPU backend's NaN-checking mode (see [`crate::cpu::backend`]): every op's outputs
+/// are filled with NaN before it runs, and an op that leaves one unwritten, or lets one reach
+/// its outputs, stops the program.
+pub const NAN_CHECK: &str = "LLMRS_NAN_CHECK";
+/// `avx512`, `avx2` or `portable`: the CPU kernels' instruction set (default: the best this CPU has).
+pub const CPU_ISA: &str = "LLMRS_CPU_ISA";
+/// Test hook: `lose-device-after=N` or `memory-limit=BYTES` makes the GPU backend fail on cue.
+pub const GPU_TEST_FAULT: &str = "LLMRS_GPU_TEST_FAULT";
+/// The Hugging Face Hub's address (default https://huggingface.co), as `huggingface_hub` reads it.
+pub const HF_ENDPOINT: &str = "HF_ENDPOINT";
+/// Hugging Face's cache of Hub repositories, then its home (`$HF_HOME/hub`), as transformers reads them.
+pub const HF_HUB_CACHE: &str = "HF_HUB_CACHE";
+pub const HF_HOME: &str = "HF_HOME";
+/// How launchers tell a process the job's size and its rank (Open MPI, MPICH/Hydra, PMIx/Slurm).
+pub const WORLD_SIZE: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
+pub const WORLD_RANK: [&str; 3] = ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"];
+
+/// A variable's value, None when unset or empty (an empty value means "not set" everywhere).
+pub fn get(name: &str) -> Option<OsString> {
+    std::env::var_os(name).filter(|v| !v.is_empty())
+}
+
+/// A variable's value as UTF-8 text, None when unset, empty or not UTF-8.
+pub fn text(name: &str) -> Option<String> {
+    get(name).and_then(|v| v.into_string().ok())
+}
+
+/// `$LLMRS_DATA_DIR`.
+pub fn data_dir() -> Option<PathBuf> {
+    get(DATA_DIR).map(PathBuf::from)
+}
+
+/// Whether `$LLMRS_NAN_CHECK` is on (set, and not `0`).
+pub fn nan_check() -> bool {
+    get(NAN_CHECK).is_some_and(|v| v != "0")
+}
+
+/// The first launcher variable of `names` that holds a number.
+pub fn launcher_number(names: &[&str]) -> Option<usize> {
+    names.iter().find_map(|v| text(v)?.parse().ok())
+}
+
+/// `$XDG_CACHE_HOME`, else `~/.cache`, else `.cache`: the base of the cache directories.
+pub fn cache_home() -> PathBuf {
+    get("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| get("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from(".cache"))
+}
