@@ -6,7 +6,7 @@ interleaved A B A B so machine noise hits both alike; the ratio is taken per pai
 
     cargo build --release
     pip install torch transformers tiktoken
-    LLMRS_DATA_DIR=../shared/data python scripts/bench_generate.py --threads 2
+    python scripts/bench_generate.py --threads 2   # data/ as `llmrs train` leaves it, or $LLMRS_DATA_DIR
 
 Reports, per engine: time to the first token (reading the prompt) and then decode tokens/s,
 with the KV cache; and end-to-end tokens/s without it (--uncached-new tokens, fewer because it
@@ -36,7 +36,7 @@ from gpt2_offline import gpt2_encoding  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 torch.set_num_threads(args.threads)
-D = os.environ.get("LLMRS_DATA_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+D = os.environ.get("LLMRS_DATA_DIR", os.path.join(os.path.dirname(__file__), "..", "data"))
 enc = gpt2_encoding(D)
 prompt = open(f"{D}/tinyshakespeare/input.txt").read()[: args.prompt_chars]
 ids = torch.tensor([enc.encode_ordinary(prompt)])

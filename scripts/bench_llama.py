@@ -49,7 +49,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(args.threads)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-D = os.environ.get("LLMRS_DATA_DIR", os.path.join(ROOT, "..", "shared", "data"))
+D = os.environ.get("LLMRS_DATA_DIR", os.path.join(ROOT, "data"))  # what `llmrs train` leaves there
 TOK = os.path.join(ROOT, "tests", "fixtures", "tokenizers", "bytelevel.json")
 
 config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
