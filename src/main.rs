@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 const TINYSHAKESPEARE_DIR: &str = "data/tinyshakespeare";
 
 #[derive(Parser)]
-#[command(name = "llmrs", version, about = "GPT-2 training from scratch in pure Rust (llm.c compatible)")]
+#[command(name = "llmrs", version, about = "GPT-2 and Llama training from scratch in pure Rust (llm.c compatible)")]
 struct Cli {
     /// Worker threads (default: all cores; under mpirun, the cores this process may use
     /// divided among the ranks on its machine).
@@ -34,8 +34,8 @@ struct Cli {
 #[derive(Subcommand)]
 #[allow(clippy::large_enum_variant)] // parsed once
 enum Cmd {
-    /// Train GPT-2 (llm.c train_gpt2.cu flags). With no arguments: a small model on Tiny
-    /// Shakespeare, preparing the data first if needed.
+    /// Train or fine-tune a GPT-2 or Llama model (llm.c train_gpt2.cu flags). With no arguments:
+    /// a small GPT-2 on Tiny Shakespeare, preparing the data first if needed.
     Train(TrainArgs),
     /// Turn text into llm.c token shards.
     #[command(subcommand)]
