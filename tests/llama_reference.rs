@@ -299,3 +299,71 @@ fn random_llama_models_by_descriptor_train() {
     }
     assert!(losses[29] < losses[0] - 3.0, "{losses:?}");
 }
+
+/// README's fine-tuning flow through the binary, offline: a Llama model in a Hugging Face
+/// directory with its own tokenizer.json; `prepare text --tokenizer` shards Tiny Shakespeare
+/// with it (each document opening with its beginning-of-text token); `train -e DIR` checkpoints,
+/// and a run resumed from its middle checkpoint gives the uninterrupted run's losses bit for bit;
+/// `generate --tokenizer` continues a prompt; `convert` gives a directory holding the trained
+/// model exactly.
+#[test]
+fn a_hugging_face_llama_directory_fine_tunes_resumes_samples_and_exports() {
+    use std::process::Command;
+    let exe = env!("CARGO_BIN_EXE_llmrs");
+    let run = |args: &[&str], dir: &std::path::Path| {
+        let o = Command::new(exe).args(args).current_dir(dir).output().unwrap();
+        let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "llmrs {args:?} failed:\n{out}\n{err}");
+        out.into_owned()
+    };
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    run(&["convert", "llama:2x32:4:2:64:64", "model", "--seed", "5"], dir);
+    let tok = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/bytelevel.json");
+    std::fs::copy(&tok, dir.join("model/tokenizer.json")).unwrap();
+    let text = llmrs::testdata::tinyshakespeare_text();
+    std::fs::write(dir.join("a.txt"), &text[..40_000]).unwrap();
+    run(&["prepare", "text", "a.txt", "--tokenizer", "model", "-o", "shards", "--val-tokens", "2000"], dir);
+    // One document: the val shard's first 2000 tokens, then the train shard's, open with the
+    // tokenizer's beginning-of-text token and are the text's tokens.
+    let shard = |s: &str| llmrs::data::read_shard(&dir.join(format!("shards/{s}_000000.bin"))).unwrap();
+    let all: Vec<u32> = [shard("val"), shard("train")].concat();
+    let t = llmrs::tokenizer::Tokenizer::load_hf(&tok).unwrap();
+    assert_eq!(all[0], t.doc_start, "a document starts with the tokenizer's beginning-of-text token");
+    assert_eq!(all[1..], t.encode(&text[..40_000]).unwrap()[..]);
+
+    let train = |out: &str, extra: &[&str]| {
+        let a = "train -e model -i shards/train_* -j shards/val_* -b 2 -t 32 -v 3 -s 3 -g 8 -n 2 -o";
+        run(&a.split(' ').chain([out]).chain(extra.iter().copied()).collect::<Vec<_>>(), dir)
+    };
+    train("whole", &["-x", "6"]);
+    // A copy of the run as if killed after its checkpoint at step 4, resumed from there.
+    std::fs::create_dir(dir.join("resumed")).unwrap();
+    for e in std::fs::read_dir(dir.join("whole")).unwrap() {
+        let name = e.unwrap().file_name().into_string().unwrap();
+        if !name.contains("00000006") {
+            std::fs::copy(dir.join("whole").join(&name), dir.join("resumed").join(&name)).unwrap();
+        }
+    }
+    train("resumed", &["-x", "6", "-y", "1"]);
+    let losses = |out: &str| -> Vec<(u64, f64)> {
+        std::fs::read_to_string(dir.join(out).join("log.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter_map(|v| Some((v["step"].as_u64()?, v.get("train_loss")?.as_f64()?)))
+            .collect()
+    };
+    let whole = losses("whole");
+    assert_eq!(whole.len(), 6);
+    // A random model guesses among GPT-2's 50257 ids: ln 50257 = 10.82.
+    assert!(whole.iter().all(|&(_, l)| (l - 10.82).abs() < 0.3), "{whole:?}");
+    assert_eq!(losses("resumed"), whole, "the resumed run's losses");
+
+    let out =
+        run(&["generate", "-e", "whole/model_00000006.bin", "--tokenizer", "model", "-p", "ROMEO:", "-n", "4"], dir);
+    assert!(out.starts_with("ROMEO:"), "{out}");
+    run(&["convert", "whole/model_00000006.bin", "exported"], dir);
+    let (a, b) = (load_model(&dir.join("whole/model_00000006.bin")).unwrap(), load_hf(&dir.join("exported")).unwrap());
+    assert_eq!((a.config, &a.data), (b.config, &b.data));
+}
