@@ -18,9 +18,9 @@ use llmrs::backend::{Backend, Device, SkipAbove};
 use llmrs::checkpoint::{load_debug_state, load_model, save_model, Dtype};
 use llmrs::config::ModelConfig;
 use llmrs::model::{Model, Slot};
-use llmrs::optim::{optimizer_step, OptimConfig};
+use llmrs::optim::OptimConfig;
 use llmrs::params::{Tensor, Weights};
-use llmrs::schedule::{LrSchedule, ScheduleKind};
+use llmrs::schedule::ScheduleKind;
 use llmrs::train::{run, TrainConfig};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -71,42 +71,12 @@ fn gpu_logits_loss_and_all_16_gradients_match_pytorch() {
 #[test]
 fn gpu_ten_adamw_steps_follow_pytorch() {
     let Some(dev) = gpu("gpu_ten_adamw_steps_follow_pytorch") else { return };
-    let j: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture("ref_trajectory.json")).unwrap()).unwrap();
+    let tr = common::trajectory::Trajectory::load(&fixture("ref_trajectory.json"));
     let mut model = Model::new(load_model(&fixture("ref_model.bin")).unwrap(), dev).unwrap();
     model.alloc_training_state().unwrap();
-    let (b, t) = (j["B"].as_u64().unwrap() as usize, j["T"].as_u64().unwrap() as usize);
-    let accum = j["grad_accum_steps"].as_u64().unwrap() as usize;
-    let o = &j["optimizer"];
-    let f = |k: &str| o[k].as_f64().unwrap() as f32;
-    let opt = OptimConfig {
-        beta1: f("beta1"),
-        beta2: f("beta2"),
-        eps: f("eps"),
-        weight_decay: f("weight_decay"),
-        grad_clip: f("grad_clip"),
-    };
-    let steps = j["steps"].as_u64().unwrap() as usize;
-    let sched = LrSchedule {
-        kind: o["schedule"].as_str().unwrap().parse::<ScheduleKind>().unwrap(),
-        max_lr: f("lr"),
-        warmup: o["warmup"].as_u64().unwrap() as usize,
-        total_steps: steps,
-        final_frac: f("final_frac"),
-    };
-    let toks = |k: &str, i: usize| -> Vec<u32> {
-        j[k][i].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-    };
-    let want = |k: &str| -> Vec<f32> { j[k].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect() };
-    let (want_loss, want_norm) = (want("losses"), want("grad_norms"));
-    for step in 0..steps {
-        model.zero_grad().unwrap();
-        for micro in 0..accum {
-            let i = step * accum + micro;
-            model.forward(&toks("inputs", i), Some(&toks("targets", i)), b, t).unwrap();
-            model.backward(1.0 / accum as f32).unwrap();
-        }
-        let stats = optimizer_step(&mut model, &opt, sched.lr(step), step).unwrap();
+    let (want_loss, want_norm) = (&tr.losses, &tr.grad_norms);
+    for step in 0..tr.steps {
+        let stats = tr.step(&mut model, step);
         let (loss, norm) = (stats.loss, stats.grad_norm);
         assert!(
             (loss - want_loss[step]).abs() <= 1e-5 * want_loss[step],

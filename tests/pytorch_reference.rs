@@ -6,13 +6,13 @@
 //! `|a - b| <= atol + rtol * |b|`, rtol = 1e-5 and an absolute floor scaled to each tensor's
 //! magnitude (1e-5 of its max), because values near zero have no meaningful relative error.
 
+mod common;
+
 use llmrs::backend::Device;
 use llmrs::checkpoint::{load_debug_state, load_model};
 use llmrs::config::ModelConfig;
 use llmrs::model::{Model, Slot};
-use llmrs::optim::{optimizer_step, OptimConfig};
 use llmrs::params::{Tensor, Weights};
-use llmrs::schedule::{LrSchedule, ScheduleKind};
 use std::path::PathBuf;
 
 fn fixture(name: &str) -> PathBuf {
@@ -81,43 +81,13 @@ fn logits_loss_and_all_16_gradients_match() {
 
 #[test]
 fn ten_adamw_steps_follow_pytorch() {
-    let text = std::fs::read_to_string(fixture("ref_trajectory.json")).unwrap();
-    let j: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let tr = common::trajectory::Trajectory::load(&fixture("ref_trajectory.json"));
     let mut model = Model::new(load_model(&fixture("ref_model.bin")).unwrap(), Device::Cpu).unwrap();
     model.alloc_training_state().unwrap();
-    let (b, t) = (j["B"].as_u64().unwrap() as usize, j["T"].as_u64().unwrap() as usize);
-    let accum = j["grad_accum_steps"].as_u64().unwrap() as usize;
-    let o = &j["optimizer"];
-    let f = |k: &str| o[k].as_f64().unwrap() as f32;
-    let opt = OptimConfig {
-        beta1: f("beta1"),
-        beta2: f("beta2"),
-        eps: f("eps"),
-        weight_decay: f("weight_decay"),
-        grad_clip: f("grad_clip"),
-    };
-    let steps = j["steps"].as_u64().unwrap() as usize;
-    let sched = LrSchedule {
-        kind: o["schedule"].as_str().unwrap().parse::<ScheduleKind>().unwrap(),
-        max_lr: f("lr"),
-        warmup: o["warmup"].as_u64().unwrap() as usize,
-        total_steps: steps,
-        final_frac: f("final_frac"),
-    };
-    let toks = |k: &str, i: usize| -> Vec<u32> {
-        j[k][i].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-    };
-    let want = |k: &str| -> Vec<f32> { j[k].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect() };
-    let (want_loss, want_norm, want_lr) = (want("losses"), want("grad_norms"), want("lrs"));
-    for step in 0..steps {
-        model.zero_grad().unwrap();
-        for micro in 0..accum {
-            let i = step * accum + micro;
-            model.forward(&toks("inputs", i), Some(&toks("targets", i)), b, t).unwrap();
-            model.backward(1.0 / accum as f32).unwrap();
-        }
-        let lr = sched.lr(step);
-        let stats = optimizer_step(&mut model, &opt, lr, step).unwrap();
+    let (want_loss, want_norm, want_lr) = (&tr.losses, &tr.grad_norms, &tr.lrs);
+    for step in 0..tr.steps {
+        let lr = tr.sched.lr(step);
+        let stats = tr.step(&mut model, step);
         let (loss, norm) = (stats.loss, stats.grad_norm);
         // fp32 on both sides: agreement to ~1e-6 relative is expected; 1e-5 is the bar.
         assert!((lr - want_lr[step]).abs() <= 1e-6 * want_lr[step], "step {step} lr {lr} vs {}", want_lr[step]);

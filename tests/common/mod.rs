@@ -40,3 +40,6 @@ pub fn nan_max(a: f32, b: f32) -> f32 {
 
 #[allow(dead_code)] // not every test file uses it
 pub mod gpu;
+
+#[allow(dead_code)] // not every test file uses it
+pub mod trajectory;
