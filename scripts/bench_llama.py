@@ -11,10 +11,10 @@ V=49152, tied head), random weights (speed does not depend on them).
 Training: one step at B=4, T=64 (forward, backward, global-norm clipping, AdamW), PyTorch at
 its best on the CPU: SDPA attention, fp32, torch.optim.AdamW (foreach). llmrs: `llmrs bench`.
 
-Generation: a prompt of --prompt-tokens tokens (Tiny Shakespeare, tokenized by the small
-byte-level tokenizer of tests/fixtures/tokenizers, whose ids both engines read alike), then
---new greedy tokens with the KV cache: time to the first token and decode tokens/s, against
-`generate(do_sample=False)`.
+Generation: for each prompt length of --prompt-tokens (default 64, the training shape's T, and
+512), a prompt of that many tokens (Tiny Shakespeare, tokenized by the small byte-level tokenizer
+of tests/fixtures/tokenizers, whose ids both engines read alike), then --new greedy tokens with
+the KV cache: time to the first token and decode tokens/s, against `generate(do_sample=False)`.
 """
 
 import argparse
@@ -33,7 +33,7 @@ ap.add_argument("-t", type=int, default=64)
 ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--warmup", type=int, default=2)
 ap.add_argument("--rounds", type=int, default=3)
-ap.add_argument("--prompt-tokens", type=int, default=512)
+ap.add_argument("--prompt-tokens", default="64,512", help="prompt lengths, comma-separated")
 ap.add_argument("--new", type=int, default=64)
 ap.add_argument("--skip-train", action="store_true")
 ap.add_argument("--skip-generate", action="store_true")
@@ -105,11 +105,11 @@ def train_compare():
     print(f"training step B={args.b} T={args.t}: median speed-up llmrs over PyTorch {statistics.median(ratios):.2f}x")
 
 
-def generate_compare():
+def generate_compare(prompt_tokens):
     model.eval()
     tok = Tokenizer.from_file(TOK)
     text = open(f"{D}/tinyshakespeare/input.txt").read()
-    ids = tok.encode(text[: 8 * args.prompt_tokens]).ids[: args.prompt_tokens]
+    ids = tok.encode(text[: 8 * prompt_tokens]).ids[:prompt_tokens]
     prompt = tok.decode(ids)
     ids = tok.encode(prompt).ids  # what llmrs reads from the same text
     inp = torch.tensor([ids])
@@ -147,4 +147,5 @@ def generate_compare():
 if not args.skip_train:
     train_compare()
 if not args.skip_generate:
-    generate_compare()
+    for n in [int(x) for x in args.prompt_tokens.split(",")]:
+        generate_compare(n)

@@ -51,6 +51,35 @@ pub struct BlockActs {
     pub scratch: Buf,   // (N, C) attention workspace, then projection outputs; d(ln), d(atty) in backward
 }
 
+impl BlockActs {
+    /// The views of the last `keep` of `n` positions (the same elements, not a copy): what a
+    /// block runs on past attention when only those positions' outputs are read. `att` stays
+    /// whole (attention has run by then).
+    pub fn last_rows(&self, cfg: &ModelConfig, n: usize, keep: usize) -> BlockActs {
+        debug_assert!(keep <= n);
+        let (qkv, fc, f, _, _) = widths(cfg);
+        let c = cfg.channels;
+        let rows = |x: Buf, width: usize| x.slice((n - keep) * width..n * width);
+        BlockActs {
+            res_in: rows(self.res_in, c),
+            ln1: rows(self.ln1, c),
+            ln1_mean: rows(self.ln1_mean, 1),
+            ln1_rstd: rows(self.ln1_rstd, 1),
+            qkv: rows(self.qkv, qkv),
+            atty: rows(self.atty, c),
+            att: self.att,
+            residual2: rows(self.residual2, c),
+            ln2: rows(self.ln2, c),
+            ln2_mean: rows(self.ln2_mean, 1),
+            ln2_rstd: rows(self.ln2_rstd, 1),
+            fch: rows(self.fch, fc),
+            fch_act: rows(self.fch_act, f),
+            residual3: rows(self.residual3, c),
+            scratch: rows(self.scratch, c),
+        }
+    }
+}
+
 /// The backward pass's per-layer buffers (shared by all layers).
 #[derive(Clone, Copy, Debug)]
 pub struct BackActs {

@@ -513,7 +513,7 @@ fn cmd_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
     let first = first.unwrap_or(secs);
     // The first token includes reading the prompt; the rest is one token each.
     eprintln!(
-        "{} prompt + {} new tokens in {secs:.2}s ({}): first token after {first:.2}s, then {:.2} tokens/s",
+        "{} prompt + {} new tokens in {secs:.2}s ({}): first token after {first:.3}s, then {:.2} tokens/s",
         prompt.len(),
         new.len(),
         if g.use_cache { "KV cache" } else { "no cache" },

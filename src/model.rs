@@ -580,7 +580,8 @@ impl Model {
         }
         check_tokens(&cfg, tokens, None, 1, tokens.len())?;
         let mut tn = 0;
-        for chunk in tokens.chunks(cache.chunk) {
+        let chunks = tokens.len().div_ceil(cache.chunk);
+        for (i, chunk) in tokens.chunks(cache.chunk).enumerate() {
             let o = self.outer_weights()?;
             let pos = cache.pos;
             tn = chunk.len();
@@ -590,7 +591,10 @@ impl Model {
             for l in 0..cfg.num_layers {
                 let w = self.block_weights(l)?;
                 let (x, k, v) = cache.layer(&cfg, l, tn);
-                let attn = Attn::Cached { k, v, pos, cap: cache.capacity };
+                // Only the last position's logits are read: the last layer of the last chunk
+                // computes the rest of its block for that position alone.
+                let keep = if i + 1 == chunks && l + 1 == cfg.num_layers { 1 } else { tn };
+                let attn = Attn::Cached { k, v, pos, cap: cache.capacity, keep };
                 models::block_forward(&mut *self.be, &cfg, &self.consts, &w, &x, tn, attn);
             }
             cache.pos += tn;
@@ -872,29 +876,30 @@ mod tests {
 
     #[test]
     fn cached_logits_match_the_full_forward_pass() {
-        let cfg = ModelConfig {
-            vocab_size: 101,
-            padded_vocab_size: 128,
-            ..ModelConfig::from_descriptor("2x24:3:600").unwrap()
-        };
-        let mut m = Model::new(Weights::random(cfg, 11).unwrap(), Device::Cpu).unwrap();
-        // 540 tokens: 530 in chunks of 256 (two whole and one partial), then single tokens.
-        let toks: Vec<u32> = (0..540).map(|i| (i * 37 % 101) as u32).collect();
-        let mut cache = m.kv_cache(540, 256).unwrap();
-        let mut cached = vec![m.forward_cached(&mut cache, &toks[..530]).unwrap().to_vec()];
-        for &t in &toks[530..] {
-            cached.push(m.forward_cached(&mut cache, &[t]).unwrap().to_vec());
-        }
-        m.forward(&toks, None, 1, toks.len()).unwrap();
-        for (j, pos) in (529..540).enumerate() {
-            let full = m.logits_at(pos).unwrap();
-            for (a, b) in cached[j].iter().zip(&full) {
-                assert!((a - b).abs() < 1e-5 * b.abs().max(1.0), "pos {pos}: {a} vs {b}");
+        // Both families: the last layer of a prompt's last chunk runs past attention on the
+        // last position alone, which must not change that position's logits.
+        for desc in ["2x24:3:600", "llama:2x24:4:2:40:600"] {
+            let cfg =
+                ModelConfig { vocab_size: 101, padded_vocab_size: 128, ..ModelConfig::from_descriptor(desc).unwrap() };
+            let mut m = Model::new(Weights::random(cfg, 11).unwrap(), Device::Cpu).unwrap();
+            // 540 tokens: 530 in chunks of 256 (two whole and one partial), then single tokens.
+            let toks: Vec<u32> = (0..540).map(|i| (i * 37 % 101) as u32).collect();
+            let mut cache = m.kv_cache(540, 256).unwrap();
+            let mut cached = vec![m.forward_cached(&mut cache, &toks[..530]).unwrap().to_vec()];
+            for &t in &toks[530..] {
+                cached.push(m.forward_cached(&mut cache, &[t]).unwrap().to_vec());
             }
+            m.forward(&toks, None, 1, toks.len()).unwrap();
+            for (j, pos) in (529..540).enumerate() {
+                let full = m.logits_at(pos).unwrap();
+                for (a, b) in cached[j].iter().zip(&full) {
+                    assert!((a - b).abs() < 1e-5 * b.abs().max(1.0), "{desc} pos {pos}: {a} vs {b}");
+                }
+            }
+            assert!(m.forward_cached(&mut cache, &[1]).is_err(), "past the cache's capacity");
+            assert!(m.kv_cache(601, 1).is_err(), "past the model's context");
+            m.free_kv_cache(cache);
         }
-        assert!(m.forward_cached(&mut cache, &[1]).is_err(), "past the cache's capacity");
-        assert!(m.kv_cache(601, 1).is_err(), "past the model's context");
-        m.free_kv_cache(cache);
     }
 
     #[test]

@@ -431,7 +431,11 @@ thread_local! {
 /// A 64-byte-aligned window of `len` floats inside `v` (grown as needed).
 fn aligned(v: &mut Vec<f32>, len: usize) -> *mut f32 {
     if v.len() < len + 16 {
-        v.resize(len + 16, 0.0);
+        // A fresh zeroed allocation rather than `resize`: the allocator hands large ones over
+        // as untouched zero pages, so a GEMM that uses a corner of the buffer (a short prompt,
+        // a small model) does not first fault in and clear all of it. (The contents are never
+        // read before being written: the packers fill what the kernels read.)
+        *v = vec![0.0; len + 16];
     }
     let off = v.as_ptr().align_offset(64);
     // SAFETY: `off` < 16 and the vector holds len + 16 floats.

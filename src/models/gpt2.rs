@@ -58,12 +58,14 @@ pub fn block_forward(be: &mut dyn Backend, cfg: &ModelConfig, w: &Block<Buf>, x:
         Attn::Causal { b, t } => {
             t!(be, Attention, be.attention_forward(x.atty, x.att, x.scratch, x.qkv, b, t, c, nh, nh))
         }
-        Attn::Cached { k, v, pos, cap } => t!(
+        Attn::Cached { k, v, pos, cap, .. } => t!(
             be,
             Attention,
             be.attention_forward_cached(x.atty, x.att, x.scratch, x.qkv, k, v, pos, n, c, nh, nh, cap)
         ),
     }
+    // Attention has filled the cache for all n positions; only the outputs read go on.
+    let (x, n) = (&x.last_rows(cfg, n, attn.keep(n)), attn.keep(n));
     t!(be, Matmul, be.matmul_forward(x.scratch, x.atty, w.attn_proj_w, Some(w.attn_proj_b), n, c, c));
     t!(be, Residual, be.residual_forward(x.residual2, x.res_in, x.scratch));
     t!(be, LayerNorm, be.layernorm_forward(x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2_w, w.ln2_b, n, c));

@@ -119,7 +119,7 @@ pub fn block_forward(
             t!(be, Attention, be.rope_forward(x.qkv, rope, n, t, 0, nh, nkv, hs));
             t!(be, Attention, be.attention_forward(x.atty, x.att, x.scratch, x.qkv, b, t, c, nh, nkv))
         }
-        Attn::Cached { k, v, pos, cap } => {
+        Attn::Cached { k, v, pos, cap, .. } => {
             t!(be, Attention, be.rope_forward(x.qkv, rope, n, n, pos, nh, nkv, hs));
             t!(
                 be,
@@ -128,6 +128,8 @@ pub fn block_forward(
             )
         }
     }
+    // Attention has filled the cache for all n positions; only the outputs read go on.
+    let (x, n) = (&x.last_rows(cfg, n, attn.keep(n)), attn.keep(n));
     t!(be, Matmul, be.matmul_forward(x.scratch, x.atty, w.attn_proj_w, bias(w.attn_proj_b), n, c, c));
     t!(be, Residual, be.residual_forward(x.residual2, x.res_in, x.scratch));
     t!(be, LayerNorm, be.rmsnorm_forward(x.ln2, x.ln2_rstd, x.residual2, w.ln2_w, n, c, eps));

@@ -67,7 +67,19 @@ pub enum Attn {
     /// B whole sequences of T positions (training and evaluation).
     Causal { b: usize, t: usize },
     /// New positions of one sequence after `pos` cached ones; k and v (cap, KV*HS) hold the cache.
-    Cached { k: Buf, v: Buf, pos: usize, cap: usize },
+    /// Only the last `keep` positions' outputs are read (a prompt's last layer: the last one,
+    /// whose logits pick the next token): past attention, the block runs on those alone.
+    Cached { k: Buf, v: Buf, pos: usize, cap: usize, keep: usize },
+}
+
+impl Attn {
+    /// How many of the block's `n` positions go on past attention (the last ones).
+    pub fn keep(self, n: usize) -> usize {
+        match self {
+            Attn::Causal { .. } => n,
+            Attn::Cached { keep, .. } => keep.min(n),
+        }
+    }
 }
 
 /// What a pass reads besides the activations and the weights: constants the model computes
