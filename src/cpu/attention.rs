@@ -298,9 +298,12 @@ fn attention_backward_blocked(
 /// Attention of `tn` new positions against a KV cache (inference, one sequence).
 /// `qkv (tn, QKV)` holds the new positions' q, k, v; their k and v must already be copied into
 /// `k_cache`/`v_cache (maxT, KV*HS)` at rows `pos..pos+tn`. New position i sits at absolute
-/// position `pos + i` and attends to cache rows `0..=pos+i`. Per head, two GEMMs: scores =
-/// Q K^T and out = softmax(scores) V. `scores (NH, tn, maxT)` and `head_out (NH, tn, HS)` are
-/// workspace.
+/// position `pos + i` and attends to cache rows `0..=pos+i`. Per head and block of
+/// [`ROW_BLOCK`] new rows, two GEMMs over the keys the block can see (up to its last row):
+/// scores = Q K^T and out = softmax(scores) V. The (head, block) tasks are spread over the
+/// threads as they go, so a head count that does not divide by the thread count (SmolLM2's 9
+/// on 2) leaves no thread idle, and a long prompt skips the keys of its later positions in
+/// its earlier rows. `scores (NH, tn, maxT)` and `head_out (NH, tn, HS)` are workspace.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_cached(
     out: &mut [f32],
@@ -319,23 +322,34 @@ pub fn attention_forward_cached(
     use crate::cpu::matmul::gemm_strided_serial;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
-    let n = pos + tn; // keys visible to the last new position
     let (kvd, rep) = (nkv * hs, nh / nkv);
     let (kv_, c3, mt) = (kvd as isize, (c + 2 * kvd) as isize, max_t as isize);
+    let blocks = tn.div_ceil(ROW_BLOCK);
+    let scores_d = Disjoint::new(&mut scores[..nh * tn * max_t]);
     let head_out_d = Disjoint::new(&mut head_out[..nh * tn * hs]);
-    team::chunks_mut(&mut scores[..nh * tn * max_t], tn * max_t, |h, sc| {
-        // SAFETY: head h's output rows are this task's alone.
-        let ho = unsafe { head_out_d.part(h * tn * hs..(h + 1) * tn * hs) };
-        // sc (tn, n) = Q_h (tn, HS) @ K_g^T (HS, n), g = h's key/value head
-        let q = &qkv[h * hs..];
-        let g = h / rep;
-        let k = &k_cache[g * hs..];
-        gemm_strided_serial(tn, n, hs, sc, (mt, 1), false, q, (c3, 1), k, (1, kv_));
-        for i in 0..tn {
-            softmax_prefix(&mut sc[i * max_t..i * max_t + n], pos + i + 1, scale);
+    team::for_ranges(nh * blocks, 1, 1, |tasks| {
+        for task in tasks {
+            let (h, r0) = (task / blocks, task % blocks * ROW_BLOCK);
+            let rows = ROW_BLOCK.min(tn - r0);
+            let n = pos + r0 + rows; // keys visible to the block's last row
+                                     // SAFETY: rows r0..r0+rows of head h, in the scores and the head outputs, are this
+                                     // task's alone.
+            let (sc, ho) = unsafe {
+                let at = h * tn + r0;
+                (scores_d.part(at * max_t..(at + rows) * max_t), head_out_d.part(at * hs..(at + rows) * hs))
+            };
+            // sc (rows, n) = Q_h (rows, HS) @ K_g^T (HS, n), g = h's key/value head
+            let q = &qkv[r0 * (c3 as usize) + h * hs..];
+            let g = h / rep;
+            let k = &k_cache[g * hs..];
+            gemm_strided_serial(rows, n, hs, sc, (mt, 1), false, q, (c3, 1), k, (1, kv_));
+            for i in 0..rows {
+                softmax_prefix(&mut sc[i * max_t..i * max_t + n], pos + r0 + i + 1, scale);
+            }
+            // ho (rows, HS) = P (rows, n) @ V_g (n, HS)
+            let v = &v_cache[g * hs..];
+            gemm_strided_serial(rows, hs, n, ho, (hs as isize, 1), false, sc, (mt, 1), v, (kv_, 1));
         }
-        // ho (tn, HS) = P (tn, n) @ V_g (n, HS)
-        gemm_strided_serial(tn, hs, n, ho, (hs as isize, 1), false, sc, (mt, 1), &v_cache[g * hs..], (kv_, 1));
     });
     for i in 0..tn {
         for h in 0..nh {
