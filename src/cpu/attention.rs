@@ -331,9 +331,10 @@ pub fn attention_forward_cached(
         for task in tasks {
             let (h, r0) = (task / blocks, task % blocks * ROW_BLOCK);
             let rows = ROW_BLOCK.min(tn - r0);
-            let n = pos + r0 + rows; // keys visible to the block's last row
-                                     // SAFETY: rows r0..r0+rows of head h, in the scores and the head outputs, are this
-                                     // task's alone.
+            // Keys visible to the block's last row.
+            let n = pos + r0 + rows;
+            // SAFETY: rows r0..r0+rows of head h, in the scores and the head outputs, are this
+            // task's alone.
             let (sc, ho) = unsafe {
                 let at = h * tn + r0;
                 (scores_d.part(at * max_t..(at + rows) * max_t), head_out_d.part(at * hs..(at + rows) * hs))
