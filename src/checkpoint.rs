@@ -25,6 +25,15 @@ pub enum Dtype {
     BF16,
 }
 
+impl std::fmt::Display for Dtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Dtype::F32 => "fp32",
+            Dtype::BF16 => "bf16",
+        })
+    }
+}
+
 impl Dtype {
     pub fn version(self) -> i32 {
         match self {
@@ -101,13 +110,32 @@ fn parse_model_header(h: &[i32; HEADER_INTS], path: &Path) -> Result<(ModelConfi
     Ok((cfg, dtype))
 }
 
+/// The shape an llm.c model file (GPT-2's or the llama3 branch's) declares in its header,
+/// reading only the header. A llama3 file's head counts as untied and its biases as present
+/// (the values decide those; [`crate::config::ModelConfig::same_shape`] ignores them).
+pub fn peek_config(path: &Path) -> Result<ModelConfig> {
+    use std::io::Read;
+    crate::files::check_regular(path)?;
+    let mut bytes = Vec::with_capacity(2 * HEADER_BYTES);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(2 * HEADER_BYTES as u64).read_to_end(&mut bytes))
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let h = parse_header(&bytes, path, "model")?;
+    if h[0] == crate::models::llama::LLMC_MAGIC {
+        return Ok(crate::models::llama::llmc_config(&bytes, path)?.0);
+    }
+    Ok(parse_model_header(&h, path)?.0)
+}
+
 /// Load an llm.c model file (fp32 or bf16): GPT-2's (magic 20240326) or the llama3 branch's
 /// (magic 20240803, [`crate::models::llama::read_llmc`]).
 pub fn load_model(path: &Path) -> Result<Weights> {
     let bytes = read_file(path)?;
     let h = parse_header(&bytes, path, "model")?;
     if h[0] == crate::models::llama::LLMC_MAGIC {
-        return crate::models::llama::read_llmc(&bytes, path);
+        let w = crate::models::llama::read_llmc(&bytes, path)?;
+        w.check_finite(&path.display().to_string())?;
+        return Ok(w);
     }
     let (cfg, dtype) = parse_model_header(&h, path)?;
     // Check the size before allocating anything the header asks for.
@@ -115,7 +143,7 @@ pub fn load_model(path: &Path) -> Result<Weights> {
     let want = HEADER_BYTES + n * dtype.bytes();
     if bytes.len() != want {
         bail!(
-            "{}: file is {} bytes but a {:?} model of this shape needs {want}: the file is truncated or corrupt",
+            "{}: file is {} bytes but a {} model of this shape needs {want}: the file is truncated or corrupt",
             path.display(),
             bytes.len(),
             dtype
@@ -127,7 +155,17 @@ pub fn load_model(path: &Path) -> Result<Weights> {
         Dtype::F32 => f32s_from_le(body, &mut w.data),
         Dtype::BF16 => bf16s_from_le(body, &mut w.data),
     }
+    w.check_finite(&path.display().to_string())?;
     Ok(w)
+}
+
+/// Refuse, before anything is written, a model that [`save_model`] could not write in
+/// `dtype`: a run that checkpoints checks this at its start, not at its first checkpoint.
+pub fn check_model_file(cfg: &ModelConfig, dtype: Dtype) -> Result<()> {
+    if cfg.family == crate::config::Family::Llama {
+        crate::models::llama::llmc_header(cfg, dtype).context("this model cannot be checkpointed")?;
+    }
+    Ok(())
 }
 
 /// Write parameters as an llm.c model file (bf16 rounds to nearest even): GPT-2's, or for a

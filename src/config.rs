@@ -79,6 +79,49 @@ pub struct ModelConfig {
     pub attn_bias: bool,
 }
 
+impl std::fmt::Display for Llama3Scaling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "llama3 (factor {}, low_freq_factor {}, high_freq_factor {}, original_max_position_embeddings {})",
+            self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings
+        )
+    }
+}
+
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Family::Gpt2 => "GPT-2",
+            Family::Llama => "Llama",
+        })
+    }
+}
+
+/// A model's shape in one line, in the dimension names above (e.g. `Llama L=30 C=576 NH=9
+/// KV=3 F=1536 maxT=8192 V=49152`), for logs and error messages.
+impl std::fmt::Display for ModelConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} L={} C={} NH={}", self.family, self.num_layers, self.channels, self.num_heads)?;
+        if self.family != Family::Gpt2 {
+            write!(f, " KV={} F={}", self.num_kv_heads, self.hidden)?;
+        }
+        write!(f, " maxT={} V={}", self.max_seq_len, self.vocab_size)?;
+        if self.padded_vocab_size != pad_vocab(self.vocab_size) {
+            write!(f, " Vp={}", self.padded_vocab_size)?;
+        }
+        if self.family != Family::Gpt2 {
+            if !self.tied_head {
+                f.write_str(", untied head")?;
+            }
+            if self.attn_bias {
+                f.write_str(", attention biases")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Round a vocabulary size up to the next multiple of 128.
 pub fn pad_vocab(v: usize) -> usize {
     v.div_ceil(128) * 128
@@ -289,7 +332,7 @@ impl ModelConfig {
         } = *self;
         if max_seq_len == 0 || vocab_size == 0 || num_layers == 0 || num_heads == 0 || channels == 0 || self.hidden == 0
         {
-            bail!("model shape has a zero dimension: {self:?}");
+            bail!("model shape has a zero dimension: {self}");
         }
         if padded_vocab_size < vocab_size {
             bail!("padded vocab size {padded_vocab_size} is smaller than vocab size {vocab_size}");
@@ -308,7 +351,7 @@ impl ModelConfig {
         match self.family {
             Family::Gpt2 => {
                 if num_kv_heads != num_heads || self.hidden != 4 * channels || !self.tied_head || !self.attn_bias {
-                    bail!("a GPT-2 model has one key/value head per head, a 4C MLP, biases and a tied head: {self:?}");
+                    bail!("a GPT-2 model has one key/value head per head, a 4C MLP, biases and a tied head: {self}");
                 }
             }
             Family::Llama => {
@@ -325,7 +368,7 @@ impl ModelConfig {
                         && s.high_freq_factor > s.low_freq_factor
                         && s.original_max_position_embeddings > 0;
                     if !ok {
-                        bail!("rope_scaling {s:?} is not a valid llama3 scaling");
+                        bail!("rope_scaling {s} is not a valid llama3 scaling");
                     }
                 }
             }
@@ -338,9 +381,16 @@ impl ModelConfig {
             || padded_vocab_size > 1 << 24
             || num_heads > channels
         {
-            bail!("model shape is implausibly large: {self:?}");
+            bail!("model shape is implausibly large: {self}");
         }
         Ok(())
+    }
+
+    /// Whether two configs give the same tensors (family and every dimension); norms, rotary
+    /// settings and the like may differ.
+    pub fn same_shape(&self, o: &ModelConfig) -> bool {
+        (self.family, self.num_layers, self.channels, self.num_heads, self.num_kv_heads, self.hidden, self.vocab_size)
+            == (o.family, o.num_layers, o.channels, o.num_heads, o.num_kv_heads, o.hidden, o.vocab_size)
     }
 
     /// Number of parameters (llm.c's count for GPT-2, padded vocab included), from the shape

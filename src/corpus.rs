@@ -115,9 +115,32 @@ struct Position {
 struct Progress {
     inputs: Vec<String>,
     shard_size: usize,
+    /// [`Tokenizer::identity`]: the shards' ids depend on it (absent in files of older llmrs).
+    #[serde(default)]
+    tokenizer: Option<String>,
     shards_done: usize,
     next: Position,
     complete: bool,
+}
+
+impl Progress {
+    /// Why shards made under `self` and shards of this run (`inputs`, `shard_size`,
+    /// `tokenizer`) must not share a directory, or None when they are one run.
+    fn mismatch(&self, inputs: &[String], shard_size: usize, tokenizer: &str) -> Option<String> {
+        if self.tokenizer.as_deref() != Some(tokenizer) {
+            return Some(match &self.tokenizer {
+                Some(t) => format!("another tokenizer ({t}; this run: {tokenizer})"),
+                None => "a tokenizer that an older llmrs did not record".into(),
+            });
+        }
+        if self.inputs != inputs {
+            return Some(format!("other input files ({})", self.inputs.join(", ")));
+        }
+        if self.shard_size != shard_size {
+            return Some(format!("another --shard-size ({})", self.shard_size));
+        }
+        None
+    }
 }
 
 /// What a run wrote.
@@ -214,8 +237,24 @@ pub fn prepare_corpus_with(
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let names: Vec<String> = inputs.iter().map(|p| p.display().to_string()).collect();
     let prog_path = out.join(format!("{name}_progress.json"));
-    let old: Option<Progress> = std::fs::read_to_string(&prog_path).ok().and_then(|s| serde_json::from_str(&s).ok());
-    let resume = old.filter(|p| p.inputs == names && p.shard_size == shard_size);
+    // A run picks up only its own progress: shards of other inputs, another shard size or
+    // another tokenizer are never mixed with this run's, nor overwritten.
+    let resume: Option<Progress> = match std::fs::read_to_string(&prog_path) {
+        Err(_) => None,
+        Ok(text) => {
+            let old: Progress = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a progress file llmrs wrote", prog_path.display()))?;
+            if let Some(why) = old.mismatch(&names, shard_size, tok.identity()) {
+                bail!(
+                    "{} holds {name} shards made with {why}: this run would mix the two. Give another -o or \
+                     --name, or delete {} and its {name}_*.bin shards to start over",
+                    out.display(),
+                    prog_path.display()
+                );
+            }
+            Some(old)
+        }
+    };
     if resume.as_ref().is_some_and(|p| p.complete) {
         eprintln!("{name}: already prepared in {} (delete {} to redo)", out.display(), prog_path.display());
         let n = resume.unwrap().shards_done;
@@ -236,7 +275,14 @@ pub fn prepare_corpus_with(
         index: shards_done,
         written: vec![],
         tokens: 0,
-        progress: Progress { inputs: names, shard_size, shards_done, next: start.clone(), complete: false },
+        progress: Progress {
+            inputs: names,
+            shard_size,
+            tokenizer: Some(tok.identity().to_string()),
+            shards_done,
+            next: start.clone(),
+            complete: false,
+        },
         bar,
     };
     let t0 = Instant::now();
@@ -377,7 +423,7 @@ pub(crate) mod tests {
             .count();
         assert!(done >= 2 && done < want.shards.len(), "{done} complete shards before the failure");
         // Fixed input, run again: it resumes and the shards are byte-identical to the full run.
-        std::fs::write(&files[2], good2).unwrap();
+        std::fs::write(&files[2], &good2).unwrap();
         let rest = prepare_corpus(&files, &part, "x", 3001).unwrap();
         assert_eq!(rest.shards.len(), want.shards.len() - done);
         for p in &want.shards {
@@ -386,6 +432,40 @@ pub(crate) mod tests {
         }
         // A completed run is not redone.
         assert_eq!(prepare_corpus(&files, &part, "x", 3001).unwrap().tokens, 0);
+        // Another tokenizer, shard size or input list over these shards is refused, finished
+        // or not, and leaves every file as it was.
+        let snapshot = || {
+            let mut v: Vec<_> = std::fs::read_dir(&part)
+                .unwrap()
+                .map(|e| {
+                    let p = e.unwrap().path();
+                    (p.clone(), std::fs::read(&p).unwrap())
+                })
+                .collect();
+            v.sort();
+            v
+        };
+        let before = snapshot();
+        let other = Tokenizer::load_hf(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/tokenizers/bytelevel.json"
+        )))
+        .unwrap();
+        let e = format!("{:#}", prepare_corpus_with(&files, &part, "x", 3001, &other).unwrap_err());
+        assert!(e.contains("another tokenizer") && e.contains("would mix"), "{e}");
+        let e = format!("{:#}", prepare_corpus(&files, &part, "x", 4000).unwrap_err());
+        assert!(e.contains("--shard-size"), "{e}");
+        let e = format!("{:#}", prepare_corpus(&files[..2], &part, "x", 3001).unwrap_err());
+        assert!(e.contains("other input files"), "{e}");
+        assert!(snapshot() == before, "a refused run changed the shards");
+        // Interrupted with one tokenizer, resumed with another: refused the same way.
+        let half = dir.path().join("half");
+        std::fs::write(&files[2], good2.lines().take(150).map(|l| l.to_string() + "\n").collect::<String>() + "{x")
+            .unwrap();
+        assert!(prepare_corpus(&files, &half, "x", 3001).is_err());
+        std::fs::write(&files[2], &good2).unwrap();
+        let e = format!("{:#}", prepare_corpus_with(&files, &half, "x", 3001, &other).unwrap_err());
+        assert!(e.contains("another tokenizer"), "{e}");
     }
 
     #[test]

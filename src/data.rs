@@ -44,6 +44,67 @@ pub fn write_shard_as(path: &Path, tokens: &[u32], wide: bool) -> Result<()> {
     write_atomic(path, &[&h, &body])
 }
 
+/// An llm.c shard written as its tokens come (any number of them, in constant memory): the
+/// header's count is filled in by [`ShardWriter::finish`], which puts the file in place
+/// atomically; dropped unfinished, nothing is left.
+pub struct ShardWriter {
+    file: crate::files::AtomicFile,
+    wide: bool,
+    count: usize,
+    bytes: Vec<u8>,
+}
+
+impl ShardWriter {
+    /// A shard of uint16 tokens, or uint32 when `wide` (a vocabulary past 16 bits).
+    pub fn create(path: &Path, wide: bool) -> Result<ShardWriter> {
+        let mut file = crate::files::AtomicFile::create(path)?;
+        std::io::Write::write_all(file.file(), &[0u8; HEADER_BYTES])?;
+        Ok(ShardWriter { file, wide, count: 0, bytes: Vec::with_capacity(1 << 16) })
+    }
+
+    pub fn push(&mut self, tokens: &[u32]) -> Result<()> {
+        if let Some(t) = tokens.iter().find(|&&t| t > u16::MAX as u32 && !self.wide) {
+            bail!("token id {t} does not fit in a uint16 shard");
+        }
+        self.count += tokens.len();
+        if self.count >= i32::MAX as usize {
+            bail!("{} tokens do not fit in one shard (the header stores an int32 count)", self.count);
+        }
+        self.bytes.clear();
+        if self.wide {
+            self.bytes.extend(tokens.iter().flat_map(|&t| t.to_le_bytes()));
+        } else {
+            self.bytes.extend(tokens.iter().flat_map(|&t| (t as u16).to_le_bytes()));
+        }
+        std::io::Write::write_all(self.file.file(), &self.bytes).context("cannot write the shard (is the disk full?)")
+    }
+
+    /// Tokens pushed so far.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Write the header and put the shard in place.
+    pub fn finish(mut self) -> Result<usize> {
+        use std::io::{Seek, Write};
+        let mut header = [0i32; 256];
+        (header[0], header[1]) =
+            if self.wide { (SHARD32_MAGIC, SHARD32_VERSION) } else { (SHARD_MAGIC, SHARD_VERSION) };
+        header[2] = self.count as i32;
+        let h: Vec<u8> = header.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let f = self.file.file();
+        f.seek(SeekFrom::Start(0)).context("cannot write the shard header")?;
+        f.write_all(&h).context("cannot write the shard header")?;
+        let n = self.count;
+        self.file.commit()?;
+        Ok(n)
+    }
+}
+
 /// Read a whole shard into memory (for tools and tests; training streams batches instead).
 pub fn read_shard(path: &Path) -> Result<Vec<u32>> {
     let bytes = crate::files::read_file(path)?;

@@ -29,12 +29,19 @@ thread_local! {
     pub(crate) static STALL_OVERRIDE: std::cell::Cell<Option<Duration>> = const { std::cell::Cell::new(None) };
 }
 
+/// How long a response or a read of its body may stall ([`STALL_TIMEOUT`]; tests shorten it).
+pub fn stall_timeout() -> Duration {
+    #[cfg(test)]
+    if let Some(d) = STALL_OVERRIDE.with(|o| o.get()) {
+        return d;
+    }
+    STALL_TIMEOUT
+}
+
 /// The HTTP client of every download: timeouts on connecting and on stalls (a server that
 /// accepts and never answers must not hang llmrs), redirects followed or not.
 pub fn agent(follow_redirects: bool) -> ureq::Agent {
-    let stall = STALL_TIMEOUT;
-    #[cfg(test)]
-    let stall = STALL_OVERRIDE.with(|o| o.get()).unwrap_or(stall);
+    let stall = stall_timeout();
     ureq::Agent::config_builder()
         .max_redirects(if follow_redirects { 10 } else { 0 })
         .http_status_as_error(follow_redirects)

@@ -23,6 +23,11 @@ pub const HF_ENDPOINT: &str = "HF_ENDPOINT";
 /// Hugging Face's cache of Hub repositories, then its home (`$HF_HOME/hub`), as transformers reads them.
 pub const HF_HUB_CACHE: &str = "HF_HUB_CACHE";
 pub const HF_HOME: &str = "HF_HOME";
+/// A Hugging Face access token, sent to the Hub for gated and private repositories, as
+/// `huggingface_hub` reads it: `HF_TOKEN` (or the older `HUGGING_FACE_HUB_TOKEN`), else the file
+/// `HF_TOKEN_PATH` names, else `$HF_HOME/token` (what `huggingface-cli login` writes).
+pub const HF_TOKEN: [&str; 2] = ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"];
+pub const HF_TOKEN_PATH: &str = "HF_TOKEN_PATH";
 /// How launchers tell a process the job's size and its rank (Open MPI, MPICH/Hydra, PMIx/Slurm).
 pub const WORLD_SIZE: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
 pub const WORLD_RANK: [&str; 3] = ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"];
@@ -58,4 +63,20 @@ pub fn cache_home() -> PathBuf {
         .map(PathBuf::from)
         .or_else(|| get("HOME").map(|h| PathBuf::from(h).join(".cache")))
         .unwrap_or_else(|| PathBuf::from(".cache"))
+}
+
+/// `$HF_HOME`, else `~/.cache/huggingface` (`$XDG_CACHE_HOME/huggingface`).
+pub fn hf_home() -> PathBuf {
+    get(HF_HOME).map_or_else(|| cache_home().join("huggingface"), PathBuf::from)
+}
+
+/// The Hugging Face token, as `huggingface_hub` finds it ([`HF_TOKEN`]); None when there is
+/// none. Never printed.
+pub fn hf_token() -> Option<String> {
+    if let Some(t) = HF_TOKEN.iter().find_map(|v| text(v)) {
+        return Some(t.trim().to_string()).filter(|t| !t.is_empty());
+    }
+    let path = get(HF_TOKEN_PATH).map_or_else(|| hf_home().join("token"), PathBuf::from);
+    let t = std::fs::read_to_string(path).ok()?;
+    Some(t.trim().to_string()).filter(|t| !t.is_empty())
 }

@@ -12,9 +12,15 @@ use std::path::Path;
 pub const HEADER_INTS: usize = 256;
 pub const HEADER_BYTES: usize = HEADER_INTS * 4;
 
+/// Temporary files are `.NAME.tmpPID_N`: the PID for [`remove_dead_temps`], and a count so that
+/// two threads writing one path never share a temp file (the later rename wins, whole).
+static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Read a whole file, with an error that names it.
 pub fn read_file(path: &Path) -> Result<Vec<u8>> {
     check_regular(path)?;
+    let len = std::fs::metadata(path).map_or(0, |m| m.len());
+    crate::mem::check_available(usize::try_from(len).unwrap_or(usize::MAX), &format!("reading {}", path.display()))?;
     std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
 }
 
@@ -81,9 +87,6 @@ pub fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut dyn Write) -> std::
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create directory {}", dir.display()))?;
     let name = path.file_name().context("output path has no file name")?.to_string_lossy();
     remove_dead_temps(dir, &name);
-    // PID for remove_dead_temps, and a count so that two threads writing one path never share
-    // a temp file (the later rename wins, whole).
-    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!(".{name}.tmp{}_{n}", std::process::id()));
     let result = (|| -> Result<()> {
@@ -97,12 +100,67 @@ pub fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut dyn Write) -> std::
         let _ = std::fs::remove_file(&tmp);
         return Err(e.context(format!("cannot write {} (is the disk full?)", path.display())));
     }
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()));
+    }
     // Make the rename itself durable (best effort: not every filesystem lets a directory be synced).
     if let Ok(d) = File::open(dir) {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// A file written in place under a temporary name and renamed into place by [`AtomicFile::commit`]
+/// (after an fsync), for writers that need to seek (a header patched at the end) or that
+/// stream more than fits in memory; dropped without commit, the temporary file is removed.
+pub struct AtomicFile {
+    path: std::path::PathBuf,
+    tmp: std::path::PathBuf,
+    file: Option<BufWriter<File>>,
+}
+
+impl AtomicFile {
+    pub fn create(path: &Path) -> Result<AtomicFile> {
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create directory {}", dir.display()))?;
+        let name = path.file_name().context("output path has no file name")?.to_string_lossy();
+        remove_dead_temps(dir, &name);
+        let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = dir.join(format!(".{name}.tmp{}_{n}", std::process::id()));
+        let f = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        Ok(AtomicFile { path: path.to_path_buf(), tmp, file: Some(BufWriter::with_capacity(1 << 20, f)) })
+    }
+
+    /// The file being written (positioned at its end until the caller seeks).
+    pub fn file(&mut self) -> &mut BufWriter<File> {
+        self.file.as_mut().expect("not committed")
+    }
+
+    /// Flush, fsync and rename into place.
+    pub fn commit(mut self) -> Result<()> {
+        let f = self.file.take().expect("committed once");
+        let what = || format!("cannot write {} (is the disk full?)", self.path.display());
+        let f = f.into_inner().map_err(|e| e.into_error()).with_context(what)?;
+        f.sync_all().with_context(what)?;
+        drop(f);
+        if let Err(e) = std::fs::rename(&self.tmp, &self.path) {
+            let _ = std::fs::remove_file(&self.tmp);
+            return Err(e).with_context(|| format!("cannot rename {} to {}", self.tmp.display(), self.path.display()));
+        }
+        if let Some(d) = self.path.parent().filter(|d| !d.as_os_str().is_empty()).and_then(|d| File::open(d).ok()) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
 }
 
 /// The writer's PID from the part of a temp file's name after `.tmp` (`PID_N`, or `PID` from

@@ -89,18 +89,19 @@ pub fn sample(logits: &[f32], s: &SamplerConfig, rng: &mut u64, scratch: &mut Ve
 }
 
 /// Generation settings.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct GenConfig {
     pub max_new_tokens: usize,
     pub sampler: SamplerConfig,
-    /// Stop after emitting `<|endoftext|>` (this id).
-    pub stop_token: Option<u32>,
+    /// Stop after emitting any of these (the model's end tokens, e.g. `<|endoftext|>`, or
+    /// Llama 3 Instruct's `<|eot_id|>`); none: never stop early.
+    pub stop_tokens: Vec<u32>,
     /// Use the KV cache (else recompute the whole prefix for every token).
     pub use_cache: bool,
 }
 
 /// Generate after `prompt`, calling `on_token` for every new token; returns the new tokens.
-/// Stops at `max_new_tokens`, the stop token, or the model's context length.
+/// Stops at `max_new_tokens`, a stop token, or the model's context length.
 pub fn generate(
     model: &mut Model,
     prompt: &[u32],
@@ -134,7 +135,7 @@ pub fn generate(
             toks.push(next);
             out.push(next);
             on_token(next)?;
-            if Some(next) == g.stop_token {
+            if g.stop_tokens.contains(&next) {
                 break;
             }
             feed.clear();
@@ -200,25 +201,30 @@ mod tests {
         let g = GenConfig {
             max_new_tokens: 40,
             sampler: SamplerConfig { temperature: 0.0, ..Default::default() },
-            stop_token: None,
+            stop_tokens: vec![],
             use_cache: true,
         };
         let prompt = [5u32, 17, 99, 3];
         let a = generate(&mut m, &prompt, &g, |_| Ok(())).unwrap();
-        let b = generate(&mut m, &prompt, &GenConfig { use_cache: false, ..g }, |_| Ok(())).unwrap();
+        let b = generate(&mut m, &prompt, &GenConfig { use_cache: false, ..g.clone() }, |_| Ok(())).unwrap();
         assert_eq!(a, b);
         assert_eq!(a.len(), 40);
         // Sampling: the same seed gives the same tokens, another seed other tokens.
-        let s = GenConfig { sampler: SamplerConfig { temperature: 1.0, top_k: 50, top_p: 0.95, seed: 7 }, ..g };
+        let s = GenConfig { sampler: SamplerConfig { temperature: 1.0, top_k: 50, top_p: 0.95, seed: 7 }, ..g.clone() };
         let x = generate(&mut m, &prompt, &s, |_| Ok(())).unwrap();
         assert_eq!(x, generate(&mut m, &prompt, &s, |_| Ok(())).unwrap());
-        let y =
-            generate(&mut m, &prompt, &GenConfig { sampler: SamplerConfig { seed: 8, ..s.sampler }, ..s }, |_| Ok(()))
-                .unwrap();
+        let y = generate(
+            &mut m,
+            &prompt,
+            &GenConfig { sampler: SamplerConfig { seed: 8, ..s.sampler }, ..s.clone() },
+            |_| Ok(()),
+        )
+        .unwrap();
         assert_ne!(x, y);
         // Stops at the stop token.
         let first = a[0];
-        let stopped = generate(&mut m, &prompt, &GenConfig { stop_token: Some(first), ..g }, |_| Ok(())).unwrap();
+        let stopped =
+            generate(&mut m, &prompt, &GenConfig { stop_tokens: vec![first], ..g.clone() }, |_| Ok(())).unwrap();
         assert_eq!(stopped, vec![first]);
     }
 

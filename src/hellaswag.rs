@@ -137,7 +137,17 @@ pub fn load_bin(path: &Path) -> Result<Vec<Example>> {
 
 /// Load either format by extension (`.bin` = llm.c's, otherwise JSON lines).
 pub fn load(path: &Path, tok: &Tokenizer) -> Result<Vec<Example>> {
-    let ex = if path.extension().is_some_and(|e| e == "bin") { load_bin(path)? } else { load_jsonl(path, tok)? };
+    let bin = path.extension().is_some_and(|e| e == "bin");
+    if bin && !tok.is_gpt2() {
+        // llm.c's eval file holds GPT-2's ids: another vocabulary would score other words.
+        bail!(
+            "{} holds GPT-2 token ids, but this model uses its own tokenizer: give HellaSwag's JSON lines instead \
+             (--data hellaswag_val.jsonl; `llmrs prepare hellaswag` leaves them in data/hellaswag/), which are \
+             tokenized with the model's tokenizer",
+            path.display()
+        );
+    }
+    let ex = if bin { load_bin(path)? } else { load_jsonl(path, tok)? };
     check(&ex).with_context(|| format!("{}", path.display()))?;
     Ok(ex)
 }

@@ -152,12 +152,32 @@ fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     y
 }
 
+/// The shape a Hugging Face model (directory or `.safetensors` path) declares in its
+/// config.json, without reading its weights.
+pub fn peek_config(path: &Path) -> Result<ModelConfig> {
+    let files = resolve(path)?;
+    let text = String::from_utf8(read_file(&files.config)?)
+        .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", files.config.display()))?;
+    parse_config(&text, &files.config)
+}
+
 /// Load a Hugging Face model (directory or `.safetensors` path) as llmrs-layout weights.
 pub fn load_hf(path: &Path) -> Result<Weights> {
     let files = resolve(path)?;
     let cfg_text = String::from_utf8(read_file(&files.config)?)
         .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", files.config.display()))?;
     let cfg = parse_config(&cfg_text, &files.config)?;
+    // The files are read whole beside the fp32 weights they become: refuse what cannot fit
+    // before reading gigabytes.
+    let file_bytes: u64 = files.shards.iter().map(|p| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
+    let need = (file_bytes as usize).saturating_add(cfg.num_parameters().saturating_mul(4));
+    let what = format!(
+        "loading {} ({:.2} GiB of files, {} parameters as fp32)",
+        path.display(),
+        file_bytes as f64 / (1u64 << 30) as f64,
+        cfg.num_parameters()
+    );
+    crate::mem::check_available(need, &what)?;
     let shards: Vec<Vec<u8>> = files.shards.iter().map(|p| read_file(p)).collect::<Result<_>>()?;
     let mut parsed = vec![];
     for (bytes, p) in shards.iter().zip(&files.shards) {
@@ -171,7 +191,38 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
     } else {
         ""
     };
-    // The files must hold every tensor config.json implies (checked before allocating for it).
+    // The files must hold every tensor config.json implies, and no other (a layer more or a
+    // layer less than config.json says is a model of another shape): checked by name before
+    // anything is allocated for them.
+    let table = match cfg.family {
+        Family::Gpt2 => gpt2::hf_tensors(&cfg, &crate::params::ParamLayout::new(&cfg)),
+        Family::Llama => llama::hf_tensors(&cfg, &crate::params::ParamLayout::new(&cfg)),
+    };
+    let expected: std::collections::HashSet<String> = table.iter().map(|e| format!("{prefix}{}", e.name)).collect();
+    if let Some(e) = table.iter().find(|e| !names.contains(&format!("{prefix}{}", e.name))) {
+        bail!(
+            "{}: tensor {prefix}{} is missing (config.json describes {} layers)",
+            files.shards[0].display(),
+            e.name,
+            cfg.num_layers
+        );
+    }
+    // Buffers transformers saves beside the weights (GPT-2's causal mask, rotary tables) and a
+    // stored copy of a tied head (checked below) are not parameters.
+    let not_a_parameter = |n: &str| {
+        n.ends_with(".attn.bias")
+            || n.ends_with(".attn.masked_bias")
+            || n.ends_with("rotary_emb.inv_freq")
+            || n == "lm_head.weight"
+    };
+    if let Some(n) = names.iter().find(|n| !expected.contains(*n) && !not_a_parameter(n)) {
+        bail!(
+            "{}: tensor {n} is not part of the model config.json describes ({} layers): the weights and config.json \
+             do not belong together",
+            files.shards[0].display(),
+            cfg.num_layers
+        );
+    }
     let stored: usize =
         parsed.iter().flat_map(|st| st.tensors()).map(|(_, t)| t.shape().iter().product::<usize>()).sum();
     let padding = (cfg.padded_vocab_size - cfg.vocab_size) * cfg.channels;
@@ -193,6 +244,12 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
             bail!("{}: tensor {full} has shape {:?}, config.json implies {:?}", p.display(), t.shape(), e.shape);
         }
         let x = to_f32(&t, &full)?;
+        if let Some((i, v)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            bail!(
+                "{}: tensor {full} holds {v} at element {i}: the weights are corrupt or come from a diverged run",
+                p.display()
+            );
+        }
         let x = if e.transposed { transposed(&x, e.shape[0], e.shape[1]) } else { x };
         w.data[e.range].copy_from_slice(&x);
     }

@@ -63,10 +63,8 @@ pub fn cache_dir() -> PathBuf {
 /// Hugging Face's cache of Hub repositories: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
 /// `~/.cache/huggingface/hub`.
 pub fn hf_cache_dir() -> PathBuf {
-    use crate::env::{get, HF_HOME, HF_HUB_CACHE};
-    get(HF_HUB_CACHE).map(PathBuf::from).unwrap_or_else(|| {
-        get(HF_HOME).map_or_else(|| crate::env::cache_home().join("huggingface"), PathBuf::from).join("hub")
-    })
+    use crate::env::{get, HF_HUB_CACHE};
+    get(HF_HUB_CACHE).map(PathBuf::from).unwrap_or_else(|| crate::env::hf_home().join("hub"))
 }
 
 /// The snapshot directory of a model in the cache, when it holds a complete model: the
@@ -77,6 +75,11 @@ fn cached_snapshot(repo_dir: &Path, revision: &str) -> Option<PathBuf> {
         .unwrap_or_else(|_| revision.to_string());
     let dir = repo_dir.join("snapshots").join(commit);
     complete(&dir).then_some(dir)
+}
+
+/// The snapshot directory of a complete model already in the cache, without a request.
+pub fn cached_model(r: &HubRef, cache: &Path) -> Option<PathBuf> {
+    cached_snapshot(&cache.join(format!("models--{}", r.repo.replace('/', "--"))), &r.revision)
 }
 
 /// Whether a directory holds config.json and every safetensors file of the model, valid.
@@ -105,12 +108,29 @@ fn shard_names(index: &Path) -> Result<Vec<String>> {
 }
 
 /// The commit a revision names, from the Hub's `X-Repo-Commit` (the revision itself when the
-/// server does not say).
-fn resolve_commit(url: &str, revision: &str) -> String {
-    let resp = crate::download::agent(false).head(url).call();
-    let commit =
-        resp.ok().and_then(|r| r.headers().get("x-repo-commit").and_then(|v| v.to_str().ok()).map(String::from));
-    commit.filter(|c| c.len() == 40 && c.chars().all(|x| x.is_ascii_hexdigit())).unwrap_or_else(|| revision.to_string())
+/// server does not say). A server that cannot be reached, or does not answer within the stall
+/// timeout, is an error here, so that a dead endpoint costs one timeout, not one per request.
+fn resolve_commit(url: &str, revision: &str) -> Result<String> {
+    let resp = with_token(crate::download::agent(false).head(url)).call().with_context(|| {
+        format!(
+            "cannot reach {url} (no answer within {} s); check the network or set HF_ENDPOINT",
+            crate::download::stall_timeout().as_secs()
+        )
+    })?;
+    let commit = resp.headers().get("x-repo-commit").and_then(|v| v.to_str().ok()).map(String::from);
+    Ok(commit
+        .filter(|c| c.len() == 40 && c.chars().all(|x| x.is_ascii_hexdigit()))
+        .unwrap_or_else(|| revision.to_string()))
+}
+
+/// A request to the Hub with the user's token ([`crate::env::hf_token`]) when there is one, as
+/// `huggingface_hub` sends it: gated repositories (meta-llama/*) need it. ureq drops the header
+/// when a redirect leaves for another host (the Hub's file CDN).
+fn with_token<B>(req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+    match crate::env::hf_token() {
+        Some(t) => req.header("Authorization", &format!("Bearer {t}")),
+        None => req,
+    }
 }
 
 /// The model's files from the cache, or downloaded into it: config.json, the weights (one
@@ -122,7 +142,7 @@ pub fn fetch_model(r: &HubRef, endpoint: &str, cache: &Path) -> Result<PathBuf> 
         return Ok(dir);
     }
     let url = |f: &str| format!("{endpoint}/{}/resolve/{}/{f}", r.repo, r.revision);
-    let commit = resolve_commit(&url("config.json"), &r.revision);
+    let commit = resolve_commit(&url("config.json"), &r.revision)?;
     let dir = repo_dir.join("snapshots").join(&commit);
     let get = |f: &str| -> Result<()> {
         let dest = dir.join(f);
@@ -158,10 +178,49 @@ pub fn fetch_model(r: &HubRef, endpoint: &str, cache: &Path) -> Result<PathBuf> 
     Ok(dir)
 }
 
+/// A model's side files without its weights (tokenizer.json, generation_config.json and
+/// config.json, those the repository has), from the cache or downloaded into it: what
+/// `--tokenizer hf:owner/name` needs. Returns the snapshot directory (a complete cached model's
+/// when there is one).
+pub fn fetch_side_files(r: &HubRef, endpoint: &str, cache: &Path) -> Result<PathBuf> {
+    let repo_dir = cache.join(format!("models--{}", r.repo.replace('/', "--")));
+    if let Some(dir) = cached_snapshot(&repo_dir, &r.revision) {
+        return Ok(dir);
+    }
+    let known = std::fs::read_to_string(repo_dir.join("refs").join(&r.revision)).map(|c| c.trim().to_string());
+    let cached = repo_dir.join("snapshots").join(known.as_deref().unwrap_or(&r.revision));
+    if cached.join(crate::source::TOKENIZER_FILE).is_file() {
+        return Ok(cached);
+    }
+    let url = |f: &str| format!("{endpoint}/{}/resolve/{}/{f}", r.repo, r.revision);
+    let commit = resolve_commit(&url(crate::source::TOKENIZER_FILE), &r.revision)?;
+    let dir = repo_dir.join("snapshots").join(&commit);
+    for f in [crate::source::TOKENIZER_FILE, crate::source::GENERATION_CONFIG_FILE, "config.json"] {
+        let dest = dir.join(f);
+        if !dest.is_file() && head_if_there(&url(f))?.is_some() {
+            fetch_file(&url(f), &dest, &json_file)
+                .with_context(|| format!("cannot fetch {f} of {}@{}", r.repo, r.revision))?;
+        }
+    }
+    let refs = repo_dir.join("refs");
+    std::fs::create_dir_all(&refs).with_context(|| format!("cannot create {}", refs.display()))?;
+    crate::files::write_atomic(&refs.join(&r.revision), &[commit.as_bytes()])?;
+    Ok(dir)
+}
+
+/// Accept a file that parses as JSON.
+fn json_file(path: &Path) -> Result<()> {
+    let text = crate::files::read_file(path)?;
+    serde_json::from_slice::<serde_json::Value>(&text)
+        .with_context(|| format!("{} is not JSON", path.display()))
+        .map(|_| ())
+}
+
 /// Files of a dataset repository under `dir` (the Hub's tree API), sorted by path.
 pub fn list_dataset_files(repo: &str, revision: &str, dir: &str, endpoint: &str) -> Result<Vec<String>> {
     let url = format!("{endpoint}/api/datasets/{repo}/tree/{revision}/{dir}");
-    let mut resp = crate::download::agent(true).get(&url).call().with_context(|| format!("cannot list {url}"))?;
+    let mut resp =
+        with_token(crate::download::agent(true).get(&url)).call().with_context(|| format!("cannot list {url}"))?;
     let v: serde_json::Value =
         serde_json::from_reader(resp.body_mut().as_reader()).with_context(|| format!("{url}: not a file listing"))?;
     let mut files: Vec<String> = v
@@ -207,12 +266,26 @@ struct Meta {
 }
 
 fn head(url: &str) -> Result<Meta> {
-    let agent = crate::download::agent(false);
-    let resp =
-        agent.head(url).call().with_context(|| format!("cannot reach {url}; check the network or set HF_ENDPOINT"))?;
+    head_if_there(url)?.with_context(|| format!("{url}: HTTP 404: no such model or file"))
+}
+
+/// [`head`], with None for a file the server says is not there (404); other failures (no
+/// answer, no access) are errors.
+fn head_if_there(url: &str) -> Result<Option<Meta>> {
+    let resp = with_token(crate::download::agent(false).head(url))
+        .call()
+        .with_context(|| format!("cannot reach {url}; check the network or set HF_ENDPOINT"))?;
     let status = resp.status().as_u16();
-    if status == 401 || status == 403 || status == 404 {
-        bail!("{url}: HTTP {status}: no such model or file (or it needs a login)");
+    if status == 404 {
+        return Ok(None);
+    }
+    if status == 401 || status == 403 {
+        let login = if crate::env::hf_token().is_some() {
+            "or the token in HF_TOKEN (or $HF_HOME/token) has no access to it"
+        } else {
+            "or it is gated or private: set HF_TOKEN to a Hugging Face access token that may read it"
+        };
+        bail!("{url}: HTTP {status}: no such model or file, {login}");
     }
     if status >= 400 {
         bail!("{url}: HTTP {status}");
@@ -229,7 +302,7 @@ fn head(url: &str) -> Result<Meta> {
     let etag = h("x-linked-etag").or_else(|| h("etag"));
     let sha256 =
         etag.filter(|e| e.len() == 64 && e.chars().all(|c| c.is_ascii_hexdigit())).map(|e| e.to_ascii_lowercase());
-    Ok(Meta { size, sha256 })
+    Ok(Some(Meta { size, sha256 }))
 }
 
 /// Download `url` to `dest`, resuming `dest.part` if an earlier attempt stopped. Processes
@@ -264,7 +337,8 @@ pub fn fetch_file(url: &str, dest: &Path, valid: &dyn Fn(&Path) -> Result<()>) -
     if meta.size.is_some_and(|s| offset > s) {
         offset = 0; // a stale partial from another version of the file
     }
-    let mut req = ureq::get(url);
+    // The agent's timeouts: a body that stops arriving fails after the stall timeout.
+    let mut req = with_token(crate::download::agent(true).get(url));
     if offset > 0 {
         req = req.header("Range", &format!("bytes={offset}-"));
     }
@@ -283,13 +357,21 @@ pub fn fetch_file(url: &str, dest: &Path, valid: &dyn Fn(&Path) -> Result<()>) -
     bar.set_position(offset);
     let mut reader = resp.into_body().into_reader();
     let mut buf = vec![0u8; 1 << 16];
+    let mut received = offset;
     loop {
         // On an error the partial file stays for the next attempt to resume.
-        let n = reader.read(&mut buf).with_context(|| format!("download of {url} stopped; run again to resume"))?;
+        let n = reader.read(&mut buf).with_context(|| {
+            format!(
+                "download of {url} stopped at byte {} (no data for up to {} s, or the connection broke); run again to resume",
+                received,
+                crate::download::stall_timeout().as_secs()
+            )
+        })?;
         if n == 0 {
             break;
         }
         file.write_all(&buf[..n]).with_context(|| format!("cannot write {} (disk full?)", part.display()))?;
+        received += n as u64;
         bar.inc(n as u64);
     }
     bar.finish_and_clear();
@@ -510,10 +592,14 @@ pub(crate) mod tests {
     fn a_server_that_never_answers_fails_the_download_instead_of_hanging() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
+        let accepted = Arc::new(Mutex::new(0usize));
+        let counter = accepted.clone();
         std::thread::spawn(move || {
-            let held: Vec<_> = listener.incoming().take(2).collect(); // accept, never answer
-            std::thread::sleep(std::time::Duration::from_secs(30));
-            drop(held);
+            let mut held = vec![];
+            for s in listener.incoming().take(10) {
+                *counter.lock().unwrap() += 1;
+                held.push(s); // accept, never answer
+            }
         });
         crate::download::STALL_OVERRIDE.with(|o| o.set(Some(std::time::Duration::from_millis(300))));
         let cache = tempfile::tempdir().unwrap();
@@ -521,7 +607,57 @@ pub(crate) mod tests {
         let e = fetch_model(&"a/b".parse().unwrap(), &base, cache.path()).unwrap_err();
         crate::download::STALL_OVERRIDE.with(|o| o.set(None));
         assert!(t0.elapsed().as_secs() < 10, "took {:?}", t0.elapsed());
-        assert!(format!("{e:#}").contains("cannot reach"), "{e:#}");
+        assert!(format!("{e:#}").contains("cannot reach") && format!("{e:#}").contains("no answer"), "{e:#}");
+        // One request waited out its timeout; none was tried after it (60 s, not 120 s).
+        assert_eq!(*accepted.lock().unwrap(), 1);
+    }
+
+    /// A server that sends the headers and part of a body, then nothing (also one whose
+    /// Content-Length promises more than it sends): the download fails after the stall timeout
+    /// without progress, keeping the part for a resume, instead of waiting forever.
+    #[test]
+    fn a_download_that_stalls_mid_body_fails_and_keeps_its_part() {
+        for promise_more in [false, true] {
+            let body: Vec<u8> = (0..100_000u32).map(|i| (i * 7) as u8).collect();
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let base = format!("http://{}", listener.local_addr().unwrap());
+            let sent = body.clone();
+            std::thread::spawn(move || {
+                let mut held = vec![];
+                for stream in listener.incoming().take(3) {
+                    let mut s = stream.unwrap();
+                    let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+                    let (mut first, mut line) = (String::new(), String::new());
+                    while r.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                        if first.is_empty() {
+                            first = line.clone();
+                        }
+                        line.clear();
+                    }
+                    let len = if promise_more { 2 * sent.len() } else { sent.len() };
+                    let _ = write!(s, "HTTP/1.1 200 OK\r\nContent-Length: {len}\r\n\r\n");
+                    if first.starts_with("GET") {
+                        let part = if promise_more { &sent[..] } else { &sent[..sent.len() / 3] };
+                        let _ = s.write_all(part);
+                        let _ = s.flush();
+                    }
+                    held.push(s); // then silence, with the connection open
+                }
+                std::thread::sleep(std::time::Duration::from_secs(30));
+            });
+            crate::download::STALL_OVERRIDE.with(|o| o.set(Some(std::time::Duration::from_millis(300))));
+            let dir = tempfile::tempdir().unwrap();
+            let dest = dir.path().join("model.safetensors");
+            let t0 = std::time::Instant::now();
+            let e = fetch_file(&format!("{base}/a/b/resolve/main/model.safetensors"), &dest, &any_file).unwrap_err();
+            crate::download::STALL_OVERRIDE.with(|o| o.set(None));
+            assert!(t0.elapsed().as_secs() < 10, "took {:?}", t0.elapsed());
+            let e = format!("{e:#}");
+            assert!(e.contains("stopped at byte") && e.contains("run again to resume"), "{e}");
+            assert!(!dest.exists());
+            let part = std::fs::metadata(dir.path().join("model.safetensors.part")).unwrap().len();
+            assert_eq!(part as usize, if promise_more { body.len() } else { body.len() / 3 });
+        }
     }
 
     #[test]

@@ -264,10 +264,13 @@ struct TrainArgs {
     /// Val data: shard file or glob pattern.
     #[arg(short = 'j', long = "val-data", default_value_t = D.with(|d| d.val_data.clone()))]
     val_data: String,
-    /// Model .bin to start from, or a descriptor for random init (d6 d12 d24 d36 d48, gpt2,
-    /// gpt2-medium, gpt2-large, gpt2-xl, tiny, LxC:NH[:maxT]). Default run: tiny (llm.c: gpt2_124M_bf16.bin).
-    #[arg(short = 'e', long = "model", default_value_t = D.with(|d| d.model.clone()))]
-    model: String,
+    /// Model to start from: an llm.c .bin, a Hugging Face directory or hf:owner/name, or a
+    /// descriptor for random init: GPT-2 d6 d12 d24 d36 d48, gpt2, gpt2-medium, gpt2-large,
+    /// gpt2-xl, tiny, LxC:NH[:maxT]; Llama llama:smollm2-135m, llama:smollm2-360m,
+    /// llama:smollm2-1.7b, llama:tinyllama-1.1b, llama:llama3.2-1b, llama:llama3.2-3b,
+    /// llama:LxC:NH:KV[:F[:maxT]]. Default run: tiny (llm.c: gpt2_124M_bf16.bin).
+    #[arg(short = 'e', long = "model")]
+    model: Option<String>,
     /// Output directory for the log and checkpoints ("" for none). Default run: out (llm.c: none).
     #[arg(short = 'o', long = "output-dir", default_value_t = D.with(|d| d.output_dir.as_ref().map_or(String::new(), |p| p.display().to_string())))]
     output_dir: String,
@@ -428,9 +431,11 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
     let cfg = TrainConfig {
         train_data: a.train_data,
         val_data: a.val_data,
-        model: match a.hf {
-            Some(h) => format!("hf:{h}"),
-            None => a.model,
+        model_given: a.hf.is_some() || a.model.is_some(),
+        model: match (a.hf, a.model) {
+            (Some(h), _) => format!("hf:{h}"),
+            (None, Some(m)) => m,
+            (None, None) => TrainConfig::default().model,
         },
         output_dir: (!a.output_dir.is_empty()).then(|| PathBuf::from(a.output_dir)),
         checkpoint_every: a.checkpoint_every,
@@ -486,15 +491,33 @@ fn model_spec(hf: Option<String>, model: Option<String>) -> Result<String> {
 fn cmd_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
     use llmrs::generate::{generate, GenConfig, Utf8Stream};
     use std::io::Write;
+    let sampler = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
+    sampler.validate()?; // before loading (or downloading) anything
     let spec = model_spec(a.hf, a.model)?;
     let mut model = llmrs::model::Model::new(llmrs::source::load_any(&spec, 0)?, device)?;
-    let tok = llmrs::tokenizer::Tokenizer::choose(a.tokenizer.as_deref(), Some(&spec))?;
-    tok.check_fits(model.config.vocab_size)?;
+    let tok = llmrs::tokenizer::Tokenizer::for_text(a.tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let prompt = if a.prompt.is_empty() { vec![tok.doc_start] } else { tok.encode(&a.prompt)? };
+    // The model's own end tokens (generation_config.json, config.json), else the tokenizer's.
+    let stop_tokens = match llmrs::source::eos_tokens(&spec)? {
+        Some(ids) => ids,
+        None => match a.tokenizer.as_deref().map(llmrs::source::eos_tokens).transpose()?.flatten() {
+            Some(ids) => ids,
+            None => vec![tok.eot],
+        },
+    };
+    let max_t = model.config.max_seq_len;
+    if prompt.len() < max_t && prompt.len() + a.max_new_tokens > max_t {
+        eprintln!(
+            "note: the model's context is {max_t} positions: after the {}-token prompt, at most {} new tokens (-n {})",
+            prompt.len(),
+            max_t - prompt.len(),
+            a.max_new_tokens
+        );
+    }
     let g = GenConfig {
         max_new_tokens: a.max_new_tokens,
-        sampler: SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
-        stop_token: (!a.no_stop).then_some(tok.eot),
+        sampler,
+        stop_tokens: if a.no_stop { vec![] } else { stop_tokens },
         use_cache: !a.no_cache,
     };
     let mut out = std::io::stdout().lock();
@@ -511,12 +534,14 @@ fn cmd_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
     writeln!(out, "{}", utf8.finish())?;
     let secs = t0.elapsed().as_secs_f64();
     let first = first.unwrap_or(secs);
+    let stopped = new.last().is_some_and(|t| g.stop_tokens.contains(t));
     // The first token includes reading the prompt; the rest is one token each.
     eprintln!(
-        "{} prompt + {} new tokens in {secs:.2}s ({}): first token after {first:.3}s, then {:.2} tokens/s",
+        "{} prompt + {} new tokens in {secs:.2}s ({}{}): first token after {first:.3}s, then {:.2} tokens/s",
         prompt.len(),
         new.len(),
         if g.use_cache { "KV cache" } else { "no cache" },
+        if stopped { ", stopped at an end token" } else { "" },
         (new.len().saturating_sub(1)) as f64 / (secs - first).max(1e-9),
     );
     Ok(())
@@ -573,6 +598,12 @@ fn real_main(cli: Cli) -> Result<()> {
     let comm = llmrs::backend::comm::open(std::time::Duration::from_secs(cli.comm_timeout.max(1)))?;
     let mut pool = rayon::ThreadPoolBuilder::new();
     if let Some(n) = cli.threads {
+        // Many times the cores only spends time starting threads (10000 took 40 s, silently).
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let most = 8 * cores.max(8);
+        if n == 0 || n > most {
+            bail!("--threads {n}: give 1 to {most} (this machine has {cores} cores; the default uses them all)");
+        }
         pool = pool.num_threads(n);
     } else if comm.world() > 1 {
         pool = pool.num_threads(threads_per_rank(comm.local_world()));
@@ -670,12 +701,11 @@ fn cmd_eval(e: EvalCmd, device: llmrs::backend::Device) -> Result<()> {
     let EvalCmd::Hellaswag { model, hf, data, limit, tokenizer } = e;
     let spec = model_spec(hf, model)?;
     let mut model = llmrs::model::Model::new(llmrs::source::load_any(&spec, 42)?, device)?;
+    let tok = llmrs::tokenizer::Tokenizer::for_text(tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let data = match data {
         Some(d) => d,
-        None => llmrs::train::default_hellaswag_path()?,
+        None => llmrs::train::default_hellaswag_path(tok.is_gpt2())?,
     };
-    let tok = llmrs::tokenizer::Tokenizer::choose(tokenizer.as_deref(), Some(&spec))?;
-    tok.check_fits(model.config.vocab_size)?;
     let mut ex = llmrs::hellaswag::load(&data, &tok)?;
     if let Some(n) = limit {
         ex.truncate(n);
@@ -705,7 +735,7 @@ fn cmd_convert(paths: &[String], hf: Option<String>, dtype: &str, seed: u32) -> 
     } else {
         llmrs::hf::save_hf(&weights, &output, dtype)?;
     }
-    eprintln!("wrote {} ({} parameters, {:?})", output.display(), weights.num_parameters(), dtype);
+    eprintln!("wrote {} ({} parameters, {dtype})", output.display(), weights.num_parameters());
     Ok(())
 }
 
@@ -783,6 +813,12 @@ fn prepare_hellaswag(input: Option<&Path>, out: &Path) -> Result<()> {
     let dest = out.join("hellaswag_val.bin");
     llmrs::hellaswag::write_bin(&dest, &ex)?;
     eprintln!("wrote {} examples to {}", ex.len(), dest.display());
+    // The text beside the GPT-2 ids: a model with its own tokenizer scores from it.
+    let text = out.join("hellaswag_val.jsonl");
+    if !text.is_file() {
+        llmrs::files::write_atomic(&text, &[&llmrs::files::read_file(&src)?])?;
+        eprintln!("kept the examples as text in {} (for models with their own tokenizer)", text.display());
+    }
     Ok(())
 }
 

@@ -325,6 +325,9 @@ impl Weights {
     pub fn zeros(config: ModelConfig) -> Result<Self> {
         config.validate()?;
         let layout = ParamLayout::new(&config);
+        // A model bigger than the machine is an error here, not an abort in the allocator.
+        let what = format!("the model's {} parameters (fp32, in host memory)", layout.num_parameters);
+        crate::mem::check_available(layout.num_parameters.saturating_mul(4), &what)?;
         let data = crate::mem::zeroed::<f32>(layout.num_parameters);
         Ok(Weights { config, layout, data })
     }
@@ -339,6 +342,30 @@ impl Weights {
 
     pub fn num_parameters(&self) -> usize {
         self.layout.num_parameters
+    }
+
+    /// Refuse weights that hold a NaN or an infinity, naming the first such tensor (and layer)
+    /// and element: such a model computes nothing meaningful, so it must not be trained,
+    /// sampled, scored or copied as if it could. `source` names where they came from.
+    pub fn check_finite(&self, source: &str) -> Result<()> {
+        use rayon::prelude::*;
+        if self.data.par_chunks(1 << 20).all(|c| c.iter().all(|x| x.is_finite())) {
+            return Ok(());
+        }
+        let layers = |t: Tensor| if t.per_layer() { self.config.num_layers } else { 1 };
+        for t in tensors(&self.config) {
+            for l in 0..layers(t) {
+                if let Some((i, x)) = self.layer(t, l).iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                    let layer = if t.per_layer() { format!(" of layer {l}") } else { String::new() };
+                    anyhow::bail!(
+                        "{source}: tensor {}{layer} holds {x} at element {i}: the weights are corrupt or come from a \
+                         diverged run; use another file (an earlier checkpoint)",
+                        t.name()
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The whole (stacked) tensor.

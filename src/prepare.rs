@@ -118,41 +118,44 @@ pub fn prepare_text(files: &[PathBuf], out_dir: &Path, val_tokens: usize) -> Res
 }
 
 /// [`prepare_text`] with any tokenizer: documents start with its `doc_start` token, and the
-/// shards are uint32 when its vocabulary needs more than 16 bits.
+/// shards are uint32 when its vocabulary needs more than 16 bits. Streams: each file is read
+/// and tokenized a piece at a time ([`Tokenizer::encode_reader`]) and the train shard written
+/// as it goes, so memory stays bounded whatever the size of the text.
 pub fn prepare_text_with(
     files: &[PathBuf],
     out_dir: &Path,
     val_tokens: usize,
     tok: &Tokenizer,
 ) -> Result<(PathBuf, PathBuf)> {
-    let mut tokens = vec![];
-    for f in files {
-        let bytes = std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?;
-        let text = String::from_utf8(bytes).map_err(|e| {
-            anyhow::anyhow!(
-                "{} is not UTF-8 text (invalid byte at offset {})",
-                f.display(),
-                e.utf8_error().valid_up_to()
-            )
-        })?;
-        if text.is_empty() {
-            bail!("{} is empty", f.display());
-        }
-        tokens.push(tok.doc_start);
-        tokens.extend(tok.encode(&text)?);
-    }
-    if tokens.len() <= val_tokens + 1 {
-        bail!(
-            "the input gives {} tokens, not enough for {val_tokens} validation tokens plus training data",
-            tokens.len()
-        );
-    }
-    let train = tokens.split_off(val_tokens);
     let (train_path, val_path) = (out_dir.join("train_000000.bin"), out_dir.join("val_000000.bin"));
     let wide = tok.vocab_size() > 1 << 16;
-    write_shard_as(&val_path, &tokens, wide)?;
-    write_shard_as(&train_path, &train, wide)?;
-    eprintln!("wrote {} val and {} train tokens to {}", tokens.len(), train.len(), out_dir.display());
+    for f in files {
+        crate::files::check_regular(f)?;
+    }
+    // The first val_tokens go to the val shard (kept in memory), the rest to the train shard.
+    let mut val: Vec<u32> = Vec::with_capacity(val_tokens.min(1 << 24));
+    let mut train = crate::data::ShardWriter::create(&train_path, wide)?;
+    let mut push = |ids: &[u32]| -> Result<()> {
+        let to_val = (val_tokens - val.len()).min(ids.len());
+        val.extend_from_slice(&ids[..to_val]);
+        train.push(&ids[to_val..])
+    };
+    for f in files {
+        let name = f.display().to_string();
+        let mut file = std::fs::File::open(f).with_context(|| format!("cannot read {name}"))?;
+        push(&[tok.doc_start])?;
+        let bytes = tok.encode_reader(&mut file, &name, &mut push)?;
+        if bytes == 0 {
+            bail!("{name} is empty");
+        }
+    }
+    let total = val.len() + train.len();
+    if total <= val_tokens + 1 {
+        bail!("the input gives {total} tokens, not enough for {val_tokens} validation tokens plus training data");
+    }
+    let n_train = train.finish()?;
+    write_shard_as(&val_path, &val, wide)?;
+    eprintln!("wrote {} val and {n_train} train tokens to {}", val.len(), out_dir.display());
     Ok((train_path, val_path))
 }
 
@@ -190,6 +193,41 @@ mod tests {
         let (tr, va) = prepare_text(&[good], dir.path(), 10).unwrap();
         assert_eq!(crate::data::read_shard(&va).unwrap().len(), 10);
         assert!(crate::data::read_shard(&tr).unwrap().len() > 50);
+    }
+
+    /// `prepare text` tokenizes a file a piece at a time: the ids must be those of the whole
+    /// text, for GPT-2's tokenizer and for both kinds of tokenizer.json (byte-level BPE, and
+    /// SentencePiece-style, whose "▁" prefix belongs to the start of a document only), across
+    /// several cuts and with multi-byte characters around the read blocks' edges.
+    #[test]
+    fn streamed_text_gives_the_ids_of_the_whole_text() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers");
+        let text = (crate::testdata::tinyshakespeare_text() + "\nÉtude 🦀 naïve café,\n  indented\n").repeat(2);
+        assert!(text.len() > 2 * crate::tokenizer::ENCODE_PIECE_BYTES);
+        for tok in [
+            Tokenizer::gpt2().unwrap(),
+            Tokenizer::load_hf(&fixtures.join("bytelevel.json")).unwrap(),
+            Tokenizer::load_hf(&fixtures.join("sentencepiece.json")).unwrap(),
+        ] {
+            let whole = tok.encode(&text).unwrap();
+            let (mut streamed, mut pieces) = (vec![], 0);
+            let n = tok
+                .encode_reader(&mut text.as_bytes(), "text", &mut |ids| {
+                    pieces += 1;
+                    streamed.extend_from_slice(ids);
+                    Ok(())
+                })
+                .unwrap();
+            assert_eq!(n, text.len());
+            assert!(pieces >= 3, "{}: {pieces} pieces", tok.identity());
+            assert!(streamed == whole, "{}: the pieces' ids differ from the whole text's", tok.identity());
+        }
+        // A byte that is not UTF-8, past the first piece: named with its offset.
+        let mut bad = text.clone().into_bytes();
+        let at = bad.len() - 100;
+        bad[at] = 0xff;
+        let e = Tokenizer::gpt2().unwrap().encode_reader(&mut &bad[..], "f.txt", &mut |_| Ok(())).unwrap_err();
+        assert!(e.to_string().contains(&format!("invalid byte at offset {at}")), "{e}");
     }
 
     #[test]

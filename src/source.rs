@@ -4,8 +4,8 @@
 use crate::checkpoint::load_model;
 use crate::config::ModelConfig;
 use crate::params::Weights;
-use anyhow::Result;
-use std::path::Path;
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
 
 /// The weights `spec` names, in host memory (a descriptor gives llm.c's random init with `seed`).
 pub fn load_any(spec: &str, seed: u32) -> Result<Weights> {
@@ -24,27 +24,133 @@ pub fn load_any(spec: &str, seed: u32) -> Result<Weights> {
     Weights::random(ModelConfig::from_descriptor(spec)?, seed)
 }
 
-/// Where `spec`'s tokenizer.json is: `spec` itself (a tokenizer.json), beside a Hugging Face
-/// model (its directory or `.safetensors` file), or in the Hub cache for `hf:owner/name`
-/// (fetched with the model). None for llm.c files and descriptors (GPT-2's tokenizer).
-pub fn tokenizer_path(spec: &str) -> Result<Option<std::path::PathBuf>> {
-    let dir = if let Some(hub) = spec.strip_prefix("hf:") {
-        crate::hub::fetch_model(&hub.parse()?, &crate::hub::endpoint(), &crate::hub::hf_cache_dir())?
-    } else {
-        let p = Path::new(spec);
-        if p.is_file() && spec.ends_with(".json") {
-            return Ok(Some(p.to_path_buf()));
-        }
-        if p.is_dir() {
-            p.to_path_buf()
-        } else if spec.ends_with(".safetensors") {
-            p.parent().map(Path::to_path_buf).unwrap_or_default()
+/// The shape `spec` declares, read without its weights (a file's header, a config.json, a
+/// descriptor) and without a download: None for a Hub model not in the cache yet.
+pub fn peek_config(spec: &str) -> Result<Option<ModelConfig>> {
+    if let Some(hub) = spec.strip_prefix("hf:") {
+        let dir = crate::hub::cached_model(&hub.parse()?, &crate::hub::hf_cache_dir());
+        return dir.map(|d| crate::hf::peek_config(&d)).transpose();
+    }
+    let p = Path::new(spec);
+    if p.is_dir() || spec.ends_with(".safetensors") {
+        return crate::hf::peek_config(p).map(Some);
+    }
+    if spec.ends_with(".bin") || p.exists() {
+        return crate::checkpoint::peek_config(p).map(Some);
+    }
+    ModelConfig::from_descriptor(spec).map(Some)
+}
+
+/// The side files a model may have beside its weights, in the Hub's names.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+
+/// The directory that holds `spec`'s side files (tokenizer.json, generation_config.json,
+/// config.json): a Hugging Face directory, a `.safetensors` file's directory, the Hub snapshot
+/// of `hf:owner/name`, or the directory of an llm.c `.bin` (a training run keeps the model's
+/// side files in its output directory, beside its checkpoints). None for descriptors. For
+/// `hf:` names, `whole_model` fetches the whole model (it is about to be loaded anyway), else
+/// only the side files.
+fn side_dir(spec: &str, whole_model: bool) -> Result<Option<PathBuf>> {
+    if let Some(hub) = spec.strip_prefix("hf:") {
+        let (r, ep, cache) = (hub.parse()?, crate::hub::endpoint(), crate::hub::hf_cache_dir());
+        let dir = if whole_model {
+            crate::hub::fetch_model(&r, &ep, &cache)?
         } else {
-            return Ok(None);
+            crate::hub::fetch_side_files(&r, &ep, &cache)?
+        };
+        return Ok(Some(dir));
+    }
+    let p = Path::new(spec);
+    Ok(if p.is_dir() {
+        Some(p.to_path_buf())
+    } else if p.is_file() && (spec.ends_with(".safetensors") || spec.ends_with(".bin") || spec.ends_with(".json")) {
+        Some(p.parent().map_or_else(
+            || PathBuf::from("."),
+            |d| if d.as_os_str().is_empty() { ".".into() } else { d.to_path_buf() },
+        ))
+    } else {
+        None
+    })
+}
+
+/// Where `spec`'s tokenizer.json is: `spec` itself (a `.json` file), or the one in its side
+/// directory (see [`side_dir`]; for `hf:owner/name` only the tokenizer and small side files
+/// are downloaded, not the weights). None when there is none (GPT-2's tokenizer).
+pub fn tokenizer_path(spec: &str) -> Result<Option<PathBuf>> {
+    let p = Path::new(spec);
+    if spec.ends_with(".json") {
+        if !p.is_file() {
+            bail!("{spec}: no such file");
         }
-    };
-    let t = dir.join("tokenizer.json");
-    Ok(t.is_file().then_some(t))
+        return Ok(Some(p.to_path_buf()));
+    }
+    let t = side_dir(spec, false)?.map(|d| d.join(TOKENIZER_FILE));
+    Ok(t.filter(|t| t.is_file()))
+}
+
+/// The model's own end-of-sequence tokens, as transformers' `generate` stops at them:
+/// `eos_token_id` (one id or a list) of generation_config.json in its side directory, else of
+/// its config.json. None when neither says (the tokenizer's end-of-text token is used).
+pub fn eos_tokens(spec: &str) -> Result<Option<Vec<u32>>> {
+    let Some(dir) = side_dir(spec, false)? else { return Ok(None) };
+    for f in [GENERATION_CONFIG_FILE, "config.json"] {
+        let path = dir.join(f);
+        if !path.is_file() {
+            continue;
+        }
+        let text = crate::files::read_file(&path)?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+        let ids = match &v["eos_token_id"] {
+            serde_json::Value::Null => continue,
+            serde_json::Value::Array(a) => a.iter().map(|x| x.as_u64()).collect::<Option<Vec<_>>>(),
+            x => x.as_u64().map(|i| vec![i]),
+        };
+        let ids =
+            ids.with_context(|| format!("{}: eos_token_id is not a token id or a list of them", path.display()))?;
+        let ids: Vec<u32> = ids.into_iter().filter_map(|i| u32::try_from(i).ok()).collect();
+        if !ids.is_empty() {
+            return Ok(Some(ids));
+        }
+    }
+    Ok(None)
+}
+
+/// Keep `spec`'s tokenizer.json and generation settings in a fresh training run's output
+/// directory, so that its checkpoints (llm.c `.bin` files, which hold only weights) generate
+/// and evaluate with the model's own tokenizer and end tokens; those an earlier run left there
+/// go when this model has none. (A model inside `out` itself is left alone.)
+pub fn keep_side_files(spec: &str, out: &Path) -> Result<()> {
+    let src = side_dir(spec, false)?;
+    if src.as_deref().is_some_and(|d| same_dir(d, out)) {
+        return Ok(());
+    }
+    for f in [TOKENIZER_FILE, GENERATION_CONFIG_FILE] {
+        let dest = out.join(f);
+        match src.as_ref().map(|d| d.join(f)).filter(|p| p.is_file()) {
+            Some(from) => crate::files::write_atomic(&dest, &[&crate::files::read_file(&from)?])?,
+            None if dest.is_file() => {
+                std::fs::remove_file(&dest).with_context(|| format!("cannot remove {}", dest.display()))?
+            }
+            None => {}
+        }
+    }
+    // A model whose end tokens are only in its config.json: keep them as generation settings.
+    if src.is_some() && !out.join(GENERATION_CONFIG_FILE).is_file() {
+        if let Some(ids) = eos_tokens(spec)? {
+            let v = serde_json::json!({ "eos_token_id": ids });
+            crate::files::write_atomic(&out.join(GENERATION_CONFIG_FILE), &[v.to_string().as_bytes()])?;
+        }
+    }
+    Ok(())
+}
+
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
+    }
 }
 
 #[cfg(test)]

@@ -9,11 +9,17 @@ use anyhow::{bail, Context, Result};
 use std::path::Path;
 
 pub const TOKENIZER_MAGIC: i32 = 20240328;
+/// [`Tokenizer::identity`] of GPT-2's tokenizer.
+pub const GPT2: &str = "gpt2";
 
 /// Encoder + decoder of token ids.
 pub struct Tokenizer {
     bpe: Option<tiktoken_rs::CoreBPE>,
     hf: Option<Box<tokenizers::Tokenizer>>,
+    /// `hf` for text that continues a document rather than starting it: without the prefix a
+    /// SentencePiece-style tokenizer puts at the start of every input (Llama 2's normalizer
+    /// `Prepend("▁")`, Metaspace's `prepend_scheme`); None where that is `hf` itself.
+    hf_cont: Option<Box<tokenizers::Tokenizer>>,
     /// Byte string of every token id (decode table, for streaming).
     table: Vec<Vec<u8>>,
     /// The end-of-text token (generation stops at it).
@@ -21,6 +27,49 @@ pub struct Tokenizer {
     /// The token that starts every document in prepared data: GPT-2's `<|endoftext|>`, or the
     /// beginning-of-text token of a tokenizer that has one (Llama 3's `<|begin_of_text|>`).
     pub doc_start: u32,
+    /// What gives the same ids: `gpt2` (the built-in BPE, and llm.c's decode table of it), or
+    /// `sha256:HEX` of a tokenizer.json's bytes. Prepared data records it.
+    identity: String,
+}
+
+/// Text encoded at once by [`Tokenizer::encode_reader`] (about 100 MiB of the `tokenizers`
+/// crate's memory).
+pub const ENCODE_PIECE_BYTES: usize = 1 << 20;
+
+/// A tokenizer.json without the prefix its normalizer or pre-tokenizer puts at the start of
+/// every input (SentencePiece's "▁"), for text that continues a document; None when it puts
+/// none.
+fn without_start_prefix(json: &serde_json::Value) -> Option<serde_json::Value> {
+    use serde_json::Value;
+    let mut j = json.clone();
+    let mut changed = false;
+    let normalizer = &mut j["normalizer"];
+    if normalizer["type"] == "Prepend" {
+        *normalizer = Value::Null;
+        changed = true;
+    } else if let Some(list) = normalizer.get_mut("normalizers").and_then(Value::as_array_mut) {
+        let before = list.len();
+        list.retain(|n| n["type"] != "Prepend");
+        changed |= list.len() != before;
+    }
+    let mut metaspace = |p: &mut Value| {
+        if p["type"] == "Metaspace" {
+            if p.get("prepend_scheme").is_some_and(|s| s != "never") {
+                p["prepend_scheme"] = "never".into();
+                changed = true;
+            }
+            if p.get("add_prefix_space") == Some(&Value::Bool(true)) {
+                p["add_prefix_space"] = false.into();
+                changed = true;
+            }
+        }
+    };
+    let pre = &mut j["pre_tokenizer"];
+    match pre.get_mut("pretokenizers").and_then(Value::as_array_mut) {
+        Some(list) => list.iter_mut().for_each(&mut metaspace),
+        None => metaspace(pre),
+    }
+    changed.then_some(j)
 }
 
 /// GPT-2's byte-to-character map of byte-level BPE (every byte a printable character), inverted.
@@ -46,7 +95,15 @@ impl Tokenizer {
             .map(|i| bpe.decode_bytes(&[i]).map_err(|e| anyhow::anyhow!("token {i}: {e:?}")))
             .chain(std::iter::once(Ok(b"<|endoftext|>".to_vec())))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Tokenizer { bpe: Some(bpe), hf: None, table, eot: GPT2_EOT, doc_start: GPT2_EOT })
+        Ok(Tokenizer {
+            bpe: Some(bpe),
+            hf: None,
+            table,
+            eot: GPT2_EOT,
+            doc_start: GPT2_EOT,
+            identity: GPT2.into(),
+            hf_cont: None,
+        })
     }
 
     /// A model's `tokenizer.json` (Hugging Face `tokenizers`).
@@ -91,7 +148,15 @@ impl Tokenizer {
                 format!("{}: no end-of-text token (<|endoftext|>, <|end_of_text|>, </s>)", path.display())
             })?;
         let doc_start = find(&["<|begin_of_text|>", "<s>"]).unwrap_or(eot);
-        Ok(Tokenizer { bpe: None, hf: Some(Box::new(hf)), table, eot, doc_start })
+        let identity = format!("sha256:{}", crate::download::sha256_hex(&bytes));
+        let hf_cont = match without_start_prefix(&json) {
+            Some(j) => Some(Box::new(
+                tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&j)?)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
+            )),
+            None => None,
+        };
+        Ok(Tokenizer { bpe: None, hf: Some(Box::new(hf)), table, eot, doc_start, identity, hf_cont })
     }
 
     /// The tokenizer of a model: `tokenizer.json` beside a Hugging Face model (a directory or
@@ -109,13 +174,39 @@ impl Tokenizer {
         match (explicit, model) {
             (Some("gpt2"), _) => Self::gpt2(),
             (Some(t), _) => {
+                let give = "give a tokenizer.json, a model directory holding one, hf:owner/name, or gpt2";
+                let path = Path::new(t);
+                if !t.starts_with("hf:") && !path.exists() {
+                    bail!("--tokenizer {t}: no such file or directory; {give}");
+                }
+                if path.is_file() && !t.ends_with(".json") {
+                    bail!("--tokenizer {t}: not a tokenizer.json; {give}");
+                }
                 let p = crate::source::tokenizer_path(t)?
-                    .with_context(|| format!("--tokenizer {t}: no tokenizer.json there (give a tokenizer.json, a model directory or hf:owner/name)"))?;
-                Self::load_hf(&p)
+                    .with_context(|| format!("--tokenizer {t}: has no tokenizer.json; {give}"))?;
+                Self::load_hf(&p).with_context(|| format!("--tokenizer {t}"))
             }
             (None, Some(m)) => Self::for_model(m),
             (None, None) => Self::gpt2(),
         }
+    }
+
+    /// The tokenizer the text of model `spec` (of `vocab` tokens) goes through in `generate`
+    /// and `eval`: `--tokenizer`'s, else the model's own ([`Tokenizer::for_model`]). Refused
+    /// when it cannot be the model's: one larger than the model's vocabulary, or GPT-2's
+    /// fallback for a model whose vocabulary is not GPT-2's (a Llama 3 checkpoint without its
+    /// tokenizer.json beside it would otherwise read and write the wrong words).
+    pub fn for_text(explicit: Option<&str>, spec: &str, vocab: usize) -> Result<Self> {
+        let tok = Self::choose(explicit, Some(spec))?;
+        if explicit.is_none() && tok.is_gpt2() && vocab != crate::config::GPT2_VOCAB {
+            bail!(
+                "{spec} has a vocabulary of {vocab} tokens, not GPT-2's {}, and no tokenizer.json beside it: give its \
+                 tokenizer with --tokenizer (a tokenizer.json, a model directory or hf:owner/name)",
+                crate::config::GPT2_VOCAB
+            );
+        }
+        tok.check_fits(vocab)?;
+        Ok(tok)
     }
 
     /// Refuse a tokenizer whose ids reach past the model's vocabulary.
@@ -164,7 +255,9 @@ impl Tokenizer {
         if off != bytes.len() {
             bail!("{}: {} trailing bytes after {n} tokens", path.display(), bytes.len() - off);
         }
-        Ok(Tokenizer { bpe: None, hf: None, table, eot, doc_start: eot })
+        // llm.c writes it from GPT-2's tables; another vocabulary is another tokenizer.
+        let identity = if n == 50257 && eot == GPT2_EOT { GPT2.to_string() } else { format!("llmc:{n}") };
+        Ok(Tokenizer { bpe: None, hf: None, table, eot, doc_start: eot, identity, hf_cont: None })
     }
 
     /// Write llm.c's `gpt2_tokenizer.bin` (version 2).
@@ -189,6 +282,17 @@ impl Tokenizer {
         self.table.len()
     }
 
+    /// Which ids this tokenizer gives: `gpt2`, or `sha256:HEX` of its tokenizer.json. Two
+    /// tokenizers with one identity tokenize alike.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// Whether this is GPT-2's tokenizer (the ids of llm.c's files and of `hellaswag_val.bin`).
+    pub fn is_gpt2(&self) -> bool {
+        self.identity == GPT2
+    }
+
     /// Encode text with no special tokens (`encode_ordinary`; `add_special_tokens=False`).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         if let Some(hf) = &self.hf {
@@ -200,6 +304,99 @@ impl Tokenizer {
             .as_ref()
             .context("this tokenizer was loaded from a decode-only file; use the built-in GPT-2 tokenizer to encode")?;
         Ok(bpe.encode_ordinary(text))
+    }
+
+    /// Encode text that continues a document (see `hf_cont`): what follows a cut of
+    /// [`Tokenizer::encode_reader`].
+    fn encode_continued(&self, text: &str) -> Result<Vec<u32>> {
+        match &self.hf_cont {
+            Some(hf) => {
+                let e = hf.encode(text, false).map_err(|e| anyhow::anyhow!("cannot tokenize: {e}"))?;
+                Ok(e.get_ids().to_vec())
+            }
+            None => self.encode(text),
+        }
+    }
+
+    /// Encode one document read from `r` (UTF-8 text), piece by piece in bounded memory, giving
+    /// `sink` its ids in order: the ids [`Tokenizer::encode`] gives for the whole text, which
+    /// the `tokenizers` crate builds at about 100 bytes of memory per byte of input. A piece
+    /// ends after a line break followed by a character that is not white space: GPT-2's,
+    /// Llama 3's and SmolLM2's pre-tokenizers start a new pre-token there, so nothing merges
+    /// across it; and for any tokenizer each cut is checked on the lines around it (encoded
+    /// whole and in two parts), and moved to another line when the two differ. `name` names
+    /// the input in errors. Returns the bytes read.
+    pub fn encode_reader(
+        &self,
+        r: &mut dyn std::io::Read,
+        name: &str,
+        sink: &mut dyn FnMut(&[u32]) -> Result<()>,
+    ) -> Result<usize> {
+        let mut pending: Vec<u8> = vec![]; // bytes read, not yet decoded (a character cut short)
+        let mut text = String::new(); // decoded, not yet encoded
+        let (mut read, mut block, mut first) = (0usize, vec![0u8; 1 << 16], true);
+        loop {
+            let n = r.read(&mut block).with_context(|| format!("cannot read {name}"))?;
+            pending.extend_from_slice(&block[..n]);
+            let valid = match std::str::from_utf8(&pending) {
+                Ok(s) => s.len(),
+                Err(e) if e.error_len().is_none() && n > 0 => e.valid_up_to(),
+                Err(e) => bail!("{name} is not UTF-8 text (invalid byte at offset {})", read + e.valid_up_to()),
+            };
+            text.push_str(std::str::from_utf8(&pending[..valid]).expect("checked"));
+            pending.drain(..valid);
+            read += valid;
+            if n == 0 {
+                break;
+            }
+            while text.len() >= ENCODE_PIECE_BYTES {
+                let Some(cut) = self.safe_cut(&text)? else { break };
+                let ids = if first { self.encode(&text[..cut])? } else { self.encode_continued(&text[..cut])? };
+                sink(&ids)?;
+                text.drain(..cut);
+                first = false;
+            }
+        }
+        if !text.is_empty() {
+            let ids = if first { self.encode(&text)? } else { self.encode_continued(&text)? };
+            sink(&ids)?;
+        }
+        Ok(read)
+    }
+
+    /// Where `text` may be cut for [`Tokenizer::encode_reader`]: the last line start (after
+    /// `\n`, before a character that is not white space) where encoding the surrounding lines
+    /// whole and in two parts agree (of the last 64 tried); None when none will do.
+    fn safe_cut(&self, text: &str) -> Result<Option<usize>> {
+        let b = text.as_bytes();
+        let mut tries = 0;
+        let mut at = b.len().saturating_sub(1);
+        while at > 0 && tries < 64 {
+            // The last "\n" before `at` with a non-space byte after it.
+            let Some(nl) = b[..at].iter().rposition(|&c| c == b'\n') else { return Ok(None) };
+            at = nl;
+            let cut = nl + 1;
+            if cut >= b.len() || b[cut].is_ascii_whitespace() || !text.is_char_boundary(cut) {
+                continue;
+            }
+            let next = text[cut..].chars().next().expect("cut < len");
+            if next.is_whitespace() {
+                continue;
+            }
+            tries += 1;
+            // A few lines each side (at least 256 bytes of context where there are).
+            let start = b[..cut.saturating_sub(256)].iter().rposition(|&c| c == b'\n').map_or(0, |i| i + 1);
+            let end =
+                b[(cut + 256).min(b.len())..].iter().position(|&c| c == b'\n').map_or(b.len(), |i| cut + 256 + i + 1);
+            let (left, right) = (&text[start..cut], &text[cut..end]);
+            let whole = self.encode_continued(&text[start..end])?;
+            let mut parts = self.encode_continued(left)?;
+            parts.extend(self.encode_continued(right)?);
+            if whole == parts {
+                return Ok(Some(cut));
+            }
+        }
+        Ok(None)
     }
 
     /// Bytes of one token (empty for an unknown id).

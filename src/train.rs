@@ -28,6 +28,9 @@ pub struct TrainConfig {
     pub val_data: String,
     /// -e  model .bin or descriptor (default run: "tiny"; llm.c: gpt2_124M_bf16.bin)
     pub model: String,
+    /// -e (or --hf) was given, not defaulted: with -y 1 a run says when it names another model
+    /// than the checkpoint it resumes (which is what it trains, as llm.c).
+    pub model_given: bool,
     /// -o  logs and checkpoints (default run: "out"; llm.c: none)
     pub output_dir: Option<PathBuf>,
     /// -n  0 = never
@@ -99,6 +102,7 @@ impl Default for TrainConfig {
             train_data: "data/tinyshakespeare/tiny_shakespeare_train.bin".into(),
             val_data: "data/tinyshakespeare/tiny_shakespeare_val.bin".into(),
             model: "tiny".into(),
+            model_given: false,
             output_dir: Some("out".into()),
             checkpoint_every: 0,
             checkpoints_keep: 0,
@@ -185,20 +189,29 @@ pub struct RunSummary {
     pub hellaswag: Vec<(usize, f32)>,
 }
 
-/// Where HellaSwag is looked for when no path is given: llm.c's eval file from
-/// `llmrs prepare hellaswag`, else the JSON lines in `$LLMRS_DATA_DIR`.
-pub fn default_hellaswag_path() -> Result<PathBuf> {
-    let bin = PathBuf::from("data/hellaswag/hellaswag_val.bin");
-    if bin.is_file() {
-        return Ok(bin);
+/// Where HellaSwag is looked for when no path is given: llm.c's eval file from `llmrs prepare
+/// hellaswag` (GPT-2's ids, so only for `gpt2` tokenization), else the JSON lines that command
+/// keeps beside it, else those in `$LLMRS_DATA_DIR`.
+pub fn default_hellaswag_path(gpt2: bool) -> Result<PathBuf> {
+    let dir = PathBuf::from("data/hellaswag");
+    let mut candidates = vec![];
+    if gpt2 {
+        candidates.push(dir.join("hellaswag_val.bin"));
     }
+    candidates.push(dir.join("hellaswag_val.jsonl"));
     if let Some(d) = crate::env::data_dir() {
-        let j = d.join("hellaswag/hellaswag_val.preprocessed.jsonl");
-        if j.is_file() {
-            return Ok(j);
-        }
+        candidates.push(d.join("hellaswag/hellaswag_val.preprocessed.jsonl"));
     }
-    bail!("HellaSwag data not found: run `llmrs prepare hellaswag` (or pass its path)")
+    if let Some(p) = candidates.into_iter().find(|p| p.is_file()) {
+        return Ok(p);
+    }
+    if gpt2 {
+        bail!("HellaSwag data not found: run `llmrs prepare hellaswag` (or pass its path)")
+    }
+    bail!(
+        "HellaSwag's JSON lines not found (a model with its own tokenizer cannot use the GPT-2 ids of \
+         hellaswag_val.bin): run `llmrs prepare hellaswag`, which keeps data/hellaswag/hellaswag_val.jsonl, or pass --data"
+    )
 }
 
 /// `-nk`: after the checkpoint of `step`, delete the one `keep` checkpoints back, as llm.c
@@ -326,8 +339,8 @@ pub fn run_with(cfg: &TrainConfig, comm: Box<dyn crate::backend::comm::Collectiv
     cfg.validate()?;
     let shape = Shape::new(cfg, comm.rank(), comm.world())?;
     // Rank 0's lock on the output directory: held until the run has returned.
-    let (_run_dir, resume_step) = open_output(cfg, shape.rank)?;
-    let mut run = Run::start(cfg, comm, shape, resume_step)?;
+    let (run_dir, resume_step) = open_output(cfg, shape.rank)?;
+    let mut run = Run::start(cfg, comm, shape, resume_step, run_dir.as_ref())?;
     run.train()?;
     run.finish()
 }
@@ -376,9 +389,6 @@ fn open_output(cfg: &TrainConfig, rank: usize) -> Result<(Option<RunDir>, Option
         _ => None,
     };
     let resume_step = if cfg.resume { out.and_then(latest_checkpoint) } else { None };
-    if let (Some(rd), Some(s)) = (&run_dir, resume_step) {
-        rd.trim_log(s)?;
-    }
     if let Some(s) = resume_step {
         let state = &resume_paths(cfg, s, rank)[1];
         if !state.exists() {
@@ -448,6 +458,17 @@ fn restore_state(path: &Path, s: usize, shuffle: bool, model: &mut Model, train:
     Ok(st.step)
 }
 
+/// The model whose tokenizer a run uses: the checkpoint being resumed when its output
+/// directory holds the model's tokenizer.json (see [`crate::source::keep_side_files`]), else
+/// `-e` (a run from before llmrs kept it there).
+fn tokenizer_spec(cfg: &TrainConfig, resume_step: Option<usize>) -> String {
+    let kept = resume_step.map(|s| resume_paths(cfg, s, 0)[0].clone());
+    match kept.filter(|m| m.with_file_name(crate::source::TOKENIZER_FILE).is_file()) {
+        Some(m) => m.display().to_string(),
+        None => cfg.model.clone(),
+    }
+}
+
 /// A Hugging Face model's own tokenizer.json; else, like llm.c, ./gpt2_tokenizer.bin when it is
 /// there, else the built-in GPT-2 BPE.
 fn load_tokenizer(model: &str) -> Result<Tokenizer> {
@@ -470,15 +491,16 @@ fn open_log(cfg: &TrainConfig, rank: usize, resuming: bool) -> Result<Option<std
 }
 
 /// The HellaSwag examples scored at each validation with -h 1 (the first `hellaswag_limit`).
-fn load_hellaswag(cfg: &TrainConfig) -> Result<Option<Vec<crate::hellaswag::Example>>> {
+fn load_hellaswag(cfg: &TrainConfig, tokenizer_spec: &str) -> Result<Option<Vec<crate::hellaswag::Example>>> {
     if !cfg.hellaswag {
         return Ok(None);
     }
+    let tok = Tokenizer::for_model(tokenizer_spec)?;
     let path = match &cfg.hellaswag_data {
         Some(p) => p.clone(),
-        None => default_hellaswag_path()?,
+        None => default_hellaswag_path(tok.is_gpt2())?,
     };
-    let mut ex = crate::hellaswag::load(&path, &Tokenizer::for_model(&cfg.model)?)?;
+    let mut ex = crate::hellaswag::load(&path, &tok)?;
     ex.truncate(cfg.hellaswag_limit.unwrap_or(usize::MAX));
     Ok(Some(ex))
 }
@@ -520,15 +542,39 @@ impl<'a> Run<'a> {
         comm: Box<dyn crate::backend::comm::Collectives>,
         shape: Shape,
         resume_step: Option<usize>,
+        run_dir: Option<&RunDir>,
     ) -> Result<Self> {
         let weights = load_weights(cfg, resume_step, shape.rank)?;
         let mc = weights.config;
+        if let (Some(s), true, 0) = (resume_step, cfg.model_given, shape.rank) {
+            // llm.c resumes the checkpoint whatever -e says; say so when -e names another model.
+            if let Ok(Some(e)) = crate::source::peek_config(&cfg.model) {
+                if !e.same_shape(&mc) {
+                    eprintln!("note: -y 1 resumes checkpoint {s} ({mc}); -e {} ({e}) is not used", cfg.model);
+                }
+            }
+        }
         // The data first: a batch larger than the data is refused before anything big is allocated.
         let (mut train, val, shuffle) = open_data(cfg, &shape, mc.vocab_size)?;
+        let steps = cfg.max_steps.unwrap_or(train.num_tokens / shape.total);
+        if let Some(s) = resume_step.filter(|&s| s > steps) {
+            // The loop ends when its step reaches `steps`: from past it, it would never end.
+            let dir = cfg.output_dir.as_deref().map_or(String::new(), |d| format!(" in {}", d.display()));
+            bail!(
+                "-y 1 resumes checkpoint {s}{dir}, but this run ends at step {steps}{}: give -x {s} or more \
+                 (nothing was changed)",
+                if cfg.max_steps.is_some() { " (-x)" } else { " (one epoch of the train data)" }
+            );
+        }
+        if cfg.output_dir.is_some() && cfg.checkpoint_every > 0 {
+            crate::checkpoint::check_model_file(&mc, cfg.save_dtype)?;
+        }
+        if let (Some(rd), Some(s)) = (run_dir, resume_step) {
+            rd.trim_log(s)?;
+        }
         let mut model = Model::with_collectives(weights, crate::backend::open(cfg.device)?, comm, cfg.zero_stage)?;
         model.alloc_training_state()?;
         model.reserve(shape.b, shape.t)?;
-        let steps = cfg.max_steps.unwrap_or(train.num_tokens / shape.total);
         let val_batches = cfg.val_max_steps.unwrap_or(val.num_tokens / shape.tokens_per_micro);
         let step = match resume_step {
             Some(s) => restore_state(&resume_paths(cfg, s, shape.rank)[1], s, shuffle, &mut model, &mut train)?,
@@ -536,7 +582,11 @@ impl<'a> Run<'a> {
         };
         let (kind, max_lr, warmup, final_frac) = (cfg.schedule, cfg.learning_rate, cfg.warmup, cfg.final_lr_frac);
         let sched = LrSchedule { kind, max_lr, warmup, total_steps: steps, final_frac };
-        let tokenizer = load_tokenizer(&cfg.model)?;
+        let tok_spec = tokenizer_spec(cfg, resume_step);
+        let tokenizer = load_tokenizer(&tok_spec)?;
+        if let (Some(dir), 0, None) = (cfg.output_dir.as_deref(), shape.rank, resume_step) {
+            crate::source::keep_side_files(&cfg.model, dir)?;
+        }
         let log = open_log(cfg, shape.rank, resume_step.is_some())?;
         let bar =
             if cfg.quiet { indicatif::ProgressBar::hidden() } else { crate::progress::bar(steps as u64, "train") };
@@ -563,7 +613,7 @@ impl<'a> Run<'a> {
             summary: RunSummary::default(),
         };
         run.report_start(&mc, resume_step)?;
-        run.hellaswag = load_hellaswag(cfg)?;
+        run.hellaswag = load_hellaswag(cfg, &tok_spec)?;
         if cfg.sample_every > 0 {
             run.sampler_cache = sample_cache(&mut run.model, cfg.gen_tokens)?;
         }
@@ -577,12 +627,7 @@ impl<'a> Run<'a> {
         let (model, rep) = (&self.model, &mut self.rep);
         if !rep.quiet {
             rep.line(&format!(
-                "model: L={} C={} NH={} maxT={} V={} ({} parameters){}",
-                mc.num_layers,
-                mc.channels,
-                mc.num_heads,
-                mc.max_seq_len,
-                mc.vocab_size,
+                "model: {mc} ({} parameters){}",
                 model.num_parameters(),
                 resume_step.map_or(String::new(), |s| format!(", resumed at step {s}"))
             ));
@@ -833,6 +878,7 @@ fn write_checkpoint(dir: &Path, step: usize, model: &mut Model, train: &DataLoad
     if !state_ok {
         return Err(diverged("the AdamW state is"));
     }
+    crate::checkpoint::check_model_file(&model.config, dtype)?;
     let st = TrainState { step, loader: train.state(), should_shuffle: train.should_shuffle() };
     // save_state refuses non-finite moments and then writes nothing.
     if let Err(e) = save_state(&s, model, &st) {
@@ -843,7 +889,11 @@ fn write_checkpoint(dir: &Path, step: usize, model: &mut Model, train: &DataLoad
         });
     }
     if let Some(w) = &weights {
-        save_model(w, &m, dtype)?;
+        if let Err(e) = save_model(w, &m, dtype) {
+            // A state file without its model file is no checkpoint: never leave one behind.
+            let _ = std::fs::remove_file(&s);
+            return Err(e);
+        }
     }
     model.barrier()?;
     if rank == 0 {
@@ -885,6 +935,38 @@ mod tests {
         }
         write_checkpoint(&out, 4, &mut model, &dl, Dtype::F32).unwrap();
         assert_eq!(latest_checkpoint(&out), Some(4));
+    }
+
+    /// A checkpoint whose model file cannot be written (here its name is taken by a directory)
+    /// leaves no state file behind; one whose model llm.c's file cannot describe is refused
+    /// before anything is written.
+    #[test]
+    fn a_checkpoint_is_whole_or_absent() {
+        let dir = tempfile::tempdir().unwrap();
+        let shard = dir.path().join("shard.bin");
+        crate::data::write_shard(&shard, &(0..200).map(|i| i % 50).collect::<Vec<_>>()).unwrap();
+        let dl = DataLoader::new(shard.to_str().unwrap(), 2, 8, 50, false).unwrap();
+        let cfg = crate::config::ModelConfig::from_descriptor("llama:1x16:2:1:32:8").unwrap();
+        let mut model = Model::new(crate::params::Weights::random(cfg, 1).unwrap(), Device::Cpu).unwrap();
+        model.alloc_training_state().unwrap();
+        let out = dir.path().join("run");
+        std::fs::create_dir_all(out.join("model_00000003.bin")).unwrap();
+        assert!(write_checkpoint(&out, 3, &mut model, &dl, Dtype::F32).is_err());
+        let names: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["model_00000003.bin"], "only the directory in the way is there");
+        let scaling = crate::config::Llama3Scaling {
+            factor: 4.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 2.0,
+            original_max_position_embeddings: 1 << 40,
+        };
+        let bad =
+            crate::config::ModelConfig { rope: crate::config::Rope { theta: 1e4, scaling: Some(scaling) }, ..cfg };
+        let mut model = Model::new(crate::params::Weights::random(bad, 1).unwrap(), Device::Cpu).unwrap();
+        model.alloc_training_state().unwrap();
+        let e = format!("{:#}", write_checkpoint(&out, 4, &mut model, &dl, Dtype::F32).unwrap_err());
+        assert!(e.contains("cannot be checkpointed") && e.contains("original_max_position_embeddings"), "{e}");
+        assert_eq!(std::fs::read_dir(&out).unwrap().count(), 1, "nothing written");
     }
 
     #[test]

@@ -262,10 +262,279 @@ fn gpu_without_an_adapter_is_a_one_line_error() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("no GPU adapter found") && err.contains("Vulkan") && err.contains("--device cpu"), "{err}");
-    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    // One line of llmrs's holds the whole message (a driver may print lines of its own).
+    let ours: Vec<&str> =
+        err.lines().filter(|l| l.starts_with("error: ")).filter(|l| l.contains("GPU adapter")).collect();
+    assert!(ours.len() == 1 && ours[0].contains("Vulkan") && ours[0].contains("--device cpu"), "{err}");
     let o = llmrs().env("WGPU_BACKEND", "gl").arg("devices").output().unwrap();
     assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("no GPU adapters found"));
     let o = llmrs().args(["--device", "gpu:x", "devices"]).output().unwrap();
     assert!(String::from_utf8_lossy(&o.stderr).contains("use cpu, gpu or gpu:N"));
+}
+
+/// The run of a command: exit code, stdout, stderr.
+fn call(dir: &std::path::Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let o = llmrs().current_dir(dir).args(args).output().unwrap();
+    (o.status.code(), String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+/// A one-line error (exit 1) holding every one of `want`.
+fn refused_with(dir: &std::path::Path, args: &[&str], want: &[&str]) {
+    let (code, out, err) = call(dir, args);
+    assert_eq!(code, Some(1), "{args:?}: {out}\n{err}");
+    assert!(err.starts_with("error: ") && err.trim().lines().count() == 1, "{args:?}: {err}");
+    for w in want {
+        assert!(err.contains(w), "{args:?}: wanted {w:?} in {err}");
+    }
+}
+
+/// A model bigger than the machine is a one-line error with the GiB needed and available, not
+/// an abort in the allocator: a descriptor (about 11 TB of weights), and a Hugging Face
+/// directory whose config.json describes one (refused before its files are read).
+#[test]
+fn a_model_bigger_than_memory_is_refused_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    refused_with(d, &["generate", "-e", "llama:4096x8192:64:8", "-n", "1"], &["needs", "GiB", "available"]);
+    let (code, _, err) = call(d, &["convert", "llama:2x64:4:2", "big"]);
+    assert_eq!(code, Some(0), "{err}");
+    let cfg = d.join("big/config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    (v["num_hidden_layers"], v["hidden_size"], v["num_attention_heads"]) = (4096.into(), 8192.into(), 64.into());
+    (v["num_key_value_heads"], v["intermediate_size"], v["head_dim"]) = (8.into(), 28672.into(), 128.into());
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    refused_with(d, &["generate", "-e", "big", "-n", "1"], &["loading big", "needs", "GiB", "available"]);
+}
+
+/// Weights holding a NaN or an infinity are refused where they are loaded, naming the tensor,
+/// by every command: nothing is generated, scored, copied or trained from them.
+#[test]
+fn non_finite_weights_are_refused_naming_the_tensor() {
+    use llmrs::params::{Tensor, Weights};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cfg = llmrs::config::ModelConfig::from_descriptor("2x32:2:64").unwrap();
+    let mut w = Weights::random(cfg, 1).unwrap();
+    w.layer_mut(Tensor::QkvW, 1)[7] = f32::NAN;
+    llmrs::checkpoint::save_model(&w, &d.join("nan.bin"), llmrs::checkpoint::Dtype::F32).unwrap();
+    llmrs::hf::save_hf(&w, &d.join("nan_hf"), llmrs::checkpoint::Dtype::F32).unwrap();
+    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
+    llmrs::data::write_shard(&d.join("d.bin"), &toks).unwrap();
+    let want = ["tensor qkvw of layer 1", "holds NaN at element 7"];
+    refused_with(d, &["generate", "-e", "nan.bin", "-n", "2"], &want);
+    refused_with(d, &["convert", "nan.bin", "out.bin"], &want);
+    refused_with(d, &["train", "-e", "nan.bin", "-i", "d.bin", "-j", "d.bin", "-t", "8", "-o", ""], &want);
+    refused_with(d, &["generate", "-e", "nan_hf", "-n", "2"], &["h.1.attn.c_attn.weight", "holds NaN"]);
+    assert!(!d.join("out.bin").exists());
+    let mut inf =
+        Weights::random(llmrs::config::ModelConfig::from_descriptor("llama:1x32:4:2:64:16").unwrap(), 1).unwrap();
+    inf.tensor_mut(Tensor::LnfW)[3] = f32::INFINITY;
+    llmrs::checkpoint::save_model(&inf, &d.join("inf.bin"), llmrs::checkpoint::Dtype::BF16).unwrap();
+    refused_with(d, &["eval", "hellaswag", "-e", "inf.bin"], &["tensor lnfw", "holds inf"]);
+}
+
+/// `-y 1` trains the checkpoint whatever `-e` says (as llm.c): a line says so when `-e` names
+/// another model, and nothing is said when it names the same one.
+#[test]
+fn resuming_says_when_e_names_another_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
+    llmrs::data::write_shard(&d.join("d.bin"), &toks).unwrap();
+    let train = |e: &str, x: &str, extra: &[&str]| {
+        let args = [
+            &["train", "-e", e, "-i", "d.bin", "-j", "d.bin", "-t", "8", "-b", "2", "-v", "0", "-s", "0"][..],
+            &["-n", "1", "-x", x, "-o", "run", "--threads", "1"],
+            extra,
+        ]
+        .concat();
+        let (code, out, err) = call(d, &args);
+        assert_eq!(code, Some(0), "{out}\n{err}");
+        err
+    };
+    assert!(!train("1x16:2:16", "1", &[]).contains("note: -y 1"));
+    let err = train("2x32:2:16", "2", &["-y", "1"]);
+    assert!(
+        err.contains("note: -y 1 resumes checkpoint 1 (GPT-2 L=1 C=16 NH=2") && err.contains("-e 2x32:2:16"),
+        "{err}"
+    );
+    assert_eq!(err.matches("note: -y 1").count(), 1, "{err}");
+    assert!(!train("1x16:2:16", "3", &["-y", "1"]).contains("note: -y 1"), "same model: nothing to say");
+}
+
+/// The messages of the probe's findings: each names what is wrong and the way out, in one
+/// line, before anything is loaded where it can be.
+#[test]
+fn messages_name_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    refused_with(d, &["--threads", "10000", "devices"], &["--threads 10000", "cores"]);
+    // Sampling settings are checked before a model is loaded (this one does not exist).
+    refused_with(d, &["generate", "-e", "hf:no/such-model", "--temperature", "-1"], &["--temperature -1"]);
+    refused_with(d, &["generate", "-e", "hf:no/such-model", "--top-p", "0"], &["--top-p 0"]);
+    // -n past the model's context: said, not silently cut.
+    let (code, _, err) = call(d, &["generate", "-e", "1x16:2:16", "-p", "To be", "-n", "30", "--no-stop"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("context is 16 positions") && err.contains("at most 14 new tokens"), "{err}");
+    // --tokenizer naming something that is not a tokenizer.json.
+    std::fs::write(d.join("notes.txt"), "hello").unwrap();
+    std::fs::create_dir_all(d.join("empty")).unwrap();
+    for (t, want) in
+        [("notes.txt", "not a tokenizer.json"), ("empty", "has no tokenizer.json"), ("nope.json", "no such file")]
+    {
+        refused_with(d, &["generate", "-e", "1x16:2:16", "--tokenizer", t], &[want, "hf:owner/name"]);
+    }
+    // Hugging Face directories: a field that is not what it should be, a missing tensor by
+    // name, a layer more than config.json says.
+    let (code, _, err) = call(d, &["convert", "llama:2x64:4:2", "m"]);
+    assert_eq!(code, Some(0), "{err}");
+    let cfg_path = d.join("m/config.json");
+    let good: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let mut v = good.clone();
+    v["rope_parameters"] = "default".into();
+    std::fs::write(&cfg_path, v.to_string()).unwrap();
+    refused_with(d, &["generate", "-e", "m"], &["rope_parameters is not a JSON object"]);
+    let mut v = good.clone();
+    v["num_hidden_layers"] = 3.into();
+    std::fs::write(&cfg_path, v.to_string()).unwrap();
+    refused_with(d, &["generate", "-e", "m"], &["tensor model.layers.2.input_layernorm.weight is missing"]);
+    let mut v = good.clone();
+    v["num_hidden_layers"] = 1.into();
+    std::fs::write(&cfg_path, v.to_string()).unwrap();
+    refused_with(d, &["generate", "-e", "m"], &["tensor model.layers.1.", "is not part of the model", "1 layers"]);
+    // Shapes in messages read as shapes, not as Rust's debug dumps.
+    let mut v = good.clone();
+    v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 0.5, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
+    std::fs::write(&cfg_path, v.to_string()).unwrap();
+    let (_, _, err) = call(d, &["generate", "-e", "m"]);
+    assert!(err.contains("rope_scaling llama3 (factor 0.5") && !err.contains("Llama3Scaling {"), "{err}");
+    // train --help lists the Llama descriptors; a Llama run's first line names its family and KV heads.
+    let (_, help, _) = call(d, &["train", "--help"]);
+    assert!(help.contains("llama:smollm2-135m") && help.contains("llama:LxC:NH:KV"), "{help}");
+    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
+    llmrs::data::write_shard(&d.join("d.bin"), &toks).unwrap();
+    let (code, out, err) = call(
+        d,
+        &["train", "-e", "llama:1x32:4:2", "-i", "d.bin", "-j", "d.bin", "-t", "8", "-x", "1", "-o", "", "-s", "0"],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("model: Llama L=1 C=32 NH=4 KV=2 F=128"), "{out}");
+}
+
+/// A loopback stand-in for a gated Hub repository: it serves `files` (URL path -> body) only to
+/// requests carrying `Authorization: Bearer secret-token`, and 401 to others. Returns its
+/// address and the requests it saw ("METHOD PATH auth=yes|no").
+fn gated_hub(files: Vec<(String, Vec<u8>)>) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use std::io::{BufRead, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { continue };
+            let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+            let (mut first, mut line, mut auth) = (String::new(), String::new(), false);
+            while r.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                if first.is_empty() {
+                    first = line.trim().to_string();
+                }
+                auth |= line.to_ascii_lowercase().trim() == "authorization: bearer secret-token";
+                line.clear();
+            }
+            let mut it = first.split_whitespace();
+            let (method, path) = (it.next().unwrap_or("").to_string(), it.next().unwrap_or("").to_string());
+            log.lock().unwrap().push(format!("{method} {path} auth={}", if auth { "yes" } else { "no" }));
+            let body = files.iter().find(|(p, _)| *p == path).map(|(_, b)| b.clone());
+            let _ = match (auth, body) {
+                (false, _) => write!(s, "HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"),
+                (true, None) => write!(s, "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"),
+                (true, Some(b)) => {
+                    let _ = write!(s, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", b.len());
+                    if method == "GET" {
+                        s.write_all(&b)
+                    } else {
+                        Ok(())
+                    }
+                }
+            };
+        }
+    });
+    (base, seen)
+}
+
+/// `--tokenizer hf:owner/name` fetches the tokenizer (and the small side files), not the
+/// weights; a gated repository is read with the token from HF_TOKEN or `$HF_HOME/token`, as
+/// huggingface_hub sends it, and the token is never printed; without one, the error says to set it.
+#[test]
+fn hub_tokenizers_come_alone_and_gated_repositories_take_a_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tok = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizers/bytelevel.json")).unwrap();
+    let repo = "/meta-llama/Gated-1B/resolve/main";
+    let files = vec![
+        (format!("{repo}/tokenizer.json"), tok),
+        (format!("{repo}/model.safetensors"), vec![0u8; 64]),
+        (format!("{repo}/config.json"), b"{\"architectures\": [\"LlamaForCausalLM\"]}".to_vec()),
+    ];
+    let (base, seen) = gated_hub(files);
+    std::fs::write(d.join("a.txt"), "First Citizen:\nBefore we proceed any further, hear me speak.\n".repeat(40))
+        .unwrap();
+    let prepare = |env: &[(&str, String)], out: &str| {
+        let mut c = llmrs();
+        c.current_dir(d).env_remove("HF_TOKEN").env_remove("HUGGING_FACE_HUB_TOKEN").env_remove("HF_TOKEN_PATH");
+        c.env("HF_ENDPOINT", &base)
+            .env("HF_HOME", d.join("hf_home"))
+            .env("HF_HUB_CACHE", d.join(format!("cache_{out}")));
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c.args(["prepare", "text", "a.txt", "--tokenizer", "hf:meta-llama/Gated-1B", "-o", out, "--val-tokens", "100"]);
+        let o = c.output().unwrap();
+        (o.status.code(), String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr))
+    };
+    let (code, text) = prepare(&[], "none");
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("HTTP 401") && text.contains("set HF_TOKEN"), "{text}");
+    let (code, text) = prepare(&[("HF_TOKEN", "secret-token".into())], "env");
+    assert_eq!(code, Some(0), "{text}");
+    assert!(!text.contains("secret-token"), "the token was printed: {text}");
+    assert!(d.join("env/train_000000.bin").is_file());
+    std::fs::create_dir_all(d.join("hf_home")).unwrap();
+    std::fs::write(d.join("hf_home/token"), "secret-token\n").unwrap();
+    let (code, text) = prepare(&[], "file");
+    assert_eq!(code, Some(0), "{text}");
+    let seen = seen.lock().unwrap();
+    assert!(!seen.iter().any(|r| r.contains("model.safetensors")), "the weights were fetched: {seen:?}");
+    assert!(seen.iter().any(|r| r == &format!("GET {repo}/tokenizer.json auth=yes")), "{seen:?}");
+}
+
+/// `prepare text --tokenizer` streams: 8 MB of text through a tokenizer.json peaks far below
+/// the ~1 GB that tokenizing it whole took (about 130 bytes per byte of input); the peak is the
+/// child's own (wait4), whatever else the test process runs.
+#[test]
+fn prepare_text_with_a_tokenizer_json_runs_in_bounded_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let text = llmrs::testdata::tinyshakespeare_text().repeat(8);
+    std::fs::write(d.join("big.txt"), &text).unwrap();
+    let tok = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizers/bytelevel.json");
+    let child = llmrs()
+        .current_dir(d)
+        .args(["prepare", "text", "big.txt", "--tokenizer", tok, "-o", "out"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (mut status, mut usage) = (0i32, std::mem::MaybeUninit::<libc::rusage>::zeroed());
+    // SAFETY: wait4 on our own child, writing into the status and the zeroed rusage we own.
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, usage.as_mut_ptr()) };
+    assert_eq!(pid, child.id() as i32);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "status {status}");
+    // SAFETY: wait4 filled it.
+    let peak_mib = unsafe { usage.assume_init() }.ru_maxrss as f64 / 1024.0;
+    let tokens = llmrs::data::read_shard(&d.join("out/train_000000.bin")).unwrap().len();
+    assert!(tokens > 3_000_000, "{tokens}");
+    assert!(peak_mib < 450.0, "prepare text peaked at {peak_mib:.0} MiB for {} MB of text", text.len() / 1_000_000);
 }

@@ -266,7 +266,7 @@ fn gpu_greedy_generation_gives_transformers_tokens() {
                 let g = GenConfig {
                     max_new_tokens: 100,
                     sampler: SamplerConfig { temperature: 0.0, ..Default::default() },
-                    stop_token: None,
+                    stop_tokens: vec![],
                     use_cache,
                 };
                 let got = generate(&mut model, &prompt, &g, |_| Ok(())).unwrap();
@@ -419,8 +419,12 @@ fn gpu_train_command_checkpoints_samples_evaluates_and_fails_cleanly() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("error: the GPU") && stderr.contains("was lost") && stderr.contains("-y 1"), "{stderr}");
-    assert_eq!(stderr.lines().filter(|l| l.starts_with("error")).count(), 1, "{stderr}");
+    // llmrs's error: one line holding the whole message, printed once. Only llmrs's own line is
+    // read: the Vulkan stack may print lines of its own (`error: XDG_RUNTIME_DIR is invalid or
+    // not set in the environment.` where that variable is unset).
+    let ours: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error: the GPU")).collect();
+    assert!(ours.len() == 1 && ours[0].contains("was lost") && ours[0].contains("-y 1"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
     let lost = dir.path().join("lost");
     let done = llmrs::train::latest_checkpoint(&lost).expect("a checkpoint before the fault");
     assert!((2..12).contains(&done), "{done}");

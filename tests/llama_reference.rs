@@ -175,7 +175,7 @@ fn greedy_generation_gives_transformers_tokens() {
                 let g = GenConfig {
                     max_new_tokens: 100,
                     sampler: SamplerConfig { temperature: 0.0, ..Default::default() },
-                    stop_token: None,
+                    stop_tokens: vec![],
                     use_cache,
                 };
                 let got = generate(&mut model, &prompt, &g, |_| Ok(())).unwrap();
@@ -335,4 +335,90 @@ fn a_hugging_face_llama_directory_fine_tunes_resumes_samples_and_exports() {
     run(&["convert", "whole/model_00000006.bin", "exported"], dir);
     let (a, b) = (load_model(&dir.join("whole/model_00000006.bin")).unwrap(), load_hf(&dir.join("exported")).unwrap());
     assert_eq!((a.config, &a.data), (b.config, &b.data));
+}
+
+/// A model with its own tokenizer (600 tokens, not GPT-2's 50257) keeps it, and its end tokens,
+/// wherever it goes: `generate` stops at generation_config.json's `eos_token_id`; a training
+/// run keeps tokenizer.json and the generation settings beside its checkpoints, so `generate
+/// -e run/model_N.bin` reads and writes the model's words without `--tokenizer`, and without
+/// them it is refused rather than falling back to GPT-2's; HellaSwag's GPT-2 ids (llm.c's
+/// .bin) are refused for it while its JSON lines are tokenized with its tokenizer.
+#[test]
+fn a_model_keeps_its_own_tokenizer_and_end_tokens() {
+    use std::process::Command;
+    let exe = env!("CARGO_BIN_EXE_llmrs");
+    let call = |args: &[&str], dir: &std::path::Path| {
+        let o = Command::new(exe).args(args).current_dir(dir).output().unwrap();
+        let (out, err) =
+            (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned());
+        (o.status.code(), out, err)
+    };
+    let run = |args: &[&str], dir: &std::path::Path| {
+        let (code, out, err) = call(args, dir);
+        assert_eq!(code, Some(0), "llmrs {args:?} failed:\n{out}\n{err}");
+        (out, err)
+    };
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let base = ModelConfig::from_descriptor("llama:2x32:4:2:64:64").unwrap();
+    let cfg = ModelConfig { vocab_size: 600, padded_vocab_size: 640, ..base };
+    let w = Weights::random(cfg, 9).unwrap();
+    save_hf(&w, &dir.join("model"), Dtype::F32).unwrap();
+    let tok_file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/bytelevel.json");
+    std::fs::copy(&tok_file, dir.join("model/tokenizer.json")).unwrap();
+    let tok = llmrs::tokenizer::Tokenizer::load_hf(&tok_file).unwrap();
+
+    // The greedy continuation, then the same with its third token as the model's end token.
+    let prompt = tok.encode("ROMEO:").unwrap();
+    let mut m = Model::new(w.clone(), Device::Cpu).unwrap();
+    let g = GenConfig {
+        max_new_tokens: 12,
+        sampler: SamplerConfig { temperature: 0.0, ..Default::default() },
+        stop_tokens: vec![],
+        use_cache: true,
+    };
+    let greedy = generate(&mut m, &prompt, &g, |_| Ok(())).unwrap();
+    let eos = greedy[2];
+    let first = greedy.iter().position(|&t| t == eos || t == 599).unwrap() + 1; // the first end token
+    let gen = ["generate", "-e", "model", "-p", "ROMEO:", "-n", "12", "--temperature", "0"];
+    std::fs::write(dir.join("model/generation_config.json"), format!("{{\"eos_token_id\": [599, {eos}]}}")).unwrap();
+    let (out, err) = run(&gen, dir);
+    assert!(err.contains(&format!(" {first} new tokens")) && err.contains("stopped at an end token"), "{err}");
+    assert_eq!(out.trim_end(), format!("ROMEO:{}", tok.decode(&greedy[..first])).trim_end());
+    let (_, err) = run(&[&gen[..], &["--no-stop"]].concat(), dir);
+    assert!(err.contains("12 new tokens"), "{err}");
+
+    // A training run keeps the model's tokenizer and generation settings with its checkpoints.
+    let text = llmrs::testdata::tinyshakespeare_text();
+    std::fs::write(dir.join("a.txt"), &text[..20_000]).unwrap();
+    run(&["prepare", "text", "a.txt", "--tokenizer", "model", "-o", "shards", "--val-tokens", "1000"], dir);
+    let a = "train -e model -i shards/train_* -j shards/val_* -b 2 -t 32 -v 0 -s 2 -g 4 -n 2 -x 2 -o run";
+    run(&a.split(' ').collect::<Vec<_>>(), dir);
+    for f in ["tokenizer.json", "generation_config.json"] {
+        assert_eq!(
+            std::fs::read(dir.join("run").join(f)).unwrap(),
+            std::fs::read(dir.join("model").join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    let ckpt = ["generate", "-e", "run/model_00000002.bin", "-p", "ROMEO:", "-n", "6", "--temperature", "0"];
+    let (own, _) = run(&ckpt, dir);
+    let (explicit, _) = run(&[&ckpt[..], &["--tokenizer", "model"]].concat(), dir);
+    assert_eq!(own, explicit, "the checkpoint's own tokenizer");
+    // Without it, a vocabulary that is not GPT-2's is refused, naming the way out.
+    std::fs::remove_file(dir.join("run/tokenizer.json")).unwrap();
+    let (code, _, err) = call(&ckpt, dir);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("600 tokens") && err.contains("--tokenizer") && err.trim().lines().count() == 1, "{err}");
+
+    // HellaSwag: its JSON lines go through the model's tokenizer; llm.c's .bin (GPT-2 ids) is refused.
+    let ex = r#"{"ctx": "A man is sitting on a roof. he", "label": 3, "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.", "is holding a rubik's cube.", "starts pulling up roofing on a roof."]}"#;
+    std::fs::write(dir.join("hs.jsonl"), format!("{ex}\n")).unwrap();
+    let (out, _) = run(&["eval", "hellaswag", "-e", "model", "--data", "hs.jsonl"], dir);
+    assert!(out.contains("/1 = "), "{out}");
+    run(&["prepare", "hellaswag", "--input", "hs.jsonl", "-o", "hs"], dir);
+    assert!(dir.join("hs/hellaswag_val.jsonl").is_file(), "the text is kept beside the GPT-2 ids");
+    let (code, _, err) = call(&["eval", "hellaswag", "-e", "model", "--data", "hs/hellaswag_val.bin"], dir);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("holds GPT-2 token ids") && err.contains("JSON lines"), "{err}");
 }

@@ -351,3 +351,43 @@ fn resuming_finishes_the_deletions_a_kill_interrupted() {
     assert!(resumed.train_losses.is_empty(), "nothing left to run");
     assert_eq!(steps(), kept);
 }
+
+/// Every file of a directory with its bytes, to show that a refused run changed nothing.
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Resuming with -x below the checkpoint's step used to run past the end forever (step 67/2
+/// and on), writing checkpoints and, with -nk, deleting the good one. It is refused in one
+/// line before anything in the directory changes; -x at the checkpoint's step ends at once.
+#[test]
+fn resuming_past_the_last_step_is_refused_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    for model in ["2x32:2:32", "llama:2x32:4:2:64:32"] {
+        let out = dir.path().join(model.replace(':', "_"));
+        let cfg = TrainConfig {
+            model: model.into(),
+            checkpoint_every: 2,
+            checkpoints_keep: 1,
+            max_steps: Some(4),
+            ..small(&out, &train, &val)
+        };
+        run(&cfg).unwrap();
+        let before = snapshot(&out);
+        assert!(before.iter().any(|(n, _)| n == "model_00000004.bin"));
+        let e = format!("{:#}", run(&TrainConfig { resume: true, max_steps: Some(2), ..cfg.clone() }).unwrap_err());
+        assert!(e.contains("checkpoint 4") && e.contains("-x 4 or more") && !e.contains('\n'), "{e}");
+        assert!(snapshot(&out) == before, "{model}: the refused resume changed the output directory");
+        let same = run(&TrainConfig { resume: true, ..cfg.clone() }).unwrap();
+        assert!(same.train_losses.is_empty(), "{model}: resumed at its last step, nothing to run");
+        assert!(out.join("model_00000004.bin").exists());
+    }
+}

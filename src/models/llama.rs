@@ -237,25 +237,36 @@ fn llmc_ffn(c: usize, f: usize) -> Option<(usize, f32)> {
     (llmc_hidden(c, f, ratio) == f).then_some((f, ratio))
 }
 
-/// The bytes of an llm.c llama3 model file (magic 20240803): an int header of 256 (magic,
-/// version 3 fp32 / 5 bf16, maxT, V, L, NH, KV, C, multiple_of, use_scaled_rope, major, minor),
-/// a float header of 256 (ffn_dim_multiplier, norm_eps, rope_theta), then GPT-2's 16 tensor
-/// slots: wte (V, C), the LM head in wpe's slot (V, C; wte again when tied), zero biases
-/// where Llama has none, fc = [up; gate], q and k rows in Meta's interleaved-pair layout.
-pub fn llmc_file(w: &Weights, dtype: crate::checkpoint::Dtype) -> anyhow::Result<(Vec<u8>, Vec<f32>)> {
-    let cfg = &w.config;
+/// The header of an llm.c llama3 model file (magic 20240803) for `cfg`: an int header of 256
+/// (magic, version 3 fp32 / 5 bf16, maxT, V, L, NH, KV, C, multiple_of, use_scaled_rope, major,
+/// minor), then a float header of 256 (ffn_dim_multiplier, norm_eps, rope_theta). A rope
+/// scaling other than Llama 3.1's and 3.2's is written as llmrs's extension: minor 0, with
+/// original_max_position_embeddings in int slot 12 and factor, low_freq_factor and
+/// high_freq_factor in float slots 3-5 (llm.c reads neither; it knows only 3.1's scaling).
+/// An error says what cannot be written, before anything is: a checkpoint's model file is
+/// checked with this at the start of a run.
+pub fn llmc_header(cfg: &ModelConfig, dtype: crate::checkpoint::Dtype) -> anyhow::Result<Vec<u8>> {
     let (c, v, l, f) = (cfg.channels, cfg.vocab_size, cfg.num_layers, cfg.hidden);
-    let (multiple_of, multiplier) = llmc_ffn(c, f)
-        .ok_or_else(|| anyhow::anyhow!("hidden size {f} cannot be written in llm.c's llama3 header (C={c})"))?;
+    let (multiple_of, multiplier) = llmc_ffn(c, f).ok_or_else(|| {
+        anyhow::anyhow!("the MLP's hidden size {f} cannot be written in llm.c's llama3 header (C={c})")
+    })?;
+    let mut h = [0i32; 256];
+    let mut hf = [0f32; 256];
     let minor = match cfg.rope.scaling {
         None => 1,
         Some(s) if Some(s) == llmc_scaling(1) => 1,
         Some(s) if Some(s) == llmc_scaling(2) => 2,
-        Some(s) => anyhow::bail!(
-            "rope scaling {s:?} cannot be written in llm.c's llama3 file (it knows Llama 3.1's and 3.2's)"
-        ),
+        Some(s) => {
+            h[12] = i32::try_from(s.original_max_position_embeddings).map_err(|_| {
+                anyhow::anyhow!(
+                    "rope scaling's original_max_position_embeddings {} does not fit llm.c's llama3 header",
+                    s.original_max_position_embeddings
+                )
+            })?;
+            hf[3..6].copy_from_slice(&[s.factor, s.low_freq_factor, s.high_freq_factor]);
+            0
+        }
     };
-    let mut h = [0i32; 256];
     let vals = [LLMC_MAGIC, dtype.version(), cfg.max_seq_len as i32, v as i32, l as i32, cfg.num_heads as i32];
     h[..6].copy_from_slice(&vals);
     h[6..12].copy_from_slice(&[
@@ -266,10 +277,19 @@ pub fn llmc_file(w: &Weights, dtype: crate::checkpoint::Dtype) -> anyhow::Result
         3,
         minor,
     ]);
-    let mut hf = [0f32; 256];
     hf[..3].copy_from_slice(&[multiplier, cfg.norm_eps, cfg.rope.theta]);
     let mut header: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
     header.extend(hf.iter().flat_map(|x| x.to_le_bytes()));
+    Ok(header)
+}
+
+/// The bytes of an llm.c llama3 model file: [`llmc_header`], then GPT-2's 16 tensor slots:
+/// wte (V, C), the LM head in wpe's slot (V, C; wte again when tied), zero biases where Llama
+/// has none, fc = [up; gate], q and k rows in Meta's interleaved-pair layout.
+pub fn llmc_file(w: &Weights, dtype: crate::checkpoint::Dtype) -> anyhow::Result<(Vec<u8>, Vec<f32>)> {
+    let cfg = &w.config;
+    let (c, v, l) = (cfg.channels, cfg.vocab_size, cfg.num_layers);
+    let header = llmc_header(cfg, dtype)?;
     // The values in file order.
     let mut out = Vec::with_capacity(w.data.len() + 2 * v * c);
     out.extend_from_slice(&w.tensor(Tensor::Wte)[..v * c]);
@@ -330,10 +350,12 @@ fn interleave_qk(cfg: &ModelConfig, x: &[f32], rows: bool, to_hf: bool) -> Vec<f
     out
 }
 
-/// Read an llm.c llama3 model file's bytes (after its magic was recognised) as weights.
-pub fn read_llmc(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<Weights> {
+/// The shape and dtype in the headers of an llm.c llama3 model file (its first 2 KiB). Tied
+/// head and biases are told by the values ([`read_llmc`]): here every slot counts (untied,
+/// biased).
+pub fn llmc_config(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<(ModelConfig, crate::checkpoint::Dtype)> {
     use crate::checkpoint::Dtype;
-    use crate::files::{bf16s_from_le, f32s_from_le, HEADER_BYTES};
+    use crate::files::HEADER_BYTES;
     use anyhow::{bail, Context};
     let at = |i: usize| i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
     if bytes.len() < 2 * HEADER_BYTES {
@@ -373,6 +395,18 @@ pub fn read_llmc(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<Weights
     }
     let scaling = match (at(9), at(10), at(11)) {
         (0, 3, _) => None,
+        (1, 3, 0) => {
+            // llmrs's extension: the scaling written out (see llmc_header).
+            let old = usize::try_from(at(12)).ok().filter(|&x| x > 0).with_context(|| {
+                format!("{}: header field original_max_position_embeddings = {} is invalid", path.display(), at(12))
+            })?;
+            Some(Llama3Scaling {
+                factor: atf(3),
+                low_freq_factor: atf(4),
+                high_freq_factor: atf(5),
+                original_max_position_embeddings: old,
+            })
+        }
         (1, 3, minor) => Some(
             llmc_scaling(minor)
                 .with_context(|| format!("{}: Llama 3.{minor}'s rope scaling is unknown", path.display()))?,
@@ -387,12 +421,23 @@ pub fn read_llmc(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<Weights
     cfg.tied_head = false;
     cfg.attn_bias = true; // read every slot first; dropped below when the biases are zero
     cfg.validate().with_context(|| format!("{}: bad model header", path.display()))?;
+    Ok((cfg, dtype))
+}
+
+/// Read an llm.c llama3 model file ([`llmc_file`]'s layout) into weights in transformers'
+/// layout: the untied head and the biases are kept only when non-zero and distinct.
+pub fn read_llmc(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<Weights> {
+    use crate::checkpoint::Dtype;
+    use crate::files::{bf16s_from_le, f32s_from_le, HEADER_BYTES};
+    use anyhow::bail;
+    let (mut cfg, dtype) = llmc_config(bytes, path)?;
+    let (v, l, c) = (cfg.vocab_size, cfg.num_layers, cfg.channels);
     // The file's values: wte, head, then the 12 block slots and lnf w, b.
     let n = 2 * v * c + Tensor::BLOCK.iter().map(|&t| l * t_len(&cfg, t)).sum::<usize>() + 2 * c;
     let want = 2 * HEADER_BYTES + n * dtype.bytes();
     if bytes.len() != want {
         bail!(
-            "{}: file is {} bytes but a {dtype:?} llama3 model of this shape needs {want}: truncated or corrupt",
+            "{}: file is {} bytes but a {dtype} llama3 model of this shape needs {want}: truncated or corrupt",
             path.display(),
             bytes.len()
         );
@@ -494,6 +539,11 @@ pub fn parse_hf_config(v: &serde_json::Value, path: &Path) -> Result<ModelConfig
         Some(x) => x.with_context(|| format!("{p}: max_position_embeddings is not a whole number"))?,
     };
     // transformers 4 writes rope_theta and rope_scaling; 5 writes rope_parameters.
+    for k in ["rope_parameters", "rope_scaling"] {
+        if !(v[k].is_null() || v[k].is_object()) {
+            bail!("{p}: {k} is not a JSON object (of rope_type, rope_theta and the scaling's fields)");
+        }
+    }
     let params = &v["rope_parameters"];
     let theta = match (&v["rope_theta"], &params["rope_theta"]) {
         (t, _) if !t.is_null() => num(t, "rope_theta")?,
@@ -638,6 +688,25 @@ mod tests {
                 assert!(read_llmc(&bytes[..bytes.len() - 4], std::path::Path::new("x.bin")).is_err());
             }
         }
+        // A rope scaling llm.c's file cannot name (neither 3.1's nor 3.2's) is written out in
+        // llmrs's extension and read back exactly; one that no file can hold is refused before
+        // anything is written.
+        let custom = Llama3Scaling {
+            factor: 16.0,
+            low_freq_factor: 2.0,
+            high_freq_factor: 8.0,
+            original_max_position_embeddings: 4096,
+        };
+        let base = ModelConfig::from_descriptor("llama:2x64:4:2").unwrap();
+        let cfg = ModelConfig { rope: Rope { theta: 500000.0, scaling: Some(custom) }, ..base };
+        let w = Weights::random(cfg, 3).unwrap();
+        let (h, vals) = llmc_file(&w, Dtype::F32).unwrap();
+        let mut bytes = h.clone();
+        crate::files::f32s_to_le(&vals, &mut bytes);
+        assert_eq!(read_llmc(&bytes, std::path::Path::new("x.bin")).unwrap(), w);
+        let huge = Llama3Scaling { original_max_position_embeddings: 1 << 40, ..custom };
+        let e = llmc_header(&ModelConfig { rope: Rope { theta: 1e4, scaling: Some(huge) }, ..base }, Dtype::F32);
+        assert!(e.unwrap_err().to_string().contains("original_max_position_embeddings"));
         // Meta's layout interleaves the pairs of each q and k head.
         let cfg = ModelConfig::from_descriptor("llama:1x8:2:1").unwrap(); // HS 4, 3 rotated heads
         let x: Vec<f32> = (0..cfg.qkv_dim()).map(|i| i as f32).collect();
