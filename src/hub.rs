@@ -24,7 +24,10 @@ use std::path::{Path, PathBuf};
 /// model.safetensors), then those it uses when they are there.
 pub const MODEL_FILES: [&str; 2] = ["config.json", "model.safetensors"];
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
-pub const OPTIONAL_FILES: [&str; 2] = ["tokenizer.json", "generation_config.json"];
+pub const OPTIONAL_FILES: [&str; 2] = [TOKENIZER_FILE, GENERATION_CONFIG_FILE];
+/// The side files a model may have beside its weights, in the Hub's names.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 
 /// `owner/name[@revision]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -189,13 +192,13 @@ pub fn fetch_side_files(r: &HubRef, endpoint: &str, cache: &Path) -> Result<Path
     }
     let known = std::fs::read_to_string(repo_dir.join("refs").join(&r.revision)).map(|c| c.trim().to_string());
     let cached = repo_dir.join("snapshots").join(known.as_deref().unwrap_or(&r.revision));
-    if cached.join(crate::source::TOKENIZER_FILE).is_file() {
+    if cached.join(TOKENIZER_FILE).is_file() {
         return Ok(cached);
     }
     let url = |f: &str| format!("{endpoint}/{}/resolve/{}/{f}", r.repo, r.revision);
-    let commit = resolve_commit(&url(crate::source::TOKENIZER_FILE), &r.revision)?;
+    let commit = resolve_commit(&url(TOKENIZER_FILE), &r.revision)?;
     let dir = repo_dir.join("snapshots").join(&commit);
-    for f in [crate::source::TOKENIZER_FILE, crate::source::GENERATION_CONFIG_FILE, "config.json"] {
+    for f in [TOKENIZER_FILE, GENERATION_CONFIG_FILE, "config.json"] {
         let dest = dir.join(f);
         if !dest.is_file() && head_if_there(&url(f))?.is_some() {
             fetch_file(&url(f), &dest, &json_file)

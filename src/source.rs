@@ -41,9 +41,7 @@ pub fn peek_config(spec: &str) -> Result<Option<ModelConfig>> {
     ModelConfig::from_descriptor(spec).map(Some)
 }
 
-/// The side files a model may have beside its weights, in the Hub's names.
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
-pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+pub use crate::hub::{GENERATION_CONFIG_FILE, TOKENIZER_FILE};
 
 /// The directory that holds `spec`'s side files (tokenizer.json, generation_config.json,
 /// config.json): a Hugging Face directory, a `.safetensors` file's directory, the Hub snapshot
