@@ -15,7 +15,7 @@ fn main() -> anyhow::Result<()> {
     let desc = arg(1, "llama:smollm2-135m");
     let (n, reps, threads): (usize, usize, usize) =
         (arg(2, "512").parse()?, arg(3, "5").parse()?, arg(4, "2").parse()?);
-    llmrs::backend::init_host()?;
+    llmrs::backend::factory::init_host()?;
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global()?;
     let cfg = ModelConfig::from_descriptor(&desc)?;
     let mut m = Model::new(Weights::random(cfg, 1)?, Device::Cpu)?;

@@ -102,7 +102,7 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         anyhow::bail!("-t {t} is longer than the model's context {}", weights.config.max_seq_len);
     }
     let (rank, world) = (comm.rank(), comm.world());
-    let mut model = Model::with_collectives(weights, crate::backend::open(cfg.device)?, comm, cfg.zero_stage)?;
+    let mut model = Model::with_collectives(weights, crate::backend::factory::open(cfg.device)?, comm, cfg.zero_stage)?;
     model.alloc_training_state()?;
     model.reserve(b, t)?;
     let v = model.config.vocab_size as u64;

@@ -6,8 +6,8 @@
 
 use crate::config::ModelConfig;
 use crate::files::{
-    bf16s_from_le, f32s_from_le, f32s_to_bf16_le, f32s_to_le, parse_header, read_file, write_atomic_with, HEADER_BYTES,
-    HEADER_INTS,
+    bf16s_from_le, f32s_from_le, f32s_to_bf16_le, f32s_to_le, parse_header, read_file, write_atomic_with, Dtype,
+    HEADER_BYTES, HEADER_INTS,
 };
 use crate::model::{Model, Slot};
 use crate::params::Weights;
@@ -17,37 +17,6 @@ use std::path::Path;
 
 pub const MODEL_MAGIC: i32 = 20240326;
 pub const DEBUG_STATE_MAGIC: i32 = 20240327;
-
-/// Storage precision of a model file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dtype {
-    F32,
-    BF16,
-}
-
-impl std::fmt::Display for Dtype {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Dtype::F32 => "fp32",
-            Dtype::BF16 => "bf16",
-        })
-    }
-}
-
-impl Dtype {
-    pub fn version(self) -> i32 {
-        match self {
-            Dtype::F32 => 3,
-            Dtype::BF16 => 5,
-        }
-    }
-    pub fn bytes(self) -> usize {
-        match self {
-            Dtype::F32 => 4,
-            Dtype::BF16 => 2,
-        }
-    }
-}
 
 /// Write `vals` to `w` in `dtype`, a block at a time (no copy of the whole buffer as bytes).
 fn write_values(w: &mut dyn Write, vals: &[f32], dtype: Dtype) -> std::io::Result<()> {

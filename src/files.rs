@@ -12,6 +12,37 @@ use std::path::Path;
 pub const HEADER_INTS: usize = 256;
 pub const HEADER_BYTES: usize = HEADER_INTS * 4;
 
+/// Storage precision of a model file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    F32,
+    BF16,
+}
+
+impl std::fmt::Display for Dtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Dtype::F32 => "fp32",
+            Dtype::BF16 => "bf16",
+        })
+    }
+}
+
+impl Dtype {
+    pub fn version(self) -> i32 {
+        match self {
+            Dtype::F32 => 3,
+            Dtype::BF16 => 5,
+        }
+    }
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::BF16 => 2,
+        }
+    }
+}
+
 /// Temporary files are `.NAME.tmpPID_N`: the PID for [`remove_dead_temps`], and a count so that
 /// two threads writing one path never share a temp file (the later rename wins, whole).
 static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -7,28 +7,16 @@
 //! live in the flat parameter buffer, the shape as stored, and whether stored transposed. Import
 //! and export follow that one table. fp32, bf16 and f16 are read; fp32 and bf16 written.
 
-use crate::checkpoint::Dtype;
 use crate::config::{Family, ModelConfig};
+use crate::files::Dtype;
 use crate::files::{bf16s_from_le, f32s_from_le, f32s_to_bf16_le, f32s_to_le, read_file, write_atomic};
 use crate::models::{gpt2, llama};
-use crate::params::{Tensor, Weights};
+use crate::params::{HfTensor, Tensor, Weights};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype as StDtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-
-/// One tensor as transformers stores it, and where its values live in the flat buffer.
-pub struct HfTensor {
-    /// transformers' name (GPT-2's without the optional `transformer.` prefix).
-    pub name: String,
-    /// Its elements in the flat parameter buffer (row-major, contiguous).
-    pub range: std::ops::Range<usize>,
-    /// Its shape as stored.
-    pub shape: Vec<usize>,
-    /// Stored as the transpose of llmrs's (out, in) (GPT-2's Conv1D weights).
-    pub transposed: bool,
-}
 
 /// The family `config.json` describes, from its `architectures` (or `model_type`).
 fn family_of(v: &serde_json::Value, path: &Path) -> Result<Family> {

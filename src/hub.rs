@@ -519,7 +519,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = crate::params::Weights::random(crate::config::ModelConfig::from_descriptor("1x16:2:8").unwrap(), 3)
             .unwrap();
-        crate::hf::save_hf(&m, dir.path(), crate::checkpoint::Dtype::F32).unwrap();
+        crate::hf::save_hf(&m, dir.path(), crate::files::Dtype::F32).unwrap();
         let files = MODEL_FILES
             .iter()
             .map(|f| (format!("/{repo}/resolve/main/{f}"), std::fs::read(dir.path().join(f)).unwrap()))
@@ -711,7 +711,7 @@ pub(crate) mod tests {
         let m =
             crate::params::Weights::random(crate::config::ModelConfig::from_descriptor("llama:1x16:2:1").unwrap(), 3)
                 .unwrap();
-        crate::hf::save_hf(&m, &repo.join("snapshots").join(commit), crate::checkpoint::Dtype::F32).unwrap();
+        crate::hf::save_hf(&m, &repo.join("snapshots").join(commit), crate::files::Dtype::F32).unwrap();
         std::fs::create_dir_all(repo.join("refs")).unwrap();
         std::fs::write(repo.join("refs/main"), commit).unwrap();
         let dir = fetch_model(&"HuggingFaceTB/tiny".parse().unwrap(), "http://127.0.0.1:9", cache.path()).unwrap();

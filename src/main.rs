@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use llmrs::checkpoint::Dtype;
+use llmrs::files::Dtype;
 use llmrs::generate::SamplerConfig;
 use llmrs::optim::OptimConfig;
 use llmrs::prepare::{prepare_tinyshakespeare, Source};
@@ -495,7 +495,7 @@ fn cmd_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
     sampler.validate()?; // before loading (or downloading) anything
     let spec = model_spec(a.hf, a.model)?;
     let mut model = llmrs::model::Model::new(llmrs::source::load_any(&spec, 0)?, device)?;
-    let tok = llmrs::tokenizer::Tokenizer::for_text(a.tokenizer.as_deref(), &spec, model.config.vocab_size)?;
+    let tok = llmrs::source::tokenizer_for_text(a.tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let prompt = if a.prompt.is_empty() { vec![tok.doc_start] } else { tok.encode(&a.prompt)? };
     // The model's own end tokens (generation_config.json, config.json), else the tokenizer's.
     let stop_tokens = match llmrs::source::eos_tokens(&spec)? {
@@ -590,12 +590,12 @@ fn main() {
     }
     let args = translate_llmc_args(args);
     let cli = Cli::parse_from(args);
-    llmrs::backend::comm::finish(real_main(cli));
+    llmrs::backend::launch::finish(real_main(cli));
 }
 
 fn real_main(cli: Cli) -> Result<()> {
     // The processes first: under mpirun the thread team is sized by the ranks on this machine.
-    let comm = llmrs::backend::comm::open(std::time::Duration::from_secs(cli.comm_timeout.max(1)))?;
+    let comm = llmrs::backend::launch::open(std::time::Duration::from_secs(cli.comm_timeout.max(1)))?;
     let mut pool = rayon::ThreadPoolBuilder::new();
     if let Some(n) = cli.threads {
         // Many times the cores only spends time starting threads (10000 took 40 s, silently).
@@ -609,7 +609,7 @@ fn real_main(cli: Cli) -> Result<()> {
         pool = pool.num_threads(threads_per_rank(comm.local_world()));
     }
     pool.build_global().context("cannot set up the worker threads")?;
-    llmrs::backend::init_host()?;
+    llmrs::backend::factory::init_host()?;
     // The pool's size also sizes the host backend's thread team, made on first use. Commands run
     // on a worker of the pool: rayon's loops (data preparation) then fork from a worker that
     // takes its own share at once, instead of the main thread handing each loop to the pool and
@@ -701,7 +701,7 @@ fn cmd_eval(e: EvalCmd, device: llmrs::backend::Device) -> Result<()> {
     let EvalCmd::Hellaswag { model, hf, data, limit, tokenizer } = e;
     let spec = model_spec(hf, model)?;
     let mut model = llmrs::model::Model::new(llmrs::source::load_any(&spec, 42)?, device)?;
-    let tok = llmrs::tokenizer::Tokenizer::for_text(tokenizer.as_deref(), &spec, model.config.vocab_size)?;
+    let tok = llmrs::source::tokenizer_for_text(tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let data = match data {
         Some(d) => d,
         None => llmrs::train::default_hellaswag_path(tok.is_gpt2())?,
@@ -745,7 +745,7 @@ fn cmd_prepare(p: PrepareCmd) -> Result<()> {
             prepare_tinyshakespeare(&Source::from_env(input.as_deref()), &out).map(|_| ())
         }
         PrepareCmd::Text { files, out, val_tokens, tokenizer } => {
-            let tok = llmrs::tokenizer::Tokenizer::choose(tokenizer.as_deref(), None)?;
+            let tok = llmrs::source::choose_tokenizer(tokenizer.as_deref(), None)?;
             if files.is_empty() {
                 bail!("give one or more UTF-8 text files");
             }
@@ -763,7 +763,7 @@ fn cmd_prepare(p: PrepareCmd) -> Result<()> {
 impl ShardArgs {
     /// Tokenize `files` into `out`'s NAME_val/NAME_train shards.
     fn prepare(&self, files: &[PathBuf], out: &Path, name: &str) -> Result<()> {
-        let tok = llmrs::tokenizer::Tokenizer::choose(self.tokenizer.as_deref(), None)?;
+        let tok = llmrs::source::choose_tokenizer(self.tokenizer.as_deref(), None)?;
         llmrs::corpus::prepare_corpus_with(files, out, name, self.shard_size, &tok).map(|_| ())
     }
 }

@@ -122,7 +122,7 @@ pub struct Model {
 impl Model {
     /// The model with these weights on `device`, as a single process.
     pub fn new(weights: Weights, device: Device) -> Result<Self> {
-        Self::with_collectives(weights, backend::open(device)?, Box::new(SingleProcess), 0)
+        Self::with_collectives(weights, backend::factory::open(device)?, Box::new(SingleProcess), 0)
     }
 
     /// The model on a given backend, as one rank of `comm`, with ZeRO stage `zero` (0-3).
@@ -824,6 +824,13 @@ impl Model {
     pub fn synchronize(&mut self) -> Result<()> {
         self.be.synchronize()
     }
+}
+
+/// Clip (if the global norm exceeds `grad_clip`) and apply AdamW for 0-based `step`, then read
+/// the step's loss and the gradient norm before clipping.
+pub fn optimizer_step(model: &mut Model, o: &OptimConfig, lr: f32, step: usize) -> Result<StepStats> {
+    model.update(o, lr, step, SkipAbove::NON_FINITE)?;
+    model.step_stats()
 }
 
 /// Shapes and token ids of a batch, checked on the host before anything reaches the device.

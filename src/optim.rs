@@ -1,8 +1,7 @@
-//! The optimizer step as llm.c's training loop does it: global-norm clipping, then AdamW.
+//! The optimizer's settings (AdamW, clipping) and llm.c's outlier skipping: plain data and
+//! host arithmetic; the step itself is [`crate::model::Model::update`].
 
 use crate::backend::SkipAbove;
-use crate::model::{Model, StepStats};
-use anyhow::Result;
 
 /// Optimizer hyperparameters (defaults are llm.c train_gpt2.cu's).
 #[derive(Clone, Copy, Debug)]
@@ -18,13 +17,6 @@ impl Default for OptimConfig {
     fn default() -> Self {
         OptimConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0, grad_clip: 1.0 }
     }
-}
-
-/// Clip (if the global norm exceeds `grad_clip`) and apply AdamW for 0-based `step`, then read
-/// the step's loss and the gradient norm before clipping.
-pub fn optimizer_step(model: &mut Model, o: &OptimConfig, lr: f32, step: usize) -> Result<StepStats> {
-    model.update(o, lr, step, SkipAbove::NON_FINITE)?;
-    model.step_stats()
 }
 
 /// llm.c's outlier detector (`llmc/outlier_detector.h`): a window of the last

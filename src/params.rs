@@ -243,6 +243,18 @@ impl<T: Clone> Outer<T> {
 /// The tensors outside the blocks, in file order.
 pub const OUTER: [Tensor; 5] = [Tensor::Wte, Tensor::Wpe, Tensor::LmHead, Tensor::LnfW, Tensor::LnfB];
 
+/// One tensor as transformers stores it, and where its values live in the flat buffer.
+pub struct HfTensor {
+    /// transformers' name (GPT-2's without the optional `transformer.` prefix).
+    pub name: String,
+    /// Its elements in the flat parameter buffer (row-major, contiguous).
+    pub range: std::ops::Range<usize>,
+    /// Its shape as stored.
+    pub shape: Vec<usize>,
+    /// Stored as the transpose of llmrs's (out, in) (GPT-2's Conv1D weights).
+    pub transposed: bool,
+}
+
 /// Where every parameter lives in the flat buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamLayout {

@@ -4,6 +4,7 @@
 use crate::checkpoint::load_model;
 use crate::config::ModelConfig;
 use crate::params::Weights;
+use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -87,6 +88,54 @@ pub fn tokenizer_path(spec: &str) -> Result<Option<PathBuf>> {
     Ok(t.filter(|t| t.is_file()))
 }
 
+/// The tokenizer of model `spec`: its tokenizer.json (see [`tokenizer_path`]), else GPT-2's.
+pub fn tokenizer_of(spec: &str) -> Result<Tokenizer> {
+    match tokenizer_path(spec)? {
+        Some(p) => Tokenizer::load_hf(&p),
+        None => Tokenizer::gpt2(),
+    }
+}
+
+/// The tokenizer `--tokenizer` names (a tokenizer.json, a directory holding one,
+/// `hf:owner/name`, or `gpt2`), else model `model`'s ([`tokenizer_of`]), else GPT-2's.
+pub fn choose_tokenizer(explicit: Option<&str>, model: Option<&str>) -> Result<Tokenizer> {
+    match (explicit, model) {
+        (Some("gpt2"), _) => Tokenizer::gpt2(),
+        (Some(t), _) => {
+            let give = "give a tokenizer.json, a model directory holding one, hf:owner/name, or gpt2";
+            let path = Path::new(t);
+            if !t.starts_with("hf:") && !path.exists() {
+                bail!("--tokenizer {t}: no such file or directory; {give}");
+            }
+            if path.is_file() && !t.ends_with(".json") {
+                bail!("--tokenizer {t}: not a tokenizer.json; {give}");
+            }
+            let p = tokenizer_path(t)?.with_context(|| format!("--tokenizer {t}: has no tokenizer.json; {give}"))?;
+            Tokenizer::load_hf(&p).with_context(|| format!("--tokenizer {t}"))
+        }
+        (None, Some(m)) => tokenizer_of(m),
+        (None, None) => Tokenizer::gpt2(),
+    }
+}
+
+/// The tokenizer the text of model `spec` (of `vocab` tokens) goes through in `generate` and
+/// `eval`: `--tokenizer`'s, else the model's own ([`tokenizer_of`]). Refused when it cannot be
+/// the model's: one larger than the model's vocabulary, or GPT-2's fallback for a model whose
+/// vocabulary is not GPT-2's (a Llama 3 checkpoint without its tokenizer.json beside it would
+/// otherwise read and write the wrong words).
+pub fn tokenizer_for_text(explicit: Option<&str>, spec: &str, vocab: usize) -> Result<Tokenizer> {
+    let tok = choose_tokenizer(explicit, Some(spec))?;
+    if explicit.is_none() && tok.is_gpt2() && vocab != crate::config::GPT2_VOCAB {
+        bail!(
+            "{spec} has a vocabulary of {vocab} tokens, not GPT-2's {}, and no tokenizer.json beside it: give its \
+             tokenizer with --tokenizer (a tokenizer.json, a model directory or hf:owner/name)",
+            crate::config::GPT2_VOCAB
+        );
+    }
+    tok.check_fits(vocab)?;
+    Ok(tok)
+}
+
 /// The model's own end-of-sequence tokens, as transformers' `generate` stops at them:
 /// `eos_token_id` (one id or a list) of generation_config.json in its side directory, else of
 /// its config.json. None when neither says (the tokenizer's end-of-text token is used).
@@ -160,9 +209,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = load_any("1x8:2:8", 5).unwrap();
         let bin = dir.path().join("m.bin");
-        crate::checkpoint::save_model(&m, &bin, crate::checkpoint::Dtype::F32).unwrap();
+        crate::checkpoint::save_model(&m, &bin, crate::files::Dtype::F32).unwrap();
         assert_eq!(load_any(bin.to_str().unwrap(), 0).unwrap(), m);
-        crate::hf::save_hf(&m, &dir.path().join("hf"), crate::checkpoint::Dtype::F32).unwrap();
+        crate::hf::save_hf(&m, &dir.path().join("hf"), crate::files::Dtype::F32).unwrap();
         assert_eq!(load_any(dir.path().join("hf").to_str().unwrap(), 0).unwrap(), m);
         let st = dir.path().join("hf/model.safetensors");
         assert_eq!(load_any(st.to_str().unwrap(), 0).unwrap(), m);

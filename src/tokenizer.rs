@@ -159,56 +159,6 @@ impl Tokenizer {
         Ok(Tokenizer { bpe: None, hf: Some(Box::new(hf)), table, eot, doc_start, identity, hf_cont })
     }
 
-    /// The tokenizer of a model: `tokenizer.json` beside a Hugging Face model (a directory or
-    /// `hf:owner/name`), else GPT-2's.
-    pub fn for_model(spec: &str) -> Result<Self> {
-        match crate::source::tokenizer_path(spec)? {
-            Some(p) => Self::load_hf(&p),
-            None => Self::gpt2(),
-        }
-    }
-
-    /// The tokenizer `--tokenizer` names (a tokenizer.json, a directory holding one, or
-    /// `hf:owner/name`), else the model's ([`Tokenizer::for_model`]).
-    pub fn choose(explicit: Option<&str>, model: Option<&str>) -> Result<Self> {
-        match (explicit, model) {
-            (Some("gpt2"), _) => Self::gpt2(),
-            (Some(t), _) => {
-                let give = "give a tokenizer.json, a model directory holding one, hf:owner/name, or gpt2";
-                let path = Path::new(t);
-                if !t.starts_with("hf:") && !path.exists() {
-                    bail!("--tokenizer {t}: no such file or directory; {give}");
-                }
-                if path.is_file() && !t.ends_with(".json") {
-                    bail!("--tokenizer {t}: not a tokenizer.json; {give}");
-                }
-                let p = crate::source::tokenizer_path(t)?
-                    .with_context(|| format!("--tokenizer {t}: has no tokenizer.json; {give}"))?;
-                Self::load_hf(&p).with_context(|| format!("--tokenizer {t}"))
-            }
-            (None, Some(m)) => Self::for_model(m),
-            (None, None) => Self::gpt2(),
-        }
-    }
-
-    /// The tokenizer the text of model `spec` (of `vocab` tokens) goes through in `generate`
-    /// and `eval`: `--tokenizer`'s, else the model's own ([`Tokenizer::for_model`]). Refused
-    /// when it cannot be the model's: one larger than the model's vocabulary, or GPT-2's
-    /// fallback for a model whose vocabulary is not GPT-2's (a Llama 3 checkpoint without its
-    /// tokenizer.json beside it would otherwise read and write the wrong words).
-    pub fn for_text(explicit: Option<&str>, spec: &str, vocab: usize) -> Result<Self> {
-        let tok = Self::choose(explicit, Some(spec))?;
-        if explicit.is_none() && tok.is_gpt2() && vocab != crate::config::GPT2_VOCAB {
-            bail!(
-                "{spec} has a vocabulary of {vocab} tokens, not GPT-2's {}, and no tokenizer.json beside it: give its \
-                 tokenizer with --tokenizer (a tokenizer.json, a model directory or hf:owner/name)",
-                crate::config::GPT2_VOCAB
-            );
-        }
-        tok.check_fits(vocab)?;
-        Ok(tok)
-    }
-
     /// Refuse a tokenizer whose ids reach past the model's vocabulary.
     pub fn check_fits(&self, vocab_size: usize) -> Result<()> {
         if self.vocab_size() > vocab_size {

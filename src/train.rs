@@ -4,8 +4,9 @@
 
 use crate::acts::KvCache;
 use crate::backend::Device;
-use crate::checkpoint::{load_model, load_state, save_model, save_state, Dtype, TrainState};
+use crate::checkpoint::{load_model, load_state, save_model, save_state, TrainState};
 use crate::data::DataLoader;
+use crate::files::Dtype;
 use crate::model::{Model, StepStats};
 use crate::optim::{skip_limits, OptimConfig, OutlierDetector};
 use crate::rng::random_f32;
@@ -495,7 +496,7 @@ fn load_hellaswag(cfg: &TrainConfig, tokenizer_spec: &str) -> Result<Option<Vec<
     if !cfg.hellaswag {
         return Ok(None);
     }
-    let tok = Tokenizer::for_model(tokenizer_spec)?;
+    let tok = crate::source::tokenizer_of(tokenizer_spec)?;
     let path = match &cfg.hellaswag_data {
         Some(p) => p.clone(),
         None => default_hellaswag_path(tok.is_gpt2())?,
@@ -572,7 +573,8 @@ impl<'a> Run<'a> {
         if let (Some(rd), Some(s)) = (run_dir, resume_step) {
             rd.trim_log(s)?;
         }
-        let mut model = Model::with_collectives(weights, crate::backend::open(cfg.device)?, comm, cfg.zero_stage)?;
+        let mut model =
+            Model::with_collectives(weights, crate::backend::factory::open(cfg.device)?, comm, cfg.zero_stage)?;
         model.alloc_training_state()?;
         model.reserve(shape.b, shape.t)?;
         let val_batches = cfg.val_max_steps.unwrap_or(val.num_tokens / shape.tokens_per_micro);

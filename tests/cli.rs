@@ -316,8 +316,8 @@ fn non_finite_weights_are_refused_naming_the_tensor() {
     let cfg = llmrs::config::ModelConfig::from_descriptor("2x32:2:64").unwrap();
     let mut w = Weights::random(cfg, 1).unwrap();
     w.layer_mut(Tensor::QkvW, 1)[7] = f32::NAN;
-    llmrs::checkpoint::save_model(&w, &d.join("nan.bin"), llmrs::checkpoint::Dtype::F32).unwrap();
-    llmrs::hf::save_hf(&w, &d.join("nan_hf"), llmrs::checkpoint::Dtype::F32).unwrap();
+    llmrs::checkpoint::save_model(&w, &d.join("nan.bin"), llmrs::files::Dtype::F32).unwrap();
+    llmrs::hf::save_hf(&w, &d.join("nan_hf"), llmrs::files::Dtype::F32).unwrap();
     let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
     llmrs::data::write_shard(&d.join("d.bin"), &toks).unwrap();
     let want = ["tensor qkvw of layer 1", "holds NaN at element 7"];
@@ -329,7 +329,7 @@ fn non_finite_weights_are_refused_naming_the_tensor() {
     let mut inf =
         Weights::random(llmrs::config::ModelConfig::from_descriptor("llama:1x32:4:2:64:16").unwrap(), 1).unwrap();
     inf.tensor_mut(Tensor::LnfW)[3] = f32::INFINITY;
-    llmrs::checkpoint::save_model(&inf, &d.join("inf.bin"), llmrs::checkpoint::Dtype::BF16).unwrap();
+    llmrs::checkpoint::save_model(&inf, &d.join("inf.bin"), llmrs::files::Dtype::BF16).unwrap();
     refused_with(d, &["eval", "hellaswag", "-e", "inf.bin"], &["tensor lnfw", "holds inf"]);
 }
 

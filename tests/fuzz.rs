@@ -6,8 +6,9 @@
 //! asked with `LLMRS_FUZZ_CASES` (1500000 gives a million per parser; README has the command).
 
 use llmrs::backend::Device;
-use llmrs::checkpoint::{load_model, load_state, save_model, save_state, Dtype, TrainState};
+use llmrs::checkpoint::{load_model, load_state, save_model, save_state, TrainState};
 use llmrs::config::ModelConfig;
+use llmrs::files::Dtype;
 use llmrs::model::Model;
 use llmrs::params::Weights;
 use proptest::prelude::*;

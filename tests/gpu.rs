@@ -15,8 +15,9 @@
 mod common;
 
 use llmrs::backend::{Backend, Device, SkipAbove};
-use llmrs::checkpoint::{load_debug_state, load_model, save_model, Dtype};
+use llmrs::checkpoint::{load_debug_state, load_model, save_model};
 use llmrs::config::ModelConfig;
+use llmrs::files::Dtype;
 use llmrs::model::{Model, Slot};
 use llmrs::optim::OptimConfig;
 use llmrs::params::{Tensor, Weights};

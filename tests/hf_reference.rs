@@ -51,11 +51,11 @@ fn transformers_fp32_and_bf16_checkpoints_give_the_same_logits() {
 fn export_reimports_to_the_same_model_in_both_dtypes() {
     let m = load_hf(&fixtures().join("gpt2_tiny_fp32")).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    save_hf(&m, dir.path(), llmrs::checkpoint::Dtype::F32).unwrap();
+    save_hf(&m, dir.path(), llmrs::files::Dtype::F32).unwrap();
     assert_eq!(load_hf(dir.path()).unwrap().data, m.data);
     // bf16 export of the bf16 fixture is bit-identical to the file transformers wrote.
     let m16 = load_hf(&fixtures().join("gpt2_tiny_bf16")).unwrap();
-    save_hf(&m16, dir.path(), llmrs::checkpoint::Dtype::BF16).unwrap();
+    save_hf(&m16, dir.path(), llmrs::files::Dtype::BF16).unwrap();
     let ours = std::fs::read(dir.path().join("model.safetensors")).unwrap();
     let theirs = std::fs::read(fixtures().join("gpt2_tiny_bf16/model.safetensors")).unwrap();
     let (a, b) = (SafeTensors::deserialize(&ours).unwrap(), SafeTensors::deserialize(&theirs).unwrap());

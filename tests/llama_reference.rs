@@ -9,12 +9,14 @@
 mod common;
 
 use llmrs::backend::Device;
-use llmrs::checkpoint::{load_model, save_model, Dtype};
+use llmrs::checkpoint::{load_model, save_model};
 use llmrs::config::{Family, ModelConfig};
+use llmrs::files::Dtype;
 use llmrs::generate::{generate, GenConfig, SamplerConfig};
 use llmrs::hf::{load_hf, save_hf};
+use llmrs::model::optimizer_step;
 use llmrs::model::{Model, Slot};
-use llmrs::optim::{optimizer_step, OptimConfig};
+use llmrs::optim::OptimConfig;
 use llmrs::params::{tensors, Weights};
 use safetensors::SafeTensors;
 use std::path::PathBuf;

@@ -30,7 +30,7 @@ fn same_losses_as_llmc_train_gpt2c() {
     let model =
         llmrs::params::Weights::random(llmrs::config::ModelConfig::from_descriptor("2x64:4:64").unwrap(), 42).unwrap();
     let model_path = dir.path().join("gpt2_124M.bin");
-    llmrs::checkpoint::save_model(&model, &model_path, llmrs::checkpoint::Dtype::F32).unwrap();
+    llmrs::checkpoint::save_model(&model, &model_path, llmrs::files::Dtype::F32).unwrap();
     assert_eq!(
         llmrs::download::sha256_hex(&std::fs::read(&model_path).unwrap()),
         model_sha,

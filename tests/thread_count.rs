@@ -10,8 +10,9 @@
 use llmrs::backend::Device;
 use llmrs::config::ModelConfig;
 use llmrs::cpu::simd::Isa;
+use llmrs::model::optimizer_step;
 use llmrs::model::{Model, Slot};
-use llmrs::optim::{optimizer_step, OptimConfig};
+use llmrs::optim::OptimConfig;
 use llmrs::params::Weights;
 use std::process::Command;
 

@@ -106,7 +106,7 @@ fn bad_settings_and_data_are_refused_clearly() {
     let mut cfg = llmrs::config::ModelConfig::from_descriptor("1x8:2:16").unwrap();
     cfg.vocab_size = 50;
     cfg.padded_vocab_size = 128;
-    llmrs::checkpoint::save_model(&llmrs::params::Weights::random(cfg, 1).unwrap(), &m, llmrs::checkpoint::Dtype::F32)
+    llmrs::checkpoint::save_model(&llmrs::params::Weights::random(cfg, 1).unwrap(), &m, llmrs::files::Dtype::F32)
         .unwrap();
     assert!(err(TrainConfig { model: m.to_str().unwrap().into(), ..base.clone() }).contains("out of range"));
     // A learning rate that blows up is reported, not trained through.

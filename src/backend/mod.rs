@@ -4,7 +4,7 @@
 //! that a [`Backend`] owns. One backend is chosen at start-up ([`Device`], `--device`) and
 //! reached through a `Box<dyn Backend>`; a training step makes a few hundred calls, so the
 //! dynamic dispatch costs nothing measurable. Adding a device means adding its files (e.g.
-//! `src/cuda/backend.rs` and one kernel file per layer kind) and an arm in [`open`]; the model,
+//! `src/cuda/backend.rs` and one kernel file per layer kind) and an arm in [`factory::open`]; the model,
 //! the training loop and everything above them do not change.
 //!
 //! Conventions of every op: outputs first, inputs next, shapes last (the dimension names of
@@ -15,6 +15,8 @@
 //! the next download or [`Backend::synchronize`].
 
 pub mod comm;
+pub mod factory;
+pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
@@ -115,26 +117,6 @@ impl std::fmt::Display for Device {
             Device::Gpu(None) => write!(f, "gpu"),
             Device::Gpu(Some(i)) => write!(f, "gpu:{i}"),
             Device::Cuda(i) => write!(f, "cuda:{i}"),
-        }
-    }
-}
-
-/// Settle what every backend's host side relies on, once at start-up: the CPU kernels'
-/// instruction set (so a bad `LLMRS_CPU_ISA` is an error here, not a panic in a kernel).
-pub fn init_host() -> Result<()> {
-    crate::cpu::simd::init().map(|_| ())
-}
-
-/// The backend for `device`.
-pub fn open(device: Device) -> Result<Box<dyn Backend>> {
-    match device {
-        Device::Cpu => Ok(Box::new(crate::cpu::backend::CpuBackend::new(crate::env::nan_check()))),
-        Device::Gpu(adapter) => Ok(Box::new(crate::gpu::GpuBackend::open(crate::gpu::Options::from_env(adapter)?)?)),
-        Device::Cuda(_) => {
-            bail!(
-                "--device {device}: llmrs has no CUDA backend yet; an NVIDIA GPU runs with --device gpu (Vulkan), \
-                 or run on the CPU (--device cpu, the default)"
-            )
         }
     }
 }
@@ -430,7 +412,5 @@ mod tests {
         assert_eq!(Device::Gpu(Some(2)).to_string(), "gpu:2");
         assert!("tpu".parse::<Device>().is_err() && "cuda:x".parse::<Device>().is_err());
         assert!("gpu:".parse::<Device>().is_err() && "gpu:-1".parse::<Device>().is_err());
-        let e = open(Device::Cuda(0)).err().unwrap().to_string();
-        assert!(e.contains("no CUDA backend yet") && e.contains("--device cpu"), "{e}");
     }
 }

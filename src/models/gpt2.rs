@@ -5,7 +5,7 @@ use super::{t, Attn};
 use crate::acts::{BackActs, BlockActs};
 use crate::backend::{Backend, Buf};
 use crate::config::ModelConfig;
-use crate::hf::HfTensor;
+use crate::params::HfTensor;
 use crate::params::{Block, ParamLayout, Tensor, Weights};
 use crate::rng::Mt19937;
 use anyhow::{bail, Context, Result};

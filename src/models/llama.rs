@@ -11,7 +11,7 @@ use super::{t, Attn, Consts};
 use crate::acts::{BackActs, BlockActs};
 use crate::backend::{Backend, Buf};
 use crate::config::{Llama3Scaling, ModelConfig};
-use crate::hf::HfTensor;
+use crate::params::HfTensor;
 use crate::params::{Block, ParamLayout, Tensor, Weights};
 use crate::rng::Mt19937;
 use anyhow::{bail, Context, Result};
@@ -245,7 +245,7 @@ fn llmc_ffn(c: usize, f: usize) -> Option<(usize, f32)> {
 /// high_freq_factor in float slots 3-5 (llm.c reads neither; it knows only 3.1's scaling).
 /// An error says what cannot be written, before anything is: a checkpoint's model file is
 /// checked with this at the start of a run.
-pub fn llmc_header(cfg: &ModelConfig, dtype: crate::checkpoint::Dtype) -> anyhow::Result<Vec<u8>> {
+pub fn llmc_header(cfg: &ModelConfig, dtype: crate::files::Dtype) -> anyhow::Result<Vec<u8>> {
     let (c, v, l, f) = (cfg.channels, cfg.vocab_size, cfg.num_layers, cfg.hidden);
     let (multiple_of, multiplier) = llmc_ffn(c, f).ok_or_else(|| {
         anyhow::anyhow!("the MLP's hidden size {f} cannot be written in llm.c's llama3 header (C={c})")
@@ -286,7 +286,7 @@ pub fn llmc_header(cfg: &ModelConfig, dtype: crate::checkpoint::Dtype) -> anyhow
 /// The bytes of an llm.c llama3 model file: [`llmc_header`], then GPT-2's 16 tensor slots:
 /// wte (V, C), the LM head in wpe's slot (V, C; wte again when tied), zero biases where Llama
 /// has none, fc = [up; gate], q and k rows in Meta's interleaved-pair layout.
-pub fn llmc_file(w: &Weights, dtype: crate::checkpoint::Dtype) -> anyhow::Result<(Vec<u8>, Vec<f32>)> {
+pub fn llmc_file(w: &Weights, dtype: crate::files::Dtype) -> anyhow::Result<(Vec<u8>, Vec<f32>)> {
     let cfg = &w.config;
     let (c, v, l) = (cfg.channels, cfg.vocab_size, cfg.num_layers);
     let header = llmc_header(cfg, dtype)?;
@@ -353,8 +353,8 @@ fn interleave_qk(cfg: &ModelConfig, x: &[f32], rows: bool, to_hf: bool) -> Vec<f
 /// The shape and dtype in the headers of an llm.c llama3 model file (its first 2 KiB). Tied
 /// head and biases are told by the values ([`read_llmc`]): here every slot counts (untied,
 /// biased).
-pub fn llmc_config(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<(ModelConfig, crate::checkpoint::Dtype)> {
-    use crate::checkpoint::Dtype;
+pub fn llmc_config(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<(ModelConfig, crate::files::Dtype)> {
+    use crate::files::Dtype;
     use crate::files::HEADER_BYTES;
     use anyhow::{bail, Context};
     let at = |i: usize| i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
@@ -427,7 +427,7 @@ pub fn llmc_config(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<(Mode
 /// Read an llm.c llama3 model file ([`llmc_file`]'s layout) into weights in transformers'
 /// layout: the untied head and the biases are kept only when non-zero and distinct.
 pub fn read_llmc(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<Weights> {
-    use crate::checkpoint::Dtype;
+    use crate::files::Dtype;
     use crate::files::{bf16s_from_le, f32s_from_le, HEADER_BYTES};
     use anyhow::bail;
     let (mut cfg, dtype) = llmc_config(bytes, path)?;
@@ -668,7 +668,7 @@ mod tests {
 
     #[test]
     fn llmc_file_round_trip() {
-        use crate::checkpoint::Dtype;
+        use crate::files::Dtype;
         for desc in ["llama:2x64:4:2", "llama:1x32:2:1:40:16"] {
             for (tied, bias) in [(true, false), (false, true)] {
                 let cfg =

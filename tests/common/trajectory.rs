@@ -2,8 +2,9 @@
 //! (`ref_trajectory.json`, `llama/trajectory.json`): the batches, the optimizer settings and
 //! schedule, and the losses, gradient norms and learning rates PyTorch saw at every step.
 
+use llmrs::model::optimizer_step;
 use llmrs::model::{Model, StepStats};
-use llmrs::optim::{optimizer_step, OptimConfig};
+use llmrs::optim::OptimConfig;
 use llmrs::schedule::{LrSchedule, ScheduleKind};
 use std::path::Path;
 

@@ -1,0 +1,37 @@
+//! The one place a backend is chosen: [`open`] makes the device `--device` names, once at
+//! start-up. It sits apart from the [`Backend`] trait so that the trait's module imports no
+//! device (the devices import it).
+
+use super::{Backend, Device};
+use anyhow::{bail, Result};
+
+/// Settle what every backend's host side relies on, once at start-up: the CPU kernels'
+/// instruction set (so a bad `LLMRS_CPU_ISA` is an error here, not a panic in a kernel).
+pub fn init_host() -> Result<()> {
+    crate::cpu::simd::init().map(|_| ())
+}
+
+/// The backend for `device`.
+pub fn open(device: Device) -> Result<Box<dyn Backend>> {
+    match device {
+        Device::Cpu => Ok(Box::new(crate::cpu::backend::CpuBackend::new(crate::env::nan_check()))),
+        Device::Gpu(adapter) => Ok(Box::new(crate::gpu::GpuBackend::open(crate::gpu::Options::from_env(adapter)?)?)),
+        Device::Cuda(_) => {
+            bail!(
+                "--device {device}: llmrs has no CUDA backend yet; an NVIDIA GPU runs with --device gpu (Vulkan), \
+                 or run on the CPU (--device cpu, the default)"
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_is_refused_with_the_way_out() {
+        let e = open(Device::Cuda(0)).err().unwrap().to_string();
+        assert!(e.contains("no CUDA backend yet") && e.contains("--device cpu"), "{e}");
+    }
+}
