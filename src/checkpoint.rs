@@ -15,7 +15,6 @@ use anyhow::{bail, Context, Result};
 use std::io::Write;
 use std::path::Path;
 
-pub const MODEL_MAGIC: i32 = 20240326;
 pub const DEBUG_STATE_MAGIC: i32 = 20240327;
 
 /// Write `vals` to `w` in `dtype`, a block at a time (no copy of the whole buffer as bytes).
@@ -32,98 +31,114 @@ fn write_values(w: &mut dyn Write, vals: &[f32], dtype: Dtype) -> std::io::Resul
     Ok(())
 }
 
-/// The model-file header for `cfg`.
-fn model_header(cfg: &ModelConfig, dtype: Dtype) -> Vec<u8> {
-    let mut h = [0i32; HEADER_INTS];
-    h[0] = MODEL_MAGIC;
-    h[1] = dtype.version();
-    h[2] = cfg.max_seq_len as i32;
-    h[3] = cfg.vocab_size as i32;
-    h[4] = cfg.num_layers as i32;
-    h[5] = cfg.num_heads as i32;
-    h[6] = cfg.channels as i32;
-    h[7] = cfg.padded_vocab_size as i32;
-    h.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
+/// llmrs's own model file, for the families llm.c has no file for (Qwen): llm.c's header of
+/// 256 ints (magic, version 3 fp32 / 5 bf16, the config.json's length in bytes, the number of
+/// values), then the model's config.json as `llmrs convert` writes it, then the values in the
+/// family's layout order.
+pub const LLMRS_MAGIC: i32 = 20261203;
 
-/// Parse a model-file header into a shape and dtype.
-fn parse_model_header(h: &[i32; HEADER_INTS], path: &Path) -> Result<(ModelConfig, Dtype)> {
-    if h[0] != MODEL_MAGIC {
-        bail!(
-            "{} is not an llm.c model file (magic {} instead of {MODEL_MAGIC}, or the llama3 branch's 20240803); pass a model .bin written by llm.c or llmrs",
-            path.display(),
-            h[0]
-        );
-    }
-    let dtype = match h[1] {
-        3 => Dtype::F32,
-        5 => Dtype::BF16,
-        v => bail!(
-            "{}: model file version {v} is not supported (3 = fp32, 5 = bf16); re-export it with llm.c's train_gpt2.py or llmrs",
-            path.display()
-        ),
-    };
-    let dim = |i: usize, name: &str| -> Result<usize> {
-        usize::try_from(h[i])
-            .ok()
-            .filter(|&x| x > 0)
-            .with_context(|| format!("{}: header field {name} = {} is invalid", path.display(), h[i]))
-    };
-    let cfg = ModelConfig {
-        max_seq_len: dim(2, "max_seq_len")?,
-        vocab_size: dim(3, "vocab_size")?,
-        padded_vocab_size: dim(7, "padded_vocab_size")?,
-        ..ModelConfig::gpt2(dim(4, "num_layers")?, dim(5, "num_heads")?, dim(6, "channels")?)
-    };
-    cfg.validate().with_context(|| format!("{}: bad model header", path.display()))?;
-    Ok((cfg, dtype))
-}
-
-/// The shape an llm.c model file (GPT-2's or the llama3 branch's) declares in its header,
-/// reading only the header. A llama3 file's head counts as untied and its biases as present
-/// (the values decide those; [`crate::config::ModelConfig::same_shape`] ignores them).
-pub fn peek_config(path: &Path) -> Result<ModelConfig> {
+/// The first 2 KiB of a file (llm.c's headers), read without the rest.
+fn read_head(path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
     crate::files::check_regular(path)?;
     let mut bytes = Vec::with_capacity(2 * HEADER_BYTES);
     std::fs::File::open(path)
         .and_then(|f| f.take(2 * HEADER_BYTES as u64).read_to_end(&mut bytes))
         .with_context(|| format!("cannot read {}", path.display()))?;
-    let h = parse_header(&bytes, path, "model")?;
-    if h[0] == crate::models::llama::LLMC_MAGIC {
-        return Ok(crate::models::llama::llmc_config(&bytes, path)?.0);
-    }
-    Ok(parse_model_header(&h, path)?.0)
+    Ok(bytes)
 }
 
-/// Load an llm.c model file (fp32 or bf16): GPT-2's (magic 20240326) or the llama3 branch's
-/// (magic 20240803, [`crate::models::llama::read_llmc`]).
+/// A model file's magic, as a family that reads it, or llmrs's own file (None).
+fn family_of(magic: i32, path: &Path) -> Result<Option<&'static dyn crate::models::family::Arch>> {
+    if magic == LLMRS_MAGIC {
+        return Ok(None);
+    }
+    match crate::models::by_llmc_magic(magic) {
+        Some(a) => Ok(Some(a)),
+        None => {
+            let known: Vec<String> = crate::models::FAMILIES
+                .iter()
+                .filter_map(|f| f.llmc_magic().map(|m| format!("llm.c's {} file {m}", f.name())))
+                .collect();
+            bail!(
+                "{} is not a model file llmrs reads (magic {magic}; {}, llmrs's own {LLMRS_MAGIC}); pass a model .bin \
+                 written by llm.c or llmrs",
+                path.display(),
+                known.join(", ")
+            )
+        }
+    }
+}
+
+/// llmrs's own model file: its config and dtype, and where the values start.
+fn llmrs_header(bytes: &[u8], path: &Path) -> Result<(ModelConfig, Dtype, usize)> {
+    let h = parse_header(bytes, path, "model")?;
+    let dtype = match h[1] {
+        3 => Dtype::F32,
+        5 => Dtype::BF16,
+        v => bail!("{}: llmrs model file version {v} is not supported (3 = fp32, 5 = bf16)", path.display()),
+    };
+    let len = usize::try_from(h[2]).ok().filter(|&n| n > 0 && n < 1 << 20);
+    let len = len.with_context(|| format!("{}: header field config length {} is invalid", path.display(), h[2]))?;
+    let text =
+        bytes.get(HEADER_BYTES..HEADER_BYTES + len).with_context(|| format!("{}: truncated header", path.display()))?;
+    let text = std::str::from_utf8(text).map_err(|_| anyhow::anyhow!("{}: its config is not UTF-8", path.display()))?;
+    let cfg = crate::hf::parse_config(text, path)?;
+    Ok((cfg, dtype, HEADER_BYTES + len))
+}
+
+/// The shape a model file declares in its header, reading only the header. A llama3 file's
+/// head counts as untied and its biases as present (the values decide those;
+/// [`crate::config::ModelConfig::same_shape`] ignores them).
+pub fn peek_config(path: &Path) -> Result<ModelConfig> {
+    let mut bytes = read_head(path)?;
+    let h = parse_header(&bytes, path, "model")?;
+    match family_of(h[0], path)? {
+        Some(a) => Ok(a.llmc_config(&bytes, path)?.0),
+        None => {
+            let len = usize::try_from(h[2]).unwrap_or(0).min(1 << 20);
+            bytes = read_file_prefix(path, HEADER_BYTES + len)?;
+            Ok(llmrs_header(&bytes, path)?.0)
+        }
+    }
+}
+
+fn read_file_prefix(path: &Path, n: usize) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::with_capacity(n);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(n as u64).read_to_end(&mut bytes))
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(bytes)
+}
+
+/// Load a model file (fp32 or bf16): llm.c's for the families it has one for (GPT-2's, magic
+/// 20240326; the llama3 branch's, 20240803), llmrs's own for the others. Non-finite weights are
+/// refused, naming the tensor.
 pub fn load_model(path: &Path) -> Result<Weights> {
     let bytes = read_file(path)?;
     let h = parse_header(&bytes, path, "model")?;
-    if h[0] == crate::models::llama::LLMC_MAGIC {
-        let w = crate::models::llama::read_llmc(&bytes, path)?;
-        w.check_finite(&path.display().to_string())?;
-        return Ok(w);
-    }
-    let (cfg, dtype) = parse_model_header(&h, path)?;
-    // Check the size before allocating anything the header asks for.
-    let n = cfg.num_parameters();
-    let want = HEADER_BYTES + n * dtype.bytes();
-    if bytes.len() != want {
-        bail!(
-            "{}: file is {} bytes but a {} model of this shape needs {want}: the file is truncated or corrupt",
-            path.display(),
-            bytes.len(),
-            dtype
-        );
-    }
-    let mut w = Weights::zeros(cfg)?;
-    let body = &bytes[HEADER_BYTES..];
-    match dtype {
-        Dtype::F32 => f32s_from_le(body, &mut w.data),
-        Dtype::BF16 => bf16s_from_le(body, &mut w.data),
-    }
+    let w = match family_of(h[0], path)? {
+        Some(a) => a.llmc_read(&bytes, path)?,
+        None => {
+            let (cfg, dtype, at) = llmrs_header(&bytes, path)?;
+            let n = cfg.num_parameters();
+            let want = at + n * dtype.bytes();
+            if bytes.len() != want {
+                bail!(
+                    "{}: file is {} bytes but a {dtype} model of this shape needs {want}: the file is truncated or corrupt",
+                    path.display(),
+                    bytes.len()
+                );
+            }
+            let mut w = Weights::zeros(cfg)?;
+            match dtype {
+                Dtype::F32 => f32s_from_le(&bytes[at..], &mut w.data),
+                Dtype::BF16 => bf16s_from_le(&bytes[at..], &mut w.data),
+            }
+            w
+        }
+    };
     w.check_finite(&path.display().to_string())?;
     Ok(w)
 }
@@ -131,25 +146,32 @@ pub fn load_model(path: &Path) -> Result<Weights> {
 /// Refuse, before anything is written, a model that [`save_model`] could not write in
 /// `dtype`: a run that checkpoints checks this at its start, not at its first checkpoint.
 pub fn check_model_file(cfg: &ModelConfig, dtype: Dtype) -> Result<()> {
-    if cfg.family == crate::config::Family::Llama {
-        crate::models::llama::llmc_header(cfg, dtype).context("this model cannot be checkpointed")?;
+    let a = crate::models::arch(cfg);
+    if a.llmc_magic().is_some() {
+        a.llmc_header(cfg, dtype).context("this model cannot be checkpointed")?;
     }
     Ok(())
 }
 
-/// Write parameters as an llm.c model file (bf16 rounds to nearest even): GPT-2's, or for a
-/// Llama model the llama3 branch's.
+/// Write parameters as a model file (bf16 rounds to nearest even): llm.c's where it has one
+/// for the family, else llmrs's own.
 pub fn save_model(w: &Weights, path: &Path, dtype: Dtype) -> Result<()> {
-    if w.config.family == crate::config::Family::Llama {
-        let (header, vals) = crate::models::llama::llmc_file(w, dtype)?;
+    let a = crate::models::arch(&w.config);
+    if a.llmc_magic().is_some() {
+        let (header, vals) = a.llmc_write(w, dtype)?;
         return write_atomic_with(path, |f| {
             f.write_all(&header)?;
             write_values(f, &vals, dtype)
         });
     }
-    let header = model_header(&w.config, dtype);
+    let json = crate::hf::config_json(&w.config, Dtype::F32);
+    let mut h = [0i32; HEADER_INTS];
+    (h[0], h[1], h[2]) = (LLMRS_MAGIC, dtype.version(), json.len() as i32);
+    h[3] = i32::try_from(w.data.len()).unwrap_or(-1);
+    let header: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
     write_atomic_with(path, |f| {
         f.write_all(&header)?;
+        f.write_all(json.as_bytes())?;
         write_values(f, &w.data, dtype)
     })
 }
@@ -453,7 +475,7 @@ mod tests {
         assert!(err(&good[..100]).contains("too short"));
         let mut foreign = good.clone();
         foreign[0] = 0x7f;
-        assert!(err(&foreign).contains("not an llm.c model file"));
+        assert!(err(&foreign).contains("not a model file llmrs reads"));
         let mut v = good.clone();
         v[4] = 4;
         assert!(err(&v).contains("version 4"));

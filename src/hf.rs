@@ -7,31 +7,16 @@
 //! live in the flat parameter buffer, the shape as stored, and whether stored transposed. Import
 //! and export follow that one table. fp32, bf16 and f16 are read; fp32 and bf16 written.
 
-use crate::config::{Family, ModelConfig};
+use crate::config::ModelConfig;
 use crate::files::Dtype;
 use crate::files::{bf16s_from_le, f32s_from_le, f32s_to_bf16_le, f32s_to_le, read_file, write_atomic};
-use crate::models::{gpt2, llama};
-use crate::params::{HfTensor, Tensor, Weights};
+use crate::models;
+use crate::params::{HfTensor, Weights};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype as StDtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-
-/// The family `config.json` describes, from its `architectures` (or `model_type`).
-fn family_of(v: &serde_json::Value, path: &Path) -> Result<Family> {
-    let arch = v["architectures"].get(0).and_then(|a| a.as_str()).unwrap_or("");
-    let kind = v["model_type"].as_str().unwrap_or("");
-    match (arch, kind) {
-        ("GPT2LMHeadModel", _) | ("", "gpt2") => Ok(Family::Gpt2),
-        ("LlamaForCausalLM", _) | ("", "llama") => Ok(Family::Llama),
-        _ => bail!(
-            "{}: architecture '{}' is not supported: llmrs runs GPT2LMHeadModel and LlamaForCausalLM",
-            path.display(),
-            if arch.is_empty() { kind } else { arch }
-        ),
-    }
-}
 
 /// Parse `config.json` into the model's shape, checking that llmrs computes exactly this model.
 pub fn parse_config(text: &str, path: &Path) -> Result<ModelConfig> {
@@ -40,11 +25,8 @@ pub fn parse_config(text: &str, path: &Path) -> Result<ModelConfig> {
     if !v.is_object() {
         bail!("{}: not a model config.json (not a JSON object)", path.display());
     }
-    let cfg = match family_of(&v, path)? {
-        Family::Gpt2 => gpt2::parse_hf_config(text, path)?,
-        Family::Llama => llama::parse_hf_config(&v, path)?,
-    };
-    cfg.validate().with_context(|| format!("{}: bad model shape", path.display()))?;
+    let cfg = models::by_hf_config(&v, path)?.parse_hf_config(&v, path)?;
+    models::validate(&cfg).with_context(|| format!("{}: bad model shape", path.display()))?;
     Ok(cfg)
 }
 
@@ -54,18 +36,11 @@ pub fn config_json(cfg: &ModelConfig, dtype: Dtype) -> String {
         Dtype::F32 => "float32",
         Dtype::BF16 => "bfloat16",
     };
-    let v = match cfg.family {
-        Family::Gpt2 => gpt2::hf_config(cfg, torch_dtype),
-        Family::Llama => llama::hf_config(cfg, torch_dtype),
-    };
-    serde_json::to_string_pretty(&v).unwrap() + "\n"
+    serde_json::to_string_pretty(&models::arch(cfg).hf_config(cfg, torch_dtype)).unwrap() + "\n"
 }
 
 fn hf_tensors(w: &Weights) -> Vec<HfTensor> {
-    match w.config.family {
-        Family::Gpt2 => gpt2::hf_tensors(&w.config, &w.layout),
-        Family::Llama => llama::hf_tensors(&w.config, &w.layout),
-    }
+    models::arch(&w.config).hf_tensors(&w.config, &w.layout)
 }
 
 /// The safetensors files of a checkpoint: `config.json` and its shards.
@@ -174,18 +149,16 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
         parsed.push(st);
     }
     let names: Vec<String> = parsed.iter().flat_map(|st| st.names().into_iter().map(String::from)).collect();
-    let prefix = if cfg.family == Family::Gpt2 && names.iter().any(|n| n.starts_with("transformer.")) {
-        "transformer."
+    let arch = models::arch(&cfg);
+    let prefix = if !arch.hf_prefix().is_empty() && names.iter().any(|n| n.starts_with(arch.hf_prefix())) {
+        arch.hf_prefix()
     } else {
         ""
     };
     // The files must hold every tensor config.json implies, and no other (a layer more or a
     // layer less than config.json says is a model of another shape): checked by name before
     // anything is allocated for them.
-    let table = match cfg.family {
-        Family::Gpt2 => gpt2::hf_tensors(&cfg, &crate::params::ParamLayout::new(&cfg)),
-        Family::Llama => llama::hf_tensors(&cfg, &crate::params::ParamLayout::new(&cfg)),
-    };
+    let table = arch.hf_tensors(&cfg, &models::layout(&cfg));
     let expected: std::collections::HashSet<String> = table.iter().map(|e| format!("{prefix}{}", e.name)).collect();
     if let Some(e) = table.iter().find(|e| !names.contains(&format!("{prefix}{}", e.name))) {
         bail!(
@@ -197,12 +170,7 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
     }
     // Buffers transformers saves beside the weights (GPT-2's causal mask, rotary tables) and a
     // stored copy of a tied head (checked below) are not parameters.
-    let not_a_parameter = |n: &str| {
-        n.ends_with(".attn.bias")
-            || n.ends_with(".attn.masked_bias")
-            || n.ends_with("rotary_emb.inv_freq")
-            || n == "lm_head.weight"
-    };
+    let not_a_parameter = |n: &str| n == "lm_head.weight" || arch.hf_ignored(n);
     if let Some(n) = names.iter().find(|n| !expected.contains(*n) && !not_a_parameter(n)) {
         bail!(
             "{}: tensor {n} is not part of the model config.json describes ({} layers): the weights and config.json \
@@ -245,7 +213,7 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
         if let Some((head, p)) = find("lm_head.weight") {
             // A stored head must be the tied embedding.
             let (v, c) = (cfg.vocab_size, cfg.channels);
-            if head.shape() != [v, c] || to_f32(&head, "lm_head.weight")? != w.tensor(Tensor::Wte)[..v * c] {
+            if head.shape() != [v, c] || to_f32(&head, "lm_head.weight")? != w.tensor(arch.head(&cfg))[..v * c] {
                 bail!(
                     "{}: lm_head.weight differs from the token embedding, but config.json ties them \
                      (tie_word_embeddings)",
@@ -279,7 +247,7 @@ pub fn save_hf(w: &Weights, dir: &Path, dtype: Dtype) -> Result<()> {
             b
         })
         .collect();
-    let prefix = if w.config.family == Family::Gpt2 { "transformer." } else { "" };
+    let prefix = models::arch(&w.config).hf_prefix();
     let views = table
         .iter()
         .zip(&bytes)

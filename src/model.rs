@@ -6,13 +6,15 @@
 //! parameters, gradients, optimizer state, losses and logits through the methods at the end
 //! (host copies of named tensors, the step's loss, one position's logits).
 
-use crate::acts::{Acts, KvCache};
+use crate::acts::{ActPlan, Acts, KvCache, NormActs};
 use crate::backend::comm::{read_host, Collectives, Reduce, SingleProcess};
+use crate::backend::ops::{Mat, Ops, Seq};
 use crate::backend::{self, AdamWParams, Backend, Buf, DType, Device, SkipAbove};
 use crate::config::ModelConfig;
-use crate::models::{self, t, Attn, Consts, NormActs};
+use crate::models::family::{Arch, Attn, Consts};
 use crate::optim::OptimConfig;
-use crate::params::{Block, Outer, ParamLayout, Tensor, Weights, OUTER};
+use crate::params::{ParamLayout, TensorId, View, Weights};
+use crate::profile::Kind;
 use crate::zero::{Piece, Sharding};
 use anyhow::{bail, Context, Result};
 
@@ -95,6 +97,10 @@ struct Last {
 
 pub struct Model {
     pub config: ModelConfig,
+    /// The model's family: its tensors, its block's calls.
+    arch: &'static dyn Arch,
+    /// The activations the family's block keeps.
+    plan: ActPlan,
     layout: ParamLayout,
     be: Box<dyn Backend>,
     comm: Box<dyn Collectives>,
@@ -141,7 +147,7 @@ impl Model {
             for p in &pieces {
                 be.upload(params.slice(p.shard.clone()), &data[p.owned.clone()]);
             }
-            let (e, b) = (zero.embed_bucket().1, zero.block_bucket().1);
+            let (e, b) = (zero.outer_bucket().1, zero.block_bucket().1);
             let whole = be.alloc_parts(&zero.bucket_parts(), DType::F32)?;
             let (embed, block) = (whole.prefix(e), whole.slice(e..e + b));
             gathered = Some(Gathered { whole, embed, block, embed_valid: false, block_held: None });
@@ -153,7 +159,8 @@ impl Model {
         be.fill(stats, 0.0);
         let flags = be.alloc(2, DType::F32)?;
         be.fill(flags, 0.0);
-        let consts_buf = match models::host_consts(&config) {
+        let arch = crate::models::arch(&config);
+        let consts_buf = match arch.host_consts(&config) {
             Some(h) => {
                 let b = be.alloc(h.len(), DType::F32)?;
                 be.upload(b, &h);
@@ -163,6 +170,8 @@ impl Model {
         };
         Ok(Model {
             config,
+            arch,
+            plan: arch.acts(&config),
             layout,
             be,
             comm,
@@ -173,7 +182,7 @@ impl Model {
             stats,
             flags,
             train: None,
-            consts: Consts { rope: consts_buf },
+            consts: Consts { table: consts_buf },
             consts_buf,
             acts: None,
             last: Last::default(),
@@ -186,28 +195,28 @@ impl Model {
     /// per-position losses (see [`Model::accumulate_loss`], [`Model::backward`]). Under ZeRO-3
     /// it gathers weights, a collective: every rank must make the same passes.
     pub fn forward(&mut self, inputs: &[u32], targets: Option<&[u32]>, b: usize, t: usize) -> Result<()> {
-        let cfg = self.config;
-        let (c, v, vp, n) = (cfg.channels, cfg.vocab_size, cfg.padded_vocab_size, b * t);
+        let (cfg, arch) = (self.config, self.arch);
+        let (c, v, vp, n, s) = (cfg.channels, cfg.vocab_size, cfg.padded_vocab_size, b * t, Seq { b, t });
         check_tokens(&cfg, inputs, targets, b, t)?;
         self.reserve(b, t)?;
-        let a = self.acts.context("no activations")?;
+        let a = self.acts.clone().context("no activations")?;
         let o = self.outer_weights()?;
         let (inp, tgt) = a.tokens(n);
         self.be.upload_u32(inp, inputs);
-        models::embed(&mut *self.be, &cfg, &o, a.encoded.prefix(n * c), inp, b, t, 0);
+        arch.embed(&mut Ops::new(&mut *self.be), &cfg, &o, a.encoded(n), inp, s, 0);
         for l in 0..cfg.num_layers {
             let w = self.block_weights(l)?;
-            let x = a.layer(&cfg, l, b, t);
-            models::block_forward(&mut *self.be, &cfg, &self.consts, &w, &x, n, Attn::Causal { b, t });
+            let x = a.layer(l, b, t);
+            arch.block_forward(&mut Ops::new(&mut *self.be), &cfg, &self.consts, &w, &x, n, Attn::Causal(s));
         }
-        let be = &mut *self.be;
-        let norm = NormActs { out: a.lnf.prefix(n * c), mean: a.lnf_mean.prefix(n), rstd: a.lnf_rstd.prefix(n) };
-        let logits = a.logits.prefix(n * vp);
-        models::final_norm(be, &cfg, &o, &norm, a.layer(&cfg, cfg.num_layers - 1, b, t).residual3, n);
-        t!(be, Classifier, be.matmul_forward(logits, norm.out, models::head(&cfg, &o), None, n, c, vp));
+        let mut ops = Ops::new(&mut *self.be);
+        let (norm, logits) = (a.norm(n), a.logits.prefix(n * vp));
+        arch.final_norm(&mut ops, &cfg, &o, &norm, a.last_residual(&cfg, n), n);
+        let head = o[arch.head(&cfg)];
+        ops.charged_to(Kind::Classifier, |ops| ops.matmul_forward(logits, norm.out, head, None, Mat { n, c, oc: vp }));
         if let Some(y) = targets {
-            be.upload_u32(tgt, y);
-            t!(be, Classifier, be.crossentropy_forward(a.losses.prefix(n), a.lse.prefix(n), logits, tgt, n, v, vp));
+            ops.backend().upload_u32(tgt, y);
+            ops.crossentropy_forward(a.losses.prefix(n), a.lse.prefix(n), logits, tgt, n, v, vp);
         }
         self.last = Last { b, t, logits: true, losses: targets.is_some(), backward_ready: targets.is_some() };
         Ok(())
@@ -219,7 +228,7 @@ impl Model {
     /// Overwrites the logits with their gradient. Under ZeRO-2/3 each block's gradients are
     /// reduce-scattered into this rank's shard as soon as the block is done.
     pub fn backward(&mut self, loss_scale: f32) -> Result<()> {
-        let cfg = self.config;
+        let (cfg, arch) = (self.config, self.arch);
         let (c, v, vp, nl) = (cfg.channels, cfg.vocab_size, cfg.padded_vocab_size, cfg.num_layers);
         self.train.context("backward needs training state: call alloc_training_state first")?;
         let Last { b, t, backward_ready: true, .. } = self.last else {
@@ -227,34 +236,37 @@ impl Model {
         };
         self.last = Last { logits: false, backward_ready: false, ..self.last };
         let acc = !std::mem::take(&mut self.grads_overwrite) && self.zero.stage < 2;
-        let a = self.acts.context("no activations")?;
+        let a = self.acts.clone().context("no activations")?;
         let o = self.outer_weights()?;
         let d_o = self.outer_grads();
-        let (be, n) = (&mut *self.be, b * t);
+        let (n, s) = (b * t, Seq { b, t });
         let (inp, tgt) = a.tokens(n);
-        let (logits, lse, scratch) = (a.logits.prefix(n * vp), a.lse.prefix(n), a.scratch.prefix(n * c));
-        let norm = NormActs { out: a.lnf.prefix(n * c), mean: a.lnf_mean.prefix(n), rstd: a.lnf_rstd.prefix(n) };
-        let d = a.back(&cfg, b, t);
-        be.accumulate_mean(self.stats.prefix(1), a.losses.prefix(n), loss_scale);
-        t!(be, Classifier, be.crossentropy_backward(logits, lse, tgt, loss_scale / n as f32, n, v, vp));
-        let (head, dhead) = (models::head(&cfg, &o), models::head(&cfg, &d_o));
-        t!(be, Classifier, be.matmul_backward(Some(scratch), dhead, None, logits, norm.out, head, n, c, vp, acc));
-        be.fill(d.dresidual, 0.0);
-        let last = a.layer(&cfg, nl - 1, b, t).residual3;
-        models::final_norm_backward(be, &cfg, &o, &d_o, &norm, d.dresidual, scratch, last, n);
+        let (logits, lse, dnorm) = (a.logits.prefix(n * vp), a.lse.prefix(n), a.scratch.prefix(n * c));
+        let norm = a.norm(n);
+        let d = a.back(b, t);
+        let mut ops = Ops::new(&mut *self.be);
+        ops.accumulate_mean(self.stats.prefix(1), a.losses.prefix(n), loss_scale);
+        ops.crossentropy_backward(logits, lse, tgt, loss_scale / n as f32, n, v, vp);
+        let (head, dhead) = (o[arch.head(&cfg)], d_o[arch.head(&cfg)]);
+        let m = Mat { n, c, oc: vp };
+        ops.charged_to(Kind::Classifier, |ops| {
+            ops.matmul_backward(Some(dnorm), dhead, None, logits, norm.out, head, m, acc)
+        });
+        ops.backend().fill(d.dres, 0.0);
+        arch.final_norm_backward(&mut ops, &cfg, &o, &d_o, &norm, d.dres, dnorm, a.last_residual(&cfg, n), n);
         for l in (0..nl).rev() {
             let (w, dw) = (self.block_weights(l)?, self.block_grads(l));
-            let x = a.layer(&cfg, l, b, t);
-            models::block_backward(&mut *self.be, &cfg, &self.consts, &w, &dw, &x, &d, (b, t), acc);
-            self.reduce_grads(&Tensor::BLOCK, l)?;
+            let x = a.layer(l, b, t);
+            arch.block_backward(&mut Ops::new(&mut *self.be), &cfg, &self.consts, &w, &dw, &x, &d, s, acc);
+            self.reduce_grads(&self.layout.block_ids(), l)?;
         }
-        models::embed_backward(&mut *self.be, &cfg, &d_o, d.dresidual, inp, b, t);
-        self.reduce_grads(&OUTER, 0)
+        arch.embed_backward(&mut Ops::new(&mut *self.be), &cfg, &d_o, d.dres, inp, s);
+        self.reduce_grads(&self.layout.outer_ids(), 0)
     }
 
     /// Start a step: the step's loss to 0, and a new gradient. Like PyTorch's
     /// `zero_grad(set_to_none=True)`, the tensors that the next backward writes whole
-    /// ([`Tensor::written_whole_by_backward`]) are overwritten by it instead of being cleared
+    /// ([`crate::params::TensorSpec::whole`]) are overwritten by it instead of being cleared
     /// now, which saves a pass over all gradients and the read of every weight gradient in the
     /// backward GEMMs; the rest are zeroed here. Under ZeRO-2/3 the shard is cleared (backward
     /// adds each micro-batch's reduced gradients to it).
@@ -263,8 +275,7 @@ impl Model {
         if self.zero.stage >= 2 {
             self.be.fill(tr.grads, 0.0);
         } else {
-            let cleared = crate::params::tensors(&self.config).into_iter();
-            for t in cleared.filter(|t| !t.written_whole_by_backward(&self.config)) {
+            for t in self.layout.ids().filter(|&t| !self.layout.spec(t).whole) {
                 self.be.fill(tr.grads.slice(self.layout.range(t)), 0.0);
             }
         }
@@ -273,68 +284,27 @@ impl Model {
         Ok(())
     }
 
-    /// The optimizer step, queued without waiting on the host: average the gradients and the
-    /// loss over the ranks, take the global gradient norm, then clip and apply AdamW to every
-    /// tensor (weight decay on the 2-D weights): to everything (stage 0), or to this rank's
-    /// parts, which are then all-gathered (stages 1-2) or stay sharded (stage 3). A step whose
-    /// loss or norm is not finite, or above `skip`, leaves the model unchanged
+    /// The optimizer step, queued without waiting on the host (see [`Sharding::update`]: AdamW
+    /// with clipping, on the parts of the parameters this rank's ZeRO stage gives it). A step
+    /// whose loss or norm is not finite, or above `skip`, leaves the model unchanged
     /// ([`Backend::adamw_update`]); [`Model::step_stats`] tells.
     pub fn update(&mut self, o: &OptimConfig, lr: f32, step: usize, skip: SkipAbove) -> Result<()> {
         let tr = self.train.context("update needs training state: call alloc_training_state first")?;
         self.skip = skip;
-        let (be, stats, stage, params) = (&mut *self.be, self.stats, self.zero.stage, self.params);
-        let norm = stats.slice(1..2);
-        self.comm.all_reduce(be, stats.prefix(1), Reduce::Mean)?;
-        match stage {
-            0 => {
-                self.comm.all_reduce(be, tr.grads, Reduce::Mean)?;
-                t!(be, Optimizer, be.global_norm_squared(norm, tr.grads, false));
-            }
-            1 => {
-                for (i, p) in self.pieces.iter().enumerate() {
-                    let own = tr.grads.slice(p.owned.clone());
-                    self.comm.reduce_scatter(be, tr.grads.slice(p.full.clone()), own, Reduce::Mean, false)?;
-                    t!(be, Optimizer, be.global_norm_squared(norm, own, i > 0));
-                }
-                self.comm.all_reduce(be, norm, Reduce::Sum)?;
-            }
-            _ => {
-                t!(be, Optimizer, be.global_norm_squared(norm, tr.grads, false));
-                self.comm.all_reduce(be, norm, Reduce::Sum)?;
-            }
-        }
-        let h = |x: Tensor| AdamWParams {
+        let bufs = crate::zero::StepBufs { params: self.params, grads: tr.grads, m: tr.m, v: tr.v, stats: self.stats };
+        let layout = &self.layout;
+        let hyper = |t: TensorId| AdamWParams {
             lr,
             beta1: o.beta1,
             beta2: o.beta2,
             eps: o.eps,
-            weight_decay: if x.weight_decay(&self.config) { o.weight_decay } else { 0.0 },
+            weight_decay: if layout.spec(t).decay { o.weight_decay } else { 0.0 },
             grad_clip: o.grad_clip,
             t: step as i32 + 1,
             skip,
         };
-        if stage == 0 {
-            for x in crate::params::tensors(&self.config) {
-                let r = self.layout.range(x);
-                let (p, g, m, v) =
-                    (params.slice(r.clone()), tr.grads.slice(r.clone()), tr.m.slice(r.clone()), tr.v.slice(r));
-                t!(be, Optimizer, be.adamw_update(p, g, m, v, stats, &h(x)));
-            }
-            return Ok(());
-        }
-        for pc in &self.pieces {
-            let p = params.slice(if stage == 3 { pc.shard.clone() } else { pc.owned.clone() });
-            let g = tr.grads.slice(if stage >= 2 { pc.shard.clone() } else { pc.owned.clone() });
-            let (m, v) = (tr.m.slice(pc.shard.clone()), tr.v.slice(pc.shard.clone()));
-            t!(be, Optimizer, be.adamw_update(p, g, m, v, stats, &h(pc.tensor)));
-        }
-        if stage == 3 {
-            self.forget_gathered();
-        } else {
-            for pc in &self.pieces {
-                self.comm.all_gather(be, params.slice(pc.owned.clone()), params.slice(pc.full.clone()))?;
-            }
-        }
+        self.zero.update(&mut *self.be, &mut *self.comm, bufs, hyper)?;
+        self.forget_gathered();
         Ok(())
     }
 
@@ -342,30 +312,29 @@ impl Model {
 
     /// The tensors outside the blocks for this pass: views of the parameters, or under ZeRO-3
     /// gathered from every rank's shard (once per update).
-    fn outer_weights(&mut self) -> Result<Outer<Buf>> {
-        let Some(mut g) = self.gathered else { return Ok(self.layout.outer().map(|r| self.params.slice(r))) };
-        let (ranges, _) = self.zero.embed_bucket();
-        let views = ranges.map(|r| g.embed.slice(r));
+    fn outer_weights(&mut self) -> Result<View<Buf>> {
+        let Some(mut g) = self.gathered else { return Ok(self.layout.outer().map(|r| self.params.slice(r.clone()))) };
+        let views = self.zero.outer_bucket().0.map(|r| g.embed.slice(r.clone()));
         if !g.embed_valid {
-            for (x, dst) in OUTER.into_iter().zip(views).filter(|(_, d)| d.len > 0) {
-                let src = self.params.slice(self.zero.piece(x, 0).shard);
-                self.comm.all_gather(&mut *self.be, src, dst)?;
+            for t in self.layout.outer_ids().into_iter().filter(|&t| views[t].len > 0) {
+                let src = self.params.slice(self.zero.piece(t, 0).shard);
+                self.comm.all_gather(&mut *self.be, src, views[t])?;
             }
             g.embed_valid = true;
             self.gathered = Some(g);
         }
-        Ok(Outer::from_array(views))
+        Ok(views)
     }
 
     /// Block `l`'s weights: views of the parameters, or under ZeRO-3 gathered just before use
     /// into the one-block buffer (which the next block's gathering overwrites).
-    fn block_weights(&mut self, l: usize) -> Result<Block<Buf>> {
-        let Some(mut g) = self.gathered else { return Ok(self.layout.block(l).map(|r| self.params.slice(r))) };
-        let views = self.zero.block_bucket().0.map(|r| g.block.slice(r));
+    fn block_weights(&mut self, l: usize) -> Result<View<Buf>> {
+        let Some(mut g) = self.gathered else { return Ok(self.layout.block(l).map(|r| self.params.slice(r.clone()))) };
+        let views = self.zero.block_bucket().0.map(|r| g.block.slice(r.clone()));
         if g.block_held != Some(l) {
-            for x in Tensor::BLOCK.into_iter().filter(|&x| views.get(x).len > 0) {
-                let src = self.params.slice(self.zero.piece(x, l).shard);
-                self.comm.all_gather(&mut *self.be, src, views.get(x))?;
+            for t in self.layout.block_ids().into_iter().filter(|&t| views[t].len > 0) {
+                let src = self.params.slice(self.zero.piece(t, l).shard);
+                self.comm.all_gather(&mut *self.be, src, views[t])?;
             }
             g.block_held = Some(l);
             self.gathered = Some(g);
@@ -382,44 +351,40 @@ impl Model {
     }
 
     /// Where backward writes the gradients of the tensors outside the blocks: the gradient
-    /// buffer, or under ZeRO-2/3 the embedding bucket, whose tensors that backward adds to
-    /// are zeroed.
-    fn outer_grads(&mut self) -> Outer<Buf> {
+    /// buffer, or under ZeRO-2/3 the outer bucket, whose tensors that backward adds to are
+    /// zeroed.
+    fn outer_grads(&mut self) -> View<Buf> {
         let tr = self.train.expect("checked by the caller");
-        let Some((bucket, _)) = tr.buckets else { return self.layout.outer().map(|r| tr.grads.slice(r)) };
-        let views = self.zero.embed_bucket().0.map(|r| bucket.slice(r));
-        for (x, b) in OUTER.into_iter().zip(views) {
-            if !x.written_whole_by_backward(&self.config) {
-                self.be.fill(b, 0.0);
-            }
+        let Some((bucket, _)) = tr.buckets else { return self.layout.outer().map(|r| tr.grads.slice(r.clone())) };
+        let views = self.zero.outer_bucket().0.map(|r| bucket.slice(r.clone()));
+        for t in self.layout.outer_ids().into_iter().filter(|&t| !self.layout.spec(t).whole) {
+            self.be.fill(views[t], 0.0);
         }
-        Outer::from_array(views)
+        views
     }
 
     /// Where backward writes block `l`'s gradients: the gradient buffer, or under ZeRO-2/3 the
     /// block bucket, with the gradients that backward adds to (the norms') zeroed.
-    fn block_grads(&mut self, l: usize) -> Block<Buf> {
+    fn block_grads(&mut self, l: usize) -> View<Buf> {
         let tr = self.train.expect("checked by the caller");
-        let Some((_, bucket)) = tr.buckets else { return self.layout.block(l).map(|r| tr.grads.slice(r)) };
-        let views = self.zero.block_bucket().0.map(|r| bucket.slice(r));
-        for x in Tensor::BLOCK.into_iter().filter(|x| !x.written_whole_by_backward(&self.config)) {
-            self.be.fill(views.get(x), 0.0);
+        let Some((_, bucket)) = tr.buckets else { return self.layout.block(l).map(|r| tr.grads.slice(r.clone())) };
+        let views = self.zero.block_bucket().0.map(|r| bucket.slice(r.clone()));
+        for t in self.layout.block_ids().into_iter().filter(|&t| !self.layout.spec(t).whole) {
+            self.be.fill(views[t], 0.0);
         }
         views
     }
 
     /// ZeRO-2/3: reduce-scatter the bucket's gradients of `tensors` (layer `l`) into this
     /// rank's shard, averaged over the ranks and added to the micro-batches before.
-    fn reduce_grads(&mut self, tensors: &[Tensor], l: usize) -> Result<()> {
+    fn reduce_grads(&mut self, tensors: &[TensorId], l: usize) -> Result<()> {
         let tr = self.train.expect("checked by the caller");
-        let Some((embed, block)) = tr.buckets else { return Ok(()) };
-        let (er, br) = (self.zero.embed_bucket().0, self.zero.block_bucket().0);
-        for &x in tensors.iter().filter(|x| x.numel(&self.config) > 0) {
-            let src = match OUTER.iter().position(|&e| e == x) {
-                Some(i) => embed.slice(er[i].clone()),
-                None => block.slice(br.get(x)),
-            };
-            let dst = tr.grads.slice(self.zero.piece(x, l).shard);
+        let Some((outer, block)) = tr.buckets else { return Ok(()) };
+        let (or, br) = (self.zero.outer_bucket().0, self.zero.block_bucket().0);
+        for &t in tensors.iter().filter(|&&t| self.layout.spec(t).numel_per_layer() > 0) {
+            let src =
+                if self.layout.spec(t).per_layer { block.slice(br[t].clone()) } else { outer.slice(or[t].clone()) };
+            let dst = tr.grads.slice(self.zero.piece(t, l).shard);
             self.comm.reduce_scatter(&mut *self.be, src, dst, Reduce::Mean, true)?;
         }
         Ok(())
@@ -490,7 +455,7 @@ impl Model {
             m.adamw = bytes(tr.m) + bytes(tr.v);
             m.buffers += tr.buckets.map_or(0, |(e, b)| bytes(e) + bytes(b));
         }
-        if let Some(a) = self.acts {
+        if let Some(a) = &self.acts {
             m.activations = bytes(a.whole) + bytes(a.tokens);
         }
         m
@@ -506,7 +471,7 @@ impl Model {
             };
             let (grads, m, v) = (z(self.zero.parts_at(2))?, z(self.zero.parts_at(1))?, z(self.zero.parts_at(1))?);
             let buckets = if self.zero.stage >= 2 {
-                let (e, b) = (self.zero.embed_bucket().1, self.zero.block_bucket().1);
+                let (e, b) = (self.zero.outer_bucket().1, self.zero.block_bucket().1);
                 let whole = z(self.zero.bucket_parts())?;
                 Some((whole.prefix(e), whole.slice(e..e + b)))
             } else {
@@ -526,13 +491,17 @@ impl Model {
     /// is training state). Allocates only when they cannot.
     pub fn reserve(&mut self, b: usize, t: usize) -> Result<()> {
         let backward = self.train.is_some();
-        if self.acts.is_some_and(|a| a.fits(b, t, backward)) {
+        if self.acts.as_ref().is_some_and(|a| a.fits(b, t, backward)) {
             return Ok(());
         }
-        let (cb, ct) = self.acts.map_or((b, t), |a| (a.cap_b.max(b), a.cap_t.max(t)));
+        let (cb, ct) = self.acts.as_ref().map_or((b, t), |a| (a.cap_b.max(b), a.cap_t.max(t)));
         // A bound on every activation size Acts computes, so that none of them overflows.
         let cfg = &self.config;
-        let wide = (2 * cfg.fc_dim() + cfg.qkv_dim() * 2).max(cfg.padded_vocab_size);
+        let widths = self.plan.fwd.iter().chain(&self.plan.back).map(|s| match s.width {
+            crate::acts::Width::Pos(w) => w,
+            crate::acts::Width::Probs => 0,
+        });
+        let wide = widths.fold(cfg.padded_vocab_size, usize::saturating_add);
         let per_position = ct.checked_mul(cfg.num_heads).and_then(|x| x.checked_add(wide));
         let per_position = per_position.and_then(|x| x.checked_mul(16 * (cfg.num_layers + 2)));
         if per_position.and_then(|p| cb.checked_mul(ct)?.checked_mul(p)).is_none() {
@@ -541,7 +510,7 @@ impl Model {
         if let Some(a) = self.acts.take() {
             a.free(&mut *self.be);
         }
-        let acts = Acts::new(&mut *self.be, &self.config, cb, ct, backward);
+        let acts = Acts::new(&mut *self.be, &self.config, &self.plan, cb, ct, backward);
         self.acts = Some(acts.with_context(|| format!("activations for B={cb} x T={ct}: lower -b or -t"))?);
         Ok(())
     }
@@ -555,7 +524,7 @@ impl Model {
         if positions == 0 || positions > max_t || chunk == 0 {
             bail!("a KV cache holds 1 to {max_t} positions (asked: {positions}, chunks of {chunk})");
         }
-        KvCache::new(&mut *self.be, &self.config, positions, chunk.min(positions))
+        KvCache::new(&mut *self.be, &self.config, &self.plan, positions, chunk.min(positions))
     }
 
     pub fn free_kv_cache(&mut self, cache: KvCache) {
@@ -566,7 +535,7 @@ impl Model {
     /// Feed `tokens` after the cached positions (in chunks); returns the first V logits of the
     /// last one, read to the host once. Under ZeRO-3 a collective, as [`Model::forward`].
     pub fn forward_cached<'a>(&mut self, cache: &'a mut KvCache, tokens: &[u32]) -> Result<&'a [f32]> {
-        let cfg = self.config;
+        let (cfg, arch) = (self.config, self.arch);
         let (c, vp) = (cfg.channels, cfg.padded_vocab_size);
         if tokens.is_empty() {
             bail!("nothing to feed");
@@ -587,26 +556,30 @@ impl Model {
             tn = chunk.len();
             let ids = cache.tokens.prefix(tn);
             self.be.upload_u32(ids, chunk);
-            models::embed(&mut *self.be, &cfg, &o, cache.x.res_in.prefix(tn * c), ids, 1, tn, pos);
+            let s = Seq { b: 1, t: tn };
+            arch.embed(&mut Ops::new(&mut *self.be), &cfg, &o, cache.stream.prefix(tn * c), ids, s, pos);
             for l in 0..cfg.num_layers {
                 let w = self.block_weights(l)?;
-                let (x, k, v) = cache.layer(&cfg, l, tn);
+                let (x, k, v) = cache.layer(l, tn);
                 // Only the last position's logits are read: the last layer of the last chunk
                 // computes the rest of its block for that position alone.
                 let keep = if i + 1 == chunks && l + 1 == cfg.num_layers { 1 } else { tn };
                 let attn = Attn::Cached { k, v, pos, cap: cache.capacity, keep };
-                models::block_forward(&mut *self.be, &cfg, &self.consts, &w, &x, tn, attn);
+                arch.block_forward(&mut Ops::new(&mut *self.be), &cfg, &self.consts, &w, &x, tn, attn);
             }
             cache.pos += tn;
         }
         // Only the last position's logits are needed.
-        let last = cache.x.residual3.slice((tn - 1) * c..tn * c);
+        let last = cache.stream.slice((tn - 1) * c..tn * c);
         let o = self.outer_weights()?;
-        let be = &mut *self.be;
+        let mut ops = Ops::new(&mut *self.be);
         let norm = NormActs { out: cache.lnf, mean: cache.lnf_mean, rstd: cache.lnf_rstd };
-        models::final_norm(be, &cfg, &o, &norm, last, 1);
-        t!(be, Classifier, be.matmul_forward(cache.logits, cache.lnf, models::head(&cfg, &o), None, 1, c, vp));
-        be.download(cache.logits.prefix(cfg.vocab_size), &mut cache.host_logits)?;
+        arch.final_norm(&mut ops, &cfg, &o, &norm, last, 1);
+        let (logits, head) = (cache.logits, o[arch.head(&cfg)]);
+        ops.charged_to(Kind::Classifier, |ops| {
+            ops.matmul_forward(logits, norm.out, head, None, Mat { n: 1, c, oc: vp })
+        });
+        self.be.download(cache.logits.prefix(cfg.vocab_size), &mut cache.host_logits)?;
         Ok(&cache.host_logits)
     }
 
@@ -634,7 +607,8 @@ impl Model {
 
     /// A host copy of one tensor of a slot (llm.c order, all layers); of the parameters (under
     /// ZeRO-3 gathered: a collective), or of a slot this rank holds whole.
-    pub fn read_tensor(&mut self, slot: Slot, t: Tensor) -> Result<Vec<f32>> {
+    pub fn read_tensor(&mut self, slot: Slot, t: impl Into<TensorId>) -> Result<Vec<f32>> {
+        let t = t.into();
         if slot == Slot::Params && self.zero.stage == 3 {
             return Ok(self.read_all(slot)?[self.layout.range(t)].to_vec());
         }
@@ -760,7 +734,7 @@ impl Model {
         if row >= b * t {
             bail!("position {row} is outside the last pass's {} positions", b * t);
         }
-        let a = self.acts.context("no activations")?;
+        let a = self.acts.as_ref().context("no activations")?;
         let mut out = vec![0f32; v];
         self.be.download(a.logits.slice(row * vp..row * vp + v), &mut out)?;
         Ok(out)
@@ -771,7 +745,7 @@ impl Model {
         let Last { b, t, losses: true, .. } = self.last else {
             bail!("no losses: run a forward pass with targets first")
         };
-        let a = self.acts.context("no activations")?;
+        let a = self.acts.as_ref().context("no activations")?;
         let mut out = vec![0f32; b * t];
         self.be.download(a.losses.prefix(b * t), &mut out)?;
         Ok(out)
@@ -782,7 +756,7 @@ impl Model {
         let Last { b, t, losses: true, .. } = self.last else {
             bail!("no loss: run a forward pass with targets first")
         };
-        let a = self.acts.context("no activations")?;
+        let a = self.acts.as_ref().context("no activations")?;
         self.be.accumulate_mean(self.stats.prefix(1), a.losses.prefix(b * t), weight);
         Ok(())
     }

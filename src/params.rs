@@ -1,247 +1,102 @@
-//! The parameter tensors by name, where each lives in the one flat parameter buffer, and a
-//! model's weights in host memory.
+//! Where every parameter lives in the one flat parameter buffer, and a model's weights in host
+//! memory. Plain data: the tensors themselves (names, shapes, which decay) are each family's
+//! ([`crate::models`]), handed here as a list of [`TensorSpec`].
 //!
 //! All parameters (and, with the same layout, their gradients and the AdamW moments) live in one
-//! buffer, tensor after tensor in [`Tensor::ALL`]'s order (llm.c's file order for GPT-2 and for
-//! Llama), so the optimizer, checkpoints and collectives work on one flat buffer. Which tensors
-//! a model has and their shapes are its family's ([`crate::models`]); a tensor the family does
-//! not have takes no space. Code reaches a tensor by name, `layout.layer(Tensor::QkvW, l)` or
-//! `layout.block(l).qkv_w`, never by an offset computed at the call site. The parameter count
-//! is computed here and nowhere else ([`Tensor::numel`]).
+//! buffer, tensor after tensor in the family's file order, each per-layer tensor stacked over
+//! the L blocks, so the optimizer, checkpoints and collectives work on one flat buffer. Code
+//! reaches a tensor by its name in the family's enum (`w[Gpt2::QkvW]`, `layout.layer(id, l)`),
+//! never by an offset computed at the call site. The parameter count is computed here and
+//! nowhere else.
 
 use crate::config::ModelConfig;
-use crate::rng::Mt19937;
 use anyhow::Result;
 use std::ops::Range;
 
-/// Every parameter tensor of every family, in file order. The per-layer ones are stacked over
-/// the L blocks, e.g. `QkvW` is (L, QKV, C). Shapes are (out, in) for the weights of a
-/// projection; what each tensor holds in a family is described in [`crate::models`].
+/// One tensor of a family, as the family declares it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// A short name (llm.c's where it has one: `wte`, `qkvw`, ...), for messages.
+    pub name: &'static str,
+    /// Its shape, per layer for the stacked ones; (out, in) for a projection's weight.
+    pub shape: Vec<usize>,
+    /// Stacked over the L blocks.
+    pub per_layer: bool,
+    /// AdamW applies weight decay (the 2-D weights: matrices and embeddings, as llm.c and
+    /// PyTorch's `p.dim() >= 2` rule).
+    pub decay: bool,
+    /// A backward pass writes the whole gradient (a GEMM's weight or bias gradient, or the tied
+    /// embedding through the LM head) before anything adds to it, so that the first backward
+    /// after `zero_grad` may overwrite instead of add.
+    pub whole: bool,
+}
+
+impl TensorSpec {
+    /// A tensor of one layer's shape, stacked or not, decaying when 2-D.
+    pub fn new(name: &'static str, shape: &[usize], per_layer: bool, whole: bool) -> Self {
+        TensorSpec { name, shape: shape.to_vec(), per_layer, decay: shape.len() == 2, whole }
+    }
+
+    /// This tensor left out of a model (a bias or head the config does not have): it keeps its
+    /// place in the family's order and takes no space.
+    pub fn absent(self) -> Self {
+        TensorSpec { shape: vec![0], decay: false, whole: false, ..self }
+    }
+
+    pub fn numel_per_layer(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// A tensor by its place in its family's list. Families name theirs with an enum
+/// (`Gpt2::QkvW`) that converts into this.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Tensor {
-    Wte,      // (Vp, C) token embedding (and the tied LM head)
-    Wpe,      // (maxT, C) GPT-2's learned positions
-    LmHead,   // (Vp, C) an untied LM head (Llama)
-    Ln1W,     // (L, C) the attention's norm
-    Ln1B,     // (L, C)
-    QkvW,     // (L, QKV, C) q, k and v stacked
-    QkvB,     // (L, QKV)
-    AttProjW, // (L, C, C)
-    AttProjB, // (L, C)
-    Ln2W,     // (L, C) the MLP's norm
-    Ln2B,     // (L, C)
-    FcW,      // (L, F or 2F, C) GPT-2's fc; Llama's up and gate projections stacked
-    FcB,      // (L, F)
-    FcProjW,  // (L, C, F)
-    FcProjB,  // (L, C)
-    LnfW,     // (C) the final norm
-    LnfB,     // (C)
+pub struct TensorId(pub usize);
+
+impl From<TensorId> for usize {
+    fn from(t: TensorId) -> usize {
+        t.0
+    }
 }
 
-impl Tensor {
-    /// All of them, in file order.
-    pub const ALL: [Tensor; 17] = [
-        Tensor::Wte,
-        Tensor::Wpe,
-        Tensor::LmHead,
-        Tensor::Ln1W,
-        Tensor::Ln1B,
-        Tensor::QkvW,
-        Tensor::QkvB,
-        Tensor::AttProjW,
-        Tensor::AttProjB,
-        Tensor::Ln2W,
-        Tensor::Ln2B,
-        Tensor::FcW,
-        Tensor::FcB,
-        Tensor::FcProjW,
-        Tensor::FcProjB,
-        Tensor::LnfW,
-        Tensor::LnfB,
-    ];
+/// One value per tensor (or per activation) of a family, indexed by the family's names: the
+/// buffers of a block's weights, of its gradients, of its activations. Entries a view does not
+/// cover (the tensors outside a block in a block's view) are `T::default()` (an empty range,
+/// an empty buffer).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct View<T>(pub Vec<T>);
 
-    /// The twelve tensors of a block, in file order (those of [`Tensor::ALL`] between the
-    /// embeddings and the final norm).
-    pub const BLOCK: [Tensor; 12] = {
-        let mut b = [Tensor::Wte; 12];
-        let mut i = 0;
-        while i < 12 {
-            b[i] = Tensor::ALL[i + 3];
-            i += 1;
+impl<T, I: Into<usize>> std::ops::Index<I> for View<T> {
+    type Output = T;
+    fn index(&self, i: I) -> &T {
+        &self.0[i.into()]
+    }
+}
+
+impl<T> View<T> {
+    pub fn map<U>(&self, f: impl FnMut(&T) -> U) -> View<U> {
+        View(self.0.iter().map(f).collect())
+    }
+}
+
+/// Name a family's tensors (or activations) with an enum whose variants are listed in the
+/// family's order: `ids!(Gpt2)` lets `Gpt2::QkvW` index a [`View`] and convert into a
+/// [`TensorId`].
+#[macro_export]
+macro_rules! ids {
+    ($e:ty) => {
+        impl From<$e> for usize {
+            fn from(x: $e) -> usize {
+                x as usize
+            }
         }
-        b
+        impl From<$e> for $crate::params::TensorId {
+            fn from(x: $e) -> $crate::params::TensorId {
+                $crate::params::TensorId(x as usize)
+            }
+        }
     };
-
-    /// llm.c's name for the tensor (`wte`, `qkvw`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            Tensor::Wte => "wte",
-            Tensor::Wpe => "wpe",
-            Tensor::LmHead => "lmhead",
-            Tensor::Ln1W => "ln1w",
-            Tensor::Ln1B => "ln1b",
-            Tensor::QkvW => "qkvw",
-            Tensor::QkvB => "qkvb",
-            Tensor::AttProjW => "attprojw",
-            Tensor::AttProjB => "attprojb",
-            Tensor::Ln2W => "ln2w",
-            Tensor::Ln2B => "ln2b",
-            Tensor::FcW => "fcw",
-            Tensor::FcB => "fcb",
-            Tensor::FcProjW => "fcprojw",
-            Tensor::FcProjB => "fcprojb",
-            Tensor::LnfW => "lnfw",
-            Tensor::LnfB => "lnfb",
-        }
-    }
-
-    /// True for the tensors stacked over the L blocks.
-    pub fn per_layer(self) -> bool {
-        Tensor::BLOCK.contains(&self)
-    }
-
-    /// Shape of the tensor in a model of `cfg`, per layer for the stacked ones; None when its
-    /// family does not have it.
-    pub fn shape(self, cfg: &ModelConfig) -> Option<Vec<usize>> {
-        crate::models::shape(cfg, self)
-    }
-
-    /// Elements of one layer's tensor (of the whole tensor when it is not per layer); 0 when
-    /// the model does not have it.
-    pub fn numel_per_layer(self, cfg: &ModelConfig) -> usize {
-        self.shape(cfg).map_or(0, |s| s.iter().product())
-    }
-
-    /// Elements of the whole (stacked) tensor.
-    pub fn numel(self, cfg: &ModelConfig) -> usize {
-        self.numel_per_layer(cfg) * if self.per_layer() { cfg.num_layers } else { 1 }
-    }
-
-    /// Whether AdamW applies weight decay: the 2-D weights (matrices and embeddings), as
-    /// llm.c's train_gpt2.cu and PyTorch's `p.dim() >= 2` rule.
-    pub fn weight_decay(self, cfg: &ModelConfig) -> bool {
-        self.shape(cfg).is_some_and(|s| s.len() == 2)
-    }
-
-    /// Whether a backward pass writes the whole gradient through a matmul, so that the first
-    /// backward after a zero_grad can overwrite it instead of adding to it (every other
-    /// gradient is added to and must be cleared).
-    pub fn written_whole_by_backward(self, cfg: &ModelConfig) -> bool {
-        crate::models::written_whole_by_backward(cfg, self)
-    }
 }
-
-/// The tensors a model of `cfg` has, in file order.
-pub fn tensors(cfg: &ModelConfig) -> Vec<Tensor> {
-    Tensor::ALL.into_iter().filter(|t| t.numel(cfg) > 0).collect()
-}
-
-/// One transformer block's tensors, as ranges of the flat buffer ([`ParamLayout::block`]) or
-/// mapped to anything else with [`Block::map`] (a backend's buffer handles, host slices). A
-/// tensor the model's family does not have is an empty range or buffer.
-#[derive(Clone, Copy, Debug)]
-pub struct Block<T> {
-    pub ln1_w: T,       // (C)
-    pub ln1_b: T,       // (C)
-    pub qkv_w: T,       // (QKV, C)
-    pub qkv_b: T,       // (QKV)
-    pub attn_proj_w: T, // (C, C)
-    pub attn_proj_b: T, // (C)
-    pub ln2_w: T,       // (C)
-    pub ln2_b: T,       // (C)
-    pub fc_w: T,        // (F or 2F, C)
-    pub fc_b: T,        // (F)
-    pub fc_proj_w: T,   // (C, F)
-    pub fc_proj_b: T,   // (C)
-}
-
-impl<T: Clone> Block<T> {
-    /// The field of block tensor `t` (one of [`Tensor::BLOCK`]).
-    pub fn get(&self, t: Tensor) -> T {
-        let f = match t {
-            Tensor::Ln1W => &self.ln1_w,
-            Tensor::Ln1B => &self.ln1_b,
-            Tensor::QkvW => &self.qkv_w,
-            Tensor::QkvB => &self.qkv_b,
-            Tensor::AttProjW => &self.attn_proj_w,
-            Tensor::AttProjB => &self.attn_proj_b,
-            Tensor::Ln2W => &self.ln2_w,
-            Tensor::Ln2B => &self.ln2_b,
-            Tensor::FcW => &self.fc_w,
-            Tensor::FcB => &self.fc_b,
-            Tensor::FcProjW => &self.fc_proj_w,
-            Tensor::FcProjB => &self.fc_proj_b,
-            _ => panic!("{} is not a block tensor", t.name()),
-        };
-        f.clone()
-    }
-}
-
-impl<T> Block<T> {
-    pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> Block<U> {
-        Block {
-            ln1_w: f(self.ln1_w),
-            ln1_b: f(self.ln1_b),
-            qkv_w: f(self.qkv_w),
-            qkv_b: f(self.qkv_b),
-            attn_proj_w: f(self.attn_proj_w),
-            attn_proj_b: f(self.attn_proj_b),
-            ln2_w: f(self.ln2_w),
-            ln2_b: f(self.ln2_b),
-            fc_w: f(self.fc_w),
-            fc_b: f(self.fc_b),
-            fc_proj_w: f(self.fc_proj_w),
-            fc_proj_b: f(self.fc_proj_b),
-        }
-    }
-}
-
-/// The tensors outside the blocks, as ranges of the flat buffer or anything else (see
-/// [`Block`]): what the embedding and the head of a pass read.
-#[derive(Clone, Copy, Debug)]
-pub struct Outer<T> {
-    pub wte: T,     // (Vp, C)
-    pub wpe: T,     // (maxT, C) or empty
-    pub lm_head: T, // (Vp, C) or empty (tied)
-    pub lnf_w: T,   // (C)
-    pub lnf_b: T,   // (C) or empty
-}
-
-impl<T> Outer<T> {
-    pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> Outer<U> {
-        Outer {
-            wte: f(self.wte),
-            wpe: f(self.wpe),
-            lm_head: f(self.lm_head),
-            lnf_w: f(self.lnf_w),
-            lnf_b: f(self.lnf_b),
-        }
-    }
-}
-
-impl<T> Outer<T> {
-    /// From the tensors in [`OUTER`]'s order.
-    pub fn from_array([wte, wpe, lm_head, lnf_w, lnf_b]: [T; 5]) -> Self {
-        Outer { wte, wpe, lm_head, lnf_w, lnf_b }
-    }
-}
-
-impl<T: Clone> Outer<T> {
-    /// The field of tensor `t` (one of [`OUTER`]).
-    pub fn get(&self, t: Tensor) -> T {
-        match t {
-            Tensor::Wte => self.wte.clone(),
-            Tensor::Wpe => self.wpe.clone(),
-            Tensor::LmHead => self.lm_head.clone(),
-            Tensor::LnfW => self.lnf_w.clone(),
-            Tensor::LnfB => self.lnf_b.clone(),
-            _ => panic!("{} is a block tensor", t.name()),
-        }
-    }
-}
-
-/// The tensors outside the blocks, in file order.
-pub const OUTER: [Tensor; 5] = [Tensor::Wte, Tensor::Wpe, Tensor::LmHead, Tensor::LnfW, Tensor::LnfB];
 
 /// One tensor as transformers stores it, and where its values live in the flat buffer.
 pub struct HfTensor {
@@ -258,73 +113,92 @@ pub struct HfTensor {
 /// Where every parameter lives in the flat buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamLayout {
-    /// Start of each stacked tensor, in `Tensor::ALL` order, then the total.
-    starts: [usize; Tensor::ALL.len() + 1],
-    /// Elements per layer of each tensor.
-    per_layer: [usize; Tensor::ALL.len()],
+    specs: Vec<TensorSpec>,
+    num_layers: usize,
+    /// Start of each stacked tensor, then the total.
+    starts: Vec<usize>,
     pub num_parameters: usize,
 }
 
 impl ParamLayout {
-    pub fn new(cfg: &ModelConfig) -> Self {
-        let mut starts = [0usize; Tensor::ALL.len() + 1];
-        for (i, t) in Tensor::ALL.iter().enumerate() {
-            starts[i + 1] = starts[i] + t.numel(cfg);
+    /// The layout of `specs` (a family's tensors, in file order) for `num_layers` blocks.
+    pub fn new(specs: Vec<TensorSpec>, num_layers: usize) -> Self {
+        let mut starts = vec![0];
+        for s in &specs {
+            let n = s.numel_per_layer() * if s.per_layer { num_layers } else { 1 };
+            starts.push(starts.last().unwrap() + n);
         }
-        let n = starts[Tensor::ALL.len()];
-        ParamLayout { starts, per_layer: Tensor::ALL.map(|t| t.numel_per_layer(cfg)), num_parameters: n }
+        let num_parameters = *starts.last().unwrap();
+        ParamLayout { specs, num_layers, starts, num_parameters }
     }
 
-    /// The whole (stacked) tensor (empty when the model does not have it).
-    pub fn range(&self, t: Tensor) -> Range<usize> {
-        let i = t as usize;
+    /// Every tensor, in file order.
+    pub fn ids(&self) -> impl Iterator<Item = TensorId> + '_ {
+        (0..self.specs.len()).map(TensorId)
+    }
+
+    /// How many tensors the family has.
+    pub fn len(&self) -> usize {
+        self.specs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.specs.is_empty()
+    }
+
+    pub fn spec(&self, t: impl Into<TensorId>) -> &TensorSpec {
+        &self.specs[t.into().0]
+    }
+
+    /// The tensor named `name` (see [`TensorSpec::name`]).
+    pub fn find(&self, name: &str) -> Option<TensorId> {
+        self.specs.iter().position(|s| s.name == name).map(TensorId)
+    }
+
+    /// The layers of a tensor: 0..L when stacked, else 0..1.
+    pub fn layers(&self, t: impl Into<TensorId>) -> Range<usize> {
+        0..if self.spec(t).per_layer { self.num_layers } else { 1 }
+    }
+
+    /// The whole (stacked) tensor.
+    pub fn range(&self, t: impl Into<TensorId>) -> Range<usize> {
+        let i = t.into().0;
         self.starts[i]..self.starts[i + 1]
     }
 
-    /// Layer `l` of a per-layer tensor (for the others, `l` must be 0: the whole tensor).
-    pub fn layer(&self, t: Tensor, l: usize) -> Range<usize> {
-        let (i, n) = (t as usize, self.per_layer[t as usize]);
-        let start = self.starts[i] + l * n;
-        assert!(
-            start + n <= self.starts[i + 1] || (n == 0 && start == self.starts[i]),
-            "layer {l} of {} is out of range",
-            t.name()
-        );
-        start..start + n
+    /// Layer `l` of a stacked tensor (for the others, `l` must be 0: the whole tensor).
+    pub fn layer(&self, t: impl Into<TensorId>, l: usize) -> Range<usize> {
+        let t = t.into();
+        let (r, n) = (self.range(t), self.spec(t).numel_per_layer());
+        assert!(l < self.layers(t).end, "layer {l} of {} is out of range", self.spec(t).name);
+        r.start + l * n..r.start + (l + 1) * n
     }
 
-    /// Block `l`'s twelve tensors.
-    pub fn block(&self, l: usize) -> Block<Range<usize>> {
-        Block {
-            ln1_w: self.layer(Tensor::Ln1W, l),
-            ln1_b: self.layer(Tensor::Ln1B, l),
-            qkv_w: self.layer(Tensor::QkvW, l),
-            qkv_b: self.layer(Tensor::QkvB, l),
-            attn_proj_w: self.layer(Tensor::AttProjW, l),
-            attn_proj_b: self.layer(Tensor::AttProjB, l),
-            ln2_w: self.layer(Tensor::Ln2W, l),
-            ln2_b: self.layer(Tensor::Ln2B, l),
-            fc_w: self.layer(Tensor::FcW, l),
-            fc_b: self.layer(Tensor::FcB, l),
-            fc_proj_w: self.layer(Tensor::FcProjW, l),
-            fc_proj_b: self.layer(Tensor::FcProjB, l),
-        }
+    /// Block `l`'s tensors (the stacked ones, their layer l); the others empty.
+    pub fn block(&self, l: usize) -> View<Range<usize>> {
+        View(self.ids().map(|t| if self.spec(t).per_layer { self.layer(t, l) } else { 0..0 }).collect())
     }
 
-    /// The tensors outside the blocks.
-    pub fn outer(&self) -> Outer<Range<usize>> {
-        Outer {
-            wte: self.range(Tensor::Wte),
-            wpe: self.range(Tensor::Wpe),
-            lm_head: self.range(Tensor::LmHead),
-            lnf_w: self.range(Tensor::LnfW),
-            lnf_b: self.range(Tensor::LnfB),
-        }
+    /// The tensors outside the blocks; the stacked ones empty.
+    pub fn outer(&self) -> View<Range<usize>> {
+        View(self.ids().map(|t| if self.spec(t).per_layer { 0..0 } else { self.range(t) }).collect())
+    }
+
+    /// The stacked tensors (a block's), in file order.
+    pub fn block_ids(&self) -> Vec<TensorId> {
+        self.ids().filter(|&t| self.spec(t).per_layer).collect()
+    }
+
+    /// The tensors outside the blocks, in file order.
+    pub fn outer_ids(&self) -> Vec<TensorId> {
+        self.ids().filter(|&t| !self.spec(t).per_layer).collect()
     }
 }
 
-/// A model's parameters in host memory, fp32 in llm.c's order: what model files hold, what
-/// Hugging Face import and export work on, and what a model on a device is built from.
+/// A model's parameters in host memory, fp32 in its family's file order: what model files
+/// hold, what Hugging Face import and export work on, and what a model on a device is built
+/// from. Made by [`crate::models`] (`Weights::zeros`, `Weights::random`), which knows the
+/// family's tensors.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Weights {
     pub config: ModelConfig,
@@ -333,27 +207,40 @@ pub struct Weights {
 }
 
 impl Weights {
-    /// All parameters zero (to be filled from a file).
-    pub fn zeros(config: ModelConfig) -> Result<Self> {
-        config.validate()?;
-        let layout = ParamLayout::new(&config);
-        // A model bigger than the machine is an error here, not an abort in the allocator.
+    /// All parameters zero in `layout` (to be filled), after checking that the machine can
+    /// hold them: a model bigger than the machine is an error here, not an abort in the
+    /// allocator.
+    pub fn zeros_in(config: ModelConfig, layout: ParamLayout) -> Result<Self> {
         let what = format!("the model's {} parameters (fp32, in host memory)", layout.num_parameters);
         crate::mem::check_available(layout.num_parameters.saturating_mul(4), &what)?;
         let data = crate::mem::zeroed::<f32>(layout.num_parameters);
         Ok(Weights { config, layout, data })
     }
 
-    /// The family's random init ([`crate::models`]: llm.c's for GPT-2), drawn from the
-    /// PyTorch-compatible Mersenne Twister seeded with `seed`.
-    pub fn random(config: ModelConfig, seed: u32) -> Result<Self> {
-        let mut w = Self::zeros(config)?;
-        crate::models::init(&mut w, &mut Mt19937::new(seed));
-        Ok(w)
-    }
-
     pub fn num_parameters(&self) -> usize {
         self.layout.num_parameters
+    }
+
+    /// The whole (stacked) tensor.
+    pub fn tensor(&self, t: impl Into<TensorId>) -> &[f32] {
+        &self.data[self.layout.range(t)]
+    }
+    pub fn tensor_mut(&mut self, t: impl Into<TensorId>) -> &mut [f32] {
+        let r = self.layout.range(t);
+        &mut self.data[r]
+    }
+    /// Layer `l` of a tensor ([`ParamLayout::layer`]).
+    pub fn layer(&self, t: impl Into<TensorId>, l: usize) -> &[f32] {
+        &self.data[self.layout.layer(t, l)]
+    }
+    pub fn layer_mut(&mut self, t: impl Into<TensorId>, l: usize) -> &mut [f32] {
+        let r = self.layout.layer(t, l);
+        &mut self.data[r]
+    }
+
+    /// The tensor named `name` ([`TensorSpec::name`]), for tools and tests.
+    pub fn named(&self, name: &str) -> Option<TensorId> {
+        self.layout.find(name)
     }
 
     /// Refuse weights that hold a NaN or an infinity, naming the first such tensor (and layer)
@@ -364,35 +251,19 @@ impl Weights {
         if self.data.par_chunks(1 << 20).all(|c| c.iter().all(|x| x.is_finite())) {
             return Ok(());
         }
-        let layers = |t: Tensor| if t.per_layer() { self.config.num_layers } else { 1 };
-        for t in tensors(&self.config) {
-            for l in 0..layers(t) {
+        for t in self.layout.ids() {
+            for l in self.layout.layers(t) {
                 if let Some((i, x)) = self.layer(t, l).iter().enumerate().find(|(_, x)| !x.is_finite()) {
-                    let layer = if t.per_layer() { format!(" of layer {l}") } else { String::new() };
+                    let layer = if self.layout.spec(t).per_layer { format!(" of layer {l}") } else { String::new() };
                     anyhow::bail!(
                         "{source}: tensor {}{layer} holds {x} at element {i}: the weights are corrupt or come from a \
                          diverged run; use another file (an earlier checkpoint)",
-                        t.name()
+                        self.layout.spec(t).name
                     );
                 }
             }
         }
         Ok(())
-    }
-
-    /// The whole (stacked) tensor.
-    pub fn tensor(&self, t: Tensor) -> &[f32] {
-        &self.data[self.layout.range(t)]
-    }
-    pub fn tensor_mut(&mut self, t: Tensor) -> &mut [f32] {
-        &mut self.data[self.layout.range(t)]
-    }
-    /// Layer `l` of a tensor ([`ParamLayout::layer`]).
-    pub fn layer(&self, t: Tensor, l: usize) -> &[f32] {
-        &self.data[self.layout.layer(t, l)]
-    }
-    pub fn layer_mut(&mut self, t: Tensor, l: usize) -> &mut [f32] {
-        &mut self.data[self.layout.layer(t, l)]
     }
 }
 
@@ -401,35 +272,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn gpt2_124m_parameter_count() {
-        // llm.c prints num_parameters: 124475904 for GPT-2 124M with the padded vocab.
-        let cfg = ModelConfig::from_descriptor("d12").unwrap();
-        let lay = ParamLayout::new(&cfg);
-        assert_eq!(lay.num_parameters, 124_475_904);
-        assert_eq!(cfg.num_parameters(), lay.num_parameters);
-        assert_eq!(lay.range(Tensor::LnfB).end, lay.num_parameters);
-        // Per-layer views tile their stacked tensor exactly, in order.
-        assert_eq!(lay.layer(Tensor::QkvW, 0).start, lay.range(Tensor::QkvW).start);
-        assert_eq!(lay.layer(Tensor::QkvW, 11).end, lay.range(Tensor::QkvW).end);
-        assert_eq!(lay.block(3).fc_b, lay.layer(Tensor::FcB, 3));
-        for pair in Tensor::ALL.windows(2) {
-            assert_eq!(lay.range(pair[0]).end, lay.range(pair[1]).start, "{:?}", pair);
-        }
-        assert_eq!(Tensor::ALL.iter().filter(|t| t.weight_decay(&cfg)).count(), 6);
-        assert!(lay.range(Tensor::LmHead).is_empty(), "GPT-2's head is wte");
-        assert_eq!(tensors(&cfg).len(), 16);
-        // BLOCK is the per-layer tensors, and a block's fields are their layer slices.
-        assert_eq!(Tensor::ALL.iter().filter(|t| t.per_layer()).count(), Tensor::BLOCK.len());
-        for t in Tensor::BLOCK {
-            assert!(t.per_layer());
-            assert_eq!(lay.block(3).get(t), lay.layer(t, 3), "{t:?}");
-        }
-    }
-
-    #[test]
-    #[should_panic(expected = "out of range")]
-    fn a_layer_past_the_last_is_refused() {
-        let cfg = ModelConfig::from_descriptor("2x16:2:8").unwrap();
-        ParamLayout::new(&cfg).layer(Tensor::QkvW, 2);
+    fn layers_tile_their_tensors_in_order() {
+        let specs = vec![
+            TensorSpec::new("emb", &[10, 4], false, false),
+            TensorSpec::new("w", &[3, 4], true, true),
+            TensorSpec::new("b", &[3], true, true),
+            TensorSpec::new("norm", &[4], false, false),
+        ];
+        let lay = ParamLayout::new(specs, 2);
+        assert_eq!(lay.num_parameters, 40 + 2 * 12 + 2 * 3 + 4);
+        let w = lay.find("w").unwrap();
+        assert_eq!(lay.layer(w, 0).start, lay.range(w).start);
+        assert_eq!(lay.layer(w, 1).end, lay.range(w).end);
+        assert_eq!(lay.block(1)[w], lay.layer(w, 1));
+        assert_eq!(lay.block(1)[TensorId(0)], 0..0, "a block's view leaves the outer tensors empty");
+        assert_eq!(lay.outer()[TensorId(3)], lay.range(TensorId(3)));
+        assert_eq!(lay.block_ids(), [TensorId(1), TensorId(2)]);
+        assert!(lay.spec(TensorId(0)).decay && !lay.spec(TensorId(2)).decay);
+        assert!(std::panic::catch_unwind(|| lay.layer(w, 2)).is_err(), "a layer past the last is refused");
     }
 }

@@ -9,21 +9,28 @@ use std::time::Instant;
 pub enum Kind {
     Encoder,
     LayerNorm,
+    RmsNorm,
     Matmul,
+    /// Rotary positions.
+    Rope,
     Attention,
     Gelu,
+    Swiglu,
     Residual,
     /// The LM head matmul plus softmax / cross-entropy.
     Classifier,
     Optimizer,
 }
 
-pub const KINDS: [Kind; 8] = [
+pub const KINDS: [Kind; 11] = [
     Kind::Encoder,
     Kind::LayerNorm,
+    Kind::RmsNorm,
     Kind::Matmul,
+    Kind::Rope,
     Kind::Attention,
     Kind::Gelu,
+    Kind::Swiglu,
     Kind::Residual,
     Kind::Classifier,
     Kind::Optimizer,

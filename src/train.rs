@@ -872,10 +872,10 @@ fn write_checkpoint(dir: &Path, step: usize, model: &mut Model, train: &DataLoad
     let (params_ok, state_ok) = model.state_finite()?;
     let weights = model.weights_on_rank0()?;
     if !params_ok {
-        let bad = weights
-            .as_ref()
-            .and_then(|w| crate::params::Tensor::ALL.into_iter().find(|&t| w.tensor(t).iter().any(|x| !x.is_finite())));
-        return Err(diverged(&bad.map_or("a parameter is".into(), |t| format!("parameter {} is", t.name()))));
+        let bad = weights.as_ref().and_then(|w| {
+            w.layout.ids().find(|&t| w.tensor(t).iter().any(|x| !x.is_finite())).map(|t| w.layout.spec(t).name)
+        });
+        return Err(diverged(&bad.map_or("a parameter is".into(), |t| format!("parameter {t} is"))));
     }
     if !state_ok {
         return Err(diverged("the AdamW state is"));

@@ -310,12 +310,13 @@ fn a_model_bigger_than_memory_is_refused_in_one_line() {
 /// by every command: nothing is generated, scored, copied or trained from them.
 #[test]
 fn non_finite_weights_are_refused_naming_the_tensor() {
-    use llmrs::params::{Tensor, Weights};
+    use llmrs::params::Weights;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let cfg = llmrs::config::ModelConfig::from_descriptor("2x32:2:64").unwrap();
     let mut w = Weights::random(cfg, 1).unwrap();
-    w.layer_mut(Tensor::QkvW, 1)[7] = f32::NAN;
+    let qkv = w.named("qkvw").unwrap();
+    w.layer_mut(qkv, 1)[7] = f32::NAN;
     llmrs::checkpoint::save_model(&w, &d.join("nan.bin"), llmrs::files::Dtype::F32).unwrap();
     llmrs::hf::save_hf(&w, &d.join("nan_hf"), llmrs::files::Dtype::F32).unwrap();
     let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
@@ -328,7 +329,8 @@ fn non_finite_weights_are_refused_naming_the_tensor() {
     assert!(!d.join("out.bin").exists());
     let mut inf =
         Weights::random(llmrs::config::ModelConfig::from_descriptor("llama:1x32:4:2:64:16").unwrap(), 1).unwrap();
-    inf.tensor_mut(Tensor::LnfW)[3] = f32::INFINITY;
+    let lnf = inf.named("lnfw").unwrap();
+    inf.tensor_mut(lnf)[3] = f32::INFINITY;
     llmrs::checkpoint::save_model(&inf, &d.join("inf.bin"), llmrs::files::Dtype::BF16).unwrap();
     refused_with(d, &["eval", "hellaswag", "-e", "inf.bin"], &["tensor lnfw", "holds inf"]);
 }
@@ -355,7 +357,7 @@ fn resuming_says_when_e_names_another_model() {
     assert!(!train("1x16:2:16", "1", &[]).contains("note: -y 1"));
     let err = train("2x32:2:16", "2", &["-y", "1"]);
     assert!(
-        err.contains("note: -y 1 resumes checkpoint 1 (GPT-2 L=1 C=16 NH=2") && err.contains("-e 2x32:2:16"),
+        err.contains("note: -y 1 resumes checkpoint 1 (gpt2 L=1 C=16 NH=2") && err.contains("-e 2x32:2:16"),
         "{err}"
     );
     assert_eq!(err.matches("note: -y 1").count(), 1, "{err}");
@@ -419,7 +421,7 @@ fn messages_name_what_is_wrong() {
         &["train", "-e", "llama:1x32:4:2", "-i", "d.bin", "-j", "d.bin", "-t", "8", "-x", "1", "-o", "", "-s", "0"],
     );
     assert_eq!(code, Some(0), "{err}");
-    assert!(out.contains("model: Llama L=1 C=32 NH=4 KV=2 F=128"), "{out}");
+    assert!(out.contains("model: llama L=1 C=32 NH=4 KV=2 HS=8 F=128"), "{out}");
 }
 
 /// A loopback stand-in for a gated Hub repository: it serves `files` (URL path -> body) only to

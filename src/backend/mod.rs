@@ -8,17 +8,20 @@
 //! the training loop and everything above them do not change.
 //!
 //! Conventions of every op: outputs first, inputs next, shapes last (the dimension names of
-//! [`crate::config`]); every buffer has exactly the length its shape says (the CPU backend
-//! checks this, and that no output overlaps another buffer of the same call). An op only
-//! queues work: results reach the host through [`Backend::download`], which waits for
-//! everything queued before it. Ops never fail on valid shapes; a device error surfaces at
-//! the next download or [`Backend::synchronize`].
+//! [`crate::config`]); every buffer has exactly the length its shape says and no output overlaps
+//! another buffer of the call. The model's families call the ops through [`ops::Ops`], the
+//! checked front that holds each op's contract (those lengths, the overlaps, the NaN-checking
+//! mode, the profile kind) once for every device; a device implements the raw op on buffers
+//! that keep to it. An op only queues work: results reach the host through
+//! [`Backend::download`], which waits for everything queued before it. Ops never fail on valid
+//! shapes; a device error surfaces at the next download or [`Backend::synchronize`].
 
 pub mod comm;
 pub mod factory;
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod ops;
 
 use crate::profile::Kind;
 use anyhow::{bail, Result};
@@ -211,6 +214,14 @@ pub trait Backend {
     /// (the CPU backend): collectives hand it to MPI in place. None for device memory (the
     /// caller goes through download and upload). Call after [`Backend::synchronize`].
     fn host_f32(&mut self, buf: Buf) -> Option<&mut [f32]>;
+
+    // ---- the NaN-checking mode (see [`ops`]) -------------------------------------------------
+
+    /// In the NaN-checking mode, fill `buf` with a marked NaN before an op writes it.
+    fn poison(&mut self, _buf: Buf) {}
+    /// In the NaN-checking mode, stop the program if `buf`, output #`k` of `op`, still holds a
+    /// marked NaN: an element the op left unwritten, or computed from memory no op wrote.
+    fn check_written(&mut self, _buf: Buf, _op: &'static str, _k: usize) {}
 
     // ---- profiling (`llmrs bench`) ----------------------------------------------------------
 

@@ -1,15 +1,18 @@
 //! The CPU backend: buffers are host vectors, and every op turns its handles into slices (the
-//! one checked place, [`CpuBackend::run`]) and calls the layer functions of [`crate::cpu`]
-//! unchanged. Ops run to completion on the calling thread and the team.
+//! one checked place, [`CpuBackend::run`], which refuses overlapping outputs so that each
+//! `&mut` slice is the only reference to its elements) and calls the layer functions of
+//! [`crate::cpu`] unchanged. Ops run to completion on the calling thread and the team. The ops'
+//! shape contracts are checked once, in front of every backend ([`crate::backend::ops`]).
 //!
 //! **NaN-checking mode** (`LLMRS_NAN_CHECK=1`, see [`crate::env::NAN_CHECK`]): new
-//! allocations, and every op's outputs and scratch buffers before it runs, are filled with a
-//! NaN that carries a marker payload. After the op, an output element that still holds the
-//! marker was never written, and any output holding a marked NaN got it from memory that no op
-//! wrote (NaNs keep their payload through arithmetic); either stops the program with the op's
-//! name. A NaN that a computation makes itself (0/0, inf - inf) has no marker and is left to the
-//! training loop's divergence checks. Gradient and loss buffers are op outputs, so a NaN that
-//! reaches a loss or a gradient from unwritten memory is caught at the op that put it there.
+//! allocations, and (through the front's [`Backend::poison`]) every op's outputs and scratch
+//! buffers before it runs, are filled with a NaN that carries a marker payload. After the op, an
+//! output element that still holds the marker was never written, and any output holding a marked
+//! NaN got it from memory that no op wrote (NaNs keep their payload through arithmetic); either
+//! stops the program with the op's name ([`Backend::check_written`]). A NaN that a computation
+//! makes itself (0/0, inf - inf) has no marker and is left to the training loop's divergence
+//! checks. Gradient and loss buffers are op outputs, so a NaN that reaches a loss or a gradient
+//! from unwritten memory is caught at the op that put it there.
 
 use super::{adamw, attention, classifier, encoder, gelu, layernorm, matmul, residual, rmsnorm, rope, swiglu};
 use crate::backend::{lens, AdamWParams, Backend, Buf, DType};
@@ -125,16 +128,6 @@ impl CpuBackend {
                 panic!("{op}: output {o:?} overlaps {x:?}");
             }
         }
-        if self.nan_check {
-            for o in outs {
-                if let W(b) | Scratch(b) = o {
-                    let p = self.ptr_f32(b);
-                    // SAFETY: p addresses b.len floats of a live allocation (checked above),
-                    // and nothing else refers to them during this call.
-                    unsafe { std::slice::from_raw_parts_mut(p, b.len) }.fill(f32::from_bits(POISON_BITS));
-                }
-            }
-        }
         let out_ptrs = outs.map(|o| (self.ptr_f32(o.buf()), o.buf().len));
         let in_ptrs = ins.map(|b| (self.ptr_f32(b) as *const f32, b.len));
         let tok_ptrs = toks.map(|b| (self.ptr_u32(b) as *const u32, b.len));
@@ -152,24 +145,6 @@ impl CpuBackend {
             )
         };
         f(o, i, k);
-        if self.nan_check {
-            for (k, o) in outs.iter().enumerate() {
-                let b = match *o {
-                    W(b) | Rw(b) => b,
-                    Scratch(_) => continue,
-                };
-                let p = self.ptr_f32(b);
-                // SAFETY: as above; the op's slices are gone.
-                let s = unsafe { std::slice::from_raw_parts(p, b.len) };
-                if let Some(at) = s.iter().position(|x| is_poison(*x)) {
-                    panic!(
-                        "NaN check: {op} left element {at} of its output #{k} ({} elements) unwritten, or computed \
-                         it from memory that no op wrote",
-                        b.len
-                    );
-                }
-            }
-        }
     }
 }
 
@@ -187,6 +162,31 @@ impl Backend for CpuBackend {
 
     fn measure_peak(&self) -> Option<(f64, String)> {
         Some(super::peak::measure())
+    }
+
+    fn poison(&mut self, b: Buf) {
+        if self.nan_check && b.len > 0 {
+            let p = self.ptr_f32(b);
+            // SAFETY: p addresses b.len floats of a live allocation (bounds checked by ptr_f32),
+            // and no other reference to them lives during this call (&mut self).
+            unsafe { std::slice::from_raw_parts_mut(p, b.len) }.fill(f32::from_bits(POISON_BITS));
+        }
+    }
+
+    fn check_written(&mut self, b: Buf, op: &'static str, k: usize) {
+        if !self.nan_check || b.len == 0 {
+            return;
+        }
+        let p = self.ptr_f32(b);
+        // SAFETY: as in poison; read only.
+        let s = unsafe { std::slice::from_raw_parts(p, b.len) };
+        if let Some(at) = s.iter().position(|x| is_poison(*x)) {
+            panic!(
+                "NaN check: {op} left element {at} of its output #{k} ({} elements) unwritten, or computed it from \
+                 memory that no op wrote",
+                b.len
+            );
+        }
     }
 
     fn alloc(&mut self, len: usize, dtype: DType) -> Result<Buf> {
@@ -264,11 +264,7 @@ impl Backend for CpuBackend {
     }
 
     fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize) {
-        lens!("encoder_forward"; out => b * t * c, inp => b * t);
         assert!(wte.len.is_multiple_of(c), "encoder_forward: embedding shapes");
-        if let Some(wpe) = wpe {
-            lens!("encoder_forward"; wpe => t * c);
-        }
         let has_wpe = wpe.is_some();
         self.run("encoder_forward", [W(out)], [wte, wpe.unwrap_or(NONE)], [inp], |[o], [wte, wpe], [inp]| {
             encoder::encoder_forward(o, inp, wte, has_wpe.then_some(wpe), b, t, c)
@@ -276,11 +272,7 @@ impl Backend for CpuBackend {
     }
 
     fn encoder_backward(&mut self, dwte: Buf, dwpe: Option<Buf>, dout: Buf, inp: Buf, b: usize, t: usize, c: usize) {
-        lens!("encoder_backward"; dout => b * t * c, inp => b * t);
         assert!(dwte.len.is_multiple_of(c), "encoder_backward: embedding shapes");
-        if let Some(dwpe) = dwpe {
-            lens!("encoder_backward"; dwpe => t * c);
-        }
         let has_wpe = dwpe.is_some();
         let outs = [Rw(dwte), dwpe.map_or(W(NONE), Rw)];
         self.run("encoder_backward", outs, [dout], [inp], |[dwte, dwpe], [dout], [inp]| {
@@ -299,7 +291,6 @@ impl Backend for CpuBackend {
         n: usize,
         c: usize,
     ) {
-        lens!("layernorm_forward"; out => n * c, mean => n, rstd => n, inp => n * c, weight => c, bias => c);
         self.run(
             "layernorm_forward",
             [W(out), W(mean), W(rstd)],
@@ -322,8 +313,6 @@ impl Backend for CpuBackend {
         n: usize,
         c: usize,
     ) {
-        lens!("layernorm_backward"; dinp => n * c, dweight => c, dbias => c, dout => n * c, inp => n * c,
-              weight => c, mean => n, rstd => n);
         self.run(
             "layernorm_backward",
             [Rw(dinp), Rw(dweight), Rw(dbias)],
@@ -334,7 +323,6 @@ impl Backend for CpuBackend {
     }
 
     fn rmsnorm_forward(&mut self, out: Buf, rstd: Buf, inp: Buf, weight: Buf, n: usize, c: usize, eps: f32) {
-        lens!("rmsnorm_forward"; out => n * c, rstd => n, inp => n * c, weight => c);
         self.run("rmsnorm_forward", [W(out), W(rstd)], [inp, weight], [], |[o, r], [x, w], []| {
             rmsnorm::rmsnorm_forward(o, r, x, w, n, c, eps)
         });
@@ -351,7 +339,6 @@ impl Backend for CpuBackend {
         n: usize,
         c: usize,
     ) {
-        lens!("rmsnorm_backward"; dinp => n * c, dweight => c, dout => n * c, inp => n * c, weight => c, rstd => n);
         self.run(
             "rmsnorm_backward",
             [Rw(dinp), Rw(dweight)],
@@ -362,7 +349,6 @@ impl Backend for CpuBackend {
     }
 
     fn rope_forward(&mut self, qkv: Buf, table: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize) {
-        lens!("rope_forward"; qkv => n * (nh + 2 * nkv) * hs);
         assert!(t > 0 && n.is_multiple_of(t) && table.len >= (pos + t) * hs, "rope_forward: positions past the table");
         self.run("rope_forward", [Rw(qkv)], [table], [], |[x], [r], []| {
             rope::rope_forward(x, r, n, t, pos, nh, nkv, hs)
@@ -380,7 +366,6 @@ impl Backend for CpuBackend {
         nkv: usize,
         hs: usize,
     ) {
-        lens!("rope_backward"; dqkv => n * (nh + 2 * nkv) * hs);
         assert!(t > 0 && n.is_multiple_of(t) && table.len >= (pos + t) * hs, "rope_backward: positions past the table");
         self.run("rope_backward", [Rw(dqkv)], [table], [], |[x], [r], []| {
             rope::rope_backward(x, r, n, t, pos, nh, nkv, hs)
@@ -388,27 +373,20 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu_forward(&mut self, out: Buf, inp: Buf, n: usize, f: usize) {
-        lens!("swiglu_forward"; out => n * f, inp => n * 2 * f);
         self.run("swiglu_forward", [W(out)], [inp], [], |[o], [x], []| swiglu::swiglu_forward(o, x, n, f));
     }
 
     fn swiglu_backward(&mut self, dinp: Buf, dout: Buf, inp: Buf, n: usize, f: usize) {
-        lens!("swiglu_backward"; dinp => n * 2 * f, dout => n * f, inp => n * 2 * f);
         self.run("swiglu_backward", [W(dinp)], [dout, inp], [], |[di], [d, x], []| {
             swiglu::swiglu_backward(di, d, x, n, f)
         });
     }
 
     fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf) {
-        lens!("residual_forward"; a => out.len, b => out.len);
         self.run("residual_forward", [W(out)], [a, b], [], |[o], [a, b], []| residual::residual_forward(o, a, b));
     }
 
     fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize) {
-        lens!("matmul_forward"; out => n * oc, inp => n * c, weight => oc * c);
-        if let Some(b) = bias {
-            lens!("matmul_forward"; b => oc);
-        }
         let has_bias = bias.is_some();
         self.run("matmul_forward", [W(out)], [inp, weight, bias.unwrap_or(NONE)], [], |[o], [x, w, b], []| {
             matmul::matmul_forward(o, x, w, has_bias.then_some(b), n, c, oc)
@@ -428,13 +406,6 @@ impl Backend for CpuBackend {
         oc: usize,
         accumulate: bool,
     ) {
-        lens!("matmul_backward"; dweight => oc * c, dout => n * oc, inp => n * c, weight => oc * c);
-        if let Some(d) = dinp {
-            lens!("matmul_backward"; d => n * c);
-        }
-        if let Some(d) = dbias {
-            lens!("matmul_backward"; d => oc);
-        }
         let grad = |b: Buf| if accumulate { Rw(b) } else { W(b) };
         let (has_dinp, has_dbias) = (dinp.is_some(), dbias.is_some());
         let outs = [dinp.map_or(W(NONE), W), grad(dweight), dbias.map_or(W(NONE), grad)];
@@ -445,12 +416,10 @@ impl Backend for CpuBackend {
     }
 
     fn gelu_forward(&mut self, out: Buf, inp: Buf) {
-        lens!("gelu_forward"; inp => out.len);
         self.run("gelu_forward", [W(out)], [inp], [], |[o], [x], []| gelu::gelu_forward(o, x));
     }
 
     fn gelu_backward(&mut self, d: Buf, inp: Buf) {
-        lens!("gelu_backward"; inp => d.len);
         self.run("gelu_backward", [Rw(d)], [inp], [], |[d], [x], []| gelu::gelu_backward_inplace(d, x));
     }
 
@@ -466,8 +435,6 @@ impl Backend for CpuBackend {
         nh: usize,
         nkv: usize,
     ) {
-        let qd = qkv_width(c, nh, nkv);
-        lens!("attention_forward"; out => b * t * c, att => b * nh * t * t, workspace => b * t * c, qkv => b * t * qd);
         self.run("attention_forward", [W(out), W(att), Scratch(workspace)], [qkv], [], |[o, a, ws], [qkv], []| {
             attention::attention_forward(o, a, ws, qkv, b, t, c, nh, nkv)
         });
@@ -487,9 +454,6 @@ impl Backend for CpuBackend {
         nh: usize,
         nkv: usize,
     ) {
-        let qd = qkv_width(c, nh, nkv);
-        lens!("attention_backward"; dqkv => b * t * qd, datt => b * nh * t * t, workspace => b * t * 3 * c,
-              dout => b * t * c, qkv => b * t * qd, att => b * nh * t * t);
         self.run(
             "attention_backward",
             [W(dqkv), Scratch(datt), Scratch(workspace)],
@@ -518,8 +482,6 @@ impl Backend for CpuBackend {
     ) {
         let qd = qkv_width(c, nh, nkv);
         let kv = (qd - c) / 2;
-        lens!("attention_forward_cached"; out => tn * c, scores => nh * tn * max_t, workspace => tn * c,
-              qkv => tn * qd, k_cache => max_t * kv, v_cache => max_t * kv);
         assert!(tn > 0 && pos + tn <= max_t, "attention_forward_cached: positions {pos}+{tn} past {max_t}");
         // Rows past pos+tn are not written yet: hand the op only the rows it may read.
         let (k_cache, v_cache) = (k_cache.prefix((pos + tn) * kv), v_cache.prefix((pos + tn) * kv));
@@ -549,7 +511,6 @@ impl Backend for CpuBackend {
         v: usize,
         vp: usize,
     ) {
-        lens!("crossentropy_forward"; losses => n, lse => n, logits => n * vp, targets => n);
         self.run("crossentropy_forward", [W(losses), W(lse)], [logits], [targets], |[l, s], [x], [y]| {
             classifier::crossentropy_forward(l, s, x, y, n, v, vp)
         });
@@ -565,21 +526,18 @@ impl Backend for CpuBackend {
         v: usize,
         vp: usize,
     ) {
-        lens!("crossentropy_backward"; logits => n * vp, lse => n, targets => n);
         self.run("crossentropy_backward", [Rw(logits)], [lse], [targets], |[x], [s], [y]| {
             classifier::crossentropy_softmax_backward_inplace(x, s, y, dloss, n, v, vp)
         });
     }
 
     fn accumulate_mean(&mut self, acc: Buf, x: Buf, weight: f32) {
-        lens!("accumulate_mean"; acc => 1);
         self.run("accumulate_mean", [Rw(acc)], [x], [], |[acc], [x], []| {
             acc[0] += weight * (x.iter().sum::<f32>() / x.len().max(1) as f32)
         });
     }
 
     fn global_norm_squared(&mut self, out: Buf, grads: Buf, accumulate: bool) {
-        lens!("global_norm_squared"; out => 1);
         let mut partials = std::mem::take(&mut self.norm_partials);
         partials.resize(adamw::global_norm_partials(grads.len), 0.0);
         let o = if accumulate { Rw(out) } else { W(out) };
@@ -591,7 +549,6 @@ impl Backend for CpuBackend {
     }
 
     fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
-        lens!("adamw_update"; grads => params.len, m => params.len, v => params.len, stats => 2);
         let h = *h;
         self.run("adamw_update", [Rw(params), Rw(m), Rw(v)], [grads, stats], [], |[p, m, v], [g, stats], []| {
             let (loss, norm_sq) = (stats[0], stats[1]);
@@ -652,30 +609,33 @@ mod tests {
         assert!(be.alloc(4, DType::BF16).is_err());
     }
 
+    /// The NaN-checking mode, as the checked front of every op ([`crate::backend::ops`]) uses
+    /// it: new memory and each op's outputs are poisoned, and an output left unwritten or
+    /// computed from unwritten memory stops the program, naming the op.
     #[test]
     fn nan_check_catches_an_op_that_skips_part_of_its_output() {
+        use crate::backend::ops::Ops;
         let mut be = CpuBackend::new(true);
         let a = be.alloc(8, DType::F32).unwrap();
         let mut host = [0f32; 8];
         be.download(a, &mut host).unwrap();
         assert!(host.iter().all(|x| is_poison(*x)), "new memory is poisoned");
-        be.fill(a, 1.0);
         // An op that writes only half its output.
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            be.run("half", [W(a)], [], [], |[o], [], []| o[..4].fill(2.0))
-        }));
+        be.poison(a);
+        be.run("half", [W(a)], [], [], |[o], [], []| o[..4].fill(2.0));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.check_written(a, "half", 0)));
         let msg = *r.unwrap_err().downcast::<String>().unwrap();
         assert!(msg.contains("half left element 4"), "{msg}");
         // An op that reads memory nobody wrote: the marker reaches its output.
         let (x, y) = (be.alloc(4, DType::F32).unwrap(), be.alloc(4, DType::F32).unwrap());
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.gelu_forward(y, x)));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Ops::new(&mut be).gelu_forward(y, x)));
         assert!(r.is_err(), "gelu of unwritten memory");
         // Correct ops pass, and a NaN they compute themselves is not mistaken for the marker.
         be.fill(x, f32::INFINITY);
-        be.residual_forward(y, x, x);
+        Ops::new(&mut be).residual_forward(y, x, x);
         let z = be.alloc(4, DType::F32).unwrap();
         be.upload(z, &[f32::NEG_INFINITY; 4]);
-        be.residual_forward(y, x, z);
+        Ops::new(&mut be).residual_forward(y, x, z);
         be.download(y, &mut host[..4]).unwrap();
         assert!(host[..4].iter().all(|v| v.is_nan() && !is_poison(*v)));
     }

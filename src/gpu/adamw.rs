@@ -1,7 +1,7 @@
 //! AdamW and the global gradient norm on the GPU (kernels/adamw.wgsl).
 
 use super::{u, GpuBackend, Groups, Threads, K};
-use crate::backend::{lens, AdamWParams, Buf, DType};
+use crate::backend::{AdamWParams, Buf, DType};
 
 /// Elements per partial sum of the norm (kernels/adamw.wgsl: CHUNK).
 const SQ_CHUNK: usize = 4096;
@@ -10,7 +10,6 @@ impl GpuBackend {
     /// out (1) [+]= the sum of squares of grads (N): partial sums of fixed pieces, then their
     /// sum, both in a fixed order.
     pub(super) fn global_norm_squared_(&mut self, out: Buf, grads: Buf, accumulate: bool) {
-        lens!("global_norm_squared"; out => 1);
         Self::disjoint("global_norm_squared", &[out], &[grads]);
         let pieces = self.mem.pieces(&[grads], grads.len);
         let total: usize = pieces.iter().map(|r| (r.end - r.start).div_ceil(SQ_CHUNK)).sum();
@@ -35,7 +34,6 @@ impl GpuBackend {
 
     /// One AdamW step on one tensor, skipped on the device when the step's stats say so.
     pub(super) fn adamw_update_(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
-        lens!("adamw_update"; grads => params.len, m => params.len, v => params.len, stats => 2);
         Self::disjoint("adamw_update", &[params, m, v], &[grads, stats]);
         // The bias corrections as the CPU computes them; limits a kernel compares without
         // infinities (a limit of +inf skips nothing finite, a NaN limit skips everything).

@@ -6,7 +6,7 @@
 
 use super::matmul::{Batches, Operand, ACCUMULATE, K_LOWER, K_UPPER, SKIP_UPPER};
 use super::{u, GpuBackend, Groups, K};
-use crate::backend::{lens, Buf};
+use crate::backend::Buf;
 use std::ops::Range;
 
 impl GpuBackend {
@@ -77,7 +77,6 @@ impl GpuBackend {
         nkv: usize,
     ) {
         let ((hs, qd, kv, rep), tt) = (shapes(c, nh, nkv), t * t);
-        lens!("attention_forward"; out => b * t * c, att => b * nh * t * t, workspace => b * t * c, qkv => b * t * qd);
         let scale = 1.0 / (hs as f32).sqrt();
         Self::disjoint("attention_forward", &[out, att, workspace], &[qkv]);
         let per_batch = [(qkv, t * qd), (out, t * c)];
@@ -125,8 +124,6 @@ impl GpuBackend {
         nkv: usize,
     ) {
         let ((hs, qd, kv, rep), tt) = (shapes(c, nh, nkv), t * t);
-        lens!("attention_backward"; dqkv => b * t * qd, datt => b * nh * t * t, workspace => b * t * 3 * c,
-              dout => b * t * c, qkv => b * t * qd, att => b * nh * t * t);
         let scale = 1.0 / (hs as f32).sqrt();
         Self::disjoint("attention_backward", &[dqkv, datt, workspace], &[dout, qkv, att]);
         let per_batch = [(qkv, t * qd), (dqkv, t * qd), (dout, t * c)];
@@ -182,8 +179,6 @@ impl GpuBackend {
         max_t: usize,
     ) {
         let (hs, qd, kv, rep) = shapes(c, nh, nkv);
-        lens!("attention_forward_cached"; out => tn * c, scores => nh * tn * max_t, workspace => tn * c,
-              qkv => tn * qd, k_cache => max_t * kv, v_cache => max_t * kv);
         assert!(tn > 0 && pos + tn <= max_t, "attention_forward_cached: positions {pos}+{tn} past {max_t}");
         Self::disjoint("attention_forward_cached", &[out, scores, workspace, k_cache, v_cache], &[qkv]);
         let (n, plane) = (pos + tn, tn * max_t);

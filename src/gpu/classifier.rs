@@ -2,7 +2,7 @@
 //! the forward, the logits' gradient in place in the backward.
 
 use super::{u, GpuBackend, Groups, Threads, K};
-use crate::backend::{lens, Buf};
+use crate::backend::Buf;
 
 impl GpuBackend {
     /// losses (N) = -log softmax(logits (N, Vp)[:, :V])[targets (N)]; lse (N) kept.
@@ -17,7 +17,6 @@ impl GpuBackend {
         v: usize,
         vp: usize,
     ) {
-        lens!("crossentropy_forward"; losses => n, lse => n, logits => n * vp, targets => n);
         Self::disjoint("crossentropy_forward", &[losses, lse], &[logits, targets]);
         for r in self.mem.row_pieces(n, &[(losses, 1), (lse, 1), (logits, vp), (targets, 1)]) {
             let rows = r.end - r.start;
@@ -45,7 +44,6 @@ impl GpuBackend {
         v: usize,
         vp: usize,
     ) {
-        lens!("crossentropy_backward"; logits => n * vp, lse => n, targets => n);
         Self::disjoint("crossentropy_backward", &[logits], &[lse, targets]);
         let dummy = self.mem.dummy.clone();
         for r in self.mem.row_pieces(n, &[(logits, vp), (lse, 1), (targets, 1)]) {
@@ -60,7 +58,6 @@ impl GpuBackend {
 
     /// acc (1) += weight * mean(x (N)).
     pub(super) fn accumulate_mean_(&mut self, acc: Buf, x: Buf, weight: f32) {
-        lens!("accumulate_mean"; acc => 1);
         Self::disjoint("accumulate_mean", &[acc], &[x]);
         let (a, w) = (self.win(acc), self.win(x));
         let imm = [a.off, w.off, 0, 0, u(x.len), 0, 0, weight.to_bits()];

@@ -1,7 +1,7 @@
 //! Token (+ position) embedding on the GPU (kernels/encoder.wgsl).
 
 use super::{cut, u, GpuBackend, Threads, K};
-use crate::backend::{lens, Buf, DType};
+use crate::backend::{Buf, DType};
 use std::ops::Range;
 
 impl GpuBackend {
@@ -17,11 +17,7 @@ impl GpuBackend {
         t: usize,
         c: usize,
     ) {
-        lens!("encoder_forward"; out => b * t * c, inp => b * t);
         assert!(c > 0 && wte.len.is_multiple_of(c), "encoder_forward: embedding shapes");
-        if let Some(wpe) = wpe {
-            lens!("encoder_forward"; wpe => t * c);
-        }
         let ins: Vec<Buf> = [inp, wte].into_iter().chain(wpe).collect();
         Self::disjoint("encoder_forward", &[out], &ins);
         if b * t == 0 {
@@ -61,11 +57,7 @@ impl GpuBackend {
         t: usize,
         c: usize,
     ) {
-        lens!("encoder_backward"; dout => b * t * c, inp => b * t);
         assert!(c > 0 && dwte.len.is_multiple_of(c), "encoder_backward: embedding shapes");
-        if let Some(dwpe) = dwpe {
-            lens!("encoder_backward"; dwpe => t * c);
-        }
         let outs: Vec<Buf> = [dwte].into_iter().chain(dwpe).collect();
         Self::disjoint("encoder_backward", &outs, &[dout, inp]);
         if b * t == 0 {

@@ -1,19 +1,17 @@
 //! GELU on the GPU (kernels/gelu.wgsl).
 
 use super::{u, GpuBackend, Threads, K};
-use crate::backend::{lens, Buf};
+use crate::backend::Buf;
 
 impl GpuBackend {
     /// out (N) = gelu(inp (N)).
     pub(super) fn gelu_forward_(&mut self, out: Buf, inp: Buf) {
-        lens!("gelu_forward"; inp => out.len);
         Self::disjoint("gelu_forward", &[out], &[inp]);
         self.gelu(K::GeluForward, out, inp);
     }
 
     /// d (N) *= gelu'(inp (N)).
     pub(super) fn gelu_backward_(&mut self, d: Buf, inp: Buf) {
-        lens!("gelu_backward"; inp => d.len);
         Self::disjoint("gelu_backward", &[d], &[inp]);
         self.gelu(K::GeluBackward, d, inp);
     }

@@ -1,7 +1,7 @@
 //! LayerNorm on the GPU (kernels/layernorm.wgsl).
 
 use super::{u, GpuBackend, Groups, Threads, K};
-use crate::backend::{lens, Buf, DType};
+use crate::backend::{Buf, DType};
 
 /// Rows per partial sum of the parameter gradients (kernels/layernorm.wgsl: ROWS).
 const ROWS: usize = 64;
@@ -20,7 +20,6 @@ impl GpuBackend {
         n: usize,
         c: usize,
     ) {
-        lens!("layernorm_forward"; out => n * c, mean => n, rstd => n, inp => n * c, weight => c, bias => c);
         Self::disjoint("layernorm_forward", &[out, mean, rstd], &[inp, weight, bias]);
         let (w, bi) = (self.win(weight), self.win(bias));
         for r in self.mem.row_pieces(n, &[(out, c), (mean, 1), (rstd, 1), (inp, c)]) {
@@ -55,8 +54,6 @@ impl GpuBackend {
         n: usize,
         c: usize,
     ) {
-        lens!("layernorm_backward"; dinp => n * c, dweight => c, dbias => c, dout => n * c, inp => n * c,
-              weight => c, mean => n, rstd => n);
         Self::disjoint("layernorm_backward", &[dinp, dweight, dbias], &[dout, inp, weight, mean, rstd]);
         let w = self.win(weight);
         for r in self.mem.row_pieces(n, &[(dinp, c), (dout, c), (inp, c), (mean, 1), (rstd, 1)]) {

@@ -3,7 +3,7 @@
 //! sum over a cut dimension adds the pieces in order.
 
 use super::{u, GpuBackend, Threads, Xyz, K};
-use crate::backend::{lens, Buf, DType};
+use crate::backend::{Buf, DType};
 use std::ops::Range;
 
 /// Rows per partial sum of the bias gradient (kernels/matmul.wgsl: ROWS).
@@ -161,10 +161,6 @@ impl GpuBackend {
         c: usize,
         oc: usize,
     ) {
-        lens!("matmul_forward"; out => n * oc, inp => n * c, weight => oc * c);
-        if let Some(b) = bias {
-            lens!("matmul_forward"; b => oc);
-        }
         let ins: Vec<Buf> = [inp, weight].into_iter().chain(bias).collect();
         Self::disjoint("matmul_forward", &[out], &ins);
         let weight_rows: Vec<_> = [(weight, c)].into_iter().chain(bias.map(|b| (b, 1))).collect();
@@ -196,15 +192,8 @@ impl GpuBackend {
         oc: usize,
         accumulate: bool,
     ) {
-        lens!("matmul_backward"; dweight => oc * c, dout => n * oc, inp => n * c, weight => oc * c);
         let outs: Vec<Buf> = [Some(dweight), dinp, dbias].into_iter().flatten().collect();
         Self::disjoint("matmul_backward", &outs, &[dout, inp, weight]);
-        if let Some(d) = dinp {
-            lens!("matmul_backward"; d => n * c);
-        }
-        if let Some(d) = dbias {
-            lens!("matmul_backward"; d => oc);
-        }
         if n == 0 {
             // No rows: sums of nothing (as the CPU's GEMM writes them).
             if !accumulate {

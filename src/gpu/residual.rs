@@ -1,12 +1,11 @@
 //! The residual connection on the GPU (kernels/residual.wgsl).
 
 use super::{u, GpuBackend, Threads, K};
-use crate::backend::{lens, Buf};
+use crate::backend::Buf;
 
 impl GpuBackend {
     /// out (N) = a (N) + b (N).
     pub(super) fn residual_forward_(&mut self, out: Buf, a: Buf, b: Buf) {
-        lens!("residual_forward"; a => out.len, b => out.len);
         Self::disjoint("residual_forward", &[out], &[a, b]);
         for r in self.mem.pieces(&[out, a, b], out.len) {
             let n = r.end - r.start;

@@ -1,7 +1,7 @@
 //! RMSNorm on the GPU (kernels/rmsnorm.wgsl).
 
 use super::{f, u, GpuBackend, Groups, Threads, K};
-use crate::backend::{lens, Buf, DType};
+use crate::backend::{Buf, DType};
 
 /// Rows per partial sum of the weight gradient (kernels/rmsnorm.wgsl: ROWS).
 const ROWS: usize = 64;
@@ -19,7 +19,6 @@ impl GpuBackend {
         c: usize,
         eps: f32,
     ) {
-        lens!("rmsnorm_forward"; out => n * c, rstd => n, inp => n * c, weight => c);
         Self::disjoint("rmsnorm_forward", &[out, rstd], &[inp, weight]);
         let w = self.win(weight);
         for r in self.mem.row_pieces(n, &[(out, c), (rstd, 1), (inp, c)]) {
@@ -49,7 +48,6 @@ impl GpuBackend {
         n: usize,
         c: usize,
     ) {
-        lens!("rmsnorm_backward"; dinp => n * c, dweight => c, dout => n * c, inp => n * c, weight => c, rstd => n);
         Self::disjoint("rmsnorm_backward", &[dinp, dweight], &[dout, inp, weight, rstd]);
         let w = self.win(weight);
         for r in self.mem.row_pieces(n, &[(dinp, c), (dout, c), (inp, c), (rstd, 1)]) {

@@ -1,7 +1,7 @@
 //! The rotary position embedding on the GPU (kernels/rope.wgsl).
 
 use super::{f, u, GpuBackend, Threads, K};
-use crate::backend::{lens, Buf};
+use crate::backend::Buf;
 
 impl GpuBackend {
     /// Rotate the q and k heads of qkv (N, QKV) in place by the angles of their positions
@@ -20,7 +20,6 @@ impl GpuBackend {
         sign: f32,
     ) {
         let qd = (nh + 2 * nkv) * hs;
-        lens!("rope"; qkv => n * qd);
         assert!(t > 0 && n.is_multiple_of(t) && hs.is_multiple_of(2), "rope: {n} rows of T={t}, HS={hs}");
         assert!(table.len >= (pos + t) * hs, "rope: positions {pos}+{t} past the table");
         Self::disjoint("rope", &[qkv], &[table]);

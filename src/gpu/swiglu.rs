@@ -1,12 +1,11 @@
 //! SwiGLU on the GPU (kernels/swiglu.wgsl).
 
 use super::{u, GpuBackend, Threads, K};
-use crate::backend::{lens, Buf};
+use crate::backend::Buf;
 
 impl GpuBackend {
     /// out (N, F) = up * silu(gate) from inp (N, 2F).
     pub(super) fn swiglu_forward_(&mut self, out: Buf, inp: Buf, n: usize, f: usize) {
-        lens!("swiglu_forward"; out => n * f, inp => n * 2 * f);
         Self::disjoint("swiglu_forward", &[out], &[inp]);
         for r in self.mem.row_pieces(n, &[(out, f), (inp, 2 * f)]) {
             let rows = r.end - r.start;
@@ -19,7 +18,6 @@ impl GpuBackend {
 
     /// dinp (N, 2F) = (d(up), d(gate)) from dout (N, F).
     pub(super) fn swiglu_backward_(&mut self, dinp: Buf, dout: Buf, inp: Buf, n: usize, f: usize) {
-        lens!("swiglu_backward"; dinp => n * 2 * f, dout => n * f, inp => n * 2 * f);
         Self::disjoint("swiglu_backward", &[dinp], &[dout, inp]);
         for r in self.mem.row_pieces(n, &[(dinp, 2 * f), (dout, f), (inp, 2 * f)]) {
             let rows = r.end - r.start;

@@ -1,55 +1,840 @@
 //! Llama (transformers' `LlamaForCausalLM`: Llama 3, SmolLM2, TinyLlama): rotary positions,
 //! pre-RMSNorm blocks, grouped-query attention, a SwiGLU MLP, no biases (unless the config sets
-//! `attention_bias`: q, k, v and the output projection), the LM head tied or not.
+//! `attention_bias`: q, k, v and the output projection), the LM head tied or not. Its files:
+//! llm.c's `llama3`-branch model file (magic 20240803) and transformers' directories.
 //!
-//! Tensors in the shared [`Tensor`] names: `QkvW` (L, QKV, C) is q_proj, k_proj, v_proj stacked
-//! (QKV = (NH + 2 KV) * HS, rows in transformers' layout, each head's halves rotated together);
-//! `FcW` (L, 2F, C) is up_proj then gate_proj (llm.c's llama3 `c_fc` then `c_fc2`); `FcProjW`
-//! (L, C, F) is down_proj; `Ln1W`, `Ln2W`, `LnfW` the RMSNorm weights.
+//! The block's calls, its activations and the config.json fields it shares with its kin are
+//! `pub` here for the families built on it ([`super::qwen2`], [`super::qwen3`]), which pass
+//! their weights as a [`BlockW`].
 
-use super::{t, Attn, Consts};
-use crate::acts::{BackActs, BlockActs};
-use crate::backend::{Backend, Buf};
-use crate::config::{Llama3Scaling, ModelConfig};
-use crate::params::HfTensor;
-use crate::params::{Block, ParamLayout, Tensor, Weights};
+use super::family::{Arch, Attn, Consts};
+use crate::acts::{ActPlan, ActSpec, BackActs, BlockActs, NormActs, Width};
+use crate::backend::ops::{Heads, Mat, Ops, Rows, Seq};
+use crate::backend::Buf;
+use crate::config::{Family, Llama3Scaling, ModelConfig, Rope, GPT2_VOCAB};
+use crate::files::{bf16s_from_le, f32s_from_le, Dtype, HEADER_BYTES};
+use crate::params::{HfTensor, ParamLayout, TensorId, TensorSpec, View, Weights};
 use crate::rng::Mt19937;
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use std::path::Path;
 
-pub fn shape(cfg: &ModelConfig, t: Tensor) -> Option<Vec<usize>> {
-    let (c, f, qkv) = (cfg.channels, cfg.hidden, cfg.qkv_dim());
-    let bias = cfg.attn_bias;
-    Some(match t {
-        Tensor::Wte => vec![cfg.padded_vocab_size, c],
-        Tensor::LmHead if !cfg.tied_head => vec![cfg.padded_vocab_size, c],
-        Tensor::QkvW => vec![qkv, c],
-        Tensor::QkvB if bias => vec![qkv],
-        Tensor::AttProjW => vec![c, c],
-        Tensor::AttProjB if bias => vec![c],
-        Tensor::FcW => vec![2 * f, c],
-        Tensor::FcProjW => vec![c, f],
-        Tensor::Ln1W | Tensor::Ln2W | Tensor::LnfW => vec![c],
-        _ => return None,
-    })
+pub struct Llama;
+
+pub const LLAMA: Family = Family("llama");
+
+/// Magic of llm.c's llama3 model file (its `llama3` branch, train_llama3.py's write_model).
+pub const LLMC_MAGIC: i32 = 20240803;
+
+/// Llama's tensors, in file order (llm.c's for the llama3 file's slots it uses); the per-layer
+/// ones are stacked over the L blocks. Those the config leaves out (an untied head, biases)
+/// take no space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum T {
+    Wte,      // (Vp, C) token embedding (and the tied LM head)
+    LmHead,   // (Vp, C) an untied LM head, else empty
+    Ln1W,     // (L, C) input_layernorm
+    QkvW,     // (L, QKV, C) q_proj, k_proj, v_proj stacked (transformers' row layout)
+    QkvB,     // (L, QKV) their biases, or empty
+    AttProjW, // (L, C, QD) o_proj
+    AttProjB, // (L, C) its bias, or empty
+    Ln2W,     // (L, C) post_attention_layernorm
+    FcW,      // (L, 2F, C) up_proj then gate_proj (llm.c's llama3 c_fc then c_fc2)
+    FcProjW,  // (L, C, F) down_proj
+    LnfW,     // (C) model.norm
+}
+crate::ids!(T);
+
+/// The activations a Llama-style block keeps per layer, and its workspace.
+#[derive(Clone, Copy, Debug)]
+pub enum A {
+    Ln1,       // (N, C)
+    Ln1Rstd,   // (N)
+    Qkv,       // (N, QKV) q, k (rotated in place), v
+    Atty,      // (N, QD)
+    Att,       // (B, NH, T, T) probabilities; KV-cached: scores (NH, TN, cap)
+    Residual2, // (N, C)
+    Ln2,       // (N, C)
+    Ln2Rstd,   // (N)
+    Fch,       // (N, 2F) up and gate
+    FchAct,    // (N, F) after SwiGLU
+    Scratch,   // (N, max(C, QD)) shared: attention's workspace, projections' outputs; d(ln), d(atty)
+}
+crate::ids!(A);
+
+/// The backward's buffers.
+#[derive(Clone, Copy, Debug)]
+pub enum D {
+    DAct, // (N, F) d(fch_act)
+    DFch, // (N, max(2F, 3 QD)) d(fch); attention backward's workspace
+    DQkv, // (N, QKV)
+    DAtt, // (B, NH, T, T)
+}
+crate::ids!(D);
+
+/// A Llama shape: no biases, a tied head, eps 1e-5, HS = C / NH, the vocabulary and context given.
+#[allow(clippy::too_many_arguments)]
+pub fn config(
+    layers: usize,
+    c: usize,
+    heads: usize,
+    kv: usize,
+    f: usize,
+    vocab: usize,
+    max_t: usize,
+    rope: Rope,
+) -> ModelConfig {
+    ModelConfig {
+        family: LLAMA,
+        max_seq_len: max_t,
+        vocab_size: vocab,
+        padded_vocab_size: crate::config::pad_vocab(vocab),
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv,
+        channels: c,
+        head_dim: c / heads.max(1),
+        hidden: f,
+        norm_eps: 1e-5,
+        rope,
+        tied_head: true,
+        qkv_bias: false,
+        out_bias: false,
+    }
+}
+
+/// `NAME` presets and the explicit `LxC:NH:KV[:F[:maxT]]` form of `llama:...` descriptors (F
+/// defaults to SwiGLU's 8C/3 rounded up to a multiple of 64; GPT-2's vocabulary, so that
+/// GPT-2-tokenized data trains it).
+fn descriptor(rest: &str, desc: &str) -> Result<ModelConfig> {
+    // The configs of the models on the Hub (config.json), without their weights.
+    let llama3_scaling = |factor: f32| Llama3Scaling {
+        factor,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+    let rope = |theta: f32, scaling: Option<Llama3Scaling>| Rope { theta, scaling };
+    let preset = match rest {
+        "smollm2-135m" => Some(config(30, 576, 9, 3, 1536, 49152, 8192, rope(100000.0, None))),
+        "smollm2-360m" => Some(config(32, 960, 15, 5, 2560, 49152, 8192, rope(100000.0, None))),
+        "smollm2-1.7b" => Some(config(24, 2048, 32, 32, 8192, 49152, 8192, rope(130000.0, None))),
+        "tinyllama-1.1b" => {
+            Some(ModelConfig { tied_head: false, ..config(22, 2048, 32, 4, 5632, 32000, 2048, Rope::BASE) })
+        }
+        "llama3.2-1b" => {
+            Some(config(16, 2048, 32, 8, 8192, 128256, 131072, rope(500000.0, Some(llama3_scaling(32.0)))))
+        }
+        "llama3.2-3b" => {
+            Some(config(28, 3072, 24, 8, 8192, 128256, 131072, rope(500000.0, Some(llama3_scaling(32.0)))))
+        }
+        _ => None,
+    };
+    if let Some(cfg) = preset {
+        return Ok(cfg);
+    }
+    let parts: Vec<&str> = rest.split(':').collect();
+    let lc = parts.first().and_then(|lc| lc.split_once('x'));
+    let num = |i: usize| parts.get(i).map(|s| s.parse::<usize>().ok());
+    if let (Some((l, c)), Some(Some(nh)), Some(Some(kv))) = (lc, num(1), num(2)) {
+        if let (Ok(l), Ok(c)) = (l.parse::<usize>(), c.parse::<usize>()) {
+            let f = match num(3) {
+                None => (8 * c / 3).div_ceil(64) * 64,
+                Some(Some(f)) => f,
+                Some(None) => bail!("bad F in model descriptor '{desc}'"),
+            };
+            let max_t = match num(4) {
+                None => 1024,
+                Some(Some(t)) => t,
+                Some(None) => bail!("bad maxT in model descriptor '{desc}'"),
+            };
+            if parts.len() <= 5 {
+                if nh == 0 || !c.is_multiple_of(nh) {
+                    bail!("model descriptor '{desc}': channels {c} is not a multiple of the number of heads {nh}");
+                }
+                return Ok(config(l, c, nh, kv, f, GPT2_VOCAB, max_t, Rope::BASE));
+            }
+        }
+    }
+    bail!(
+        "unknown Llama model '{desc}': use llama:smollm2-135m, llama:smollm2-360m, llama:smollm2-1.7b, \
+         llama:tinyllama-1.1b, llama:llama3.2-1b, llama:llama3.2-3b, or llama:LxC:NH:KV[:F[:maxT]] such as \
+         llama:4x256:8:2"
+    )
+}
+
+/// The checks every Llama-style family shares: rotary positions, grouped-query heads.
+pub fn validate_common(cfg: &ModelConfig) -> Result<()> {
+    cfg.validate_rope()
+}
+
+/// A Llama-style family's tensors, in Llama's file order ([`T`]), with the ones the config
+/// leaves out empty.
+pub fn tensors_of(cfg: &ModelConfig) -> Vec<TensorSpec> {
+    let (c, vp, f, qkv, qd) = (cfg.channels, cfg.padded_vocab_size, cfg.hidden, cfg.qkv_dim(), cfg.q_dim());
+    let s = TensorSpec::new;
+    let maybe = |on: bool, t: TensorSpec| if on { t } else { t.absent() };
+    // GEMM gradients are written whole by backward; wte only when it is the head too.
+    vec![
+        s("wte", &[vp, c], false, cfg.tied_head),
+        maybe(!cfg.tied_head, s("lmhead", &[vp, c], false, true)),
+        s("ln1w", &[c], true, false),
+        s("qkvw", &[qkv, c], true, true),
+        maybe(cfg.qkv_bias, s("qkvb", &[qkv], true, true)),
+        s("attprojw", &[c, qd], true, true),
+        maybe(cfg.out_bias, s("attprojb", &[c], true, true)),
+        s("ln2w", &[c], true, false),
+        s("fcw", &[2 * f, c], true, true),
+        s("fcprojw", &[c, f], true, true),
+        s("lnfw", &[c], false, false),
+    ]
 }
 
 /// transformers' `_init_weights` for Llama: N(0, 0.02) for the embedding (its V real rows),
-/// the untied head and every projection; biases 0; RMSNorm weights 1.
-pub fn init(w: &mut Weights, rng: &mut Mt19937) {
+/// the untied head and every projection; biases 0; RMSNorm weights 1. `extra` runs after,
+/// for a family's own tensors.
+pub fn init_common(w: &mut Weights, rng: &mut Mt19937) {
     let (l_n, c, v) = (w.config.num_layers, w.config.channels, w.config.vocab_size);
-    for t in [Tensor::Ln1W, Tensor::Ln2W, Tensor::LnfW] {
+    for t in [T::Ln1W, T::Ln2W, T::LnfW] {
         w.tensor_mut(t).fill(1.0);
     }
-    rng.normal(&mut w.tensor_mut(Tensor::Wte)[..v * c], 0.0, 0.02);
+    rng.normal(&mut w.tensor_mut(T::Wte)[..v * c], 0.0, 0.02);
     if !w.config.tied_head {
-        rng.normal(&mut w.tensor_mut(Tensor::LmHead)[..v * c], 0.0, 0.02);
+        rng.normal(&mut w.tensor_mut(T::LmHead)[..v * c], 0.0, 0.02);
     }
     for l in 0..l_n {
-        for t in [Tensor::QkvW, Tensor::AttProjW, Tensor::FcW, Tensor::FcProjW] {
+        for t in [T::QkvW, T::AttProjW, T::FcW, T::FcProjW] {
             rng.normal(w.layer_mut(t, l), 0.0, 0.02);
         }
     }
+}
+
+/// The activations of a Llama-style block ([`A`], [`D`]).
+pub fn plan(cfg: &ModelConfig) -> ActPlan {
+    let (c, f, qkv, qd) = (cfg.channels, cfg.hidden, cfg.qkv_dim(), cfg.q_dim());
+    let k = ActSpec::kept;
+    let p = Width::Pos;
+    ActPlan {
+        fwd: vec![
+            k("ln1", p(c)),
+            k("ln1_rstd", p(1)),
+            k("qkv", p(qkv)),
+            k("atty", p(qd)),
+            k("att", Width::Probs),
+            k("residual2", p(c)),
+            k("ln2", p(c)),
+            k("ln2_rstd", p(1)),
+            k("fch", p(2 * f)),
+            k("fch_act", p(f)),
+            ActSpec::shared("scratch", p(c.max(qd))),
+        ],
+        back: vec![
+            ActSpec::shared("dact", p(f)),
+            ActSpec::shared("dfch", p((2 * f).max(3 * qd))),
+            ActSpec::shared("dqkv", p(qkv)),
+            ActSpec::shared("datt", Width::Probs),
+        ],
+    }
+}
+
+/// What a Llama-style block's calls read: its weights (or, for backward, their gradients).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockW {
+    pub ln1: Buf,
+    pub qkv: Buf,
+    pub qkv_b: Option<Buf>,
+    pub o: Buf,
+    pub o_b: Option<Buf>,
+    pub ln2: Buf,
+    pub up_gate: Buf,
+    pub down: Buf,
+}
+
+impl BlockW {
+    /// Llama's tensors ([`T`]) of a block's view, the biases where the config has them.
+    pub fn of(cfg: &ModelConfig, w: &View<Buf>) -> BlockW {
+        BlockW {
+            ln1: w[T::Ln1W],
+            qkv: w[T::QkvW],
+            qkv_b: cfg.qkv_bias.then_some(w[T::QkvB]),
+            o: w[T::AttProjW],
+            o_b: cfg.out_bias.then_some(w[T::AttProjB]),
+            ln2: w[T::Ln2W],
+            up_gate: w[T::FcW],
+            down: w[T::FcProjW],
+        }
+    }
+}
+
+pub fn heads(cfg: &ModelConfig) -> Heads {
+    Heads { nh: cfg.num_heads, nkv: cfg.num_kv_heads, hs: cfg.head_dim }
+}
+
+/// residual2 = res_in + o_proj(attention(rope(qkv(rmsnorm1(res_in))))),
+/// res_out = residual2 + down(swiglu(up_gate(rmsnorm2(residual2)))).
+pub fn block_forward(ops: &mut Ops, cfg: &ModelConfig, k: &Consts, w: &BlockW, x: &BlockActs, n: usize, attn: Attn) {
+    let (c, f, h, eps, qkv) = (cfg.channels, cfg.hidden, heads(cfg), cfg.norm_eps, cfg.qkv_dim());
+    let rope = k.table.expect("a Llama-style model has its rotary table");
+    let a = &x.a;
+    ops.rmsnorm_forward(a[A::Ln1], a[A::Ln1Rstd], x.res_in, w.ln1, Rows { n, c }, eps);
+    ops.matmul_forward(a[A::Qkv], a[A::Ln1], w.qkv, w.qkv_b, Mat { n, c, oc: qkv });
+    let ws = a[A::Scratch].prefix(n * h.q());
+    match attn {
+        Attn::Causal(s) => {
+            ops.rope_forward(a[A::Qkv], rope, n, s.t, 0, h);
+            ops.attention_forward(a[A::Atty], a[A::Att], ws, a[A::Qkv], s, h)
+        }
+        Attn::Cached { k, v, pos, cap, .. } => {
+            ops.rope_forward(a[A::Qkv], rope, n, n, pos, h);
+            ops.attention_forward_cached(a[A::Atty], a[A::Att], ws, a[A::Qkv], k, v, pos, n, cap, h)
+        }
+    }
+    // Attention has filled the cache for all n positions; only the outputs read go on.
+    let (x, n) = (&x.last_rows(&plan(cfg), c, n, attn.keep(n)), attn.keep(n));
+    let a = &x.a;
+    let out = a[A::Scratch].prefix(n * c);
+    ops.matmul_forward(out, a[A::Atty], w.o, w.o_b, Mat { n, c: h.q(), oc: c });
+    ops.residual_forward(a[A::Residual2], x.res_in, out);
+    ops.rmsnorm_forward(a[A::Ln2], a[A::Ln2Rstd], a[A::Residual2], w.ln2, Rows { n, c }, eps);
+    ops.matmul_forward(a[A::Fch], a[A::Ln2], w.up_gate, None, Mat { n, c, oc: 2 * f });
+    ops.swiglu_forward(a[A::FchAct], a[A::Fch], Rows { n, c: f });
+    ops.matmul_forward(out, a[A::FchAct], w.down, None, Mat { n, c: f, oc: c });
+    ops.residual_forward(x.res_out, a[A::Residual2], out);
+}
+
+/// Backward of [`block_forward`], in reverse. The rotation was applied to qkv in place, so
+/// attention's backward sees the rotated q and k it used, and its dq, dk are rotated back
+/// before the projection's backward.
+#[allow(clippy::too_many_arguments)]
+pub fn block_backward(
+    ops: &mut Ops,
+    cfg: &ModelConfig,
+    k: &Consts,
+    w: &BlockW,
+    dw: &BlockW,
+    x: &BlockActs,
+    d: &BackActs,
+    s: Seq,
+    acc: bool,
+) {
+    let (c, f, h, qkv, n) = (cfg.channels, cfg.hidden, heads(cfg), cfg.qkv_dim(), s.n());
+    let rope = k.table.expect("a Llama-style model has its rotary table");
+    let (a, dres) = (&x.a, d.dres);
+    let (dact, dfch) = (d.d[D::DAct].prefix(n * f), d.d[D::DFch].prefix(n * 2 * f));
+    let (dln, datty) = (a[A::Scratch].prefix(n * c), a[A::Scratch].prefix(n * h.q()));
+    // MLP branch.
+    ops.matmul_backward(Some(dact), dw.down, None, dres, a[A::FchAct], w.down, Mat { n, c: f, oc: c }, acc);
+    ops.swiglu_backward(dfch, dact, a[A::Fch], Rows { n, c: f });
+    ops.matmul_backward(Some(dln), dw.up_gate, None, dfch, a[A::Ln2], w.up_gate, Mat { n, c, oc: 2 * f }, acc);
+    ops.rmsnorm_backward(dres, dw.ln2, dln, a[A::Residual2], w.ln2, a[A::Ln2Rstd], Rows { n, c });
+    // Attention branch; dfch is free again and serves as the attention workspace.
+    ops.matmul_backward(Some(datty), dw.o, dw.o_b, dres, a[A::Atty], w.o, Mat { n, c: h.q(), oc: c }, acc);
+    let ws = d.d[D::DFch].prefix(n * 3 * h.q());
+    ops.attention_backward(d.d[D::DQkv], d.d[D::DAtt], ws, datty, a[A::Qkv], a[A::Att], s, h);
+    ops.rope_backward(d.d[D::DQkv], rope, n, s.t, 0, h);
+    ops.matmul_backward(Some(dln), dw.qkv, dw.qkv_b, d.d[D::DQkv], a[A::Ln1], w.qkv, Mat { n, c, oc: qkv }, acc);
+    ops.rmsnorm_backward(dres, dw.ln1, dln, x.res_in, w.ln1, a[A::Ln1Rstd], Rows { n, c });
+}
+
+/// The embedding (no learned positions).
+pub fn embed(ops: &mut Ops, cfg: &ModelConfig, wte: Buf, out: Buf, ids: Buf, s: Seq) {
+    ops.encoder_forward(out, ids, wte, None, s, cfg.channels);
+}
+
+/// The final RMSNorm.
+pub fn final_norm(ops: &mut Ops, cfg: &ModelConfig, w: Buf, a: &NormActs, x: Buf, n: usize) {
+    ops.rmsnorm_forward(a.out, a.rstd, x, w, Rows { n, c: cfg.channels }, cfg.norm_eps);
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn final_norm_backward(
+    ops: &mut Ops,
+    cfg: &ModelConfig,
+    w: Buf,
+    dw: Buf,
+    a: &NormActs,
+    dx: Buf,
+    dout: Buf,
+    x: Buf,
+    n: usize,
+) {
+    ops.rmsnorm_backward(dx, dw, dout, x, w, a.rstd, Rows { n, c: cfg.channels });
+}
+
+impl Arch for Llama {
+    fn name(&self) -> &'static str {
+        LLAMA.0
+    }
+
+    fn descriptor(&self, desc: &str) -> Option<Result<ModelConfig>> {
+        desc.trim().strip_prefix("llama:").map(|rest| descriptor(rest, desc))
+    }
+
+    fn descriptor_help(&self) -> &'static str {
+        "Llama: llama:smollm2-135m, llama:smollm2-360m, llama:smollm2-1.7b, llama:tinyllama-1.1b, llama:llama3.2-1b, \
+         llama:llama3.2-3b, llama:LxC:NH:KV[:F[:maxT]] such as llama:4x256:8:2"
+    }
+
+    fn validate(&self, cfg: &ModelConfig) -> Result<()> {
+        validate_common(cfg)?;
+        if cfg.head_dim * cfg.num_heads != cfg.channels {
+            bail!(
+                "a Llama model has HS = C / NH (head_dim {} with {} heads of C={})",
+                cfg.head_dim,
+                cfg.num_heads,
+                cfg.channels
+            );
+        }
+        if cfg.qkv_bias != cfg.out_bias {
+            bail!("a Llama model's attention_bias puts biases on q, k, v and the output projection alike");
+        }
+        Ok(())
+    }
+
+    fn tensors(&self, cfg: &ModelConfig) -> Vec<TensorSpec> {
+        tensors_of(cfg)
+    }
+
+    fn init(&self, w: &mut Weights, rng: &mut Mt19937) {
+        init_common(w, rng)
+    }
+
+    fn head(&self, cfg: &ModelConfig) -> TensorId {
+        if cfg.tied_head {
+            T::Wte.into()
+        } else {
+            T::LmHead.into()
+        }
+    }
+
+    fn acts(&self, cfg: &ModelConfig) -> ActPlan {
+        plan(cfg)
+    }
+
+    fn host_consts(&self, cfg: &ModelConfig) -> Option<Vec<f32>> {
+        Some(rope_table(cfg))
+    }
+
+    fn embed(&self, ops: &mut Ops, cfg: &ModelConfig, w: &View<Buf>, out: Buf, ids: Buf, s: Seq, _pos: usize) {
+        embed(ops, cfg, w[T::Wte], out, ids, s)
+    }
+
+    fn embed_backward(&self, ops: &mut Ops, cfg: &ModelConfig, dw: &View<Buf>, dout: Buf, ids: Buf, s: Seq) {
+        ops.encoder_backward(dw[T::Wte], None, dout, ids, s, cfg.channels);
+    }
+
+    fn block_forward(
+        &self,
+        ops: &mut Ops,
+        cfg: &ModelConfig,
+        k: &Consts,
+        w: &View<Buf>,
+        x: &BlockActs,
+        n: usize,
+        attn: Attn,
+    ) {
+        block_forward(ops, cfg, k, &BlockW::of(cfg, w), x, n, attn)
+    }
+
+    fn block_backward(
+        &self,
+        ops: &mut Ops,
+        cfg: &ModelConfig,
+        k: &Consts,
+        w: &View<Buf>,
+        dw: &View<Buf>,
+        x: &BlockActs,
+        d: &BackActs,
+        s: Seq,
+        acc: bool,
+    ) {
+        block_backward(ops, cfg, k, &BlockW::of(cfg, w), &BlockW::of(cfg, dw), x, d, s, acc)
+    }
+
+    fn final_norm(&self, ops: &mut Ops, cfg: &ModelConfig, w: &View<Buf>, a: &NormActs, x: Buf, n: usize) {
+        final_norm(ops, cfg, w[T::LnfW], a, x, n)
+    }
+
+    fn final_norm_backward(
+        &self,
+        ops: &mut Ops,
+        cfg: &ModelConfig,
+        w: &View<Buf>,
+        dw: &View<Buf>,
+        a: &NormActs,
+        dx: Buf,
+        dout: Buf,
+        x: Buf,
+        n: usize,
+    ) {
+        final_norm_backward(ops, cfg, w[T::LnfW], dw[T::LnfW], a, dx, dout, x, n)
+    }
+
+    fn hf_names(&self) -> (&'static str, &'static str) {
+        ("LlamaForCausalLM", "llama")
+    }
+
+    /// A `LlamaForCausalLM` config.json, checked to be a model llmrs computes exactly: every
+    /// field that changes the computation is read, and one that llmrs does not implement is an
+    /// error that names it.
+    fn parse_hf_config(&self, v: &serde_json::Value, path: &Path) -> Result<ModelConfig> {
+        let f = HfFields::read(v, path)?;
+        if f.head_dim * f.heads != f.c {
+            bail!(
+                "{}: head_dim {} is not hidden_size / num_attention_heads; a Llama model has HS = C / NH",
+                path.display(),
+                f.head_dim
+            );
+        }
+        if f.flag("mlp_bias", false)? {
+            bail!("{}: mlp_bias true is not supported (llmrs's Llama MLP has no biases)", path.display());
+        }
+        let bias = f.flag("attention_bias", false)?;
+        Ok(ModelConfig { qkv_bias: bias, out_bias: bias, ..f.config(LLAMA, f.flag("tie_word_embeddings", false)?) })
+    }
+
+    /// `config.json` as transformers writes it for a LlamaForCausalLM of this shape.
+    fn hf_config(&self, cfg: &ModelConfig, torch_dtype: &str) -> serde_json::Value {
+        let mut v = hf_config_common(cfg, torch_dtype, ("LlamaForCausalLM", "llama"));
+        v["attention_bias"] = cfg.qkv_bias.into();
+        v["mlp_bias"] = false.into();
+        v
+    }
+
+    fn hf_tensors(&self, cfg: &ModelConfig, lay: &ParamLayout) -> Vec<HfTensor> {
+        hf_tensors_of(cfg, lay, |_, _| vec![])
+    }
+
+    fn llmc_magic(&self) -> Option<i32> {
+        Some(LLMC_MAGIC)
+    }
+
+    fn llmc_header(&self, cfg: &ModelConfig, dtype: Dtype) -> Result<Vec<u8>> {
+        llmc_header(cfg, dtype)
+    }
+
+    fn llmc_write<'a>(&self, w: &'a Weights, dtype: Dtype) -> Result<(Vec<u8>, std::borrow::Cow<'a, [f32]>)> {
+        llmc_write(w, dtype).map(|(h, v)| (h, std::borrow::Cow::Owned(v)))
+    }
+
+    fn llmc_read(&self, bytes: &[u8], path: &Path) -> Result<Weights> {
+        llmc_read(bytes, path)
+    }
+
+    fn llmc_config(&self, bytes: &[u8], path: &Path) -> Result<(ModelConfig, Dtype)> {
+        read_header(bytes, path)
+    }
+}
+
+// ---- Hugging Face (transformers' LlamaForCausalLM and its kin) ----------------------------------
+
+/// The config.json fields every Llama-style family reads alike.
+pub struct HfFields<'a> {
+    v: &'a serde_json::Value,
+    path: &'a Path,
+    pub c: usize,
+    pub heads: usize,
+    pub kv: usize,
+    pub head_dim: usize,
+    pub layers: usize,
+    pub f: usize,
+    pub vocab: usize,
+    pub max_t: usize,
+    pub rope: Rope,
+    pub eps: f32,
+}
+
+impl<'a> HfFields<'a> {
+    pub fn read(v: &'a serde_json::Value, path: &'a Path) -> Result<Self> {
+        let p = path.display();
+        let int = |k: &str| -> Result<usize> {
+            v[k].as_u64().map(|x| x as usize).with_context(|| format!("{p}: {k} is missing or not a whole number"))
+        };
+        let opt_int = |k: &str| -> Result<Option<usize>> {
+            match v.get(k).filter(|x| !x.is_null()) {
+                None => Ok(None),
+                Some(x) => {
+                    x.as_u64().map(|x| Some(x as usize)).with_context(|| format!("{p}: {k} is not a whole number"))
+                }
+            }
+        };
+        let num = |x: &serde_json::Value, k: &str| -> Result<f32> {
+            x.as_f64().map(|x| x as f32).with_context(|| format!("{p}: {k} is not a number"))
+        };
+        let (c, heads, layers) = (int("hidden_size")?, int("num_attention_heads")?, int("num_hidden_layers")?);
+        if heads == 0 {
+            bail!("{p}: num_attention_heads is 0");
+        }
+        let kv = opt_int("num_key_value_heads")?.unwrap_or(heads);
+        let head_dim = opt_int("head_dim")?.unwrap_or(c / heads);
+        let act = v["hidden_act"].as_str().unwrap_or("silu");
+        if act != "silu" {
+            bail!("{p}: hidden_act '{act}' is not supported (the SwiGLU MLP uses silu)");
+        }
+        let max_t = opt_int("max_position_embeddings")?.unwrap_or(2048);
+        // transformers 4 writes rope_theta and rope_scaling; 5 writes rope_parameters.
+        for k in ["rope_parameters", "rope_scaling"] {
+            if !(v[k].is_null() || v[k].is_object()) {
+                bail!("{p}: {k} is not a JSON object (of rope_type, rope_theta and the scaling's fields)");
+            }
+        }
+        let params = &v["rope_parameters"];
+        let theta = match (&v["rope_theta"], &params["rope_theta"]) {
+            (t, _) if !t.is_null() => num(t, "rope_theta")?,
+            (_, t) if !t.is_null() => num(t, "rope_parameters.rope_theta")?,
+            _ => 10000.0,
+        };
+        let (field, s) = if !v["rope_scaling"].is_null() {
+            ("rope_scaling", &v["rope_scaling"])
+        } else {
+            ("rope_parameters", params)
+        };
+        let kind = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or("default");
+        let scaling = match kind {
+            "default" => None,
+            "llama3" => {
+                let f = |k: &str| num(&s[k], &format!("{field}.{k}"));
+                let old = s["original_max_position_embeddings"].as_u64().with_context(|| {
+                    format!("{p}: {field}.original_max_position_embeddings is missing or not a whole number")
+                })?;
+                Some(Llama3Scaling {
+                    factor: f("factor")?,
+                    low_freq_factor: f("low_freq_factor")?,
+                    high_freq_factor: f("high_freq_factor")?,
+                    original_max_position_embeddings: old as usize,
+                })
+            }
+            other => {
+                bail!("{p}: {field}.rope_type '{other}' is not supported (llmrs implements 'default' and 'llama3')")
+            }
+        };
+        let eps = match &v["rms_norm_eps"] {
+            serde_json::Value::Null => 1e-6,
+            x => num(x, "rms_norm_eps")?,
+        };
+        Ok(HfFields {
+            v,
+            path,
+            c,
+            heads,
+            kv,
+            head_dim,
+            layers,
+            f: int("intermediate_size")?,
+            vocab: int("vocab_size")?,
+            max_t,
+            rope: Rope { theta, scaling },
+            eps,
+        })
+    }
+
+    /// A boolean field, `default` when absent.
+    pub fn flag(&self, k: &str, default: bool) -> Result<bool> {
+        match self.v.get(k) {
+            None | Some(serde_json::Value::Null) => Ok(default),
+            Some(x) => x.as_bool().with_context(|| format!("{}: {k} is not true or false", self.path.display())),
+        }
+    }
+
+    /// The config of `family` these fields give, with no biases.
+    pub fn config(&self, family: Family, tied: bool) -> ModelConfig {
+        ModelConfig {
+            family,
+            head_dim: self.head_dim,
+            norm_eps: self.eps,
+            tied_head: tied,
+            ..config(self.layers, self.c, self.heads, self.kv, self.f, self.vocab, self.max_t, self.rope)
+        }
+    }
+}
+
+/// config.json's fields as transformers writes them for any Llama-style model of this shape.
+pub fn hf_config_common(cfg: &ModelConfig, torch_dtype: &str, (arch, kind): (&str, &str)) -> serde_json::Value {
+    let scaling = cfg.rope.scaling.map(|s| {
+        serde_json::json!({
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        })
+    });
+    serde_json::json!({
+        "architectures": [arch],
+        "model_type": kind,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.channels,
+        "intermediate_size": cfg.hidden,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_size(),
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope.theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": cfg.tied_head,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "torch_dtype": torch_dtype,
+    })
+}
+
+/// transformers' tensors of a Llama-style model (Llama's [`T`] layout): `nn.Linear` (out, in)
+/// as llmrs's; q, k and v are rows of QkvW, up and gate rows of FcW. `extra(l, name)` adds a
+/// family's own per-layer tensors (Qwen3's q_norm, k_norm).
+pub fn hf_tensors_of(
+    cfg: &ModelConfig,
+    lay: &ParamLayout,
+    extra: impl Fn(usize, &dyn Fn(&str) -> String) -> Vec<HfTensor>,
+) -> Vec<HfTensor> {
+    let (c, v, f, kv, qd) = (cfg.channels, cfg.vocab_size, cfg.hidden, cfg.kv_dim(), cfg.q_dim());
+    let t = |name: String, range: std::ops::Range<usize>, shape: Vec<usize>| HfTensor {
+        name,
+        range,
+        shape,
+        transposed: false,
+    };
+    // Rows r0..r0+n of a tensor laid out as rows of `width`.
+    let rows = |whole: std::ops::Range<usize>, r0: usize, n: usize, width: usize| {
+        whole.start + r0 * width..whole.start + (r0 + n) * width
+    };
+    let wte = lay.range(T::Wte);
+    let mut out = vec![t("model.embed_tokens.weight".into(), wte.start..wte.start + v * c, vec![v, c])];
+    for l in 0..cfg.num_layers {
+        let b = lay.block(l);
+        let name = |s: &str| format!("model.layers.{l}.{s}");
+        out.push(t(name("input_layernorm.weight"), b[T::Ln1W].clone(), vec![c]));
+        for (proj, r0, n) in [("q_proj", 0, qd), ("k_proj", qd, kv), ("v_proj", qd + kv, kv)] {
+            out.push(t(name(&format!("self_attn.{proj}.weight")), rows(b[T::QkvW].clone(), r0, n, c), vec![n, c]));
+            if cfg.qkv_bias {
+                out.push(t(name(&format!("self_attn.{proj}.bias")), rows(b[T::QkvB].clone(), r0, n, 1), vec![n]));
+            }
+        }
+        out.push(t(name("self_attn.o_proj.weight"), b[T::AttProjW].clone(), vec![c, qd]));
+        if cfg.out_bias {
+            out.push(t(name("self_attn.o_proj.bias"), b[T::AttProjB].clone(), vec![c]));
+        }
+        out.extend(extra(l, &name));
+        out.push(t(name("post_attention_layernorm.weight"), b[T::Ln2W].clone(), vec![c]));
+        out.push(t(name("mlp.up_proj.weight"), rows(b[T::FcW].clone(), 0, f, c), vec![f, c]));
+        out.push(t(name("mlp.gate_proj.weight"), rows(b[T::FcW].clone(), f, f, c), vec![f, c]));
+        out.push(t(name("mlp.down_proj.weight"), b[T::FcProjW].clone(), vec![c, f]));
+    }
+    out.push(t("model.norm.weight".into(), lay.range(T::LnfW), vec![c]));
+    if !cfg.tied_head {
+        let h = lay.range(T::LmHead);
+        out.push(t("lm_head.weight".into(), h.start..h.start + v * c, vec![v, c]));
+    }
+    out
+}
+
+// ---- llm.c's llama3 model file ----------------------------------------------------------------
+
+/// The 12 block slots of llm.c's file (GPT-2's), with Llama's widths: the tensor that fills each
+/// (None: a bias Llama lacks, written as zeros) and its values per layer.
+fn slots(cfg: &ModelConfig) -> [(&'static str, Option<T>, usize); 12] {
+    let (c, f, qkv) = (cfg.channels, cfg.hidden, cfg.qkv_dim());
+    [
+        ("ln1w", Some(T::Ln1W), c),
+        ("ln1b", None, c),
+        ("qkvw", Some(T::QkvW), qkv * c),
+        ("qkvb", Some(T::QkvB), qkv),
+        ("attprojw", Some(T::AttProjW), c * c),
+        ("attprojb", Some(T::AttProjB), c),
+        ("ln2w", Some(T::Ln2W), c),
+        ("ln2b", None, c),
+        ("fcw", Some(T::FcW), 2 * f * c),
+        ("fcb", None, 2 * f),
+        ("fcprojw", Some(T::FcProjW), c * f),
+        ("fcprojb", None, c),
+    ]
+}
+
+/// The bytes of an llm.c llama3 model file: [`llmc_header`], then GPT-2's 16 tensor slots:
+/// wte (V, C), the LM head in wpe's slot (V, C; wte again when tied), zero biases where Llama
+/// has none, fc = [up; gate], q and k rows in Meta's interleaved-pair layout.
+pub fn llmc_write(w: &Weights, dtype: Dtype) -> Result<(Vec<u8>, Vec<f32>)> {
+    let cfg = &w.config;
+    let (c, v, l) = (cfg.channels, cfg.vocab_size, cfg.num_layers);
+    let header = llmc_header(cfg, dtype)?;
+    let mut out = Vec::with_capacity(w.data.len() + 2 * v * c);
+    out.extend_from_slice(&w.tensor(T::Wte)[..v * c]);
+    let head = if cfg.tied_head { T::Wte } else { T::LmHead };
+    out.extend_from_slice(&w.tensor(head)[..v * c]);
+    for (_, t, len) in slots(cfg) {
+        for layer in 0..l {
+            match t.map(|t| w.layer(t, layer)).filter(|x| !x.is_empty()) {
+                None => out.extend(std::iter::repeat_n(0f32, len)),
+                Some(x) if matches!(t, Some(T::QkvW | T::QkvB)) => {
+                    out.extend(interleave_qk(cfg, x, t == Some(T::QkvW), false))
+                }
+                Some(x) => out.extend_from_slice(x),
+            }
+        }
+    }
+    out.extend_from_slice(w.tensor(T::LnfW));
+    out.extend(std::iter::repeat_n(0f32, c));
+    Ok((header, out))
+}
+
+/// Read an llm.c llama3 model file ([`llmc_write`]'s layout) into weights in transformers'
+/// layout: the untied head and the biases are kept only when non-zero and distinct.
+pub fn llmc_read(bytes: &[u8], path: &Path) -> Result<Weights> {
+    let (mut cfg, dtype) = read_header(bytes, path)?;
+    let (v, l, c) = (cfg.vocab_size, cfg.num_layers, cfg.channels);
+    let slots = slots(&cfg);
+    // The file's values: wte, head, then the 12 block slots and lnf w, b.
+    let n = 2 * v * c + slots.iter().map(|s| l * s.2).sum::<usize>() + 2 * c;
+    let want = 2 * HEADER_BYTES + n * dtype.bytes();
+    if bytes.len() != want {
+        bail!(
+            "{}: file is {} bytes but a {dtype} llama3 model of this shape needs {want}: truncated or corrupt",
+            path.display(),
+            bytes.len()
+        );
+    }
+    let mut vals = crate::mem::zeroed::<f32>(n);
+    match dtype {
+        Dtype::F32 => f32s_from_le(&bytes[2 * HEADER_BYTES..], &mut vals),
+        Dtype::BF16 => bf16s_from_le(&bytes[2 * HEADER_BYTES..], &mut vals),
+    }
+    let mut at = 0;
+    let mut take = |k: usize| {
+        at += k;
+        &vals[at - k..at]
+    };
+    let (wte, head) = (take(v * c).to_vec(), take(v * c).to_vec());
+    let blocks: Vec<(&str, Option<T>, usize, Vec<f32>)> =
+        slots.iter().map(|&(name, t, len)| (name, t, len, take(l * len).to_vec())).collect();
+    let (lnf_w, lnf_b) = (take(c).to_vec(), take(c).to_vec());
+    let zero = |x: &[f32]| x.iter().all(|&y| y == 0.0);
+    for (name, t, _, x) in &blocks {
+        if t.is_none() && !zero(x) {
+            bail!("{}: the {name} slot holds non-zero values, but a Llama model has no such bias", path.display());
+        }
+    }
+    if !zero(&lnf_b) {
+        bail!("{}: the lnfb slot holds non-zero values, but a Llama model has no such bias", path.display());
+    }
+    let slot = |t: T| &blocks.iter().find(|b| b.1 == Some(t)).unwrap().3;
+    let bias = !(zero(slot(T::QkvB)) && zero(slot(T::AttProjB)));
+    (cfg.qkv_bias, cfg.out_bias) = (bias, bias);
+    cfg.tied_head = head == wte;
+    let mut w = Weights::zeros(cfg)?;
+    w.tensor_mut(T::Wte)[..v * c].copy_from_slice(&wte);
+    if !cfg.tied_head {
+        w.tensor_mut(T::LmHead)[..v * c].copy_from_slice(&head);
+    }
+    w.tensor_mut(T::LnfW).copy_from_slice(&lnf_w);
+    for (_, t, len, x) in blocks {
+        let Some(t) = t.filter(|&t| w.layout.spec(t).numel_per_layer() > 0) else { continue };
+        for (layer, xl) in x.chunks_exact(len).enumerate() {
+            let y =
+                if matches!(t, T::QkvW | T::QkvB) { interleave_qk(&cfg, xl, t == T::QkvW, true) } else { xl.to_vec() };
+            w.layer_mut(t, layer).copy_from_slice(&y);
+        }
+    }
+    Ok(w)
 }
 
 /// The rotary frequencies, as transformers computes them in f32: inv_freq_i =
@@ -96,115 +881,6 @@ pub fn rope_table(cfg: &ModelConfig) -> Vec<f32> {
     out
 }
 
-/// residual2 = res_in + o_proj(attention(rope(qkv(rmsnorm1(res_in))))),
-/// residual3 = residual2 + down(swiglu(up_gate(rmsnorm2(residual2)))).
-#[allow(clippy::too_many_arguments)]
-pub fn block_forward(
-    be: &mut dyn Backend,
-    cfg: &ModelConfig,
-    k: &Consts,
-    w: &Block<Buf>,
-    x: &BlockActs,
-    n: usize,
-    attn: Attn,
-) {
-    let (c, f, nh, nkv, hs, qkv, eps) =
-        (cfg.channels, cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_size(), cfg.qkv_dim(), cfg.norm_eps);
-    let rope = k.rope.expect("a Llama model has its rotary table");
-    let bias = |b: Buf| cfg.attn_bias.then_some(b);
-    t!(be, LayerNorm, be.rmsnorm_forward(x.ln1, x.ln1_rstd, x.res_in, w.ln1_w, n, c, eps));
-    t!(be, Matmul, be.matmul_forward(x.qkv, x.ln1, w.qkv_w, bias(w.qkv_b), n, c, qkv));
-    match attn {
-        Attn::Causal { b, t } => {
-            t!(be, Attention, be.rope_forward(x.qkv, rope, n, t, 0, nh, nkv, hs));
-            t!(be, Attention, be.attention_forward(x.atty, x.att, x.scratch, x.qkv, b, t, c, nh, nkv))
-        }
-        Attn::Cached { k, v, pos, cap, .. } => {
-            t!(be, Attention, be.rope_forward(x.qkv, rope, n, n, pos, nh, nkv, hs));
-            t!(
-                be,
-                Attention,
-                be.attention_forward_cached(x.atty, x.att, x.scratch, x.qkv, k, v, pos, n, c, nh, nkv, cap)
-            )
-        }
-    }
-    // Attention has filled the cache for all n positions; only the outputs read go on.
-    let (x, n) = (&x.last_rows(cfg, n, attn.keep(n)), attn.keep(n));
-    t!(be, Matmul, be.matmul_forward(x.scratch, x.atty, w.attn_proj_w, bias(w.attn_proj_b), n, c, c));
-    t!(be, Residual, be.residual_forward(x.residual2, x.res_in, x.scratch));
-    t!(be, LayerNorm, be.rmsnorm_forward(x.ln2, x.ln2_rstd, x.residual2, w.ln2_w, n, c, eps));
-    t!(be, Matmul, be.matmul_forward(x.fch, x.ln2, w.fc_w, None, n, c, 2 * f));
-    t!(be, Gelu, be.swiglu_forward(x.fch_act, x.fch, n, f));
-    t!(be, Matmul, be.matmul_forward(x.scratch, x.fch_act, w.fc_proj_w, None, n, f, c));
-    t!(be, Residual, be.residual_forward(x.residual3, x.residual2, x.scratch));
-}
-
-/// Backward of [`block_forward`], in reverse. The rotation was applied to qkv in place, so
-/// attention's backward sees the rotated q and k it used, and its dq, dk are rotated back
-/// before the projection's backward.
-#[allow(clippy::too_many_arguments)]
-pub fn block_backward(
-    be: &mut dyn Backend,
-    cfg: &ModelConfig,
-    k: &Consts,
-    w: &Block<Buf>,
-    dw: &Block<Buf>,
-    x: &BlockActs,
-    d: &BackActs,
-    (b, t): (usize, usize),
-    acc: bool,
-) {
-    let (c, f, nh, nkv, hs, qkv) =
-        (cfg.channels, cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_size(), cfg.qkv_dim());
-    let n = b * t;
-    let rope = k.rope.expect("a Llama model has its rotary table");
-    let bias = |b: Buf| cfg.attn_bias.then_some(b);
-    let (dact, dfch) = (d.dact.prefix(n * f), d.dfch.prefix(n * 2 * f));
-    // MLP branch.
-    t!(
-        be,
-        Matmul,
-        be.matmul_backward(Some(dact), dw.fc_proj_w, None, d.dresidual, x.fch_act, w.fc_proj_w, n, f, c, acc)
-    );
-    t!(be, Gelu, be.swiglu_backward(dfch, dact, x.fch, n, f));
-    t!(be, Matmul, be.matmul_backward(Some(x.scratch), dw.fc_w, None, dfch, x.ln2, w.fc_w, n, c, 2 * f, acc));
-    t!(be, LayerNorm, be.rmsnorm_backward(d.dresidual, dw.ln2_w, x.scratch, x.residual2, w.ln2_w, x.ln2_rstd, n, c));
-    // Attention branch; dfch is free again and serves as the attention workspace.
-    t!(
-        be,
-        Matmul,
-        be.matmul_backward(
-            Some(x.scratch),
-            dw.attn_proj_w,
-            bias(dw.attn_proj_b),
-            d.dresidual,
-            x.atty,
-            w.attn_proj_w,
-            n,
-            c,
-            c,
-            acc
-        )
-    );
-    t!(
-        be,
-        Attention,
-        be.attention_backward(d.dqkv, d.datt, d.dfch.prefix(n * 3 * c), x.scratch, x.qkv, x.att, b, t, c, nh, nkv)
-    );
-    t!(be, Attention, be.rope_backward(d.dqkv, rope, n, t, 0, nh, nkv, hs));
-    t!(
-        be,
-        Matmul,
-        be.matmul_backward(Some(x.scratch), dw.qkv_w, bias(dw.qkv_b), d.dqkv, x.ln1, w.qkv_w, n, c, qkv, acc)
-    );
-    t!(be, LayerNorm, be.rmsnorm_backward(d.dresidual, dw.ln1_w, x.scratch, x.res_in, w.ln1_w, x.ln1_rstd, n, c));
-}
-
-// ---- llm.c's llama3 model file ----------------------------------------------------------------
-
-/// Magic of llm.c's llama3 model file (its `llama3` branch, train_llama3.py's write_model).
-pub const LLMC_MAGIC: i32 = 20240803;
-
 /// The rescaling llm.c's file means by `use_scaled_rope` for Llama 3.`minor` (3.1: factor 8,
 /// as train_llama3.py; 3.2: factor 32, as Meta's Llama 3.2 configs).
 fn llmc_scaling(minor: i32) -> Option<Llama3Scaling> {
@@ -245,11 +921,17 @@ fn llmc_ffn(c: usize, f: usize) -> Option<(usize, f32)> {
 /// high_freq_factor in float slots 3-5 (llm.c reads neither; it knows only 3.1's scaling).
 /// An error says what cannot be written, before anything is: a checkpoint's model file is
 /// checked with this at the start of a run.
-pub fn llmc_header(cfg: &ModelConfig, dtype: crate::files::Dtype) -> anyhow::Result<Vec<u8>> {
+pub fn llmc_header(cfg: &ModelConfig, dtype: Dtype) -> Result<Vec<u8>> {
     let (c, v, l, f) = (cfg.channels, cfg.vocab_size, cfg.num_layers, cfg.hidden);
-    let (multiple_of, multiplier) = llmc_ffn(c, f).ok_or_else(|| {
-        anyhow::anyhow!("the MLP's hidden size {f} cannot be written in llm.c's llama3 header (C={c})")
-    })?;
+    if cfg.head_dim * cfg.num_heads != c {
+        bail!(
+            "llm.c's llama3 header has no head size: it needs HS = C / NH (here {} x {} != {c})",
+            cfg.num_heads,
+            cfg.head_dim
+        );
+    }
+    let (multiple_of, multiplier) = llmc_ffn(c, f)
+        .ok_or_else(|| anyhow!("the MLP's hidden size {f} cannot be written in llm.c's llama3 header (C={c})"))?;
     let mut h = [0i32; 256];
     let mut hf = [0f32; 256];
     let minor = match cfg.rope.scaling {
@@ -258,7 +940,7 @@ pub fn llmc_header(cfg: &ModelConfig, dtype: crate::files::Dtype) -> anyhow::Res
         Some(s) if Some(s) == llmc_scaling(2) => 2,
         Some(s) => {
             h[12] = i32::try_from(s.original_max_position_embeddings).map_err(|_| {
-                anyhow::anyhow!(
+                anyhow!(
                     "rope scaling's original_max_position_embeddings {} does not fit llm.c's llama3 header",
                     s.original_max_position_embeddings
                 )
@@ -283,54 +965,6 @@ pub fn llmc_header(cfg: &ModelConfig, dtype: crate::files::Dtype) -> anyhow::Res
     Ok(header)
 }
 
-/// The bytes of an llm.c llama3 model file: [`llmc_header`], then GPT-2's 16 tensor slots:
-/// wte (V, C), the LM head in wpe's slot (V, C; wte again when tied), zero biases where Llama
-/// has none, fc = [up; gate], q and k rows in Meta's interleaved-pair layout.
-pub fn llmc_file(w: &Weights, dtype: crate::files::Dtype) -> anyhow::Result<(Vec<u8>, Vec<f32>)> {
-    let cfg = &w.config;
-    let (c, v, l) = (cfg.channels, cfg.vocab_size, cfg.num_layers);
-    let header = llmc_header(cfg, dtype)?;
-    // The values in file order.
-    let mut out = Vec::with_capacity(w.data.len() + 2 * v * c);
-    out.extend_from_slice(&w.tensor(Tensor::Wte)[..v * c]);
-    let head = if cfg.tied_head { Tensor::Wte } else { Tensor::LmHead };
-    out.extend_from_slice(&w.tensor(head)[..v * c]);
-    let zeros = |n: usize| std::iter::repeat_n(0f32, n);
-    let per_layer = |t: Tensor, out: &mut Vec<f32>| {
-        for layer in 0..l {
-            let x = w.layer(t, layer);
-            if x.is_empty() {
-                out.extend(zeros(t_len(cfg, t)));
-            } else if t == Tensor::QkvW || t == Tensor::QkvB {
-                out.extend(interleave_qk(cfg, x, t == Tensor::QkvW, false));
-            } else {
-                out.extend_from_slice(x);
-            }
-        }
-    };
-    for t in Tensor::BLOCK {
-        per_layer(t, &mut out);
-    }
-    out.extend_from_slice(w.tensor(Tensor::LnfW));
-    out.extend(zeros(c));
-    Ok((header, out))
-}
-
-/// Elements per layer of a block tensor's slot in llm.c's llama3 file (GPT-2's slots, with
-/// Llama's widths: QKV rows, 2F for fc).
-fn t_len(cfg: &ModelConfig, t: Tensor) -> usize {
-    let (c, f, qkv) = (cfg.channels, cfg.hidden, cfg.qkv_dim());
-    match t {
-        Tensor::QkvW => qkv * c,
-        Tensor::QkvB => qkv,
-        Tensor::AttProjW => c * c,
-        Tensor::FcW => 2 * f * c,
-        Tensor::FcB => 2 * f,
-        Tensor::FcProjW => c * f,
-        _ => c,
-    }
-}
-
 /// The q and k rows of a layer's qkv weight (`rows` true; its bias when false) moved between
 /// transformers' layout (per head: the first halves of the rotated pairs, then the second
 /// halves) and Meta's (pairs interleaved): `to_hf` reads Meta's. v is unchanged.
@@ -353,10 +987,7 @@ fn interleave_qk(cfg: &ModelConfig, x: &[f32], rows: bool, to_hf: bool) -> Vec<f
 /// The shape and dtype in the headers of an llm.c llama3 model file (its first 2 KiB). Tied
 /// head and biases are told by the values ([`read_llmc`]): here every slot counts (untied,
 /// biased).
-pub fn llmc_config(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<(ModelConfig, crate::files::Dtype)> {
-    use crate::files::Dtype;
-    use crate::files::HEADER_BYTES;
-    use anyhow::{bail, Context};
+fn read_header(bytes: &[u8], path: &Path) -> Result<(ModelConfig, Dtype)> {
     let at = |i: usize| i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
     if bytes.len() < 2 * HEADER_BYTES {
         bail!(
@@ -371,7 +1002,7 @@ pub fn llmc_config(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<(Mode
         5 => Dtype::BF16,
         v => bail!("{}: llama3 model file version {v} is not supported (3 = fp32, 5 = bf16)", path.display()),
     };
-    let dim = |i: usize, name: &str| -> anyhow::Result<usize> {
+    let dim = |i: usize, name: &str| -> Result<usize> {
         usize::try_from(at(i))
             .ok()
             .filter(|&x| x > 0)
@@ -416,249 +1047,15 @@ pub fn llmc_config(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<(Mode
         }
     };
     let f = llmc_hidden(c, multiple_of, multiplier);
-    let mut cfg = ModelConfig::llama(l, c, nh, kv, f, v, max_t, crate::config::Rope { theta, scaling });
+    let mut cfg = config(l, c, nh, kv, f, v, max_t, Rope { theta, scaling });
     cfg.norm_eps = eps;
     cfg.tied_head = false;
-    cfg.attn_bias = true; // read every slot first; dropped below when the biases are zero
-    cfg.validate().with_context(|| format!("{}: bad model header", path.display()))?;
+    (cfg.qkv_bias, cfg.out_bias) = (true, true); // read every slot first; dropped when the biases are zero
+    if nh == 0 || !c.is_multiple_of(nh) {
+        bail!("{}: bad model header: channels {c} is not a multiple of the number of heads {nh}", path.display());
+    }
+    super::validate(&cfg).with_context(|| format!("{}: bad model header", path.display()))?;
     Ok((cfg, dtype))
-}
-
-/// Read an llm.c llama3 model file ([`llmc_file`]'s layout) into weights in transformers'
-/// layout: the untied head and the biases are kept only when non-zero and distinct.
-pub fn read_llmc(bytes: &[u8], path: &std::path::Path) -> anyhow::Result<Weights> {
-    use crate::files::Dtype;
-    use crate::files::{bf16s_from_le, f32s_from_le, HEADER_BYTES};
-    use anyhow::bail;
-    let (mut cfg, dtype) = llmc_config(bytes, path)?;
-    let (v, l, c) = (cfg.vocab_size, cfg.num_layers, cfg.channels);
-    // The file's values: wte, head, then the 12 block slots and lnf w, b.
-    let n = 2 * v * c + Tensor::BLOCK.iter().map(|&t| l * t_len(&cfg, t)).sum::<usize>() + 2 * c;
-    let want = 2 * HEADER_BYTES + n * dtype.bytes();
-    if bytes.len() != want {
-        bail!(
-            "{}: file is {} bytes but a {dtype} llama3 model of this shape needs {want}: truncated or corrupt",
-            path.display(),
-            bytes.len()
-        );
-    }
-    let mut vals = crate::mem::zeroed::<f32>(n);
-    match dtype {
-        Dtype::F32 => f32s_from_le(&bytes[2 * HEADER_BYTES..], &mut vals),
-        Dtype::BF16 => bf16s_from_le(&bytes[2 * HEADER_BYTES..], &mut vals),
-    }
-    let mut at = 0;
-    let mut take = |k: usize| {
-        at += k;
-        &vals[at - k..at]
-    };
-    let (wte, head) = (take(v * c).to_vec(), take(v * c).to_vec());
-    let mut blocks = vec![];
-    for t in Tensor::BLOCK {
-        blocks.push((t, take(l * t_len(&cfg, t)).to_vec()));
-    }
-    let (lnf_w, lnf_b) = (take(c).to_vec(), take(c).to_vec());
-    let zero = |x: &[f32]| x.iter().all(|&y| y == 0.0);
-    for (t, x) in &blocks {
-        if matches!(t, Tensor::Ln1B | Tensor::Ln2B | Tensor::FcB | Tensor::FcProjB) && !zero(x) {
-            bail!(
-                "{}: the {} slot holds non-zero values, but a Llama model has no such bias",
-                path.display(),
-                t.name()
-            );
-        }
-    }
-    if !zero(&lnf_b) {
-        bail!("{}: the lnfb slot holds non-zero values, but a Llama model has no such bias", path.display());
-    }
-    let bias = |t: Tensor| &blocks.iter().find(|b| b.0 == t).unwrap().1;
-    cfg.attn_bias = !(zero(bias(Tensor::QkvB)) && zero(bias(Tensor::AttProjB)));
-    cfg.tied_head = head == wte;
-    let mut w = Weights::zeros(cfg)?;
-    w.tensor_mut(Tensor::Wte)[..v * c].copy_from_slice(&wte);
-    if !cfg.tied_head {
-        w.tensor_mut(Tensor::LmHead)[..v * c].copy_from_slice(&head);
-    }
-    w.tensor_mut(Tensor::LnfW).copy_from_slice(&lnf_w);
-    for (t, x) in blocks {
-        if t.numel(&cfg) == 0 {
-            continue;
-        }
-        for (layer, xl) in x.chunks_exact(t_len(&cfg, t)).enumerate() {
-            let y = if t == Tensor::QkvW || t == Tensor::QkvB {
-                interleave_qk(&cfg, xl, t == Tensor::QkvW, true)
-            } else {
-                xl.to_vec()
-            };
-            w.layer_mut(t, layer).copy_from_slice(&y);
-        }
-    }
-    Ok(w)
-}
-
-// ---- Hugging Face (transformers' LlamaForCausalLM) ----------------------------------------------
-
-/// A `LlamaForCausalLM` config.json, checked to be a model llmrs computes exactly: every field
-/// that changes the computation is read, and one that llmrs does not implement is an error
-/// that names it.
-pub fn parse_hf_config(v: &serde_json::Value, path: &Path) -> Result<ModelConfig> {
-    let p = path.display();
-    let int = |k: &str| -> Result<usize> {
-        v[k].as_u64().map(|x| x as usize).with_context(|| format!("{p}: {k} is missing or not a whole number"))
-    };
-    let opt_int = |k: &str| v.get(k).filter(|x| !x.is_null()).map(|x| x.as_u64().map(|x| x as usize));
-    let num = |x: &serde_json::Value, k: &str| -> Result<f32> {
-        x.as_f64().map(|x| x as f32).with_context(|| format!("{p}: {k} is not a number"))
-    };
-    let flag = |k: &str, default: bool| -> Result<bool> {
-        match v.get(k) {
-            None | Some(serde_json::Value::Null) => Ok(default),
-            Some(x) => x.as_bool().with_context(|| format!("{p}: {k} is not true or false")),
-        }
-    };
-    let (c, heads, layers) = (int("hidden_size")?, int("num_attention_heads")?, int("num_hidden_layers")?);
-    let kv = match opt_int("num_key_value_heads") {
-        None => heads,
-        Some(x) => x.with_context(|| format!("{p}: num_key_value_heads is not a whole number"))?,
-    };
-    if let Some(hd) = opt_int("head_dim") {
-        let hd = hd.with_context(|| format!("{p}: head_dim is not a whole number"))?;
-        if heads == 0 || hd * heads != c {
-            bail!("{p}: head_dim {hd} is not hidden_size / num_attention_heads; llmrs needs HS = C / NH");
-        }
-    }
-    let act = v["hidden_act"].as_str().unwrap_or("silu");
-    if act != "silu" {
-        bail!("{p}: hidden_act '{act}' is not supported (Llama's SwiGLU uses silu)");
-    }
-    if flag("mlp_bias", false)? {
-        bail!("{p}: mlp_bias true is not supported (llmrs's Llama MLP has no biases)");
-    }
-    let max_t = match opt_int("max_position_embeddings") {
-        None => 2048,
-        Some(x) => x.with_context(|| format!("{p}: max_position_embeddings is not a whole number"))?,
-    };
-    // transformers 4 writes rope_theta and rope_scaling; 5 writes rope_parameters.
-    for k in ["rope_parameters", "rope_scaling"] {
-        if !(v[k].is_null() || v[k].is_object()) {
-            bail!("{p}: {k} is not a JSON object (of rope_type, rope_theta and the scaling's fields)");
-        }
-    }
-    let params = &v["rope_parameters"];
-    let theta = match (&v["rope_theta"], &params["rope_theta"]) {
-        (t, _) if !t.is_null() => num(t, "rope_theta")?,
-        (_, t) if !t.is_null() => num(t, "rope_parameters.rope_theta")?,
-        _ => 10000.0,
-    };
-    let (field, s) =
-        if !v["rope_scaling"].is_null() { ("rope_scaling", &v["rope_scaling"]) } else { ("rope_parameters", params) };
-    let kind = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or("default");
-    let scaling = match kind {
-        "default" => None,
-        "llama3" => {
-            let f = |k: &str| num(&s[k], &format!("{field}.{k}"));
-            let old = s["original_max_position_embeddings"].as_u64().with_context(|| {
-                format!("{p}: {field}.original_max_position_embeddings is missing or not a whole number")
-            })?;
-            Some(Llama3Scaling {
-                factor: f("factor")?,
-                low_freq_factor: f("low_freq_factor")?,
-                high_freq_factor: f("high_freq_factor")?,
-                original_max_position_embeddings: old as usize,
-            })
-        }
-        other => bail!("{p}: {field}.rope_type '{other}' is not supported (llmrs implements 'default' and 'llama3')"),
-    };
-    let eps = match &v["rms_norm_eps"] {
-        serde_json::Value::Null => 1e-6,
-        x => num(x, "rms_norm_eps")?,
-    };
-    let rope = crate::config::Rope { theta, scaling };
-    let mut cfg = ModelConfig::llama(layers, c, heads, kv, int("intermediate_size")?, int("vocab_size")?, max_t, rope);
-    cfg.norm_eps = eps;
-    cfg.tied_head = flag("tie_word_embeddings", false)?;
-    cfg.attn_bias = flag("attention_bias", false)?;
-    Ok(cfg)
-}
-
-/// `config.json` as transformers writes it for a LlamaForCausalLM of this shape.
-pub fn hf_config(cfg: &ModelConfig, torch_dtype: &str) -> serde_json::Value {
-    let scaling = cfg.rope.scaling.map(|s| {
-        serde_json::json!({
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        })
-    });
-    serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.channels,
-        "intermediate_size": cfg.hidden,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_size(),
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope.theta,
-        "rope_scaling": scaling,
-        "tie_word_embeddings": cfg.tied_head,
-        "attention_bias": cfg.attn_bias,
-        "mlp_bias": false,
-        "hidden_act": "silu",
-        "initializer_range": 0.02,
-        "torch_dtype": torch_dtype,
-    })
-}
-
-/// transformers' LlamaForCausalLM tensors. Its linear layers are `nn.Linear` (out, in), as
-/// llmrs's; q, k and v are rows of QkvW, up and gate rows of FcW.
-pub fn hf_tensors(cfg: &ModelConfig, lay: &ParamLayout) -> Vec<HfTensor> {
-    let (c, v, f, kv) = (cfg.channels, cfg.vocab_size, cfg.hidden, cfg.kv_dim());
-    let t = |name: String, range: std::ops::Range<usize>, shape: Vec<usize>| HfTensor {
-        name,
-        range,
-        shape,
-        transposed: false,
-    };
-    // Rows r0..r0+n of a tensor laid out as rows of `width`.
-    let rows = |whole: std::ops::Range<usize>, r0: usize, n: usize, width: usize| {
-        whole.start + r0 * width..whole.start + (r0 + n) * width
-    };
-    let mut out = vec![t(
-        "model.embed_tokens.weight".into(),
-        lay.range(Tensor::Wte).start..lay.range(Tensor::Wte).start + v * c,
-        vec![v, c],
-    )];
-    for l in 0..cfg.num_layers {
-        let b = lay.block(l);
-        let name = |s: &str| format!("model.layers.{l}.{s}");
-        out.push(t(name("input_layernorm.weight"), b.ln1_w.clone(), vec![c]));
-        for (proj, r0, n) in [("q_proj", 0, c), ("k_proj", c, kv), ("v_proj", c + kv, kv)] {
-            out.push(t(name(&format!("self_attn.{proj}.weight")), rows(b.qkv_w.clone(), r0, n, c), vec![n, c]));
-            if cfg.attn_bias {
-                out.push(t(name(&format!("self_attn.{proj}.bias")), rows(b.qkv_b.clone(), r0, n, 1), vec![n]));
-            }
-        }
-        out.push(t(name("self_attn.o_proj.weight"), b.attn_proj_w.clone(), vec![c, c]));
-        if cfg.attn_bias {
-            out.push(t(name("self_attn.o_proj.bias"), b.attn_proj_b.clone(), vec![c]));
-        }
-        out.push(t(name("post_attention_layernorm.weight"), b.ln2_w.clone(), vec![c]));
-        out.push(t(name("mlp.up_proj.weight"), rows(b.fc_w.clone(), 0, f, c), vec![f, c]));
-        out.push(t(name("mlp.gate_proj.weight"), rows(b.fc_w.clone(), f, f, c), vec![f, c]));
-        out.push(t(name("mlp.down_proj.weight"), b.fc_proj_w.clone(), vec![c, f]));
-    }
-    out.push(t("model.norm.weight".into(), lay.range(Tensor::LnfW), vec![c]));
-    if !cfg.tied_head {
-        let h = lay.range(Tensor::LmHead);
-        out.push(t("lm_head.weight".into(), h.start..h.start + v * c, vec![v, c]));
-    }
-    out
 }
 
 #[cfg(test)]
@@ -671,21 +1068,25 @@ mod tests {
         use crate::files::Dtype;
         for desc in ["llama:2x64:4:2", "llama:1x32:2:1:40:16"] {
             for (tied, bias) in [(true, false), (false, true)] {
-                let cfg =
-                    ModelConfig { tied_head: tied, attn_bias: bias, ..ModelConfig::from_descriptor(desc).unwrap() };
+                let cfg = ModelConfig {
+                    tied_head: tied,
+                    qkv_bias: bias,
+                    out_bias: bias,
+                    ..ModelConfig::from_descriptor(desc).unwrap()
+                };
                 let mut w = Weights::random(cfg, 5).unwrap();
                 if bias {
-                    let n = w.tensor(Tensor::QkvB).len();
-                    w.tensor_mut(Tensor::QkvB).copy_from_slice(&(0..n).map(|i| i as f32 * 0.01).collect::<Vec<_>>());
+                    let n = w.tensor(T::QkvB).len();
+                    w.tensor_mut(T::QkvB).copy_from_slice(&(0..n).map(|i| i as f32 * 0.01).collect::<Vec<_>>());
                 }
-                let (h, vals) = llmc_file(&w, Dtype::F32).unwrap();
+                let (h, vals) = llmc_write(&w, Dtype::F32).unwrap();
                 let mut bytes = h.clone();
                 crate::files::f32s_to_le(&vals, &mut bytes);
-                let back = read_llmc(&bytes, std::path::Path::new("x.bin")).unwrap();
+                let back = llmc_read(&bytes, std::path::Path::new("x.bin")).unwrap();
                 assert_eq!(back, w, "{desc} tied={tied}");
-                let (h2, vals2) = llmc_file(&back, Dtype::F32).unwrap();
+                let (h2, vals2) = llmc_write(&back, Dtype::F32).unwrap();
                 assert!(h2 == h && vals2 == vals, "byte-exact");
-                assert!(read_llmc(&bytes[..bytes.len() - 4], std::path::Path::new("x.bin")).is_err());
+                assert!(llmc_read(&bytes[..bytes.len() - 4], std::path::Path::new("x.bin")).is_err());
             }
         }
         // A rope scaling llm.c's file cannot name (neither 3.1's nor 3.2's) is written out in
@@ -700,10 +1101,10 @@ mod tests {
         let base = ModelConfig::from_descriptor("llama:2x64:4:2").unwrap();
         let cfg = ModelConfig { rope: Rope { theta: 500000.0, scaling: Some(custom) }, ..base };
         let w = Weights::random(cfg, 3).unwrap();
-        let (h, vals) = llmc_file(&w, Dtype::F32).unwrap();
+        let (h, vals) = llmc_write(&w, Dtype::F32).unwrap();
         let mut bytes = h.clone();
         crate::files::f32s_to_le(&vals, &mut bytes);
-        assert_eq!(read_llmc(&bytes, std::path::Path::new("x.bin")).unwrap(), w);
+        assert_eq!(llmc_read(&bytes, std::path::Path::new("x.bin")).unwrap(), w);
         let huge = Llama3Scaling { original_max_position_embeddings: 1 << 40, ..custom };
         let e = llmc_header(&ModelConfig { rope: Rope { theta: 1e4, scaling: Some(huge) }, ..base }, Dtype::F32);
         assert!(e.unwrap_err().to_string().contains("original_max_position_embeddings"));

@@ -1,0 +1,430 @@
+//! The checked front of every layer op: each op's contract written once. A model family calls
+//! these, never a [`Backend`] directly: every buffer's length against the op's shape, that no
+//! output overlaps another buffer of the call, the profile kind its time is charged to, and in
+//! the NaN-checking mode the poisoning of its outputs before and the check after (through the
+//! backend's [`Backend::poison`] and [`Backend::check_written`]). The device's raw op then runs
+//! on buffers that hold to the contract. Shapes come as small structs ([`Rows`], [`Mat`],
+//! [`Heads`], [`Seq`]) so that a block reads as llm.c's list of calls.
+
+use super::{AdamWParams, Backend, Buf};
+use crate::profile::Kind;
+
+/// N rows of C values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rows {
+    pub n: usize,
+    pub c: usize,
+}
+
+/// A projection: (N, C) inputs times an (OC, C) weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mat {
+    pub n: usize,
+    pub c: usize,
+    pub oc: usize,
+}
+
+/// Attention's heads: NH query heads and KV key/value heads of HS channels each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Heads {
+    pub nh: usize,
+    pub nkv: usize,
+    pub hs: usize,
+}
+
+impl Heads {
+    /// QD = NH * HS: the queries' width, and attention's output's.
+    pub fn q(&self) -> usize {
+        self.nh * self.hs
+    }
+    /// QKV = (NH + 2 KV) * HS.
+    pub fn qkv(&self) -> usize {
+        (self.nh + 2 * self.nkv) * self.hs
+    }
+    /// KV * HS.
+    pub fn kv(&self) -> usize {
+        self.nkv * self.hs
+    }
+}
+
+/// B sequences of T positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seq {
+    pub b: usize,
+    pub t: usize,
+}
+
+impl Seq {
+    pub fn n(&self) -> usize {
+        self.b * self.t
+    }
+}
+
+/// How an op uses a buffer it writes.
+#[derive(Clone, Copy)]
+enum Out {
+    /// Overwritten whole, never read.
+    W(Buf),
+    /// Read and updated (`+=` for gradients).
+    Rw(Buf),
+    /// Workspace.
+    Scratch(Buf),
+}
+
+impl Out {
+    fn buf(self) -> Buf {
+        match self {
+            Out::W(b) | Out::Rw(b) | Out::Scratch(b) => b,
+        }
+    }
+}
+use Out::{Rw, Scratch, W};
+
+/// Panic unless every named buffer has the length its shape gives (a bug in the caller).
+macro_rules! lens {
+    ($op:expr; $($buf:expr => $len:expr),* $(,)?) => {
+        $(assert_eq!($buf.len, $len, "{}: {} has {} elements, its shape says {}", $op, stringify!($buf), $buf.len, $len);)*
+    };
+}
+
+/// The ops of one pass on one backend.
+pub struct Ops<'a> {
+    be: &'a mut dyn Backend,
+    /// Charge every op to this kind instead of its own (the LM head's matmul is the classifier's).
+    kind: Option<Kind>,
+}
+
+impl<'a> Ops<'a> {
+    pub fn new(be: &'a mut dyn Backend) -> Self {
+        Ops { be, kind: None }
+    }
+
+    /// The backend, for what is not a layer op (memory, transfers, collectives).
+    pub fn backend(&mut self) -> &mut dyn Backend {
+        &mut *self.be
+    }
+
+    /// Run `f` with every op charged to `kind`.
+    pub fn charged_to<R>(&mut self, kind: Kind, f: impl FnOnce(&mut Self) -> R) -> R {
+        let before = self.kind.replace(kind);
+        let r = f(self);
+        self.kind = before;
+        r
+    }
+
+    /// One op: its outputs checked against each other and its inputs, poisoned in the
+    /// NaN-checking mode, run, then checked.
+    fn run(&mut self, op: &'static str, kind: Kind, outs: &[Out], ins: &[Buf], f: impl FnOnce(&mut dyn Backend)) {
+        for (i, o) in outs.iter().enumerate() {
+            let o = o.buf();
+            let others = outs.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, x)| x.buf());
+            if let Some(x) = others.chain(ins.iter().copied()).find(|x| x.overlaps(o)) {
+                panic!("{op}: output {o:?} overlaps {x:?}");
+            }
+        }
+        for o in outs {
+            if let W(b) | Scratch(b) = *o {
+                self.be.poison(b);
+            }
+        }
+        self.be.profile_begin(self.kind.unwrap_or(kind));
+        f(&mut *self.be);
+        self.be.profile_end();
+        for (k, o) in outs.iter().enumerate() {
+            if let W(b) | Rw(b) = *o {
+                self.be.check_written(b, op, k);
+            }
+        }
+    }
+
+    /// out (B, T, C) = wte (Vp, C)[ids (B, T)] [+ wpe[pos + t] (T, C) for every sequence].
+    pub fn encoder_forward(&mut self, out: Buf, ids: Buf, wte: Buf, wpe: Option<Buf>, s: Seq, c: usize) {
+        lens!("encoder_forward"; out => s.n() * c, ids => s.n());
+        assert!(wte.len.is_multiple_of(c) && wpe.is_none_or(|p| p.len == s.t * c), "encoder_forward: table shapes");
+        let ins = [ids, wte, wpe.unwrap_or(NONE)];
+        self.run("encoder_forward", Kind::Encoder, &[W(out)], &ins, |be| {
+            be.encoder_forward(out, ids, wte, wpe, s.b, s.t, c)
+        });
+    }
+
+    /// dwte (Vp, C) [and dwpe (T, C)] (inout) += the scatter of dout (B, T, C).
+    pub fn encoder_backward(&mut self, dwte: Buf, dwpe: Option<Buf>, dout: Buf, ids: Buf, s: Seq, c: usize) {
+        lens!("encoder_backward"; dout => s.n() * c, ids => s.n());
+        assert!(dwte.len.is_multiple_of(c) && dwpe.is_none_or(|p| p.len == s.t * c), "encoder_backward: shapes");
+        let outs = [Rw(dwte), Rw(dwpe.unwrap_or(NONE))];
+        self.run("encoder_backward", Kind::Encoder, &outs, &[dout, ids], |be| {
+            be.encoder_backward(dwte, dwpe, dout, ids, s.b, s.t, c)
+        });
+    }
+
+    /// LayerNorm: out (N, C) = (x - mean) * rstd * w + b; mean, rstd (N) kept for backward.
+    pub fn layernorm_forward(&mut self, out: Buf, mean: Buf, rstd: Buf, x: Buf, w: Buf, b: Buf, r: Rows) {
+        let Rows { n, c } = r;
+        lens!("layernorm_forward"; out => n * c, mean => n, rstd => n, x => n * c, w => c, b => c);
+        self.run("layernorm_forward", Kind::LayerNorm, &[W(out), W(mean), W(rstd)], &[x, w, b], |be| {
+            be.layernorm_forward(out, mean, rstd, x, w, b, n, c)
+        });
+    }
+
+    /// dx (N, C), dw (C), db (C): all inout, `+=`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layernorm_backward(
+        &mut self,
+        dx: Buf,
+        dw: Buf,
+        db: Buf,
+        dout: Buf,
+        x: Buf,
+        w: Buf,
+        mean: Buf,
+        rstd: Buf,
+        r: Rows,
+    ) {
+        let Rows { n, c } = r;
+        lens!("layernorm_backward"; dx => n * c, dw => c, db => c, dout => n * c, x => n * c, w => c,
+              mean => n, rstd => n);
+        self.run("layernorm_backward", Kind::LayerNorm, &[Rw(dx), Rw(dw), Rw(db)], &[dout, x, w, mean, rstd], |be| {
+            be.layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, n, c)
+        });
+    }
+
+    /// RMSNorm: out (N, C) = x * rstd * w, rstd (N) = 1 / sqrt(mean(x^2) + eps), kept.
+    pub fn rmsnorm_forward(&mut self, out: Buf, rstd: Buf, x: Buf, w: Buf, r: Rows, eps: f32) {
+        let Rows { n, c } = r;
+        lens!("rmsnorm_forward"; out => n * c, rstd => n, x => n * c, w => c);
+        self.run("rmsnorm_forward", Kind::RmsNorm, &[W(out), W(rstd)], &[x, w], |be| {
+            be.rmsnorm_forward(out, rstd, x, w, n, c, eps)
+        });
+    }
+
+    /// dx (N, C) and dw (C): both inout, `+=`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_backward(&mut self, dx: Buf, dw: Buf, dout: Buf, x: Buf, w: Buf, rstd: Buf, r: Rows) {
+        let Rows { n, c } = r;
+        lens!("rmsnorm_backward"; dx => n * c, dw => c, dout => n * c, x => n * c, w => c, rstd => n);
+        self.run("rmsnorm_backward", Kind::RmsNorm, &[Rw(dx), Rw(dw)], &[dout, x, w, rstd], |be| {
+            be.rmsnorm_backward(dx, dw, dout, x, w, rstd, n, c)
+        });
+    }
+
+    /// The rotary embedding, in place on the q and k of qkv (N, QKV): row r sits at position
+    /// pos + r % t. table (maxT, HS): each position's cosines then sines.
+    pub fn rope_forward(&mut self, qkv: Buf, table: Buf, n: usize, t: usize, pos: usize, h: Heads) {
+        lens!("rope_forward"; qkv => n * h.qkv());
+        assert!(
+            t > 0 && n.is_multiple_of(t) && table.len >= (pos + t) * h.hs,
+            "rope_forward: positions past the table"
+        );
+        self.run("rope_forward", Kind::Rope, &[Rw(qkv)], &[table], |be| {
+            be.rope_forward(qkv, table, n, t, pos, h.nh, h.nkv, h.hs)
+        });
+    }
+
+    /// Its backward, in place on dqkv (N, QKV).
+    pub fn rope_backward(&mut self, dqkv: Buf, table: Buf, n: usize, t: usize, pos: usize, h: Heads) {
+        lens!("rope_backward"; dqkv => n * h.qkv());
+        assert!(
+            t > 0 && n.is_multiple_of(t) && table.len >= (pos + t) * h.hs,
+            "rope_backward: positions past the table"
+        );
+        self.run("rope_backward", Kind::Rope, &[Rw(dqkv)], &[table], |be| {
+            be.rope_backward(dqkv, table, n, t, pos, h.nh, h.nkv, h.hs)
+        });
+    }
+
+    /// SwiGLU: out (N, F) = up * silu(gate), from x (N, 2F) holding up then gate.
+    pub fn swiglu_forward(&mut self, out: Buf, x: Buf, r: Rows) {
+        let Rows { n, c: f } = r;
+        lens!("swiglu_forward"; out => n * f, x => n * 2 * f);
+        self.run("swiglu_forward", Kind::Swiglu, &[W(out)], &[x], |be| be.swiglu_forward(out, x, n, f));
+    }
+
+    /// dx (N, 2F) (out) from dout (N, F).
+    pub fn swiglu_backward(&mut self, dx: Buf, dout: Buf, x: Buf, r: Rows) {
+        let Rows { n, c: f } = r;
+        lens!("swiglu_backward"; dx => n * 2 * f, dout => n * f, x => n * 2 * f);
+        self.run("swiglu_backward", Kind::Swiglu, &[W(dx)], &[dout, x], |be| be.swiglu_backward(dx, dout, x, n, f));
+    }
+
+    /// out (N) = a (N) + b (N).
+    pub fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf) {
+        lens!("residual_forward"; a => out.len, b => out.len);
+        self.run("residual_forward", Kind::Residual, &[W(out)], &[a, b], |be| be.residual_forward(out, a, b));
+    }
+
+    /// out (N, OC) = x (N, C) @ w (OC, C)^T [+ bias (OC)].
+    pub fn matmul_forward(&mut self, out: Buf, x: Buf, w: Buf, bias: Option<Buf>, m: Mat) {
+        let Mat { n, c, oc } = m;
+        lens!("matmul_forward"; out => n * oc, x => n * c, w => oc * c);
+        if let Some(b) = bias {
+            lens!("matmul_forward"; b => oc);
+        }
+        self.run("matmul_forward", Kind::Matmul, &[W(out)], &[x, w, bias.unwrap_or(NONE)], |be| {
+            be.matmul_forward(out, x, w, bias, n, c, oc)
+        });
+    }
+
+    /// dx (N, C) (out) = dout @ w; dw (OC, C) = dout^T @ x and db (OC) = the column sums of dout
+    /// (N, OC), added to when `acc`, else overwritten.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_backward(
+        &mut self,
+        dx: Option<Buf>,
+        dw: Buf,
+        db: Option<Buf>,
+        dout: Buf,
+        x: Buf,
+        w: Buf,
+        m: Mat,
+        acc: bool,
+    ) {
+        let Mat { n, c, oc } = m;
+        lens!("matmul_backward"; dw => oc * c, dout => n * oc, x => n * c, w => oc * c);
+        if let Some(d) = dx {
+            lens!("matmul_backward"; d => n * c);
+        }
+        if let Some(d) = db {
+            lens!("matmul_backward"; d => oc);
+        }
+        let grad = |b: Buf| if acc { Rw(b) } else { W(b) };
+        let outs = [W(dx.unwrap_or(NONE)), grad(dw), grad(db.unwrap_or(NONE))];
+        self.run("matmul_backward", Kind::Matmul, &outs, &[dout, x, w], |be| {
+            be.matmul_backward(dx, dw, db, dout, x, w, n, c, oc, acc)
+        });
+    }
+
+    /// out (N) = gelu(x (N)), tanh approximation.
+    pub fn gelu_forward(&mut self, out: Buf, x: Buf) {
+        lens!("gelu_forward"; x => out.len);
+        self.run("gelu_forward", Kind::Gelu, &[W(out)], &[x], |be| be.gelu_forward(out, x));
+    }
+
+    /// d (N, inout) *= gelu'(x (N)).
+    pub fn gelu_backward(&mut self, d: Buf, x: Buf) {
+        lens!("gelu_backward"; x => d.len);
+        self.run("gelu_backward", Kind::Gelu, &[Rw(d)], &[x], |be| be.gelu_backward(d, x));
+    }
+
+    /// Causal self-attention over B sequences of T: out (B, T, QD) and the probabilities att
+    /// (B, NH, T, T) from qkv (B, T, QKV); ws (B, T, QD) scratch.
+    pub fn attention_forward(&mut self, out: Buf, att: Buf, ws: Buf, qkv: Buf, s: Seq, h: Heads) {
+        let (n, t) = (s.n(), s.t);
+        assert!(h.nkv > 0 && h.nh.is_multiple_of(h.nkv), "attention_forward: {} heads, {} kv heads", h.nh, h.nkv);
+        lens!("attention_forward"; out => n * h.q(), att => s.b * h.nh * t * t, ws => n * h.q(), qkv => n * h.qkv());
+        self.run("attention_forward", Kind::Attention, &[W(out), W(att), Scratch(ws)], &[qkv], |be| {
+            be.attention_forward(out, att, ws, qkv, s.b, s.t, h.q(), h.nh, h.nkv)
+        });
+    }
+
+    /// dqkv (B, T, QKV) (out) from dout (B, T, QD); datt (B, NH, T, T) and ws (B, T, 3 QD) scratch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward(
+        &mut self,
+        dqkv: Buf,
+        datt: Buf,
+        ws: Buf,
+        dout: Buf,
+        qkv: Buf,
+        att: Buf,
+        s: Seq,
+        h: Heads,
+    ) {
+        let (n, t) = (s.n(), s.t);
+        lens!("attention_backward"; dqkv => n * h.qkv(), datt => s.b * h.nh * t * t, ws => n * 3 * h.q(),
+              dout => n * h.q(), qkv => n * h.qkv(), att => s.b * h.nh * t * t);
+        let outs = [W(dqkv), Scratch(datt), Scratch(ws)];
+        self.run("attention_backward", Kind::Attention, &outs, &[dout, qkv, att], |be| {
+            be.attention_backward(dqkv, datt, ws, dout, qkv, att, s.b, s.t, h.q(), h.nh, h.nkv)
+        });
+    }
+
+    /// Attention of `tn` new positions against a KV cache of `cap` positions holding `pos`:
+    /// their keys and values (in qkv (TN, QKV)) go to rows pos.. of k and v (cap, KV*HS), then
+    /// out (TN, QD). scores (NH, TN, cap) and ws (TN, QD): scratch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_forward_cached(
+        &mut self,
+        out: Buf,
+        scores: Buf,
+        ws: Buf,
+        qkv: Buf,
+        k: Buf,
+        v: Buf,
+        pos: usize,
+        tn: usize,
+        cap: usize,
+        h: Heads,
+    ) {
+        assert!(tn > 0 && pos + tn <= cap, "attention_forward_cached: positions past the cache");
+        lens!("attention_forward_cached"; out => tn * h.q(), scores => h.nh * tn * cap, ws => tn * h.q(),
+              qkv => tn * h.qkv(), k => cap * h.kv(), v => cap * h.kv());
+        // The cache's rows up to the new ones are what it holds (the rest is not written yet).
+        let held = (pos + tn) * h.kv();
+        let outs = [W(out), Scratch(scores), Scratch(ws), Rw(k.prefix(held)), Rw(v.prefix(held))];
+        self.run("attention_forward_cached", Kind::Attention, &outs, &[qkv], |be| {
+            be.attention_forward_cached(out, scores, ws, qkv, k, v, pos, tn, h.q(), h.nh, h.nkv, cap)
+        });
+    }
+
+    /// losses (N) = -log softmax(logits (N, Vp)[:, :V])[targets]; lse (N) kept for backward.
+    pub fn crossentropy_forward(
+        &mut self,
+        losses: Buf,
+        lse: Buf,
+        logits: Buf,
+        targets: Buf,
+        n: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        assert!(v <= vp, "crossentropy_forward: V > Vp");
+        lens!("crossentropy_forward"; losses => n, lse => n, logits => n * vp, targets => n);
+        self.run("crossentropy_forward", Kind::Classifier, &[W(losses), W(lse)], &[logits, targets], |be| {
+            be.crossentropy_forward(losses, lse, logits, targets, n, v, vp)
+        });
+    }
+
+    /// In place, logits (N, Vp) become d(loss)/d(logits), scaled by dloss.
+    #[allow(clippy::too_many_arguments)]
+    pub fn crossentropy_backward(
+        &mut self,
+        logits: Buf,
+        lse: Buf,
+        targets: Buf,
+        dloss: f32,
+        n: usize,
+        v: usize,
+        vp: usize,
+    ) {
+        lens!("crossentropy_backward"; logits => n * vp, lse => n, targets => n);
+        self.run("crossentropy_backward", Kind::Classifier, &[Rw(logits)], &[lse, targets], |be| {
+            be.crossentropy_backward(logits, lse, targets, dloss, n, v, vp)
+        });
+    }
+
+    /// acc (1) (inout) += weight * mean(x (N)).
+    pub fn accumulate_mean(&mut self, acc: Buf, x: Buf, weight: f32) {
+        lens!("accumulate_mean"; acc => 1);
+        self.run("accumulate_mean", Kind::Classifier, &[Rw(acc)], &[x], |be| be.accumulate_mean(acc, x, weight));
+    }
+
+    /// out (1) = the sum of squares of grads (N) [+ out when `accumulate`].
+    pub fn global_norm_squared(&mut self, out: Buf, grads: Buf, accumulate: bool) {
+        lens!("global_norm_squared"; out => 1);
+        let o = if accumulate { Rw(out) } else { W(out) };
+        self.run("global_norm_squared", Kind::Optimizer, &[o], &[grads], |be| {
+            be.global_norm_squared(out, grads, accumulate)
+        });
+    }
+
+    /// One AdamW step on one tensor (see [`Backend::adamw_update`]).
+    pub fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
+        lens!("adamw_update"; grads => params.len, m => params.len, v => params.len, stats => 2);
+        self.run("adamw_update", Kind::Optimizer, &[Rw(params), Rw(m), Rw(v)], &[grads, stats], |be| {
+            be.adamw_update(params, grads, m, v, stats, h)
+        });
+    }
+}
+
+/// A zero-length handle that overlaps nothing, for an absent optional buffer.
+const NONE: Buf = Buf { alloc: u32::MAX, off: 0, len: 0, dtype: super::DType::F32 };
