@@ -15,6 +15,10 @@ tokenizer.json (the file a model repository holds):
                                              Metaspace pre-tokenizer and decoder, byte
                                              fallback tokens <0x00>..<0xFF>, specials <unk>,
                                              <s>, </s>; 500 tokens
+  tests/fixtures/tokenizers/qwen.json        Qwen2/Qwen3 style: NFC normalizer, Qwen's Split
+                                             regex pre-tokenizer then byte-level (no regex of
+                                             its own), specials <|endoftext|>, <|im_start|>,
+                                             <|im_end|>; 700 tokens
   tests/fixtures/tokenizers/cases.json       for each: texts, their ids from
                                              encode(text, add_special_tokens=False), and
                                              decode(ids) of them
@@ -60,13 +64,34 @@ def sentencepiece():
     return tok
 
 
+# Qwen2's (and Qwen3's) pre-tokenizer regex, from their tokenizer.json.
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def qwen():
+    from tokenizers import Regex
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus(), trainer)
+    return tok
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(ROOT, "tests", "fixtures", "tokenizer_cases.json"), encoding="utf-8") as f:
         texts = [c["text"] for c in json.load(f)]
-    texts += ["naïve café — 🦀 ✓", "tab\there\r\nnew", "<|endoftext|> is text here", "   leading spaces", "x" * 50]
+    texts += ["naïve café — 🦀 ✓", "tab\there\r\nnew", "<|endoftext|> is text here", "   leading spaces", "x" * 50,
+              "12345 and 3.14159", "<|im_start|>user\nhi<|im_end|>", "e\u0301 composed"]
     cases = {}
-    for name, tok in [("bytelevel", bytelevel()), ("sentencepiece", sentencepiece())]:
+    for name, tok in [("bytelevel", bytelevel()), ("sentencepiece", sentencepiece()), ("qwen", qwen())]:
         tok.save(os.path.join(OUT, f"{name}.json"))
         back = Tokenizer.from_file(os.path.join(OUT, f"{name}.json"))
         cases[name] = []

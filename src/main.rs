@@ -268,7 +268,9 @@ struct TrainArgs {
     /// descriptor for random init: GPT-2 d6 d12 d24 d36 d48, gpt2, gpt2-medium, gpt2-large,
     /// gpt2-xl, tiny, LxC:NH[:maxT]; Llama llama:smollm2-135m, llama:smollm2-360m,
     /// llama:smollm2-1.7b, llama:tinyllama-1.1b, llama:llama3.2-1b, llama:llama3.2-3b,
-    /// llama:LxC:NH:KV[:F[:maxT]]. Default run: tiny (llm.c: gpt2_124M_bf16.bin).
+    /// llama:LxC:NH:KV[:F[:maxT]]; Qwen qwen2:qwen2.5-0.5b, qwen2:qwen2.5-1.5b, qwen3:qwen3-0.6b,
+    /// qwen3:qwen3-1.7b, qwen2:LxC:NH:KV[:F[:maxT]], qwen3:LxC:NH:KV:HS[:F[:maxT]]. Default run:
+    /// tiny (llm.c: gpt2_124M_bf16.bin).
     #[arg(short = 'e', long = "model")]
     model: Option<String>,
     /// Output directory for the log and checkpoints ("" for none). Default run: out (llm.c: none).

@@ -208,6 +208,7 @@ mod tests {
             Tokenizer::gpt2().unwrap(),
             Tokenizer::load_hf(&fixtures.join("bytelevel.json")).unwrap(),
             Tokenizer::load_hf(&fixtures.join("sentencepiece.json")).unwrap(),
+            Tokenizer::load_hf(&fixtures.join("qwen.json")).unwrap(),
         ] {
             let whole = tok.encode(&text).unwrap();
             let (mut streamed, mut pieces) = (vec![], 0);

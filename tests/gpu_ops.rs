@@ -159,6 +159,39 @@ fn gpu_rmsnorm_forward_and_backward() {
     });
 }
 
+/// Qwen3's per-head RMSNorm of the query and key heads of qkv rows (the value heads copied),
+/// and its backward, on odd head counts and sizes, with rows cut across chunk boundaries.
+#[test]
+fn gpu_head_norm_forward_and_backward() {
+    both("gpu_head_norm_forward_and_backward", |p| {
+        // Rows of at most 128 values: the tiny pass binds 512 bytes per chunk.
+        for &(n, nh, nkv, hs) in &[(1, 1, 1, 1), (3, 4, 2, 6), (7, 3, 3, 13), (70, 2, 1, 32), (130, 1, 1, 5)] {
+            let (w, normed) = ((nh + 2 * nkv) * hs, nh + nkv);
+            let [out, rstd, inp, wq, wk, dout, dinp, dwq, dwk] =
+                p.parts([n * w, n * normed, n * w, hs, hs, n * w, n * w, hs, hs]);
+            p.poison(out);
+            p.poison(rstd);
+            p.both(
+                |be, [out, rstd, inp, wq, wk]| be.head_norm_forward(out, rstd, inp, wq, wk, n, nh, nkv, hs, 1e-6),
+                [out, rstd, inp, wq, wk],
+            );
+            let what = format!("head_norm n={n} nh={nh} nkv={nkv} hs={hs}");
+            p.check(out, 1e-5, &what);
+            p.check(rstd, 1e-5, &what);
+            p.poison(dinp);
+            p.both(
+                |be, [dinp, dwq, dwk, dout, inp, wq, wk, rstd]| {
+                    be.head_norm_backward(dinp, dwq, dwk, dout, inp, wq, wk, rstd, n, nh, nkv, hs)
+                },
+                [dinp, dwq, dwk, dout, inp, wq, wk, rstd],
+            );
+            p.check(dinp, 1e-4, &what);
+            p.check(dwq, 1e-5, &what);
+            p.check(dwk, 1e-5, &what);
+        }
+    });
+}
+
 #[test]
 fn gpu_rope_and_swiglu() {
     both("gpu_rope_and_swiglu", |p| {

@@ -33,10 +33,22 @@ fn small(dir: &Path, train: &str, val: &str) -> TrainConfig {
 
 #[test]
 fn stopped_and_resumed_run_is_bit_identical() {
+    // GPT-2 (llm.c's model file) and Qwen3 (llmrs's own model file) checkpoints alike.
+    for model in ["2x32:2:32", "qwen3:2x32:4:2:16:64:32"] {
+        stopped_and_resumed(model);
+    }
+}
+
+fn stopped_and_resumed(model: &str) {
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
     let out = dir.path().join("run");
-    let cfg = TrainConfig { checkpoint_every: 5, schedule: ScheduleKind::Cosine, ..small(&out, &train, &val) };
+    let cfg = TrainConfig {
+        model: model.into(),
+        checkpoint_every: 5,
+        schedule: ScheduleKind::Cosine,
+        ..small(&out, &train, &val)
+    };
     let full = run(&cfg).unwrap();
     assert_eq!(full.train_losses.len(), 12);
     for s in [5, 10, 12] {
@@ -209,6 +221,14 @@ fn llama_ranks_train_as_one_process_at_every_zero_stage() {
     ranks_equal_one_process("llama:2x32:4:2:64:32", &[2]);
 }
 
+/// Qwen3's head norms (per-layer tensors of HS) and a head size of its own (QD != C) shard as
+/// the rest; Qwen2's biases on q, k, v only.
+#[test]
+fn qwen_ranks_train_as_one_process_at_every_zero_stage() {
+    ranks_equal_one_process("qwen3:2x32:4:2:16:64:32", &[2]);
+    ranks_equal_one_process("qwen2:2x32:4:2:64:32", &[2]);
+}
+
 fn ranks_equal_one_process(model: &str, worlds: &[usize]) {
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
@@ -371,7 +391,7 @@ fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
 fn resuming_past_the_last_step_is_refused_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
-    for model in ["2x32:2:32", "llama:2x32:4:2:64:32"] {
+    for model in ["2x32:2:32", "llama:2x32:4:2:64:32", "qwen3:2x32:4:2:16:64:32"] {
         let out = dir.path().join(model.replace(':', "_"));
         let cfg = TrainConfig {
             model: model.into(),

@@ -284,6 +284,41 @@ pub trait Backend {
         c: usize,
     );
 
+    /// Qwen3's RMSNorm of each query and key head: out (N, QKV)'s query heads are inp's (N, QKV)
+    /// normalized with wq (HS), its key heads with wk (HS), its value heads copied; rstd
+    /// (N, NH + KV) kept for backward.
+    #[allow(clippy::too_many_arguments)]
+    fn head_norm_forward(
+        &mut self,
+        out: Buf,
+        rstd: Buf,
+        inp: Buf,
+        wq: Buf,
+        wk: Buf,
+        n: usize,
+        nh: usize,
+        nkv: usize,
+        hs: usize,
+        eps: f32,
+    );
+    /// dinp (N, QKV) (out) from dout (N, QKV); dwq, dwk (HS) (inout) `+=`.
+    #[allow(clippy::too_many_arguments)]
+    fn head_norm_backward(
+        &mut self,
+        dinp: Buf,
+        dwq: Buf,
+        dwk: Buf,
+        dout: Buf,
+        inp: Buf,
+        wq: Buf,
+        wk: Buf,
+        rstd: Buf,
+        n: usize,
+        nh: usize,
+        nkv: usize,
+        hs: usize,
+    );
+
     /// The rotary embedding, in place on the q and k of qkv (N, QKV) (N = B*T rows; row r sits
     /// at position pos + r % T): within each head, element i and i + HS/2 rotate by the
     /// angle of pair i (transformers' `rotate_half` layout). rope (maxT, HS) holds each

@@ -207,6 +207,39 @@ impl<'a> Ops<'a> {
         });
     }
 
+    /// Qwen3's RMSNorm of each query head (weight wq (HS)) and key head (wk (HS)) of qkv
+    /// (N, QKV) into out; the value heads copied; rstd (N, NH + KV) kept for backward.
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_norm_forward(&mut self, out: Buf, rstd: Buf, x: Buf, wq: Buf, wk: Buf, n: usize, h: Heads, eps: f32) {
+        lens!("head_norm_forward"; out => n * h.qkv(), rstd => n * (h.nh + h.nkv), x => n * h.qkv(), wq => h.hs, wk => h.hs);
+        self.run("head_norm_forward", Kind::RmsNorm, &[W(out), W(rstd)], &[x, wq, wk], |be| {
+            be.head_norm_forward(out, rstd, x, wq, wk, n, h.nh, h.nkv, h.hs, eps)
+        });
+    }
+
+    /// Its backward: dx (N, QKV) (out) from dout; dwq, dwk (HS) `+=`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_norm_backward(
+        &mut self,
+        dx: Buf,
+        dwq: Buf,
+        dwk: Buf,
+        dout: Buf,
+        x: Buf,
+        wq: Buf,
+        wk: Buf,
+        rstd: Buf,
+        n: usize,
+        h: Heads,
+    ) {
+        lens!("head_norm_backward"; dx => n * h.qkv(), dwq => h.hs, dwk => h.hs, dout => n * h.qkv(),
+              x => n * h.qkv(), wq => h.hs, wk => h.hs, rstd => n * (h.nh + h.nkv));
+        let ins = [dout, x, wq, wk, rstd];
+        self.run("head_norm_backward", Kind::RmsNorm, &[W(dx), Rw(dwq), Rw(dwk)], &ins, |be| {
+            be.head_norm_backward(dx, dwq, dwk, dout, x, wq, wk, rstd, n, h.nh, h.nkv, h.hs)
+        });
+    }
+
     /// The rotary embedding, in place on the q and k of qkv (N, QKV): row r sits at position
     /// pos + r % t. table (maxT, HS): each position's cosines then sines.
     pub fn rope_forward(&mut self, qkv: Buf, table: Buf, n: usize, t: usize, pos: usize, h: Heads) {

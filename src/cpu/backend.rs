@@ -348,6 +348,50 @@ impl Backend for CpuBackend {
         );
     }
 
+    fn head_norm_forward(
+        &mut self,
+        out: Buf,
+        rstd: Buf,
+        inp: Buf,
+        wq: Buf,
+        wk: Buf,
+        n: usize,
+        nh: usize,
+        nkv: usize,
+        hs: usize,
+        eps: f32,
+    ) {
+        self.run("head_norm_forward", [W(out), W(rstd)], [inp, wq, wk], [], |[o, r], [x, q, k], []| {
+            rmsnorm::head_norm_forward(o, r, x, q, k, n, (nh, nkv, hs), eps)
+        });
+    }
+
+    fn head_norm_backward(
+        &mut self,
+        dinp: Buf,
+        dwq: Buf,
+        dwk: Buf,
+        dout: Buf,
+        inp: Buf,
+        wq: Buf,
+        wk: Buf,
+        rstd: Buf,
+        n: usize,
+        nh: usize,
+        nkv: usize,
+        hs: usize,
+    ) {
+        self.run(
+            "head_norm_backward",
+            [W(dinp), Rw(dwq), Rw(dwk)],
+            [dout, inp, wq, wk, rstd],
+            [],
+            |[di, dq, dk], [d, x, q, k, r], []| {
+                rmsnorm::head_norm_backward(di, dq, dk, d, x, q, k, r, n, (nh, nkv, hs))
+            },
+        );
+    }
+
     fn rope_forward(&mut self, qkv: Buf, table: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize) {
         assert!(t > 0 && n.is_multiple_of(t) && table.len >= (pos + t) * hs, "rope_forward: positions past the table");
         self.run("rope_forward", [Rw(qkv)], [table], [], |[x], [r], []| {

@@ -92,6 +92,89 @@ crate::simd_fn! {
     }
 }
 
+/// Qwen3's RMSNorm of each query and key head: in each row of qkv (N, QKV) = NH query heads,
+/// then KV key heads, then KV value heads of HS each, out's query heads are inp's normalized
+/// with weight wq (HS), its key heads with wk (HS), its value heads copied; rstd (N, NH + KV)
+/// is kept for backward.
+#[allow(clippy::too_many_arguments)]
+pub fn head_norm_forward(
+    out: &mut [f32],
+    rstd: &mut [f32],
+    inp: &[f32],
+    wq: &[f32],
+    wk: &[f32],
+    n: usize,
+    (nh, nkv, hs): (usize, usize, usize),
+    eps: f32,
+) {
+    let (w, normed) = ((nh + 2 * nkv) * hs, nh + nkv);
+    let rstd = Disjoint::new(&mut rstd[..n * normed]);
+    team::chunks_mut(&mut out[..n * w], ROWS * w, |i, out| {
+        let rows = i * ROWS..(i * ROWS + ROWS).min(n);
+        // SAFETY: chunk i owns rows i*ROWS.., which no other chunk touches.
+        let rstd = unsafe { rstd.part(rows.start * normed..rows.end * normed) };
+        for ((o, r), x) in
+            out.chunks_exact_mut(w).zip(rstd.chunks_exact_mut(normed)).zip(inp[rows.start * w..].chunks_exact(w))
+        {
+            let (o, x) = (o.split_at_mut(normed * hs), x.split_at(normed * hs));
+            for (h, ((o, r), x)) in o.0.chunks_exact_mut(hs).zip(r.iter_mut()).zip(x.0.chunks_exact(hs)).enumerate() {
+                forward_rows(o, std::slice::from_mut(r), x, if h < nh { wq } else { wk }, hs, eps);
+            }
+            o.1.copy_from_slice(x.1);
+        }
+    });
+}
+
+/// Backward of [`head_norm_forward`]: dinp (N, QKV) (out) from dout (N, QKV): the query and key
+/// heads through their RMSNorm, the value heads as they are; dwq and dwk (HS) `+=` their
+/// gradients, each summed over rows then heads in order.
+#[allow(clippy::too_many_arguments)]
+pub fn head_norm_backward(
+    dinp: &mut [f32],
+    dwq: &mut [f32],
+    dwk: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    wq: &[f32],
+    wk: &[f32],
+    rstd: &[f32],
+    n: usize,
+    (nh, nkv, hs): (usize, usize, usize),
+) {
+    let (w, normed) = ((nh + 2 * nkv) * hs, nh + nkv);
+    team::chunks_mut(&mut dinp[..n * w], ROWS * w, |i, dinp| {
+        let rows = i * ROWS..(i * ROWS + ROWS).min(n);
+        for (k, di) in dinp.chunks_exact_mut(w).enumerate() {
+            let row = rows.start + k;
+            let (d, x) = (&dout[row * w..(row + 1) * w], &inp[row * w..(row + 1) * w]);
+            let (di, dv) = di.split_at_mut(normed * hs);
+            for (h, di) in di.chunks_exact_mut(hs).enumerate() {
+                di.fill(0.0);
+                let (d, x, r) = (&d[h * hs..(h + 1) * hs], &x[h * hs..(h + 1) * hs], &rstd[row * normed + h..][..1]);
+                backward_rows(di, d, x, if h < nh { wq } else { wk }, r, hs);
+            }
+            dv.copy_from_slice(&d[normed * hs..]);
+        }
+    });
+    // The weights' gradients, column-parallel and in a fixed order (rows, then heads).
+    for (dw, heads) in [(dwq, 0..nh), (dwk, nh..normed)] {
+        let heads = &heads;
+        team::chunks_mut(&mut dw[..hs], 64, |ci, dw| {
+            let c0 = ci * 64;
+            for row in 0..n {
+                for h in heads.clone() {
+                    let r = rstd[row * normed + h];
+                    let at = row * w + h * hs + c0;
+                    let (x, d) = (&inp[at..at + dw.len()], &dout[at..at + dw.len()]);
+                    for ((dw, x), d) in dw.iter_mut().zip(x).zip(d) {
+                        *dw += d * (x * r);
+                    }
+                }
+            }
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,6 +208,44 @@ mod tests {
             dinp.iter_mut().for_each(|x| *x -= 0.25); // it accumulated onto 0.25
             check_grad(&inp, &dinp, |x| dot(&fwd(x, &w).0, &proj), "dinp");
             check_grad(&w, &dw, |x| dot(&fwd(&inp, x).0, &proj), "dweight");
+        }
+    }
+
+    #[test]
+    fn head_norm_matches_finite_differences() {
+        for &(n, nh, nkv, hs) in &[(1, 1, 1, 2), (3, 4, 2, 6), (5, 3, 3, 65), (2, 6, 1, 128)] {
+            let w = (nh + 2 * nkv) * hs;
+            let mut r = TestRng((n * 131 + nh * 7 + hs) as u64);
+            let (inp, wq, wk, proj) = (r.vec(n * w), r.vec(hs), r.vec(hs), r.vec(n * w));
+            let eps = 1e-6;
+            let fwd = |inp: &[f32], wq: &[f32], wk: &[f32]| {
+                let (mut out, mut s) = (vec![0f32; n * w], vec![0f32; n * (nh + nkv)]);
+                head_norm_forward(&mut out, &mut s, inp, wq, wk, n, (nh, nkv, hs), eps);
+                (out, s)
+            };
+            let (out, s) = fwd(&inp, &wq, &wk);
+            // Each query and key head is an RMSNorm of its own; the values pass unchanged.
+            for row in 0..n {
+                for h in 0..nh + 2 * nkv {
+                    let x = &inp[row * w + h * hs..row * w + (h + 1) * hs];
+                    let ms = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / hs as f64;
+                    for i in 0..hs {
+                        let want = if h < nh + nkv {
+                            let wt = if h < nh { wq[i] } else { wk[i] };
+                            x[i] as f64 / (ms + eps as f64).sqrt() * wt as f64
+                        } else {
+                            x[i] as f64
+                        };
+                        assert!((out[row * w + h * hs + i] as f64 - want).abs() < 1e-5, "head_norm fwd");
+                    }
+                }
+            }
+            let mut dinp = vec![f32::NAN; n * w];
+            let (mut dwq, mut dwk) = (vec![0f32; hs], vec![0f32; hs]);
+            head_norm_backward(&mut dinp, &mut dwq, &mut dwk, &proj, &inp, &wq, &wk, &s, n, (nh, nkv, hs));
+            check_grad(&inp, &dinp, |x| dot(&fwd(x, &wq, &wk).0, &proj), "dinp");
+            check_grad(&wq, &dwq, |x| dot(&fwd(&inp, x, &wk).0, &proj), "dwq");
+            check_grad(&wk, &dwk, |x| dot(&fwd(&inp, &wq, x).0, &proj), "dwk");
         }
     }
 }

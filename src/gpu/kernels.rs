@@ -50,6 +50,9 @@ pub enum K {
     RmsnormForward,
     RmsnormBackwardInput,
     RmsnormBackwardParams,
+    HeadNormForward,
+    HeadNormBackwardInput,
+    HeadNormBackwardParams,
     Rope,
     SwigluForward,
     SwigluBackward,
@@ -70,7 +73,7 @@ pub enum K {
 
 /// (kernel, module, entry point, storage buffers bound at 0..n, which of them hold u32 (a bit
 /// per binding; the others f32)).
-const TABLE: [(K, &str, &str, usize, u8); 28] = [
+const TABLE: [(K, &str, &str, usize, u8); 31] = [
     (K::Fill, "memory", "fill", 1, 0),
     (K::CopyRows, "memory", "copy_rows", 2, 0),
     (K::ColumnSums, "memory", "column_sums", 2, 0),
@@ -83,6 +86,9 @@ const TABLE: [(K, &str, &str, usize, u8); 28] = [
     (K::RmsnormForward, "rmsnorm", "rmsnorm_forward", 4, 0),
     (K::RmsnormBackwardInput, "rmsnorm", "rmsnorm_backward_input", 5, 0),
     (K::RmsnormBackwardParams, "rmsnorm", "rmsnorm_backward_params", 4, 0),
+    (K::HeadNormForward, "rmsnorm", "head_norm_forward", 5, 0),
+    (K::HeadNormBackwardInput, "rmsnorm", "head_norm_backward_input", 6, 0),
+    (K::HeadNormBackwardParams, "rmsnorm", "head_norm_backward_params", 4, 0),
     (K::Rope, "rope", "rope", 2, 0),
     (K::SwigluForward, "swiglu", "swiglu_forward", 2, 0),
     (K::SwigluBackward, "swiglu", "swiglu_backward", 3, 0),

@@ -419,6 +419,38 @@ impl Backend for GpuBackend {
     ) {
         self.rmsnorm_backward_(dinp, dweight, dout, inp, weight, rstd, n, c)
     }
+    fn head_norm_forward(
+        &mut self,
+        out: Buf,
+        rstd: Buf,
+        inp: Buf,
+        wq: Buf,
+        wk: Buf,
+        n: usize,
+        nh: usize,
+        nkv: usize,
+        hs: usize,
+        eps: f32,
+    ) {
+        self.head_norm_forward_(out, rstd, inp, wq, wk, n, (nh, nkv, hs), eps)
+    }
+    fn head_norm_backward(
+        &mut self,
+        dinp: Buf,
+        dwq: Buf,
+        dwk: Buf,
+        dout: Buf,
+        inp: Buf,
+        wq: Buf,
+        wk: Buf,
+        rstd: Buf,
+        n: usize,
+        nh: usize,
+        nkv: usize,
+        hs: usize,
+    ) {
+        self.head_norm_backward_(dinp, dwq, dwk, dout, inp, (wq, wk, rstd), n, (nh, nkv, hs))
+    }
     fn rope_forward(&mut self, qkv: Buf, rope: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize) {
         self.rope_(qkv, rope, n, t, pos, nh, nkv, hs, 1.0)
     }

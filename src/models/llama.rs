@@ -58,16 +58,19 @@ pub enum A {
     Fch,       // (N, 2F) up and gate
     FchAct,    // (N, F) after SwiGLU
     Scratch,   // (N, max(C, QD)) shared: attention's workspace, projections' outputs; d(ln), d(atty)
+    QkvRaw,    // (N, QKV) the projection before the heads' norm (Qwen3; else empty)
+    QkRstd,    // (N, NH + KV) the heads' norm's rstd (Qwen3; else empty)
 }
 crate::ids!(A);
 
 /// The backward's buffers.
 #[derive(Clone, Copy, Debug)]
 pub enum D {
-    DAct, // (N, F) d(fch_act)
-    DFch, // (N, max(2F, 3 QD)) d(fch); attention backward's workspace
-    DQkv, // (N, QKV)
-    DAtt, // (B, NH, T, T)
+    DAct,    // (N, F) d(fch_act)
+    DFch,    // (N, max(2F, 3 QD)) d(fch); attention backward's workspace
+    DQkv,    // (N, QKV)
+    DAtt,    // (B, NH, T, T)
+    DQkvRaw, // (N, QKV) d(qkv_raw) (Qwen3; else empty)
 }
 crate::ids!(D);
 
@@ -208,9 +211,11 @@ pub fn init_common(w: &mut Weights, rng: &mut Mt19937) {
     }
 }
 
-/// The activations of a Llama-style block ([`A`], [`D`]).
-pub fn plan(cfg: &ModelConfig) -> ActPlan {
+/// The activations of a Llama-style block ([`A`], [`D`]); with `head_norm` also those of the
+/// query and key heads' RMSNorm (Qwen3).
+pub fn plan_of(cfg: &ModelConfig, head_norm: bool) -> ActPlan {
     let (c, f, qkv, qd) = (cfg.channels, cfg.hidden, cfg.qkv_dim(), cfg.q_dim());
+    let hn = |w: usize| if head_norm { w } else { 0 };
     let k = ActSpec::kept;
     let p = Width::Pos;
     ActPlan {
@@ -226,14 +231,22 @@ pub fn plan(cfg: &ModelConfig) -> ActPlan {
             k("fch", p(2 * f)),
             k("fch_act", p(f)),
             ActSpec::shared("scratch", p(c.max(qd))),
+            k("qkv_raw", p(hn(qkv))),
+            k("qk_rstd", p(hn(cfg.num_heads + cfg.num_kv_heads))),
         ],
         back: vec![
             ActSpec::shared("dact", p(f)),
             ActSpec::shared("dfch", p((2 * f).max(3 * qd))),
             ActSpec::shared("dqkv", p(qkv)),
             ActSpec::shared("datt", Width::Probs),
+            ActSpec::shared("dqkv_raw", p(hn(qkv))),
         ],
     }
+}
+
+/// Llama's activations ([`plan_of`] without the heads' norm).
+pub fn plan(cfg: &ModelConfig) -> ActPlan {
+    plan_of(cfg, false)
 }
 
 /// What a Llama-style block's calls read: its weights (or, for backward, their gradients).
@@ -247,6 +260,8 @@ pub struct BlockW {
     pub ln2: Buf,
     pub up_gate: Buf,
     pub down: Buf,
+    /// Qwen3's RMSNorm weights of the query and of the key heads (HS each).
+    pub head_norm: Option<(Buf, Buf)>,
 }
 
 impl BlockW {
@@ -261,6 +276,7 @@ impl BlockW {
             ln2: w[T::Ln2W],
             up_gate: w[T::FcW],
             down: w[T::FcProjW],
+            head_norm: None,
         }
     }
 }
@@ -276,7 +292,13 @@ pub fn block_forward(ops: &mut Ops, cfg: &ModelConfig, k: &Consts, w: &BlockW, x
     let rope = k.table.expect("a Llama-style model has its rotary table");
     let a = &x.a;
     ops.rmsnorm_forward(a[A::Ln1], a[A::Ln1Rstd], x.res_in, w.ln1, Rows { n, c }, eps);
-    ops.matmul_forward(a[A::Qkv], a[A::Ln1], w.qkv, w.qkv_b, Mat { n, c, oc: qkv });
+    match w.head_norm {
+        None => ops.matmul_forward(a[A::Qkv], a[A::Ln1], w.qkv, w.qkv_b, Mat { n, c, oc: qkv }),
+        Some((wq, wk)) => {
+            ops.matmul_forward(a[A::QkvRaw], a[A::Ln1], w.qkv, w.qkv_b, Mat { n, c, oc: qkv });
+            ops.head_norm_forward(a[A::Qkv], a[A::QkRstd], a[A::QkvRaw], wq, wk, n, h, eps);
+        }
+    }
     let ws = a[A::Scratch].prefix(n * h.q());
     match attn {
         Attn::Causal(s) => {
@@ -289,7 +311,7 @@ pub fn block_forward(ops: &mut Ops, cfg: &ModelConfig, k: &Consts, w: &BlockW, x
         }
     }
     // Attention has filled the cache for all n positions; only the outputs read go on.
-    let (x, n) = (&x.last_rows(&plan(cfg), c, n, attn.keep(n)), attn.keep(n));
+    let (x, n) = (&x.last_rows(&plan_of(cfg, w.head_norm.is_some()), c, n, attn.keep(n)), attn.keep(n));
     let a = &x.a;
     let out = a[A::Scratch].prefix(n * c);
     ops.matmul_forward(out, a[A::Atty], w.o, w.o_b, Mat { n, c: h.q(), oc: c });
@@ -331,7 +353,15 @@ pub fn block_backward(
     let ws = d.d[D::DFch].prefix(n * 3 * h.q());
     ops.attention_backward(d.d[D::DQkv], d.d[D::DAtt], ws, datty, a[A::Qkv], a[A::Att], s, h);
     ops.rope_backward(d.d[D::DQkv], rope, n, s.t, 0, h);
-    ops.matmul_backward(Some(dln), dw.qkv, dw.qkv_b, d.d[D::DQkv], a[A::Ln1], w.qkv, Mat { n, c, oc: qkv }, acc);
+    let dqkv = match (w.head_norm, dw.head_norm) {
+        (Some((wq, wk)), Some((dwq, dwk))) => {
+            let (draw, rstd) = (d.d[D::DQkvRaw], a[A::QkRstd]);
+            ops.head_norm_backward(draw, dwq, dwk, d.d[D::DQkv], a[A::QkvRaw], wq, wk, rstd, n, h);
+            draw
+        }
+        _ => d.d[D::DQkv],
+    };
+    ops.matmul_backward(Some(dln), dw.qkv, dw.qkv_b, dqkv, a[A::Ln1], w.qkv, Mat { n, c, oc: qkv }, acc);
     ops.rmsnorm_backward(dres, dw.ln1, dln, x.res_in, w.ln1, a[A::Ln1Rstd], Rows { n, c });
 }
 

@@ -6,6 +6,8 @@
 pub mod family;
 pub mod gpt2;
 pub mod llama;
+pub mod qwen2;
+pub mod qwen3;
 
 use crate::config::{Family, ModelConfig};
 use crate::params::{ParamLayout, Weights};
@@ -15,7 +17,7 @@ use family::Arch;
 use std::path::Path;
 
 /// Every family llmrs has.
-pub static FAMILIES: &[&dyn Arch] = &[&gpt2::Gpt2, &llama::Llama];
+pub static FAMILIES: &[&dyn Arch] = &[&gpt2::Gpt2, &llama::Llama, &qwen2::Qwen2, &qwen3::Qwen3];
 
 /// The family named `name`.
 pub fn by_name(name: &str) -> Option<&'static dyn Arch> {

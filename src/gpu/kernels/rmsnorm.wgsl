@@ -3,10 +3,14 @@
 // partial sums of blocks of ROWS rows here, then their sums (memory.wgsl: column_sums).
 
 struct Params {
-    o0: u32, o1: u32, o2: u32, o3: u32, o4: u32, // offsets of b0..b4
+    o0: u32, o1: u32, o2: u32, o3: u32, o4: u32, o5: u32, // offsets of b0..b5
     n: u32,   // rows
-    c: u32,   // channels
+    c: u32,   // channels (the head size HS for the head kernels)
     eps: f32, // forward: added to the mean square
+    nh: u32,  // head kernels: query heads
+    nkv: u32, // head kernels: key (and value) heads
+    h0: u32,  // head_norm_backward_params: the first head summed
+    count: u32, // head_norm_backward_params: how many heads are summed
 }
 var<immediate> p: Params;
 
@@ -18,6 +22,7 @@ var<immediate> p: Params;
 @group(0) @binding(2) var<storage, read_write> b2: array<f32>;
 @group(0) @binding(3) var<storage, read_write> b3: array<f32>;
 @group(0) @binding(4) var<storage, read_write> b4: array<f32>;
+@group(0) @binding(5) var<storage, read_write> b5: array<f32>;
 
 // out (N, C) = (inp * rstd) * weight, rstd (N) = 1 / sqrt(mean(inp^2) + eps) kept for backward.
 @compute @workgroup_size(WG)
@@ -82,6 +87,113 @@ fn rmsnorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     var dw = 0.0;
     for (var row = k * ROWS; row < min(p.n, (k + 1u) * ROWS); row = row + 1u) {
         dw = dw + b1[p.o1 + row * p.c + ch] * (b2[p.o2 + row * p.c + ch] * b3[p.o3 + row]);
+    }
+    b0[p.o0 + i] = dw;
+}
+
+// Qwen3's RMSNorm of each query and key head (cpu/rmsnorm.rs: head_norm_forward): one workgroup
+// per (row, head) of qkv (N, QKV): query heads normalized with wq, key heads with wk, value
+// heads copied. out, rstd (N, NH + KV), inp, wq, wk.
+@compute @workgroup_size(WG)
+fn head_norm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) tid: u32) {
+    let heads = p.nh + 2u * p.nkv;
+    let normed = p.nh + p.nkv;
+    let g = group_id(wid, nwg);
+    if (g >= p.n * heads) {
+        return;
+    }
+    let row = g / heads;
+    let h = g % heads;
+    let x0 = p.o2 + row * heads * p.c + h * p.c;
+    let y0 = p.o0 + row * heads * p.c + h * p.c;
+    if (h >= normed) {
+        for (var i = tid; i < p.c; i = i + WG) {
+            b0[y0 + i] = b2[x0 + i];
+        }
+        return;
+    }
+    var s = 0.0;
+    for (var i = tid; i < p.c; i = i + WG) {
+        let v = b2[x0 + i];
+        s = s + v * v;
+    }
+    let r = 1.0 / sqrt(wg_sum(s, tid) / f32(p.c) + p.eps);
+    if (h < p.nh) {
+        for (var i = tid; i < p.c; i = i + WG) {
+            b0[y0 + i] = (b2[x0 + i] * r) * b3[p.o3 + i];
+        }
+    } else {
+        for (var i = tid; i < p.c; i = i + WG) {
+            b0[y0 + i] = (b2[x0 + i] * r) * b4[p.o4 + i];
+        }
+    }
+    if (tid == 0u) {
+        b1[p.o1 + row * normed + h] = r;
+    }
+}
+
+// Its input gradient, one workgroup per (row, head): dinp = rstd * w * d - inp * rstd^3 / HS *
+// sum(w * d * inp) for the query and key heads, dout for the value heads.
+// dinp, dout, inp, wq, wk, rstd.
+@compute @workgroup_size(WG)
+fn head_norm_backward_input(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                            @builtin(local_invocation_index) tid: u32) {
+    let heads = p.nh + 2u * p.nkv;
+    let normed = p.nh + p.nkv;
+    let g = group_id(wid, nwg);
+    if (g >= p.n * heads) {
+        return;
+    }
+    let row = g / heads;
+    let h = g % heads;
+    let at = row * heads * p.c + h * p.c;
+    if (h >= normed) {
+        for (var i = tid; i < p.c; i = i + WG) {
+            b0[p.o0 + at + i] = b1[p.o1 + at + i];
+        }
+        return;
+    }
+    let r = b5[p.o5 + row * normed + h];
+    var s = 0.0;
+    if (h < p.nh) {
+        for (var i = tid; i < p.c; i = i + WG) {
+            s = s + b3[p.o3 + i] * b1[p.o1 + at + i] * b2[p.o2 + at + i];
+        }
+    } else {
+        for (var i = tid; i < p.c; i = i + WG) {
+            s = s + b4[p.o4 + i] * b1[p.o1 + at + i] * b2[p.o2 + at + i];
+        }
+    }
+    let k = wg_sum(s, tid) * r * r * r / f32(p.c);
+    for (var i = tid; i < p.c; i = i + WG) {
+        let w = select(b4[p.o4 + i], b3[p.o3 + i], h < p.nh);
+        b0[p.o0 + at + i] = r * w * b1[p.o1 + at + i] - b2[p.o2 + at + i] * k;
+    }
+}
+
+// The weight gradient of heads h0..h0+count, in partial sums: for block k of ROWS (row, head)
+// items (rows outer, heads inner) and channel c, partial [k, c] = the block's sum of
+// dout * (inp * rstd). partials, dout, inp, rstd.
+@compute @workgroup_size(WG)
+fn head_norm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                             @builtin(local_invocation_index) tid: u32) {
+    let heads = p.nh + 2u * p.nkv;
+    let normed = p.nh + p.nkv;
+    let items = p.n * p.count;
+    let i = group_id(wid, nwg) * WG + tid;
+    let blocks = (items + ROWS - 1u) / ROWS;
+    if (i >= blocks * p.c) {
+        return;
+    }
+    let k = i / p.c;
+    let ch = i % p.c;
+    var dw = 0.0;
+    for (var j = k * ROWS; j < min(items, (k + 1u) * ROWS); j = j + 1u) {
+        let row = j / p.count;
+        let h = p.h0 + j % p.count;
+        let at = row * heads * p.c + h * p.c + ch;
+        dw = dw + b1[p.o1 + at] * (b2[p.o2 + at] * b3[p.o3 + row * normed + h]);
     }
     b0[p.o0 + i] = dw;
 }
