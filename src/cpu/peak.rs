@@ -39,6 +39,53 @@ pub(crate) unsafe fn fma_chains_512(iters: usize) -> f32 {
     _mm512_reduce_add_ps(s)
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+/// Twelve independent chains of `vdpbf16ps` (16 lanes, two multiply-adds each), as
+/// [`fma_chains_512`]. SAFETY: callers check that the CPU has AVX512_BF16.
+pub(crate) unsafe fn dpbf16_chains(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    // SAFETY: register-only operations; the bf16 pairs are 1.0 (0x3F80) and a tiny 2^-20.
+    unsafe {
+        let a: __m512bh = std::mem::transmute(_mm512_set1_epi32(0x3F80_3F80));
+        let b: __m512bh = std::mem::transmute(_mm512_set1_epi32(0x3580_3580));
+        let mut acc = [_mm512_set1_ps(1.0); 12];
+        for _ in 0..iters {
+            for x in acc.iter_mut() {
+                *x = _mm512_dpbf16_ps(*x, a, b);
+            }
+        }
+        let s = acc.iter().fold(_mm512_setzero_ps(), |s, x| _mm512_add_ps(s, *x));
+        _mm512_reduce_add_ps(s)
+    }
+}
+
+/// The machine's bf16 peak where it has AVX512_BF16: a `vdpbf16ps` loop on every thread of the
+/// team (32 multiply-adds per instruction), the best of several trials as [`measure`]. Returns
+/// (GFLOP/s, method), or None without the instruction.
+pub fn measure_bf16() -> Option<(f64, String)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !(is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")) {
+            return None;
+        }
+        let (threads, iters) = (super::team::threads(), 20_000_000);
+        let mut best = 0f64;
+        for _ in 0..8 {
+            let t0 = Instant::now();
+            super::team::broadcast(&|_| {
+                // SAFETY: AVX512_BF16 was detected above.
+                std::hint::black_box(unsafe { dpbf16_chains(iters) });
+            });
+            let flops = (threads * iters * 12 * 32 * 2) as f64;
+            best = best.max(flops / t0.elapsed().as_secs_f64());
+        }
+        Some((best / 1e9, format!("AVX512_BF16 vdpbf16ps loop on {threads} threads")))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
 /// The machine's fp32 peak, measured: an FMA loop on every thread of the team where AVX2+FMA
 /// exist, else the best of a few large GEMMs. Returns (GFLOP/s, method). The best of several
 /// short trials: on a shared or virtual machine a trial in which one thread lost its core for a

@@ -1,0 +1,431 @@
+//! bf16 GEMM with fp32 accumulation, `C (m, n) f32 [+]= A (m, k) bf16 @ B (k, n) bf16`, on
+//! AVX512_BF16's `vdpbf16ps`: each instruction multiplies 16 pairs of bf16 and adds both
+//! products into 16 fp32 lanes, twice the multiply-adds of an fp32 FMA of the same width. The
+//! building block of the bf16 precision (issue: bf16 mixed precision); the products of two bf16
+//! are exact in fp32, so each step is one exact product and one fp32 add, as an FMA is.
+//!
+//! The layout is [`super::sgemm`]'s, with k taken in pairs: A is packed into 12-row panels
+//! holding, for each pair of k, each row's two values side by side in one 32-bit lane; B into
+//! 32-column panels holding, for each pair of k, each column's two values side by side; the
+//! 12x32 register tile keeps 24 fp32 accumulators and does 2 B loads and 12 broadcasts per pair
+//! of k. An odd k is padded with a zero. Every element of C sums its pairs of k in the same order
+//! (k blocks of [`KC`], in order) whatever the thread count or split, so results do not depend on
+//! scheduling. `vdpbf16ps` treats denormal inputs as zero and rounds to nearest even.
+//!
+//! Only where the CPU has AVX512_BF16 ([`available`]); elsewhere the bf16 path widens to fp32
+//! and uses the fp32 GEMM.
+
+use super::team;
+use std::cell::RefCell;
+
+/// Rows and columns of the register tile.
+const MR: usize = 12;
+const NR: usize = 32;
+/// Values of k per packed block (even: whole pairs); as sgemm's KC_MAX.
+const KC: usize = 384;
+/// Rows of A per packed block (a multiple of MR).
+const MC: usize = 264;
+/// Columns of B per packed block (a multiple of NR).
+const NC: usize = 2048;
+/// Below this many multiply-adds a GEMM runs on the calling thread.
+const PARALLEL_MIN: usize = 1 << 18;
+
+/// Whether this CPU has `vdpbf16ps` (AVX512_BF16, with AVX-512F) and the kernels may use
+/// AVX-512 (`LLMRS_CPU_ISA` does not hold them to AVX2 or the portable path).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::simd::isa() == super::simd::Isa::Avx512
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+            && std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// A raw bf16 matrix view: element (i, j) at `ptr + i*rs + j*cs`.
+#[derive(Clone, Copy)]
+struct View {
+    ptr: *const u16,
+    rs: isize,
+    cs: isize,
+}
+// SAFETY: views are only read, from threads that the caller's guarantees keep inside the matrix.
+unsafe impl Send for View {}
+unsafe impl Sync for View {}
+
+impl View {
+    /// Element (i, j), or 0 past the matrix's `rows` x `cols`.
+    #[inline(always)]
+    unsafe fn get(self, i: usize, j: usize, rows: usize, cols: usize) -> u32 {
+        if i < rows && j < cols {
+            // SAFETY: the caller's view covers (i, j) inside rows x cols.
+            unsafe { *self.ptr.offset(i as isize * self.rs + j as isize * self.cs) as u32 }
+        } else {
+            0
+        }
+    }
+}
+
+/// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n) [+ bias (n)]`, lhs and rhs bf16 (as their bit
+/// patterns), dst and bias fp32; strides in elements, (row stride, column stride), non-negative;
+/// dst's column stride 1. The bias (null for none) is added when not accumulating. `threads` > 1
+/// splits the columns over the team.
+///
+/// # Safety
+/// Every element the strides address for the given shapes lies inside its buffer; dst overlaps
+/// neither input; the CPU has AVX512_BF16 ([`available`]).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn bgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: isize,
+    accumulate: bool,
+    bias: *const f32,
+    lhs: *const u16,
+    (lhs_rs, lhs_cs): (isize, isize),
+    rhs: *const u16,
+    (rhs_rs, rhs_cs): (isize, isize),
+    threads: usize,
+) {
+    debug_assert!(available());
+    let bias = if accumulate { std::ptr::null() } else { bias };
+    let (a, b) = (View { ptr: lhs, rs: lhs_rs, cs: lhs_cs }, View { ptr: rhs, rs: rhs_rs, cs: rhs_cs });
+    if m == 0 || n == 0 {
+        return;
+    }
+    let (c_addr, bias_addr) = (dst as usize, bias as usize);
+    let part = |j0: usize, j1: usize| {
+        let (a, b) = (a, b); // the whole (Sync) views, not their raw pointer fields
+        let bias = bias_addr as *const f32;
+        // SAFETY: columns j0..j1 of C are this part's alone; the views stay inside A and B.
+        unsafe {
+            serial(
+                m,
+                j1 - j0,
+                k,
+                (c_addr as *mut f32).add(j0),
+                dst_rs,
+                accumulate,
+                if bias.is_null() { bias } else { bias.add(j0) },
+                a,
+                View { ptr: b.ptr.offset(j0 as isize * b.cs), ..b },
+            )
+        }
+    };
+    if threads <= 1 || m * n * k < PARALLEL_MIN {
+        return part(0, n);
+    }
+    let tiles = n.div_ceil(NR);
+    let parts = (n / 256).clamp(threads, 4 * threads).min(tiles);
+    team::for_ranges(parts, 1, 1, |range| {
+        for p in range {
+            let (j0, j1) = (tiles * p / parts * NR, (tiles * (p + 1) / parts * NR).min(n));
+            part(j0, j1);
+        }
+    });
+}
+
+/// Per-thread packing buffers (u32: a pair of bf16 each), grown on first use and reused.
+struct Packs {
+    a: Vec<u32>,
+    b: Vec<u32>,
+}
+
+thread_local! {
+    static PACKS: RefCell<Packs> = const { RefCell::new(Packs { a: Vec::new(), b: Vec::new() }) };
+}
+
+/// A 64-byte-aligned window of `len` values inside `v` (grown as needed).
+fn aligned(v: &mut Vec<u32>, len: usize) -> *mut u32 {
+    if v.len() < len + 16 {
+        *v = vec![0; len + 16];
+    }
+    let off = v.as_ptr().align_offset(64);
+    // SAFETY: off < 16 and the vector holds len + 16 values.
+    unsafe { v.as_mut_ptr().add(off) }
+}
+
+/// The single-threaded blocked GEMM.
+#[allow(clippy::too_many_arguments)]
+unsafe fn serial(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: *mut f32,
+    ldc: isize,
+    accumulate: bool,
+    bias: *const f32,
+    a: View,
+    b: View,
+) {
+    PACKS.with(|packs| {
+        let packs = &mut *packs.borrow_mut();
+        let ap = aligned(&mut packs.a, MC * KC / 2);
+        let bp = aligned(&mut packs.b, NC * KC / 2);
+        if k == 0 {
+            for i in 0..m {
+                for j in 0..n {
+                    // SAFETY: (i, j) lies inside C; bias has n values.
+                    unsafe {
+                        let x = c.offset(i as isize * ldc).add(j);
+                        if !accumulate {
+                            *x = if bias.is_null() { 0.0 } else { *bias.add(j) };
+                        }
+                    }
+                }
+            }
+            return;
+        }
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            for pc in (0..k).step_by(KC) {
+                let kc = KC.min(k - pc);
+                let pairs = kc.div_ceil(2);
+                let acc = accumulate || pc > 0;
+                let bias = if pc == 0 { bias } else { std::ptr::null() };
+                for (jr, j0) in (0..nc).step_by(NR).enumerate() {
+                    // SAFETY: panel jr lies inside bp (NC x KC/2 values).
+                    unsafe { pack_b(pairs, pc, k, jc + j0, n.min(jc + j0 + NR), b, bp.add(jr * NR * pairs)) };
+                }
+                for ic in (0..m).step_by(MC) {
+                    let mc = MC.min(m - ic);
+                    for (ir, i0) in (0..mc).step_by(MR).enumerate() {
+                        // SAFETY: panel ir lies inside ap (MC x KC/2 values).
+                        unsafe { pack_a(pairs, pc, k, ic + i0, m.min(ic + i0 + MR), a, ap.add(ir * MR * pairs)) };
+                    }
+                    for (jr, j0) in (0..nc).step_by(NR).enumerate() {
+                        let cols = NR.min(nc - j0);
+                        let bias = if bias.is_null() { bias } else { bias.wrapping_add(jc + j0) };
+                        for (ir, i0) in (0..mc).step_by(MR).enumerate() {
+                            let rows = MR.min(mc - i0);
+                            // SAFETY: the panels are packed; the tile lies inside C.
+                            unsafe {
+                                let ct = c.offset((ic + i0) as isize * ldc).add(jc + j0);
+                                tile(
+                                    rows,
+                                    cols,
+                                    pairs,
+                                    ap.add(ir * MR * pairs),
+                                    bp.add(jr * NR * pairs),
+                                    ct,
+                                    ldc,
+                                    acc,
+                                    bias,
+                                )
+                            };
+                        }
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Pack rows `i0..i1` (at most MR) of A's k values `pc..pc+2*pairs` into a panel: pair p of row
+/// i at `p*MR + i`, `A[i][2p]` in the low half, zero past the rows or past k.
+unsafe fn pack_a(pairs: usize, pc: usize, k: usize, i0: usize, i1: usize, a: View, d: *mut u32) {
+    for p in 0..pairs {
+        for i in 0..MR {
+            let (kk, row) = (pc + 2 * p, i0 + i);
+            // SAFETY: get() reads only inside the matrix; d holds MR*pairs values.
+            unsafe { *d.add(p * MR + i) = a.get(row, kk, i1, k) | (a.get(row, kk + 1, i1, k) << 16) };
+        }
+    }
+}
+
+/// Pack columns `j0..j1` (at most NR) of B's k values `pc..pc+2*pairs` into a panel: pair p of
+/// column j at `p*NR + j`, `B[2p][j]` in the low half, zero past the columns or past k.
+unsafe fn pack_b(pairs: usize, pc: usize, k: usize, j0: usize, j1: usize, b: View, d: *mut u32) {
+    for p in 0..pairs {
+        for j in 0..NR {
+            let (kk, col) = (pc + 2 * p, j0 + j);
+            // SAFETY: get() reads only inside the matrix; d holds NR*pairs values.
+            unsafe { *d.add(p * NR + j) = b.get(kk, col, k, j1) | (b.get(kk + 1, col, k, j1) << 16) };
+        }
+    }
+}
+
+/// One tile: full ones straight into C, partial ones through a local tile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile(
+    rows: usize,
+    cols: usize,
+    pairs: usize,
+    ap: *const u32,
+    bp: *const u32,
+    c: *mut f32,
+    ldc: isize,
+    acc: bool,
+    bias: *const f32,
+) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        if rows == MR && cols == NR {
+            return kernel(pairs, ap, bp, c, ldc, acc, bias);
+        }
+        let mut local = [0f32; MR * NR];
+        kernel(pairs, ap, bp, local.as_mut_ptr(), NR as isize, false, std::ptr::null());
+        for i in 0..rows {
+            let row = c.offset(i as isize * ldc);
+            for j in 0..cols {
+                let x = local[i * NR + j];
+                *row.add(j) = if acc {
+                    *row.add(j) + x
+                } else if bias.is_null() {
+                    x
+                } else {
+                    x + *bias.add(j)
+                };
+            }
+        }
+    }
+}
+
+/// The 12x32 register tile over `pairs` pairs of k.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn kernel(pairs: usize, ap: *const u32, bp: *const u32, c: *mut f32, ldc: isize, acc: bool, bias: *const f32) {
+    use std::arch::x86_64::*;
+    // SAFETY: the panels hold `pairs` pairs (MR and NR values each); C's tile is MR rows of NR
+    // writable floats at stride ldc; a non-null bias has NR floats.
+    unsafe {
+        let mut s = [[_mm512_setzero_ps(); 2]; MR];
+        for p in 0..pairs {
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(p * NR) as *const _));
+            let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(p * NR + 16) as *const _));
+            for (i, row) in s.iter_mut().enumerate() {
+                let a: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ap.add(p * MR + i) as i32));
+                row[0] = _mm512_dpbf16_ps(row[0], a, b0);
+                row[1] = _mm512_dpbf16_ps(row[1], a, b1);
+            }
+        }
+        for (i, row) in s.iter().enumerate() {
+            let ci = c.offset(i as isize * ldc);
+            for (h, v) in row.iter().enumerate() {
+                let at = ci.add(16 * h);
+                let v = if acc {
+                    _mm512_add_ps(_mm512_loadu_ps(at), *v)
+                } else if bias.is_null() {
+                    *v
+                } else {
+                    _mm512_add_ps(*v, _mm512_loadu_ps(bias.add(16 * h)))
+                };
+                _mm512_storeu_ps(at, v);
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn kernel(_: usize, _: *const u32, _: *const u32, _: *mut f32, _: isize, _: bool, _: *const f32) {
+    unreachable!("bgemm needs AVX512_BF16")
+}
+
+/// Round fp32 to bf16 (nearest even; a NaN stays a NaN), as bit patterns.
+pub fn to_bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
+/// Widen bf16 bits to fp32 (exact).
+pub fn from_bf16(x: u16) -> f32 {
+    f32::from_bits((x as u32) << 16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::TestRng;
+
+    /// Against f64 sums of the same bf16-rounded inputs, on edge shapes (1, odd, not a multiple
+    /// of the tile, past a k block, a column block), every layout of A and B, with and without
+    /// accumulation and bias; and the same bits for any thread count. The bound is fp32
+    /// accumulation's: k additions, each rounding at most half an ulp of the running sum, so
+    /// |c - exact| <= k * 2^-24 * sum |a b| (the products are exact).
+    #[test]
+    fn matches_f64_on_bf16_inputs_and_any_thread_count() {
+        if !available() {
+            eprintln!("SKIPPED bgemm tests: this CPU has no AVX512_BF16 (or the kernels are held below AVX-512)");
+            return;
+        }
+        for &(m, n, k) in
+            &[(1, 1, 1), (1, 33, 7), (13, 31, 2), (12, 32, 385), (25, 70, 131), (300, 65, 800), (7, 2100, 9)]
+        {
+            let mut r = TestRng((m * 1000 + n * 10 + k) as u64);
+            let a: Vec<u16> = r.vec(m * k).iter().map(|&x| to_bf16(x)).collect();
+            let b: Vec<u16> = r.vec(k * n).iter().map(|&x| to_bf16(x)).collect();
+            let bias = r.vec(n);
+            for (a_t, b_t, accumulate, with_bias) in [
+                (false, false, false, false),
+                (true, false, false, true),
+                (false, true, true, false),
+                (true, true, false, true),
+            ] {
+                // A as (m, k) row-major, or read through its transpose; B likewise.
+                let (a_st, b_st) = (
+                    if a_t { (1, m as isize) } else { (k as isize, 1) },
+                    if b_t { (1, k as isize) } else { (n as isize, 1) },
+                );
+                let start = r.vec(m * n);
+                let mut want = vec![0f64; m * n];
+                let mut scale = vec![0f64; m * n];
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut s, mut mag) = (0f64, 0f64);
+                        for p in 0..k {
+                            let x = from_bf16(a[(i as isize * a_st.0 + p as isize * a_st.1) as usize]) as f64;
+                            let y = from_bf16(b[(p as isize * b_st.0 + j as isize * b_st.1) as usize]) as f64;
+                            s += x * y;
+                            mag += (x * y).abs();
+                        }
+                        let base = if accumulate {
+                            start[i * n + j] as f64
+                        } else if with_bias {
+                            bias[j] as f64
+                        } else {
+                            0.0
+                        };
+                        want[i * n + j] = s + base;
+                        scale[i * n + j] = mag + base.abs();
+                    }
+                }
+                let mut first: Option<Vec<f32>> = None;
+                for threads in [1, 2, 3] {
+                    let mut c = start.clone();
+                    let bp = if with_bias { bias.as_ptr() } else { std::ptr::null() };
+                    // SAFETY: the strides address (m, k), (k, n) and (m, n) inside the vectors;
+                    // the CPU has AVX512_BF16 (checked above).
+                    unsafe {
+                        bgemm(
+                            m,
+                            n,
+                            k,
+                            c.as_mut_ptr(),
+                            n as isize,
+                            accumulate,
+                            bp,
+                            a.as_ptr(),
+                            a_st,
+                            b.as_ptr(),
+                            b_st,
+                            threads,
+                        )
+                    };
+                    for (idx, (&got, (&w, &s))) in c.iter().zip(want.iter().zip(&scale)).enumerate() {
+                        let bound = (k + 2) as f64 * 6e-8 * s + 1e-30;
+                        assert!(
+                            (got as f64 - w).abs() <= bound,
+                            "m={m} n={n} k={k} {idx}: {got} vs {w} (bound {bound})"
+                        );
+                    }
+                    match &first {
+                        None => first = Some(c),
+                        Some(f) => assert!(f == &c, "m={m} n={n} k={k}: {threads} threads gave other bits"),
+                    }
+                }
+            }
+        }
+    }
+}
