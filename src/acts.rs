@@ -31,18 +31,30 @@ pub struct ActSpec {
     /// One per layer (kept from forward for backward); else one buffer all layers share (a
     /// workspace).
     pub per_layer: bool,
+    /// The recompute level (llm.c's `-r`) from which this activation is no longer kept per
+    /// layer but recomputed by the block's backward from what is kept (0: always kept).
+    pub recompute_from: u8,
 }
 
 impl ActSpec {
     /// Kept per layer.
     pub const fn kept(name: &'static str, width: Width) -> Self {
-        ActSpec { name, width, per_layer: true }
+        ActSpec { name, width, per_layer: true, recompute_from: 0 }
     }
     /// Shared by all layers.
     pub const fn shared(name: &'static str, width: Width) -> Self {
-        ActSpec { name, width, per_layer: false }
+        ActSpec { name, width, per_layer: false, recompute_from: 0 }
+    }
+    /// Kept per layer below recompute level `level`; from it on one shared buffer, which the
+    /// family's backward refills (see [`BlockActs::recompute`]) before reading it.
+    pub const fn recomputed(name: &'static str, width: Width, level: u8) -> Self {
+        ActSpec { name, width, per_layer: true, recompute_from: level }
     }
 }
+
+/// The highest recompute level: 1 recomputes the MLP's activation (GELU, SwiGLU), 2 the
+/// norms' outputs too (llm.c's `-r`).
+pub const MAX_RECOMPUTE: u8 = 2;
 
 /// What a family's block needs besides the residual stream: the forward pass's activations
 /// and the backward pass's buffers, in the family's order (its enums name them).
@@ -50,6 +62,22 @@ impl ActSpec {
 pub struct ActPlan {
     pub fwd: Vec<ActSpec>,
     pub back: Vec<ActSpec>,
+    /// The recompute level the plan was made for (0 as a family writes it).
+    pub recompute: u8,
+}
+
+impl ActPlan {
+    /// This plan at recompute level `level` (at most [`MAX_RECOMPUTE`]): the activations
+    /// recomputed from that level become buffers all layers share.
+    pub fn with_recompute(mut self, level: u8) -> ActPlan {
+        for s in &mut self.fwd {
+            if s.recompute_from > 0 && s.recompute_from <= level {
+                s.per_layer = false;
+            }
+        }
+        self.recompute = level;
+        self
+    }
 }
 
 /// Values of `w` for `positions` query positions against `keys` keys with `nh` heads.
@@ -85,6 +113,9 @@ pub struct BlockActs {
     pub res_out: Buf, // (N, C)
     /// The family's forward activations ([`ActPlan::fwd`]), indexed by its names.
     pub a: View<Buf>,
+    /// The plan's recompute level: the block's backward first recomputes every activation
+    /// whose [`ActSpec::recompute_from`] is at most this, for another layer has overwritten it.
+    pub recompute: u8,
 }
 
 impl BlockActs {
@@ -107,6 +138,7 @@ impl BlockActs {
                     })
                     .collect(),
             ),
+            recompute: self.recompute,
         }
     }
 }
@@ -248,7 +280,8 @@ impl Acts {
                 }
             })
             .collect();
-        BlockActs { res_in: if l == 0 { self.encoded(n) } else { stream(l - 1) }, res_out: stream(l), a: View(a) }
+        let res_in = if l == 0 { self.encoded(n) } else { stream(l - 1) };
+        BlockActs { res_in, res_out: stream(l), a: View(a), recompute: self.plan.recompute }
     }
 
     /// The backward buffers for a pass over (b, t).
@@ -338,7 +371,8 @@ impl KvCache {
         let cap = self.capacity;
         let a = self.plan.fwd.iter().zip(&self.acts).map(|(s, &x)| x.prefix(len_of(s.width, tn, cap, self.nh)));
         let stream = self.stream.prefix(tn * self.c);
-        let x = BlockActs { res_in: stream, res_out: stream, a: View(a.collect()) };
+        // No backward reads this pass: nothing to recompute.
+        let x = BlockActs { res_in: stream, res_out: stream, a: View(a.collect()), recompute: 0 };
         (x, self.k.part(l, cap * self.kv), self.v.part(l, cap * self.kv))
     }
 }

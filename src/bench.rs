@@ -20,6 +20,8 @@ pub struct BenchConfig {
     pub device: Device,
     /// ZeRO stage when several processes run (`mpirun -np N llmrs bench -z S`).
     pub zero_stage: usize,
+    /// Recompute level (train's `-r`): 0 none, 1 the MLP activation, 2 + the norms.
+    pub recompute: u8,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -34,6 +36,8 @@ pub struct BenchReport {
     /// Processes (ranks), each stepping B*T tokens, and the ZeRO stage.
     pub processes: usize,
     pub zero_stage: usize,
+    /// The recompute level (`-r`).
+    pub recompute: u8,
     /// The rank that made this report (rank 0 prints it).
     pub rank: usize,
     pub steps: usize,
@@ -104,6 +108,7 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let (rank, world) = (comm.rank(), comm.world());
     let mut model = Model::with_collectives(weights, crate::backend::factory::open(cfg.device)?, comm, cfg.zero_stage)?;
     model.alloc_training_state()?;
+    model.set_recompute(cfg.recompute)?;
     model.reserve(b, t)?;
     let v = model.config.vocab_size as u64;
     let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (rank as u64) << 32;
@@ -173,6 +178,7 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         threads: crate::cpu::team::threads(),
         processes: world,
         zero_stage: model.zero_stage(),
+        recompute: model.recompute(),
         rank,
         steps: cfg.steps,
         ms_median,
@@ -235,13 +241,14 @@ impl std::fmt::Display for BenchReport {
         let mb = |x: usize| x as f64 / 1e6;
         writeln!(
             f,
-            "memory      {:.1} MB: parameters {:.1}, gradients {:.1}, AdamW {:.1}, ZeRO buffers {:.1}, activations {:.1}",
+            "memory      {:.1} MB: parameters {:.1}, gradients {:.1}, AdamW {:.1}, ZeRO buffers {:.1}, activations {:.1} (-r {})",
             mb(m.total()),
             mb(m.params),
             mb(m.grads),
             mb(m.adamw),
             mb(m.buffers),
-            mb(m.activations)
+            mb(m.activations),
+            self.recompute
         )?;
         writeln!(f, "peak RSS    {:.0} MiB", self.peak_rss_mib)?;
         let pct = |v: &[(String, f64)]| {
@@ -270,6 +277,7 @@ mod tests {
             warmup: 1,
             device: Device::Cpu,
             zero_stage: 0,
+            recompute: 1,
         })
         .unwrap();
         assert!(r.ms_min <= r.ms_median && r.ms_median <= r.ms_max);

@@ -70,6 +70,9 @@ enum Cmd {
         /// ZeRO stage when launched by mpirun (0-3, as train's -z).
         #[arg(short = 'z', long = "zero-stage", default_value_t = 0)]
         zero_stage: usize,
+        /// Recompute in the backward (as train's -r): 0 none, 1 the MLP activation, 2 + the norms.
+        #[arg(short = 'r', long = "recompute", default_value_t = D.with(|d| d.recompute))]
+        recompute: u8,
     },
     /// Evaluate a model.
     #[command(subcommand)]
@@ -373,12 +376,16 @@ struct TrainArgs {
     /// all-reduced, 1 = AdamW state sharded, 2 = + gradients, 3 = + parameters.
     #[arg(short = 'z', long = "zero-stage", default_value_t = D.with(|d| d.zero_stage))]
     zero_stage: usize,
+    /// Recompute in the backward instead of keeping per layer (llm.c -r): 0 none, 1 the MLP
+    /// activation (GELU, SwiGLU), 2 + the norms' outputs. Same losses bit for bit; less memory.
+    #[arg(short = 'r', long = "recompute", default_value_t = D.with(|d| d.recompute))]
+    recompute: u8,
 }
 
 /// llm.c spells some flags with two letters after one dash (-nk, -nm, -sl, -sg); map them to long names.
 /// GPU-only llm.c flags are accepted and ignored on the CPU, with a note.
 fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
-    const GPU_ONLY: [&str; 5] = ["-f", "-w", "-r", "-ge", "-lg"];
+    const GPU_ONLY: [&str; 4] = ["-f", "-w", "-ge", "-lg"];
     // llm.c's process-group flags (processes, rank, GPUs per node, init method, paths): llmrs
     // takes its ranks from the MPI launcher.
     const PROCESS_GROUP: [&str; 6] = ["-pn", "-pr", "-pg", "-pi", "-pf", "-ps"];
@@ -473,6 +480,7 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
         hellaswag_data: a.hellaswag_data,
         hellaswag_limit: a.hellaswag_limit,
         zero_stage: a.zero_stage,
+        recompute: a.recompute,
         overwrite: a.overwrite,
         quiet: false,
         device,
@@ -640,9 +648,10 @@ fn run_command(cli: Cli, comm: Comm) -> Result<()> {
         Some(Cmd::Train(a)) => cmd_train(a, device, comm),
         Some(Cmd::Prepare(p)) => cmd_prepare(p),
         Some(Cmd::Generate(a)) => cmd_generate(a, device),
-        Some(Cmd::Bench { model, batch_size, seq_len, steps, warmup, json, zero_stage }) => {
+        Some(Cmd::Bench { model, batch_size, seq_len, steps, warmup, json, zero_stage, recompute }) => {
             let steps = steps.max(1);
-            let cfg = llmrs::bench::BenchConfig { model, batch_size, seq_len, steps, warmup, device, zero_stage };
+            let cfg =
+                llmrs::bench::BenchConfig { model, batch_size, seq_len, steps, warmup, device, zero_stage, recompute };
             cmd_bench(&cfg, json, comm)
         }
         Some(Cmd::Devices) => cmd_devices(),

@@ -487,6 +487,29 @@ impl Model {
         Ok(())
     }
 
+    /// Recompute level `level` (llm.c's `-r`; [`crate::acts::MAX_RECOMPUTE`] at most): 1 keeps
+    /// one MLP activation buffer for all layers instead of one per layer and recomputes it in
+    /// each block's backward, 2 the norms' outputs too. Every loss and gradient is the same
+    /// bits as at 0; the memory saved costs a few element-wise passes per step. Activations
+    /// already sized are made again at the same capacity.
+    pub fn set_recompute(&mut self, level: u8) -> Result<()> {
+        if level > crate::acts::MAX_RECOMPUTE {
+            bail!("-r {level}: the recompute levels are 0 (none), 1 (the MLP activation) and 2 (+ the norms)");
+        }
+        self.plan = self.arch.acts(&self.config).with_recompute(level);
+        if let Some(a) = self.acts.take() {
+            a.free(&mut *self.be);
+            self.reserve(a.cap_b, a.cap_t)?;
+        }
+        self.last = Last::default();
+        Ok(())
+    }
+
+    /// The recompute level ([`Model::set_recompute`]).
+    pub fn recompute(&self) -> u8 {
+        self.plan.recompute
+    }
+
     /// Make sure activations can hold a pass over (b, t) (with the backward buffers once there
     /// is training state). Allocates only when they cannot.
     pub fn reserve(&mut self, b: usize, t: usize) -> Result<()> {
@@ -853,6 +876,44 @@ mod tests {
             grads.push(m.read_all(Slot::Grads).unwrap());
         }
         assert!(grads[0] == grads[1], "gradients differ after zero_grad over stale values");
+    }
+
+    /// Recompute (-r 1, 2) refills the shared buffers with the forward's own calls: the losses
+    /// and every gradient are the same bits as keeping them per layer, over two steps (the
+    /// second reads the first's updated weights), with less activation memory at each level.
+    #[test]
+    fn recompute_gives_the_same_bits_with_less_memory() {
+        let (b, t) = (2, 7);
+        for desc in ["3x32:2:16", "llama:3x24:4:2:40:16", "qwen3:3x24:4:2:8:40:16", "qwen2:3x24:4:2:40:16"] {
+            let runs: Vec<(Vec<f32>, Vec<f32>, usize)> = (0..=crate::acts::MAX_RECOMPUTE)
+                .map(|r| {
+                    let mut m = model(desc, 5);
+                    m.alloc_training_state().unwrap();
+                    m.set_recompute(r).unwrap();
+                    let v = m.config.vocab_size;
+                    let (mut losses, mut grads) = (vec![], vec![]);
+                    for step in 0..2 {
+                        let inputs: Vec<u32> = (0..b * t).map(|i| ((i * 7 + step) % v) as u32).collect();
+                        let targets: Vec<u32> = (0..b * t).map(|i| ((i * 3 + 1) % v) as u32).collect();
+                        m.zero_grad().unwrap();
+                        m.forward(&inputs, Some(&targets), b, t).unwrap();
+                        losses.extend(m.losses().unwrap());
+                        m.backward(1.0).unwrap();
+                        grads.extend(m.read_all(Slot::Grads).unwrap());
+                        m.update(&OptimConfig::default(), 1e-2, step + 1, SkipAbove::NON_FINITE).unwrap();
+                    }
+                    (losses, grads, m.memory().activations)
+                })
+                .collect();
+            for (r, run) in runs.iter().enumerate().skip(1) {
+                let same = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same(&run.0, &runs[0].0), "{desc}: -r {r} changed a loss");
+                assert!(same(&run.1, &runs[0].1), "{desc}: -r {r} changed a gradient");
+                assert!(run.2 < runs[r - 1].2, "{desc}: -r {r} keeps {} bytes, -r {} {}", run.2, r - 1, runs[r - 1].2);
+            }
+        }
+        let mut m = model("1x16:2:16", 1);
+        assert!(m.set_recompute(3).unwrap_err().to_string().contains("-r 3"));
     }
 
     #[test]

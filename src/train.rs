@@ -95,6 +95,9 @@ pub struct TrainConfig {
     /// -z  ZeRO stage over the processes of an `mpirun` launch: 0 none, 1 AdamW state,
     /// 2 + gradients, 3 + parameters (llm.c: 0)
     pub zero_stage: usize,
+    /// -r  recompute in the backward instead of keeping per layer: 0 none, 1 the MLP
+    /// activation (GELU, SwiGLU), 2 + the norms' outputs; the same bits at every level (llm.c: 1)
+    pub recompute: u8,
 }
 
 impl Default for TrainConfig {
@@ -135,6 +138,7 @@ impl Default for TrainConfig {
             quiet: false,
             device: Device::Cpu,
             zero_stage: 0,
+            recompute: 1,
         }
     }
 }
@@ -169,6 +173,12 @@ impl TrainConfig {
             bail!(
                 "-z {}: ZeRO stages are 0 (none), 1 (AdamW state), 2 (+ gradients) and 3 (+ parameters)",
                 self.zero_stage
+            );
+        }
+        if self.recompute > crate::acts::MAX_RECOMPUTE {
+            bail!(
+                "-r {}: the recompute levels are 0 (none), 1 (the MLP activation) and 2 (+ the norms)",
+                self.recompute
             );
         }
         if self.val_max_steps == Some(0) {
@@ -576,6 +586,7 @@ impl<'a> Run<'a> {
         let mut model =
             Model::with_collectives(weights, crate::backend::factory::open(cfg.device)?, comm, cfg.zero_stage)?;
         model.alloc_training_state()?;
+        model.set_recompute(cfg.recompute)?;
         model.reserve(shape.b, shape.t)?;
         let val_batches = cfg.val_max_steps.unwrap_or(val.num_tokens / shape.tokens_per_micro);
         let step = match resume_step {

@@ -32,7 +32,7 @@ fn trains_with_llmc_flags_and_writes_a_json_log() {
             "-v",
             "2",
         ])
-        .args(["-m", "1", "-s", "4", "-g", "5", "-n", "2", "-nk", "1", "-f", "1", "-z", "0", "-o"])
+        .args(["-m", "1", "-s", "4", "-g", "5", "-n", "2", "-nk", "1", "-f", "1", "-z", "0", "-r", "2", "-o"])
         .arg(&out)
         .args(["--threads", "1"])
         .output()
@@ -43,6 +43,8 @@ fn trains_with_llmc_flags_and_writes_a_json_log() {
     assert!(stdout.contains("step    4/4 | loss "), "{stdout}");
     assert!(stdout.contains("generating:"), "{stdout}");
     assert!(stderr.contains("-f 1 is a GPU setting"), "{stderr}");
+    // -r is llmrs's own (recompute), not a GPU setting to ignore.
+    assert!(!stderr.contains("-r 2"), "{stderr}");
     let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
     let lines: Vec<serde_json::Value> = log.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.iter().filter(|v| v.get("train_loss").is_some()).count(), 4);
@@ -100,6 +102,7 @@ fn nonsense_flags_and_arguments_are_refused_at_start_up() {
         (&["-x", "-5"], "-x/--max-steps -5"),
         (&["-m", "0"], "-m 0"),
         (&["-y", "2"], "-y/--resume 2: must be 0 or 1"),
+        (&["-r", "3"], "-r 3: the recompute levels are 0"),
         (&["-b", "100000"], "fewer than one batch needs"),
     ] {
         let args: Vec<_> = os(&train).into_iter().chain(os(flags)).collect();

@@ -464,6 +464,7 @@ fn gpu_bench_reports_the_adapter_and_time_per_layer_kind() {
         warmup: 1,
         device: dev,
         zero_stage: 0,
+        recompute: 1,
     })
     .unwrap();
     assert!(r.backend.starts_with("gpu: fp32 WGSL kernels on"), "{}", r.backend);
@@ -481,4 +482,40 @@ fn gpu_bench_reports_the_adapter_and_time_per_layer_kind() {
         }
     }
     assert!(r.to_string().contains("not measured on a GPU"));
+}
+
+/// Recompute on the GPU: -r 1 and -r 2 refill the shared buffers with the forward's own
+/// kernels, so losses and gradients are the same bits as -r 0 over two steps (GPT-2 and a
+/// Qwen3 block, which has every Llama-style call and the heads' norm).
+#[test]
+fn gpu_recompute_gives_the_same_bits() {
+    let Some(dev) = gpu("gpu_recompute_gives_the_same_bits") else { return };
+    let (b, t) = (2, 5);
+    for desc in ["2x16:2:16", "qwen3:2x16:2:1:8:24:16"] {
+        let cfg = ModelConfig { vocab_size: 61, padded_vocab_size: 64, ..ModelConfig::from_descriptor(desc).unwrap() };
+        let runs: Vec<(Vec<f32>, Vec<f32>)> = (0..=2)
+            .map(|r| {
+                let mut m = Model::new(Weights::random(cfg, 9).unwrap(), dev).unwrap();
+                m.alloc_training_state().unwrap();
+                m.set_recompute(r).unwrap();
+                let (mut losses, mut grads) = (vec![], vec![]);
+                for step in 0..2 {
+                    let inputs: Vec<u32> = (0..b * t).map(|i| ((i * 7 + step) % 61) as u32).collect();
+                    let targets: Vec<u32> = (0..b * t).map(|i| ((i * 3 + 1) % 61) as u32).collect();
+                    m.zero_grad().unwrap();
+                    m.forward(&inputs, Some(&targets), b, t).unwrap();
+                    losses.extend(m.losses().unwrap());
+                    m.backward(1.0).unwrap();
+                    grads.extend(m.read_all(Slot::Grads).unwrap());
+                    m.update(&OptimConfig::default(), 1e-2, step + 1, SkipAbove::NON_FINITE).unwrap();
+                }
+                (losses, grads)
+            })
+            .collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (r, run) in runs.iter().enumerate().skip(1) {
+            assert!(bits(&run.0) == bits(&runs[0].0), "{desc}: -r {r} changed a loss on the GPU");
+            assert!(bits(&run.1) == bits(&runs[0].1), "{desc}: -r {r} changed a gradient on the GPU");
+        }
+    }
 }

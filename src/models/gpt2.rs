@@ -219,21 +219,22 @@ impl Arch for Gpt2 {
     fn acts(&self, cfg: &ModelConfig) -> ActPlan {
         let (c, f) = (cfg.channels, cfg.hidden);
         let k = ActSpec::kept;
+        let r = ActSpec::recomputed;
         let p = Width::Pos;
         ActPlan {
             fwd: vec![
-                k("ln1", p(c)),
+                r("ln1", p(c), 2),
                 k("ln1_mean", p(1)),
                 k("ln1_rstd", p(1)),
                 k("qkv", p(3 * c)),
                 k("atty", p(c)),
                 k("att", Width::Probs),
                 k("residual2", p(c)),
-                k("ln2", p(c)),
+                r("ln2", p(c), 2),
                 k("ln2_mean", p(1)),
                 k("ln2_rstd", p(1)),
                 k("fch", p(f)),
-                k("fch_gelu", p(f)),
+                r("fch_gelu", p(f), 1),
                 ActSpec::shared("scratch", p(c)),
             ],
             back: vec![
@@ -241,6 +242,7 @@ impl Arch for Gpt2 {
                 ActSpec::shared("dqkv", p(3 * c)),
                 ActSpec::shared("datt", Width::Probs),
             ],
+            recompute: 0,
         }
     }
 
@@ -290,7 +292,9 @@ impl Arch for Gpt2 {
         ops.residual_forward(x.res_out, a[A::Residual2], a[A::Scratch]);
     }
 
-    /// Backward of [`Gpt2::block_forward`], in reverse.
+    /// Backward of [`Gpt2::block_forward`], in reverse. Under recompute (`x.recompute`) the
+    /// GELU's output (1) and the norms' outputs (2) are recomputed from the kept activations
+    /// just before they are read, by the forward's own calls, so every value is the same bits.
     fn block_backward(
         &self,
         ops: &mut Ops,
@@ -307,6 +311,9 @@ impl Arch for Gpt2 {
         let (a, dres, scratch) = (&x.a, d.dres, x.a[A::Scratch]);
         let dfch = d.d[D::DFch].prefix(n * f);
         // MLP branch.
+        if x.recompute >= 1 {
+            ops.gelu_forward(a[A::FchGelu], a[A::Fch]);
+        }
         let proj = Mat { n, c: f, oc: c };
         ops.matmul_backward(
             Some(dfch),
@@ -319,6 +326,10 @@ impl Arch for Gpt2 {
             acc,
         );
         ops.gelu_backward(dfch, a[A::Fch]);
+        let (mean, rstd) = (a[A::Ln2Mean], a[A::Ln2Rstd]);
+        if x.recompute >= 2 {
+            ops.layernorm_forward(a[A::Ln2], mean, rstd, a[A::Residual2], w[T::Ln2W], w[T::Ln2B], Rows { n, c });
+        }
         ops.matmul_backward(
             Some(scratch),
             dw[T::FcW],
@@ -329,7 +340,6 @@ impl Arch for Gpt2 {
             Mat { n, c, oc: f },
             acc,
         );
-        let (mean, rstd) = (a[A::Ln2Mean], a[A::Ln2Rstd]);
         ops.layernorm_backward(
             dres,
             dw[T::Ln2W],
@@ -355,6 +365,10 @@ impl Arch for Gpt2 {
         );
         let ws = d.d[D::DFch].prefix(n * 3 * c);
         ops.attention_backward(d.d[D::DQkv], d.d[D::DAtt], ws, scratch, a[A::Qkv], a[A::Att], s, h);
+        let (mean, rstd) = (a[A::Ln1Mean], a[A::Ln1Rstd]);
+        if x.recompute >= 2 {
+            ops.layernorm_forward(a[A::Ln1], mean, rstd, x.res_in, w[T::Ln1W], w[T::Ln1B], Rows { n, c });
+        }
         ops.matmul_backward(
             Some(scratch),
             dw[T::QkvW],
@@ -365,7 +379,6 @@ impl Arch for Gpt2 {
             Mat { n, c, oc: 3 * c },
             acc,
         );
-        let (mean, rstd) = (a[A::Ln1Mean], a[A::Ln1Rstd]);
         ops.layernorm_backward(
             dres,
             dw[T::Ln1W],

@@ -217,19 +217,20 @@ pub fn plan_of(cfg: &ModelConfig, head_norm: bool) -> ActPlan {
     let (c, f, qkv, qd) = (cfg.channels, cfg.hidden, cfg.qkv_dim(), cfg.q_dim());
     let hn = |w: usize| if head_norm { w } else { 0 };
     let k = ActSpec::kept;
+    let r = ActSpec::recomputed;
     let p = Width::Pos;
     ActPlan {
         fwd: vec![
-            k("ln1", p(c)),
+            r("ln1", p(c), 2),
             k("ln1_rstd", p(1)),
             k("qkv", p(qkv)),
             k("atty", p(qd)),
             k("att", Width::Probs),
             k("residual2", p(c)),
-            k("ln2", p(c)),
+            r("ln2", p(c), 2),
             k("ln2_rstd", p(1)),
             k("fch", p(2 * f)),
-            k("fch_act", p(f)),
+            r("fch_act", p(f), 1),
             ActSpec::shared("scratch", p(c.max(qd))),
             k("qkv_raw", p(hn(qkv))),
             k("qk_rstd", p(hn(cfg.num_heads + cfg.num_kv_heads))),
@@ -241,6 +242,7 @@ pub fn plan_of(cfg: &ModelConfig, head_norm: bool) -> ActPlan {
             ActSpec::shared("datt", Width::Probs),
             ActSpec::shared("dqkv_raw", p(hn(qkv))),
         ],
+        recompute: 0,
     }
 }
 
@@ -325,7 +327,9 @@ pub fn block_forward(ops: &mut Ops, cfg: &ModelConfig, k: &Consts, w: &BlockW, x
 
 /// Backward of [`block_forward`], in reverse. The rotation was applied to qkv in place, so
 /// attention's backward sees the rotated q and k it used, and its dq, dk are rotated back
-/// before the projection's backward.
+/// before the projection's backward. Under recompute (`x.recompute`) the SwiGLU's output (1)
+/// and the norms' outputs (2) are recomputed from the kept activations just before they are
+/// read, by the forward's own calls, so every value is the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn block_backward(
     ops: &mut Ops,
@@ -344,8 +348,14 @@ pub fn block_backward(
     let (dact, dfch) = (d.d[D::DAct].prefix(n * f), d.d[D::DFch].prefix(n * 2 * f));
     let (dln, datty) = (a[A::Scratch].prefix(n * c), a[A::Scratch].prefix(n * h.q()));
     // MLP branch.
+    if x.recompute >= 1 {
+        ops.swiglu_forward(a[A::FchAct], a[A::Fch], Rows { n, c: f });
+    }
     ops.matmul_backward(Some(dact), dw.down, None, dres, a[A::FchAct], w.down, Mat { n, c: f, oc: c }, acc);
     ops.swiglu_backward(dfch, dact, a[A::Fch], Rows { n, c: f });
+    if x.recompute >= 2 {
+        ops.rmsnorm_forward(a[A::Ln2], a[A::Ln2Rstd], a[A::Residual2], w.ln2, Rows { n, c }, cfg.norm_eps);
+    }
     ops.matmul_backward(Some(dln), dw.up_gate, None, dfch, a[A::Ln2], w.up_gate, Mat { n, c, oc: 2 * f }, acc);
     ops.rmsnorm_backward(dres, dw.ln2, dln, a[A::Residual2], w.ln2, a[A::Ln2Rstd], Rows { n, c });
     // Attention branch; dfch is free again and serves as the attention workspace.
@@ -361,6 +371,9 @@ pub fn block_backward(
         }
         _ => d.d[D::DQkv],
     };
+    if x.recompute >= 2 {
+        ops.rmsnorm_forward(a[A::Ln1], a[A::Ln1Rstd], x.res_in, w.ln1, Rows { n, c }, cfg.norm_eps);
+    }
     ops.matmul_backward(Some(dln), dw.qkv, dw.qkv_b, dqkv, a[A::Ln1], w.qkv, Mat { n, c, oc: qkv }, acc);
     ops.rmsnorm_backward(dres, dw.ln1, dln, x.res_in, w.ln1, a[A::Ln1Rstd], Rows { n, c });
 }
