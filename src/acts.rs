@@ -177,12 +177,14 @@ pub struct Acts {
     pub lnf: Buf,      // (B, T, C)
     pub lnf_mean: Buf, // (B, T)
     pub lnf_rstd: Buf, // (B, T)
-    pub logits: Buf,   // (B, T, Vp); after backward, d(loss)/d(logits)
-    pub losses: Buf,   // (B, T)
-    pub lse: Buf,      // (B, T) log-sum-exp of each row of logits
-    pub scratch: Buf,  // (B, T, C) the head's d(lnf)
-    dres: Buf,         // (B, T, C)  backward only (else empty)
-    back: Vec<Buf>,    // each (B, T, width), backward only
+    /// Rows of logits held at once: B*T, or fewer when the classifier runs in chunks.
+    pub logit_rows: usize,
+    pub logits: Buf,  // (R, Vp) for R = logit_rows; after backward, d(loss)/d(logits)
+    pub losses: Buf,  // (B, T)
+    pub lse: Buf,     // (B, T) log-sum-exp of each row of logits
+    pub scratch: Buf, // (B, T, C) the head's d(lnf)
+    dres: Buf,        // (B, T, C)  backward only (else empty)
+    back: Vec<Buf>,   // each (B, T, width), backward only
 }
 
 impl Acts {
@@ -193,13 +195,15 @@ impl Acts {
         b: usize,
         t: usize,
         backward: bool,
+        logit_rows: usize,
     ) -> Result<Self> {
         let (c, l, nh, vp) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size);
         let n = b * t;
+        let logit_rows = logit_rows.clamp(1, n);
         let one = |len: usize| (1, len);
         let mut views = vec![one(n * c), (l, n * c)];
         views.extend(plan.fwd.iter().map(|s| (if s.per_layer { l } else { 1 }, len_of(s.width, n, t, nh))));
-        views.extend([one(n * c), one(n), one(n), one(n * vp), one(n), one(n), one(n * c)]);
+        views.extend([one(n * c), one(n), one(n), one(logit_rows * vp), one(n), one(n), one(n * c)]);
         let bw = |len: usize| (1, if backward { len } else { 0 });
         views.push(bw(n * c));
         views.extend(plan.back.iter().map(|s| bw(len_of(s.width, n, t, nh))));
@@ -221,6 +225,7 @@ impl Acts {
             lnf: v[2 + k],
             lnf_mean: v[3 + k],
             lnf_rstd: v[4 + k],
+            logit_rows,
             logits: v[5 + k],
             losses: v[6 + k],
             lse: v[7 + k],

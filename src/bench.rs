@@ -22,6 +22,8 @@ pub struct BenchConfig {
     pub zero_stage: usize,
     /// Recompute level (train's `-r`): 0 none, 1 the MLP activation, 2 + the norms.
     pub recompute: u8,
+    /// Rows of logits the classifier computes at once (train's `--ce-rows`; 0 = all).
+    pub ce_rows: usize,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -38,6 +40,8 @@ pub struct BenchReport {
     pub zero_stage: usize,
     /// The recompute level (`-r`).
     pub recompute: u8,
+    /// The classifier's rows at once (0 = all).
+    pub ce_rows: usize,
     /// The rank that made this report (rank 0 prints it).
     pub rank: usize,
     pub steps: usize,
@@ -109,6 +113,7 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let mut model = Model::with_collectives(weights, crate::backend::factory::open(cfg.device)?, comm, cfg.zero_stage)?;
     model.alloc_training_state()?;
     model.set_recompute(cfg.recompute)?;
+    model.set_classifier_rows(cfg.ce_rows)?;
     model.reserve(b, t)?;
     let v = model.config.vocab_size as u64;
     let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (rank as u64) << 32;
@@ -179,6 +184,7 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         processes: world,
         zero_stage: model.zero_stage(),
         recompute: model.recompute(),
+        ce_rows: cfg.ce_rows,
         rank,
         steps: cfg.steps,
         ms_median,
@@ -241,14 +247,15 @@ impl std::fmt::Display for BenchReport {
         let mb = |x: usize| x as f64 / 1e6;
         writeln!(
             f,
-            "memory      {:.1} MB: parameters {:.1}, gradients {:.1}, AdamW {:.1}, ZeRO buffers {:.1}, activations {:.1} (-r {})",
+            "memory      {:.1} MB: parameters {:.1}, gradients {:.1}, AdamW {:.1}, ZeRO buffers {:.1}, activations {:.1} (-r {}, --ce-rows {})",
             mb(m.total()),
             mb(m.params),
             mb(m.grads),
             mb(m.adamw),
             mb(m.buffers),
             mb(m.activations),
-            self.recompute
+            self.recompute,
+            self.ce_rows
         )?;
         writeln!(f, "peak RSS    {:.0} MiB", self.peak_rss_mib)?;
         let pct = |v: &[(String, f64)]| {
@@ -278,6 +285,7 @@ mod tests {
             device: Device::Cpu,
             zero_stage: 0,
             recompute: 1,
+            ce_rows: 5,
         })
         .unwrap();
         assert!(r.ms_min <= r.ms_median && r.ms_median <= r.ms_max);

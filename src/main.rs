@@ -73,6 +73,9 @@ enum Cmd {
         /// Recompute in the backward (as train's -r): 0 none, 1 the MLP activation, 2 + the norms.
         #[arg(short = 'r', long = "recompute", default_value_t = D.with(|d| d.recompute))]
         recompute: u8,
+        /// Rows of logits the classifier computes at once (as train's --ce-rows; 0 = all).
+        #[arg(long = "ce-rows", default_value_t = D.with(|d| d.ce_rows))]
+        ce_rows: usize,
     },
     /// Evaluate a model.
     #[command(subcommand)]
@@ -380,6 +383,11 @@ struct TrainArgs {
     /// activation (GELU, SwiGLU), 2 + the norms' outputs. Same losses bit for bit; less memory.
     #[arg(short = 'r', long = "recompute", default_value_t = D.with(|d| d.recompute))]
     recompute: u8,
+    /// Rows of logits the classifier (head, cross-entropy, their backward) computes at once,
+    /// instead of all B*T: less memory for large vocabularies, one more head GEMM per step.
+    /// 0 = all at once; else at least 3.
+    #[arg(long = "ce-rows", default_value_t = D.with(|d| d.ce_rows))]
+    ce_rows: usize,
 }
 
 /// llm.c spells some flags with two letters after one dash (-nk, -nm, -sl, -sg); map them to long names.
@@ -481,6 +489,7 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
         hellaswag_limit: a.hellaswag_limit,
         zero_stage: a.zero_stage,
         recompute: a.recompute,
+        ce_rows: a.ce_rows,
         overwrite: a.overwrite,
         quiet: false,
         device,
@@ -648,10 +657,19 @@ fn run_command(cli: Cli, comm: Comm) -> Result<()> {
         Some(Cmd::Train(a)) => cmd_train(a, device, comm),
         Some(Cmd::Prepare(p)) => cmd_prepare(p),
         Some(Cmd::Generate(a)) => cmd_generate(a, device),
-        Some(Cmd::Bench { model, batch_size, seq_len, steps, warmup, json, zero_stage, recompute }) => {
+        Some(Cmd::Bench { model, batch_size, seq_len, steps, warmup, json, zero_stage, recompute, ce_rows }) => {
             let steps = steps.max(1);
-            let cfg =
-                llmrs::bench::BenchConfig { model, batch_size, seq_len, steps, warmup, device, zero_stage, recompute };
+            let cfg = llmrs::bench::BenchConfig {
+                model,
+                batch_size,
+                seq_len,
+                steps,
+                warmup,
+                device,
+                zero_stage,
+                recompute,
+                ce_rows,
+            };
             cmd_bench(&cfg, json, comm)
         }
         Some(Cmd::Devices) => cmd_devices(),

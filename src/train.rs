@@ -98,6 +98,9 @@ pub struct TrainConfig {
     /// -r  recompute in the backward instead of keeping per layer: 0 none, 1 the MLP
     /// activation (GELU, SwiGLU), 2 + the norms' outputs; the same bits at every level (llm.c: 1)
     pub recompute: u8,
+    /// --ce-rows  rows of logits the classifier computes at once (0: all B*T; else >= 3):
+    /// the logits buffer holds (rows, Vp), and the backward computes each chunk's logits again
+    pub ce_rows: usize,
 }
 
 impl Default for TrainConfig {
@@ -139,6 +142,7 @@ impl Default for TrainConfig {
             device: Device::Cpu,
             zero_stage: 0,
             recompute: 1,
+            ce_rows: 0,
         }
     }
 }
@@ -179,6 +183,13 @@ impl TrainConfig {
             bail!(
                 "-r {}: the recompute levels are 0 (none), 1 (the MLP activation) and 2 (+ the norms)",
                 self.recompute
+            );
+        }
+        if self.ce_rows > 0 && self.ce_rows < crate::model::MIN_CLASSIFIER_ROWS {
+            bail!(
+                "--ce-rows {}: the classifier's chunks are at least {} rows (0 = all at once)",
+                self.ce_rows,
+                crate::model::MIN_CLASSIFIER_ROWS
             );
         }
         if self.val_max_steps == Some(0) {
@@ -587,6 +598,7 @@ impl<'a> Run<'a> {
             Model::with_collectives(weights, crate::backend::factory::open(cfg.device)?, comm, cfg.zero_stage)?;
         model.alloc_training_state()?;
         model.set_recompute(cfg.recompute)?;
+        model.set_classifier_rows(cfg.ce_rows)?;
         model.reserve(shape.b, shape.t)?;
         let val_batches = cfg.val_max_steps.unwrap_or(val.num_tokens / shape.tokens_per_micro);
         let step = match resume_step {

@@ -32,7 +32,27 @@ fn trains_with_llmc_flags_and_writes_a_json_log() {
             "-v",
             "2",
         ])
-        .args(["-m", "1", "-s", "4", "-g", "5", "-n", "2", "-nk", "1", "-f", "1", "-z", "0", "-r", "2", "-o"])
+        .args([
+            "-m",
+            "1",
+            "-s",
+            "4",
+            "-g",
+            "5",
+            "-n",
+            "2",
+            "-nk",
+            "1",
+            "-f",
+            "1",
+            "-z",
+            "0",
+            "-r",
+            "2",
+            "--ce-rows",
+            "5",
+            "-o",
+        ])
         .arg(&out)
         .args(["--threads", "1"])
         .output()
@@ -103,6 +123,7 @@ fn nonsense_flags_and_arguments_are_refused_at_start_up() {
         (&["-m", "0"], "-m 0"),
         (&["-y", "2"], "-y/--resume 2: must be 0 or 1"),
         (&["-r", "3"], "-r 3: the recompute levels are 0"),
+        (&["--ce-rows", "2"], "--ce-rows 2: the classifier's chunks are at least 3 rows"),
         (&["-b", "100000"], "fewer than one batch needs"),
     ] {
         let args: Vec<_> = os(&train).into_iter().chain(os(flags)).collect();

@@ -465,6 +465,7 @@ fn gpu_bench_reports_the_adapter_and_time_per_layer_kind() {
         device: dev,
         zero_stage: 0,
         recompute: 1,
+        ce_rows: 0,
     })
     .unwrap();
     assert!(r.backend.starts_with("gpu: fp32 WGSL kernels on"), "{}", r.backend);
@@ -517,5 +518,40 @@ fn gpu_recompute_gives_the_same_bits() {
             assert!(bits(&run.0) == bits(&runs[0].0), "{desc}: -r {r} changed a loss on the GPU");
             assert!(bits(&run.1) == bits(&runs[0].1), "{desc}: -r {r} changed a gradient on the GPU");
         }
+    }
+}
+
+/// The chunked classifier on the GPU: chunks of 3 and 13 of 14 rows (the last cut around a
+/// single row) give the unchunked losses bit for bit, its logits and gradients
+/// within rounding (the head's gradient adds its chunks in another order), and follow the CPU.
+#[test]
+fn gpu_chunked_classifier_matches_the_whole_and_the_cpu() {
+    let Some(dev) = gpu("gpu_chunked_classifier_matches_the_whole_and_the_cpu") else { return };
+    let (b, t) = (2, 7);
+    let cfg =
+        ModelConfig { vocab_size: 301, padded_vocab_size: 320, ..ModelConfig::from_descriptor("2x16:2:16").unwrap() };
+    let inputs: Vec<u32> = (0..b * t).map(|i| (i * 7 % 301) as u32).collect();
+    let targets: Vec<u32> = (0..b * t).map(|i| (i * 89 % 301) as u32).collect();
+    let run = |dev: Device, rows: usize| {
+        let mut m = Model::new(Weights::random(cfg, 4).unwrap(), dev).unwrap();
+        m.alloc_training_state().unwrap();
+        m.set_classifier_rows(rows).unwrap();
+        m.forward(&inputs, None, b, t).unwrap();
+        let logits: Vec<f32> = (0..b * t).flat_map(|r| m.logits_at(r).unwrap()).collect();
+        m.forward(&inputs, Some(&targets), b, t).unwrap();
+        let losses = m.losses().unwrap();
+        m.backward(1.0).unwrap();
+        (logits, losses, m.read_all(Slot::Grads).unwrap())
+    };
+    let whole = run(dev, 0);
+    let cpu = run(Device::Cpu, 3);
+    for rows in [3, 13] {
+        let part = run(dev, rows);
+        compare(&part.0, &whole.0, 1e-5, "logits, chunked against whole");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&part.1) == bits(&whole.1), "losses in chunks of {rows}");
+        compare(&part.2, &whole.2, 1e-4, "gradients, chunked against whole");
+        compare(&part.1, &cpu.1, 1e-5, "losses, GPU against CPU");
+        compare(&part.2, &cpu.2, 1e-4, "gradients, GPU against CPU");
     }
 }
