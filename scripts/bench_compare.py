@@ -5,6 +5,7 @@ thread count, same model (GPT-2, llm.c's init), batch and optimizer, interleaved
     pip install torch
     python scripts/bench_compare.py --threads 2 --model d12 -b 4 -t 64
     python scripts/bench_compare.py ... --llmc /path/to/llm.c   # adds llm.c (see below)
+    python scripts/bench_compare.py -t 1024 --extra "-r 2 --ce-rows 1024"  # llmrs's memory flags
     cargo build --release --example gemm_shapes
     python scripts/bench_compare.py --threads 2 --gemm          # the step's GEMM shapes instead
 
@@ -43,6 +44,7 @@ ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--warmup", type=int, default=2)
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--llmc", default=None)
+ap.add_argument("--extra", default="", help="more flags for `llmrs bench`, e.g. \"-r 2 --ce-rows 1024\"")
 ap.add_argument("--gemm", action="store_true", help="compare the step's GEMM shapes instead of whole steps")
 ap.add_argument("--gemm-bin", default="target/release/examples/gemm_shapes")
 args = ap.parse_args()
@@ -122,7 +124,7 @@ def torch_round():
 
 def llmrs_round():
     cmd = [args.llmrs, "--threads", str(args.threads), "bench", "-e", args.model, "-b", str(args.b), "-t", str(args.t),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--json"]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--json"] + args.extra.split()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out)
 

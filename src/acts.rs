@@ -53,7 +53,8 @@ impl ActSpec {
 }
 
 /// The highest recompute level: 1 recomputes the MLP's activation (GELU, SwiGLU), 2 the
-/// norms' outputs too (llm.c's `-r`).
+/// norms' outputs and attention's probabilities too (llm.c's `-r`; its CUDA attention never
+/// keeps the probabilities).
 pub const MAX_RECOMPUTE: u8 = 2;
 
 /// What a family's block needs besides the residual stream: the forward pass's activations

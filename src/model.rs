@@ -516,12 +516,12 @@ impl Model {
 
     /// Recompute level `level` (llm.c's `-r`; [`crate::acts::MAX_RECOMPUTE`] at most): 1 keeps
     /// one MLP activation buffer for all layers instead of one per layer and recomputes it in
-    /// each block's backward, 2 the norms' outputs too. Every loss and gradient is the same
+    /// each block's backward, 2 the norms' outputs and attention's probabilities too. Every loss and gradient is the same
     /// bits as at 0; the memory saved costs a few element-wise passes per step. Activations
     /// already sized are made again at the same capacity.
     pub fn set_recompute(&mut self, level: u8) -> Result<()> {
         if level > crate::acts::MAX_RECOMPUTE {
-            bail!("-r {level}: the recompute levels are 0 (none), 1 (the MLP activation) and 2 (+ the norms)");
+            bail!("-r {level}: the recompute levels are 0 (none), 1 (the MLP activation) and 2 (+ the norms and attention's probabilities)");
         }
         self.plan = self.arch.acts(&self.config).with_recompute(level);
         if let Some(a) = self.acts.take() {

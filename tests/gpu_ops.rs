@@ -296,7 +296,7 @@ fn gpu_attention_forward_and_backward() {
         };
         for &(b, t, c, nh, nkv) in shapes {
             let qd = c + 2 * nkv * (c / nh);
-            let [out, att, ws, qkv, dout, dqkv, datt, ws3] = p.parts([
+            let [out, att, ws, qkv, dout, dqkv, datt, ws3, probs] = p.parts([
                 b * t * c,
                 b * nh * t * t,
                 b * t * c,
@@ -305,17 +305,25 @@ fn gpu_attention_forward_and_backward() {
                 b * t * qd,
                 b * nh * t * t,
                 b * t * 3 * c,
+                b * nh * t * t,
             ]);
             p.scale(qkv, 2.0);
             p.poison(out);
             p.poison(att);
             p.both(
-                |be, [out, att, ws, qkv]| be.attention_forward(out, att, ws, qkv, b, t, c, nh, nkv),
+                |be, [out, att, ws, qkv]| be.attention_forward(Some(out), att, ws, qkv, b, t, c, nh, nkv),
                 [out, att, ws, qkv],
             );
             let what = format!("attention b={b} t={t} c={c} nh={nh} nkv={nkv}");
             p.check(out, 2e-5, &what);
             p.check(att, 2e-5, &what);
+            // The probabilities alone (a backward's recomputation).
+            p.poison(probs);
+            p.both(
+                |be, [probs, ws, qkv]| be.attention_forward(None, probs, ws, qkv, b, t, c, nh, nkv),
+                [probs, ws, qkv],
+            );
+            p.check(probs, 2e-5, &format!("{what}, probabilities alone"));
             p.poison(dqkv);
             p.poison(datt);
             p.both(

@@ -364,9 +364,10 @@ pub trait Backend {
     /// the diagonal, kept for backward) from qkv (B, T, QKV): the NH query heads, then the
     /// `nkv` key heads, then the value heads, query head h reading key and value head
     /// h / (NH / nkv) (grouped-query attention; GPT-2: nkv = NH). workspace (B, T, C): scratch.
+    /// Without `out`, only att, the same bits as with it (the backward's recomputation).
     fn attention_forward(
         &mut self,
-        out: Buf,
+        out: Option<Buf>,
         att: Buf,
         workspace: Buf,
         qkv: Buf,

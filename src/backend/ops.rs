@@ -345,7 +345,18 @@ impl<'a> Ops<'a> {
         assert!(h.nkv > 0 && h.nh.is_multiple_of(h.nkv), "attention_forward: {} heads, {} kv heads", h.nh, h.nkv);
         lens!("attention_forward"; out => n * h.q(), att => s.b * h.nh * t * t, ws => n * h.q(), qkv => n * h.qkv());
         self.run("attention_forward", Kind::Attention, &[W(out), W(att), Scratch(ws)], &[qkv], |be| {
-            be.attention_forward(out, att, ws, qkv, s.b, s.t, h.q(), h.nh, h.nkv)
+            be.attention_forward(Some(out), att, ws, qkv, s.b, s.t, h.q(), h.nh, h.nkv)
+        });
+    }
+
+    /// att (B, NH, T, T) alone, the same bits as [`Ops::attention_forward`]'s: a backward's
+    /// recomputation of probabilities it did not keep. ws (B, T, QD) scratch.
+    pub fn attention_probs(&mut self, att: Buf, ws: Buf, qkv: Buf, s: Seq, h: Heads) {
+        let (n, t) = (s.n(), s.t);
+        assert!(h.nkv > 0 && h.nh.is_multiple_of(h.nkv), "attention_probs: {} heads, {} kv heads", h.nh, h.nkv);
+        lens!("attention_probs"; att => s.b * h.nh * t * t, ws => n * h.q(), qkv => n * h.qkv());
+        self.run("attention_probs", Kind::Attention, &[W(att), Scratch(ws)], &[qkv], |be| {
+            be.attention_forward(None, att, ws, qkv, s.b, s.t, h.q(), h.nh, h.nkv)
         });
     }
 

@@ -155,14 +155,20 @@ pub fn attention_forward(
     nh: usize,
     nkv: usize,
 ) {
-    attention_forward_blocked(out, att, heads, qkv, b, t, c, nh, nkv, ROW_BLOCK)
+    attention_forward_blocked(Some((out, heads)), att, qkv, b, t, c, nh, nkv, ROW_BLOCK)
 }
 
+/// att (B, NH, T, T) alone from qkv (B, T, QKV): [`attention_forward`]'s probabilities, the
+/// same bits (the same calls), for a backward that did not keep them.
+pub fn attention_probs(att: &mut [f32], qkv: &[f32], b: usize, t: usize, c: usize, nh: usize, nkv: usize) {
+    attention_forward_blocked(None, att, qkv, b, t, c, nh, nkv, ROW_BLOCK)
+}
+
+/// `out_heads`: the output (B, T, C) and its workspace (B, NH, T, HS); None for att alone.
 #[allow(clippy::too_many_arguments)]
 fn attention_forward_blocked(
-    out: &mut [f32],
+    out_heads: Option<(&mut [f32], &mut [f32])>,
     att: &mut [f32],
-    heads: &mut [f32],
     qkv: &[f32],
     b: usize,
     t: usize,
@@ -176,10 +182,14 @@ fn attention_forward_blocked(
     let scale = 1.0 / (hs as f32).sqrt();
     let qd = c + 2 * nkv * hs;
     let (c3, ti_, hs_) = (qd as isize, t as isize, hs as isize);
-    let heads_d = Disjoint::new(&mut heads[..b * nh * t * hs]);
+    let (out, mut heads) = match out_heads {
+        Some((out, heads)) => (Some(out), Some(heads)),
+        None => (None, None),
+    };
+    let heads_d = heads.as_deref_mut().map(|h| Disjoint::new(&mut h[..b * nh * t * hs]));
     team::chunks_mut(&mut att[..b * nh * t * t], t * t, |bh, p| {
         // SAFETY: plane bh of the heads is this task's alone.
-        let o = unsafe { heads_d.part(bh * t * hs..(bh + 1) * t * hs) };
+        let mut o = heads_d.as_ref().map(|d| unsafe { d.part(bh * t * hs..(bh + 1) * t * hs) });
         let (row0, h) = ((bh / nh) * t * qd, bh % nh);
         let (ko, vo) = kv_offsets(h, c, nh, nkv);
         let (q, k, v) = (&qkv[row0 + h * hs..], &qkv[row0 + ko..], &qkv[row0 + vo..]);
@@ -190,9 +200,13 @@ fn attention_forward_blocked(
             for ti in r0..r1 {
                 softmax_prefix(&mut p[ti * t..(ti + 1) * t], ti + 1, scale);
             }
-            gemm(r1 - r0, hs, r1, &mut o[r0 * hs..], (hs_, 1), false, &p[r0 * t..], (ti_, 1), v, (c3, 1));
+            if let Some(o) = o.as_deref_mut() {
+                gemm(r1 - r0, hs, r1, &mut o[r0 * hs..], (hs_, 1), false, &p[r0 * t..], (ti_, 1), v, (c3, 1));
+            }
         }
     });
+    drop(heads_d);
+    let (Some(out), Some(heads)) = (out, heads) else { return };
     let heads = &heads[..b * nh * t * hs];
     team::chunks_mut(&mut out[..b * t * c], c, |bt, row| {
         let (bi, ti) = (bt / t, bt % t);
@@ -496,7 +510,7 @@ mod tests {
             let full = {
                 let (mut out, mut att, mut heads) =
                     (vec![0f32; b * t * c], vec![0f32; b * nh * t * t], vec![0f32; b * t * c]);
-                attention_forward_blocked(&mut out, &mut att, &mut heads, &qkv, b, t, c, nh, nkv, t.max(1));
+                attention_forward_blocked(Some((&mut out, &mut heads)), &mut att, &qkv, b, t, c, nh, nkv, t.max(1));
                 let (mut dqkv, mut scratch, mut heads) =
                     (vec![0f32; b * t * qd], vec![0f32; b * nh * t * t], vec![0f32; b * t * 3 * c]);
                 let (h, s) = (&mut heads, &mut scratch);
@@ -506,7 +520,7 @@ mod tests {
             for block in [1, 2, 3] {
                 let (mut out, mut att, mut heads) =
                     (vec![9f32; b * t * c], vec![9f32; b * nh * t * t], vec![9f32; b * t * c]);
-                attention_forward_blocked(&mut out, &mut att, &mut heads, &qkv, b, t, c, nh, nkv, block);
+                attention_forward_blocked(Some((&mut out, &mut heads)), &mut att, &qkv, b, t, c, nh, nkv, block);
                 assert_close(&out, &full.0, 1e-6, 1e-5, "blocked fwd");
                 assert_close(&att, &full.1, 1e-6, 1e-5, "blocked att");
                 let (mut dqkv, mut scratch, mut heads) =
@@ -517,6 +531,10 @@ mod tests {
             }
             let (out, att) = fwd(&qkv);
             assert_close(&out, &reference(&qkv, b, t, c, nh, nkv), 1e-5, 1e-4, "attention fwd");
+            // The probabilities alone (the backward's recomputation) are the forward's bits.
+            let mut probs = vec![9f32; b * nh * t * t];
+            attention_probs(&mut probs, &qkv, b, t, c, nh, nkv);
+            assert!(probs.iter().zip(&att).all(|(x, y)| x.to_bits() == y.to_bits()), "attention_probs");
             let mut dqkv = vec![7f32; b * t * qd];
             let mut scratch = vec![3f32; b * nh * t * t];
             let mut heads = vec![5f32; b * t * 3 * c];

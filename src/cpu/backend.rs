@@ -469,7 +469,7 @@ impl Backend for CpuBackend {
 
     fn attention_forward(
         &mut self,
-        out: Buf,
+        out: Option<Buf>,
         att: Buf,
         workspace: Buf,
         qkv: Buf,
@@ -479,9 +479,18 @@ impl Backend for CpuBackend {
         nh: usize,
         nkv: usize,
     ) {
-        self.run("attention_forward", [W(out), W(att), Scratch(workspace)], [qkv], [], |[o, a, ws], [qkv], []| {
-            attention::attention_forward(o, a, ws, qkv, b, t, c, nh, nkv)
-        });
+        match out {
+            Some(out) => self.run(
+                "attention_forward",
+                [W(out), W(att), Scratch(workspace)],
+                [qkv],
+                [],
+                |[o, a, ws], [qkv], []| attention::attention_forward(o, a, ws, qkv, b, t, c, nh, nkv),
+            ),
+            None => self.run("attention_probs", [W(att)], [qkv], [], |[a], [qkv], []| {
+                attention::attention_probs(a, qkv, b, t, c, nh, nkv)
+            }),
+        }
     }
 
     fn attention_backward(

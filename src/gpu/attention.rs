@@ -62,11 +62,12 @@ impl GpuBackend {
 
     /// out (B, T, C) and att (B, NH, T, T) from qkv (B, T, QKV). With grouped-query attention
     /// (REP = NH / KV query heads per key/value head), query head h = g*REP + r: the GEMMs run
-    /// once per r over the (batch, g) planes, whose operands are then evenly strided.
+    /// once per r over the (batch, g) planes, whose operands are then evenly strided. Without
+    /// `out` only att, by the same dispatches (the backward's recomputation).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_forward_(
         &mut self,
-        out: Buf,
+        out: Option<Buf>,
         att: Buf,
         workspace: Buf,
         qkv: Buf,
@@ -78,13 +79,13 @@ impl GpuBackend {
     ) {
         let ((hs, qd, kv, rep), tt) = (shapes(c, nh, nkv), t * t);
         let scale = 1.0 / (hs as f32).sqrt();
-        Self::disjoint("attention_forward", &[out, att, workspace], &[qkv]);
-        let per_batch = [(qkv, t * qd), (out, t * c)];
+        let outs: Vec<Buf> = out.into_iter().chain([att, workspace]).collect();
+        Self::disjoint("attention_forward", &outs, &[qkv]);
+        let per_batch: Vec<(Buf, usize)> = [(qkv, t * qd)].into_iter().chain(out.map(|o| (o, t * c))).collect();
         let Some(pieces) = self.planes(b, nkv, rep * tt, &[(att, rep * tt)], &per_batch) else { return };
         for z in pieces {
             let (b0, b1) = (z.start / nkv, (z.end - 1) / nkv + 1);
             let q = qkv.slice(b0 * t * qd..b1 * t * qd);
-            let o = out.slice(b0 * t * c..b1 * t * c);
             let a = att.slice(z.start * rep * tt..z.end * rep * tt);
             let batches = Batches { z0: z.start, count: z.end - z.start, inner: nkv };
             // Query head g*REP + r and key/value head g of each (batch, g) plane.
@@ -96,6 +97,8 @@ impl GpuBackend {
                 self.gemm((t, t, hs), q_heads(r), kt, scores(r), None, SKIP_UPPER, batches);
             }
             self.softmax(a, None, (z.end - z.start) * rep, t, t, tt, 0, t, scale);
+            let Some(out) = out else { continue };
+            let o = out.slice(b0 * t * c..b1 * t * c);
             for r in 0..rep {
                 // out = P V, into the heads' columns of out
                 let v = Operand::rows(q.slice(c + kv..q.len), qd).batched(t * qd, hs);

@@ -502,7 +502,7 @@ impl Backend for GpuBackend {
     }
     fn attention_forward(
         &mut self,
-        out: Buf,
+        out: Option<Buf>,
         att: Buf,
         ws: Buf,
         qkv: Buf,

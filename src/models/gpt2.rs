@@ -228,7 +228,7 @@ impl Arch for Gpt2 {
                 k("ln1_rstd", p(1)),
                 k("qkv", p(3 * c)),
                 k("atty", p(c)),
-                k("att", Width::Probs),
+                r("att", Width::Probs, 2),
                 k("residual2", p(c)),
                 r("ln2", p(c), 2),
                 k("ln2_mean", p(1)),
@@ -293,7 +293,7 @@ impl Arch for Gpt2 {
     }
 
     /// Backward of [`Gpt2::block_forward`], in reverse. Under recompute (`x.recompute`) the
-    /// GELU's output (1) and the norms' outputs (2) are recomputed from the kept activations
+    /// GELU's output (1), the norms' outputs and attention's probabilities (2) are recomputed from the kept activations
     /// just before they are read, by the forward's own calls, so every value is the same bits.
     fn block_backward(
         &self,
@@ -364,6 +364,9 @@ impl Arch for Gpt2 {
             acc,
         );
         let ws = d.d[D::DFch].prefix(n * 3 * c);
+        if x.recompute >= 2 {
+            ops.attention_probs(a[A::Att], ws.prefix(n * c), a[A::Qkv], s, h);
+        }
         ops.attention_backward(d.d[D::DQkv], d.d[D::DAtt], ws, scratch, a[A::Qkv], a[A::Att], s, h);
         let (mean, rstd) = (a[A::Ln1Mean], a[A::Ln1Rstd]);
         if x.recompute >= 2 {

@@ -225,7 +225,7 @@ pub fn plan_of(cfg: &ModelConfig, head_norm: bool) -> ActPlan {
             k("ln1_rstd", p(1)),
             k("qkv", p(qkv)),
             k("atty", p(qd)),
-            k("att", Width::Probs),
+            r("att", Width::Probs, 2),
             k("residual2", p(c)),
             r("ln2", p(c), 2),
             k("ln2_rstd", p(1)),
@@ -328,7 +328,7 @@ pub fn block_forward(ops: &mut Ops, cfg: &ModelConfig, k: &Consts, w: &BlockW, x
 /// Backward of [`block_forward`], in reverse. The rotation was applied to qkv in place, so
 /// attention's backward sees the rotated q and k it used, and its dq, dk are rotated back
 /// before the projection's backward. Under recompute (`x.recompute`) the SwiGLU's output (1)
-/// and the norms' outputs (2) are recomputed from the kept activations just before they are
+/// and the norms' outputs and attention's probabilities (2) are recomputed from the kept activations just before they are
 /// read, by the forward's own calls, so every value is the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn block_backward(
@@ -361,6 +361,9 @@ pub fn block_backward(
     // Attention branch; dfch is free again and serves as the attention workspace.
     ops.matmul_backward(Some(datty), dw.o, dw.o_b, dres, a[A::Atty], w.o, Mat { n, c: h.q(), oc: c }, acc);
     let ws = d.d[D::DFch].prefix(n * 3 * h.q());
+    if x.recompute >= 2 {
+        ops.attention_probs(a[A::Att], ws.prefix(n * h.q()), a[A::Qkv], s, h);
+    }
     ops.attention_backward(d.d[D::DQkv], d.d[D::DAtt], ws, datty, a[A::Qkv], a[A::Att], s, h);
     ops.rope_backward(d.d[D::DQkv], rope, n, s.t, 0, h);
     let dqkv = match (w.head_norm, dw.head_norm) {
