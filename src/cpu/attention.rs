@@ -186,26 +186,28 @@ fn attention_forward_blocked(
         Some((out, heads)) => (Some(out), Some(heads)),
         None => (None, None),
     };
-    let heads_d = heads.as_deref_mut().map(|h| Disjoint::new(&mut h[..b * nh * t * hs]));
-    team::chunks_mut(&mut att[..b * nh * t * t], t * t, |bh, p| {
-        // SAFETY: plane bh of the heads is this task's alone.
-        let mut o = heads_d.as_ref().map(|d| unsafe { d.part(bh * t * hs..(bh + 1) * t * hs) });
-        let (row0, h) = ((bh / nh) * t * qd, bh % nh);
-        let (ko, vo) = kv_offsets(h, c, nh, nkv);
-        let (q, k, v) = (&qkv[row0 + h * hs..], &qkv[row0 + ko..], &qkv[row0 + vo..]);
-        for r0 in (0..t).step_by(block) {
-            let r1 = (r0 + block).min(t);
-            // Rows r0..r1 see keys 0..r1; softmax_prefix zeroes the rest of each row.
-            gemm(r1 - r0, r1, hs, &mut p[r0 * t..], (ti_, 1), false, &q[r0 * qd..], (c3, 1), k, (1, c3));
-            for ti in r0..r1 {
-                softmax_prefix(&mut p[ti * t..(ti + 1) * t], ti + 1, scale);
+    // The Disjoint view of the heads ends with this block, before they are read below.
+    {
+        let heads_d = heads.as_deref_mut().map(|h| Disjoint::new(&mut h[..b * nh * t * hs]));
+        team::chunks_mut(&mut att[..b * nh * t * t], t * t, |bh, p| {
+            // SAFETY: plane bh of the heads is this task's alone.
+            let mut o = heads_d.as_ref().map(|d| unsafe { d.part(bh * t * hs..(bh + 1) * t * hs) });
+            let (row0, h) = ((bh / nh) * t * qd, bh % nh);
+            let (ko, vo) = kv_offsets(h, c, nh, nkv);
+            let (q, k, v) = (&qkv[row0 + h * hs..], &qkv[row0 + ko..], &qkv[row0 + vo..]);
+            for r0 in (0..t).step_by(block) {
+                let r1 = (r0 + block).min(t);
+                // Rows r0..r1 see keys 0..r1; softmax_prefix zeroes the rest of each row.
+                gemm(r1 - r0, r1, hs, &mut p[r0 * t..], (ti_, 1), false, &q[r0 * qd..], (c3, 1), k, (1, c3));
+                for ti in r0..r1 {
+                    softmax_prefix(&mut p[ti * t..(ti + 1) * t], ti + 1, scale);
+                }
+                if let Some(o) = o.as_deref_mut() {
+                    gemm(r1 - r0, hs, r1, &mut o[r0 * hs..], (hs_, 1), false, &p[r0 * t..], (ti_, 1), v, (c3, 1));
+                }
             }
-            if let Some(o) = o.as_deref_mut() {
-                gemm(r1 - r0, hs, r1, &mut o[r0 * hs..], (hs_, 1), false, &p[r0 * t..], (ti_, 1), v, (c3, 1));
-            }
-        }
-    });
-    drop(heads_d);
+        });
+    }
     let (Some(out), Some(heads)) = (out, heads) else { return };
     let heads = &heads[..b * nh * t * hs];
     team::chunks_mut(&mut out[..b * t * c], c, |bt, row| {
