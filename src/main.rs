@@ -385,8 +385,8 @@ struct TrainArgs {
     #[arg(short = 'r', long = "recompute", default_value_t = D.with(|d| d.recompute))]
     recompute: u8,
     /// Rows of logits the classifier (head, cross-entropy, their backward) computes at once,
-    /// instead of all B*T: less memory for large vocabularies, one more head GEMM per step.
-    /// 0 = all at once; else at least 3.
+    /// instead of all B*T: less memory, most for large vocabularies; chunks of fewer than about
+    /// 1024 rows cost speed. 0 = all at once; else at least 3.
     #[arg(long = "ce-rows", default_value_t = D.with(|d| d.ce_rows))]
     ce_rows: usize,
 }

@@ -199,6 +199,32 @@ impl Model {
     /// per-position losses (see [`Model::accumulate_loss`], [`Model::backward`]). Under ZeRO-3
     /// it gathers weights, a collective: every rank must make the same passes.
     pub fn forward(&mut self, inputs: &[u32], targets: Option<&[u32]>, b: usize, t: usize) -> Result<()> {
+        self.forward_impl(inputs, targets, b, t, true)
+    }
+
+    /// A training micro-step: [`Model::forward`] with targets then [`Model::backward`] with
+    /// `loss_scale`, the same bits, with the classifier fused: each chunk of rows (see
+    /// [`Model::set_classifier_rows`]) goes through the head, the loss, d(logits) and the head's
+    /// backward at once, so its logits are computed once (a chunked forward then backward
+    /// computes them twice). The per-position losses are there afterwards; the logits are not.
+    pub fn forward_backward(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        b: usize,
+        t: usize,
+        loss_scale: f32,
+    ) -> Result<()> {
+        self.train.context("forward_backward needs training state: call alloc_training_state first")?;
+        self.forward_impl(inputs, Some(targets), b, t, false)?;
+        self.backward_impl(loss_scale, true)?;
+        self.last.losses = true;
+        Ok(())
+    }
+
+    /// The forward pass, and the classifier unless `head` is false (then [`Model::backward_impl`]
+    /// runs it, fused).
+    fn forward_impl(&mut self, inputs: &[u32], targets: Option<&[u32]>, b: usize, t: usize, head: bool) -> Result<()> {
         let (cfg, arch) = (self.config, self.arch);
         let (c, v, vp, n, s) = (cfg.channels, cfg.vocab_size, cfg.padded_vocab_size, b * t, Seq { b, t });
         check_tokens(&cfg, inputs, targets, b, t)?;
@@ -216,18 +242,18 @@ impl Model {
         let mut ops = Ops::new(&mut *self.be);
         let norm = a.norm(n);
         arch.final_norm(&mut ops, &cfg, &o, &norm, a.last_residual(&cfg, n), n);
-        let head = o[arch.head(&cfg)];
+        let head_w = o[arch.head(&cfg)];
         if let Some(y) = targets {
             ops.backend().upload_u32(tgt, y);
         }
         // The classifier, `rows` positions at a time into a logits buffer of that many rows.
         // Chunked without targets, it computes nothing here: logits_at computes the rows read.
         let rows = a.logit_rows.min(n);
-        if rows == n || targets.is_some() {
+        if head && (rows == n || targets.is_some()) {
             for (r0, r) in classifier_chunks(n, rows) {
                 let (x, logits) = (norm.out.slice(r0 * c..(r0 + r) * c), a.logits.prefix(r * vp));
                 let m = Mat { n: r, c, oc: vp };
-                ops.charged_to(Kind::Classifier, |ops| ops.matmul_forward(logits, x, head, None, m));
+                ops.charged_to(Kind::Classifier, |ops| ops.matmul_forward(logits, x, head_w, None, m));
                 if targets.is_some() {
                     let (losses, lse, tgt) =
                         (a.losses.slice(r0..r0 + r), a.lse.slice(r0..r0 + r), tgt.slice(r0..r0 + r));
@@ -235,7 +261,8 @@ impl Model {
                 }
             }
         }
-        self.last = Last { b, t, logits: true, losses: targets.is_some(), backward_ready: targets.is_some() };
+        let losses = head && targets.is_some();
+        self.last = Last { b, t, logits: head, losses, backward_ready: targets.is_some() };
         Ok(())
     }
 
@@ -245,6 +272,12 @@ impl Model {
     /// Overwrites the logits with their gradient. Under ZeRO-2/3 each block's gradients are
     /// reduce-scattered into this rank's shard as soon as the block is done.
     pub fn backward(&mut self, loss_scale: f32) -> Result<()> {
+        self.backward_impl(loss_scale, false)
+    }
+
+    /// The backward pass; `fused`: the forward left the classifier to it (forward_backward),
+    /// so each chunk's logits and losses are computed here, just before their backward.
+    fn backward_impl(&mut self, loss_scale: f32, fused: bool) -> Result<()> {
         let (cfg, arch) = (self.config, self.arch);
         let (c, v, vp, nl) = (cfg.channels, cfg.vocab_size, cfg.padded_vocab_size, cfg.num_layers);
         self.train.context("backward needs training state: call alloc_training_state first")?;
@@ -261,23 +294,27 @@ impl Model {
         let norm = a.norm(n);
         let d = a.back(b, t);
         let mut ops = Ops::new(&mut *self.be);
-        ops.accumulate_mean(self.stats.prefix(1), a.losses.prefix(n), loss_scale);
         let (head, dhead) = (o[arch.head(&cfg)], d_o[arch.head(&cfg)]);
         // The classifier's backward, chunk by chunk as its forward: a chunked pass first
-        // computes the chunk's logits again (the forward kept only the last chunk's). Each
-        // chunk's rows of d(lnf) are as unchunked; the head's gradient adds chunk by chunk.
+        // computes the chunk's logits again (the forward kept only the last chunk's), a fused
+        // one its logits and losses. Each chunk's rows of d(lnf) are as unchunked; the head's
+        // gradient adds chunk by chunk.
         let rows = a.logit_rows.min(n);
         for (r0, r) in classifier_chunks(n, rows) {
             let (x, dx) = (norm.out.slice(r0 * c..(r0 + r) * c), a.scratch.slice(r0 * c..(r0 + r) * c));
             let (logits, lse, tgt) = (a.logits.prefix(r * vp), a.lse.slice(r0..r0 + r), tgt.slice(r0..r0 + r));
             let m = Mat { n: r, c, oc: vp };
-            if rows < n {
+            if rows < n || fused {
                 ops.charged_to(Kind::Classifier, |ops| ops.matmul_forward(logits, x, head, None, m));
+            }
+            if fused {
+                ops.crossentropy_forward(a.losses.slice(r0..r0 + r), lse, logits, tgt, r, v, vp);
             }
             ops.crossentropy_backward(logits, lse, tgt, loss_scale / n as f32, r, v, vp);
             let acc = acc || r0 > 0;
             ops.charged_to(Kind::Classifier, |ops| ops.matmul_backward(Some(dx), dhead, None, logits, x, head, m, acc));
         }
+        ops.accumulate_mean(self.stats.prefix(1), a.losses.prefix(n), loss_scale);
         let dnorm = a.scratch.prefix(n * c);
         ops.backend().fill(d.dres, 0.0);
         arch.final_norm_backward(&mut ops, &cfg, &o, &d_o, &norm, d.dres, dnorm, a.last_residual(&cfg, n), n);
@@ -1055,6 +1092,49 @@ mod tests {
         assert_eq!(classifier_chunks(5, 5), [(0, 5)]);
         let mut m = model("1x16:2:16", 1);
         assert!(m.set_classifier_rows(2).unwrap_err().to_string().contains("at least 3 rows"));
+    }
+
+    /// The fused micro-step is the two passes: the same losses, step loss and gradients, bit
+    /// for bit, whole and in chunks (where it computes each chunk's logits once, not twice).
+    #[test]
+    fn forward_backward_is_forward_then_backward() {
+        let (b, t) = (2, 7);
+        for desc in ["2x32:2:16", "llama:2x24:4:2:40:16"] {
+            let cfg = ModelConfig {
+                vocab_size: 1001,
+                padded_vocab_size: 1024,
+                ..ModelConfig::from_descriptor(desc).unwrap()
+            };
+            let inputs: Vec<u32> = (0..b * t).map(|i| (i * 7 % 1001) as u32).collect();
+            let targets: Vec<u32> = (0..b * t).map(|i| (i * 389 % 1001) as u32).collect();
+            for rows in [0, 3, 13] {
+                let runs: Vec<_> = [false, true]
+                    .into_iter()
+                    .map(|fused| {
+                        let mut m = Model::new(Weights::random(cfg, 4).unwrap(), Device::Cpu).unwrap();
+                        m.alloc_training_state().unwrap();
+                        m.set_classifier_rows(rows).unwrap();
+                        m.zero_grad().unwrap();
+                        let mut losses = vec![];
+                        for _ in 0..2 {
+                            if fused {
+                                m.forward_backward(&inputs, &targets, b, t, 0.5).unwrap();
+                            } else {
+                                m.forward(&inputs, Some(&targets), b, t).unwrap();
+                                m.backward(0.5).unwrap();
+                            }
+                            losses.extend(m.losses().unwrap());
+                        }
+                        let step = m.step_stats().unwrap();
+                        losses.push(step.loss);
+                        (losses, m.read_all(Slot::Grads).unwrap())
+                    })
+                    .collect();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert!(bits(&runs[0].0) == bits(&runs[1].0), "{desc} rows {rows}: losses");
+                assert!(bits(&runs[0].1) == bits(&runs[1].1), "{desc} rows {rows}: gradients");
+            }
+        }
     }
 
     #[test]

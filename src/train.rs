@@ -100,7 +100,8 @@ pub struct TrainConfig {
     /// bits at every level (llm.c: 1)
     pub recompute: u8,
     /// --ce-rows  rows of logits the classifier computes at once (0: all B*T; else >= 3):
-    /// the logits buffer holds (rows, Vp), and the backward computes each chunk's logits again
+    /// the logits buffer holds (rows, Vp); a training step runs head, loss and their backward
+    /// chunk by chunk (1024: free from about that many rows, and B*T <= 1024 is unchunked)
     pub ce_rows: usize,
 }
 
@@ -143,7 +144,7 @@ impl Default for TrainConfig {
             device: Device::Cpu,
             zero_stage: 0,
             recompute: 1,
-            ce_rows: 0,
+            ce_rows: 1024,
         }
     }
 }
@@ -783,8 +784,7 @@ impl<'a> Run<'a> {
         model.zero_grad()?;
         for _ in 0..grad_accum {
             train.next_batch()?;
-            model.forward(&train.inputs, Some(&train.targets), b, t)?;
-            model.backward(1.0 / grad_accum as f32)?;
+            model.forward_backward(&train.inputs, &train.targets, b, t, 1.0 / grad_accum as f32)?;
         }
         let lr = self.sched.lr(step);
         let skip = skip_limits(&self.loss_window, cfg.skip_loss_z, &self.norm_window, cfg.skip_grad_z);
