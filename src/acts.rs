@@ -21,6 +21,9 @@ pub enum Width {
     /// Attention's scores or probabilities: NH values per key for every position (B, NH, T, T)
     /// in a training pass; (NH, TN, cap) against a KV cache of cap positions.
     Probs,
+    /// One sequence's [`Width::Probs`] (NH, T, T), for a block that runs attention a sequence
+    /// at a time; against a KV cache (one sequence already) as Probs.
+    SeqProbs,
 }
 
 /// One activation of a family's block.
@@ -32,7 +35,8 @@ pub struct ActSpec {
     /// workspace).
     pub per_layer: bool,
     /// The recompute level (llm.c's `-r`) from which this activation is no longer kept per
-    /// layer but recomputed by the block's backward from what is kept (0: always kept).
+    /// layer but recomputed by the block's backward from what is kept (0: always kept), and a
+    /// [`Width::Probs`] one is held for one sequence at a time ([`Width::SeqProbs`]).
     pub recompute_from: u8,
 }
 
@@ -49,6 +53,10 @@ impl ActSpec {
     /// family's backward refills (see [`BlockActs::recompute`]) before reading it.
     pub const fn recomputed(name: &'static str, width: Width, level: u8) -> Self {
         ActSpec { name, width, per_layer: true, recompute_from: level }
+    }
+    /// From recompute level `level` on, a [`Width::Probs`] buffer is one sequence's.
+    pub const fn per_sequence_from(self, level: u8) -> Self {
+        ActSpec { recompute_from: level, ..self }
     }
 }
 
@@ -69,11 +77,14 @@ pub struct ActPlan {
 
 impl ActPlan {
     /// This plan at recompute level `level` (at most [`MAX_RECOMPUTE`]): the activations
-    /// recomputed from that level become buffers all layers share.
+    /// recomputed from that level become buffers all layers share, attention's one sequence's.
     pub fn with_recompute(mut self, level: u8) -> ActPlan {
-        for s in &mut self.fwd {
+        for s in self.fwd.iter_mut().chain(&mut self.back) {
             if s.recompute_from > 0 && s.recompute_from <= level {
                 s.per_layer = false;
+                if s.width == Width::Probs {
+                    s.width = Width::SeqProbs;
+                }
             }
         }
         self.recompute = level;
@@ -86,6 +97,9 @@ fn len_of(w: Width, positions: usize, keys: usize, nh: usize) -> usize {
     match w {
         Width::Pos(x) => positions * x,
         Width::Probs => positions * nh * keys,
+        // A training pass: T positions of B*T against T keys; a KV-cached pass is one
+        // sequence, TN <= cap positions against cap keys.
+        Width::SeqProbs => positions.min(keys) * nh * keys,
     }
 }
 
@@ -135,7 +149,7 @@ impl BlockActs {
                     .zip(&self.a.0)
                     .map(|(s, &x)| match s.width {
                         Width::Pos(w) => rows(x, w),
-                        Width::Probs => x,
+                        Width::Probs | Width::SeqProbs => x,
                     })
                     .collect(),
             ),

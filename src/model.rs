@@ -608,7 +608,7 @@ impl Model {
         let cfg = &self.config;
         let widths = self.plan.fwd.iter().chain(&self.plan.back).map(|s| match s.width {
             crate::acts::Width::Pos(w) => w,
-            crate::acts::Width::Probs => 0,
+            crate::acts::Width::Probs | crate::acts::Width::SeqProbs => 0,
         });
         let wide = widths.fold(cfg.padded_vocab_size, usize::saturating_add);
         let per_position = ct.checked_mul(cfg.num_heads).and_then(|x| x.checked_add(wide));

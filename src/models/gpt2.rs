@@ -240,7 +240,7 @@ impl Arch for Gpt2 {
             back: vec![
                 ActSpec::shared("dfch", p(f.max(3 * c))),
                 ActSpec::shared("dqkv", p(3 * c)),
-                ActSpec::shared("datt", Width::Probs),
+                ActSpec::shared("datt", Width::Probs).per_sequence_from(2),
             ],
             recompute: 0,
         }
@@ -274,6 +274,14 @@ impl Arch for Gpt2 {
         ops.layernorm_forward(a[A::Ln1], a[A::Ln1Mean], a[A::Ln1Rstd], x.res_in, w[T::Ln1W], w[T::Ln1B], Rows { n, c });
         ops.matmul_forward(a[A::Qkv], a[A::Ln1], w[T::QkvW], Some(w[T::QkvB]), Mat { n, c, oc: 3 * c });
         match attn {
+            // At -r 2 att holds one sequence's probabilities (the backward recomputes them).
+            Attn::Causal(s) if x.recompute >= 2 => {
+                for i in 0..s.b {
+                    let (y, ws, qkv) =
+                        (s.rows(a[A::Atty], i, c), s.rows(a[A::Scratch], i, c), s.rows(a[A::Qkv], i, 3 * c));
+                    ops.attention_forward(y, a[A::Att], ws, qkv, s.one(), h);
+                }
+            }
             Attn::Causal(s) => ops.attention_forward(a[A::Atty], a[A::Att], a[A::Scratch], a[A::Qkv], s, h),
             Attn::Cached { k, v, pos, cap, .. } => {
                 ops.attention_forward_cached(a[A::Atty], a[A::Att], a[A::Scratch], a[A::Qkv], k, v, pos, n, cap, h)
@@ -365,9 +373,16 @@ impl Arch for Gpt2 {
         );
         let ws = d.d[D::DFch].prefix(n * 3 * c);
         if x.recompute >= 2 {
-            ops.attention_probs(a[A::Att], ws.prefix(n * c), a[A::Qkv], s, h);
+            // One sequence at a time: its probabilities again, then its backward.
+            for i in 0..s.b {
+                let (ws, qkv) = (s.rows(ws, i, 3 * c), s.rows(a[A::Qkv], i, 3 * c));
+                ops.attention_probs(a[A::Att], ws.prefix(s.t * c), qkv, s.one(), h);
+                let (dqkv, dy) = (s.rows(d.d[D::DQkv], i, 3 * c), s.rows(scratch, i, c));
+                ops.attention_backward(dqkv, d.d[D::DAtt], ws, dy, qkv, a[A::Att], s.one(), h);
+            }
+        } else {
+            ops.attention_backward(d.d[D::DQkv], d.d[D::DAtt], ws, scratch, a[A::Qkv], a[A::Att], s, h);
         }
-        ops.attention_backward(d.d[D::DQkv], d.d[D::DAtt], ws, scratch, a[A::Qkv], a[A::Att], s, h);
         let (mean, rstd) = (a[A::Ln1Mean], a[A::Ln1Rstd]);
         if x.recompute >= 2 {
             ops.layernorm_forward(a[A::Ln1], mean, rstd, x.res_in, w[T::Ln1W], w[T::Ln1B], Rows { n, c });

@@ -239,7 +239,7 @@ pub fn plan_of(cfg: &ModelConfig, head_norm: bool) -> ActPlan {
             ActSpec::shared("dact", p(f)),
             ActSpec::shared("dfch", p((2 * f).max(3 * qd))),
             ActSpec::shared("dqkv", p(qkv)),
-            ActSpec::shared("datt", Width::Probs),
+            ActSpec::shared("datt", Width::Probs).per_sequence_from(2),
             ActSpec::shared("dqkv_raw", p(hn(qkv))),
         ],
         recompute: 0,
@@ -305,7 +305,15 @@ pub fn block_forward(ops: &mut Ops, cfg: &ModelConfig, k: &Consts, w: &BlockW, x
     match attn {
         Attn::Causal(s) => {
             ops.rope_forward(a[A::Qkv], rope, n, s.t, 0, h);
-            ops.attention_forward(a[A::Atty], a[A::Att], ws, a[A::Qkv], s, h)
+            if x.recompute >= 2 {
+                // att holds one sequence's probabilities (the backward recomputes them).
+                for i in 0..s.b {
+                    let (y, ws, qkv) = (s.rows(a[A::Atty], i, h.q()), s.rows(ws, i, h.q()), s.rows(a[A::Qkv], i, qkv));
+                    ops.attention_forward(y, a[A::Att], ws, qkv, s.one(), h);
+                }
+            } else {
+                ops.attention_forward(a[A::Atty], a[A::Att], ws, a[A::Qkv], s, h)
+            }
         }
         Attn::Cached { k, v, pos, cap, .. } => {
             ops.rope_forward(a[A::Qkv], rope, n, n, pos, h);
@@ -362,9 +370,16 @@ pub fn block_backward(
     ops.matmul_backward(Some(datty), dw.o, dw.o_b, dres, a[A::Atty], w.o, Mat { n, c: h.q(), oc: c }, acc);
     let ws = d.d[D::DFch].prefix(n * 3 * h.q());
     if x.recompute >= 2 {
-        ops.attention_probs(a[A::Att], ws.prefix(n * h.q()), a[A::Qkv], s, h);
+        // One sequence at a time: its probabilities again, then its backward.
+        for i in 0..s.b {
+            let (ws, qkv_i) = (s.rows(ws, i, 3 * h.q()), s.rows(a[A::Qkv], i, qkv));
+            ops.attention_probs(a[A::Att], ws.prefix(s.t * h.q()), qkv_i, s.one(), h);
+            let (dqkv, dy) = (s.rows(d.d[D::DQkv], i, qkv), s.rows(datty, i, h.q()));
+            ops.attention_backward(dqkv, d.d[D::DAtt], ws, dy, qkv_i, a[A::Att], s.one(), h);
+        }
+    } else {
+        ops.attention_backward(d.d[D::DQkv], d.d[D::DAtt], ws, datty, a[A::Qkv], a[A::Att], s, h);
     }
-    ops.attention_backward(d.d[D::DQkv], d.d[D::DAtt], ws, datty, a[A::Qkv], a[A::Att], s, h);
     ops.rope_backward(d.d[D::DQkv], rope, n, s.t, 0, h);
     let dqkv = match (w.head_norm, dw.head_norm) {
         (Some((wq, wk)), Some((dwq, dwk))) => {
