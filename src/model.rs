@@ -621,7 +621,12 @@ impl Model {
         }
         let rows = if self.ce_rows == 0 { cb * ct } else { self.ce_rows };
         let acts = Acts::new(&mut *self.be, &self.config, &self.plan, cb, ct, backward, rows);
-        self.acts = Some(acts.with_context(|| format!("activations for B={cb} x T={ct}: lower -b or -t"))?);
+        let hint = if self.plan.recompute < crate::acts::MAX_RECOMPUTE {
+            ", or keep fewer with -r 2 (README: Memory)"
+        } else {
+            ""
+        };
+        self.acts = Some(acts.with_context(|| format!("activations for B={cb} x T={ct}: lower -b or -t{hint}"))?);
         Ok(())
     }
 

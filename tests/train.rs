@@ -229,7 +229,20 @@ fn qwen_ranks_train_as_one_process_at_every_zero_stage() {
     ranks_equal_one_process("qwen2:2x32:4:2:64:32", &[2]);
 }
 
+/// The memory savers under every ZeRO stage: -r 2 (attention a sequence at a time, its
+/// probabilities recomputed) and the fused classifier in chunks of 5 rows (the head's gradient
+/// written chunk by chunk into the bucket of ZeRO-2/3, from gathered weights under ZeRO-3).
+#[test]
+fn ranks_with_recompute_and_a_chunked_classifier_train_as_one_process() {
+    ranks_equal_one_process_with("2x32:2:32", &[2], 2, 5);
+    ranks_equal_one_process_with("qwen3:2x32:4:2:16:64:32", &[2], 2, 5);
+}
+
 fn ranks_equal_one_process(model: &str, worlds: &[usize]) {
+    ranks_equal_one_process_with(model, worlds, TrainConfig::default().recompute, TrainConfig::default().ce_rows)
+}
+
+fn ranks_equal_one_process_with(model: &str, worlds: &[usize], recompute: u8, ce_rows: usize) {
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
     let base = TrainConfig {
@@ -241,6 +254,8 @@ fn ranks_equal_one_process(model: &str, worlds: &[usize]) {
         sample_every: 10,
         gen_tokens: 6,
         model: model.into(),
+        recompute,
+        ce_rows,
         ..small(dir.path(), &train, &val)
     };
     // Each rank reads B=2 rows of every batch; one process reads all B = 2 * world of them.
@@ -271,7 +286,7 @@ fn ranks_equal_one_process(model: &str, worlds: &[usize]) {
         let one_m = one_model.read_all(llmrs::model::Slot::AdamM).unwrap();
         for stage in 0..=3 {
             let (runs, out) = run_ranks(world, stage, 2);
-            let what = format!("{model}: {world} ranks, ZeRO-{stage}");
+            let what = format!("{model} -r {recompute} --ce-rows {ce_rows}: {world} ranks, ZeRO-{stage}");
             for r in &runs {
                 assert_eq!(r.train_losses.len(), one.train_losses.len());
                 for ((s, a), (_, b)) in r.train_losses.iter().zip(&one.train_losses) {
