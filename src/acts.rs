@@ -250,6 +250,13 @@ impl Acts {
         })
     }
 
+    /// Bytes (all f32) of the activations kept per layer (the residual stream and the plan's
+    /// per-layer ones) and of the logits.
+    pub fn bytes_by_part(&self) -> (usize, usize) {
+        let kept = self.plan.fwd.iter().zip(&self.fwd).filter(|(s, _)| s.per_layer).map(|(_, x)| x.len);
+        (4 * (self.residual.len + kept.sum::<usize>()), 4 * self.logits.len)
+    }
+
     /// Whether a pass over (b, t) fits (and, when `backward`, the backward buffers exist).
     pub fn fits(&self, b: usize, t: usize, backward: bool) -> bool {
         b <= self.cap_b && t <= self.cap_t && (self.backward || !backward)

@@ -257,13 +257,15 @@ impl std::fmt::Display for BenchReport {
         let mb = |x: usize| x as f64 / 1e6;
         writeln!(
             f,
-            "memory      {:.1} MB: parameters {:.1}, gradients {:.1}, AdamW {:.1}, ZeRO buffers {:.1}, activations {:.1} (-r {}, --ce-rows {})",
+            "memory      {:.1} MB: parameters {:.1}, gradients {:.1}, AdamW {:.1}, ZeRO buffers {:.1}, activations {:.1} (kept per layer {:.1}, logits {:.1}; -r {}, --ce-rows {})",
             mb(m.total()),
             mb(m.params),
             mb(m.grads),
             mb(m.adamw),
             mb(m.buffers),
             mb(m.activations),
+            mb(m.activations_per_layer),
+            mb(m.activations_logits),
             self.recompute,
             self.ce_rows
         )?;
@@ -303,6 +305,10 @@ mod tests {
         assert!(peak > 0.0 && mfu > 0.0 && mfu < 1.0);
         let phases: f64 = r.phases.iter().map(|x| x.1).sum();
         assert!((phases - 1.0).abs() < 1e-9);
+        // --ce-rows 5: the logits hold 5 rows of Vp; the kept activations are part of the rest.
+        let m = r.memory_per_rank;
+        assert_eq!(m.activations_logits, 4 * 5 * 50304);
+        assert!(m.activations_per_layer > 0 && m.activations_per_layer + m.activations_logits < m.activations);
         let kinds: f64 = r.kinds.iter().map(|x| x.1).sum();
         assert!(kinds > 0.3 && kinds <= 1.0 + 1e-9, "timed layers cover most of the step: {kinds}");
         assert!(r.to_string().contains("MFU"));

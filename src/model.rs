@@ -74,6 +74,11 @@ pub struct MemoryUse {
     /// ZeRO buckets and gathered parameters.
     pub buffers: usize,
     pub activations: usize,
+    /// Of the activations: those kept per layer from forward to backward (the residual stream
+    /// and the family's kept ones, see `-r`), and the logits (see `--ce-rows`); the rest are
+    /// buffers one layer at a time uses (workspace, the backward's, the head's).
+    pub activations_per_layer: usize,
+    pub activations_logits: usize,
 }
 
 impl MemoryUse {
@@ -521,6 +526,8 @@ impl Model {
         }
         if let Some(a) = &self.acts {
             m.activations = bytes(a.whole) + bytes(a.tokens);
+            let (per_layer, logits) = a.bytes_by_part();
+            (m.activations_per_layer, m.activations_logits) = (per_layer, logits);
         }
         m
     }
