@@ -12,8 +12,10 @@
 //! (k blocks of [`KC`], in order) whatever the thread count or split, so results do not depend on
 //! scheduling. `vdpbf16ps` treats denormal inputs as zero and rounds to nearest even.
 //!
-//! Only where the CPU has AVX512_BF16 ([`available`]); elsewhere the bf16 path widens to fp32
-//! and uses the fp32 GEMM.
+//! Where the CPU has AVX512_BF16 ([`available`]) the tile is `vdpbf16ps`; elsewhere a portable
+//! tile computes the same bits, one fp32 FMA per product in the instruction's order (the high
+//! half of each pair first), with its denormal rules (inputs as zero, denormal results flushed):
+//! slow, but results do not depend on the host.
 
 use super::team;
 use std::cell::RefCell;
@@ -74,9 +76,34 @@ impl View {
 ///
 /// # Safety
 /// Every element the strides address for the given shapes lies inside its buffer; dst overlaps
-/// neither input; the CPU has AVX512_BF16 ([`available`]).
+/// neither input.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn bgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: isize,
+    accumulate: bool,
+    bias: *const f32,
+    lhs: *const u16,
+    lhs_st: (isize, isize),
+    rhs: *const u16,
+    rhs_st: (isize, isize),
+    threads: usize,
+) {
+    let kern: Kernel = if available() { kernel } else { kernel_portable };
+    // SAFETY: as the caller guarantees; `kernel` only where the CPU has AVX512_BF16.
+    unsafe { bgemm_with(kern, m, n, k, dst, dst_rs, accumulate, bias, lhs, lhs_st, rhs, rhs_st, threads) }
+}
+
+/// A register tile's function: `pairs` pairs of k from the packed panels into C's MR x NR tile.
+type Kernel = unsafe fn(usize, *const u32, *const u32, *mut f32, isize, bool, *const f32);
+
+/// [`bgemm`] with the tile function `kern`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn bgemm_with(
+    kern: Kernel,
     m: usize,
     n: usize,
     k: usize,
@@ -90,7 +117,6 @@ pub unsafe fn bgemm(
     (rhs_rs, rhs_cs): (isize, isize),
     threads: usize,
 ) {
-    debug_assert!(available());
     let bias = if accumulate { std::ptr::null() } else { bias };
     let (a, b) = (View { ptr: lhs, rs: lhs_rs, cs: lhs_cs }, View { ptr: rhs, rs: rhs_rs, cs: rhs_cs });
     if m == 0 || n == 0 {
@@ -103,6 +129,7 @@ pub unsafe fn bgemm(
         // SAFETY: columns j0..j1 of C are this part's alone; the views stay inside A and B.
         unsafe {
             serial(
+                kern,
                 m,
                 j1 - j0,
                 k,
@@ -151,6 +178,7 @@ fn aligned(v: &mut Vec<u32>, len: usize) -> *mut u32 {
 /// The single-threaded blocked GEMM.
 #[allow(clippy::too_many_arguments)]
 unsafe fn serial(
+    kern: Kernel,
     m: usize,
     n: usize,
     k: usize,
@@ -205,6 +233,7 @@ unsafe fn serial(
                             unsafe {
                                 let ct = c.offset((ic + i0) as isize * ldc).add(jc + j0);
                                 tile(
+                                    kern,
                                     rows,
                                     cols,
                                     pairs,
@@ -251,6 +280,7 @@ unsafe fn pack_b(pairs: usize, pc: usize, k: usize, j0: usize, j1: usize, b: Vie
 /// One tile: full ones straight into C, partial ones through a local tile.
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile(
+    kern: Kernel,
     rows: usize,
     cols: usize,
     pairs: usize,
@@ -264,10 +294,10 @@ unsafe fn tile(
     // SAFETY: as the caller guarantees.
     unsafe {
         if rows == MR && cols == NR {
-            return kernel(pairs, ap, bp, c, ldc, acc, bias);
+            return kern(pairs, ap, bp, c, ldc, acc, bias);
         }
         let mut local = [0f32; MR * NR];
-        kernel(pairs, ap, bp, local.as_mut_ptr(), NR as isize, false, std::ptr::null());
+        kern(pairs, ap, bp, local.as_mut_ptr(), NR as isize, false, std::ptr::null());
         for i in 0..rows {
             let row = c.offset(i as isize * ldc);
             for j in 0..cols {
@@ -321,7 +351,64 @@ unsafe fn kernel(pairs: usize, ap: *const u32, bp: *const u32, c: *mut f32, ldc:
 
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn kernel(_: usize, _: *const u32, _: *const u32, _: *mut f32, _: isize, _: bool, _: *const f32) {
-    unreachable!("bgemm needs AVX512_BF16")
+    unreachable!("bgemm's AVX512_BF16 tile on a CPU without it")
+}
+
+/// A denormal as zero of its sign (`vdpbf16ps` reads its inputs and flushes its results so).
+#[inline(always)]
+fn flush(x: f32) -> f32 {
+    if x.is_subnormal() {
+        f32::from_bits(x.to_bits() & 0x8000_0000)
+    } else {
+        x
+    }
+}
+
+/// One lane of `vdpbf16ps`: `acc` plus the products of a pair of bf16 (packed as in the panels),
+/// the high half's first, each added with one rounding (an FMA: the product of two bf16 is
+/// exact in fp32), denormal inputs as zero and denormal results flushed.
+#[inline(always)]
+fn dot_pair(acc: f32, a: u32, b: u32) -> f32 {
+    let half = |x: u32, hi: bool| flush(from_bf16(if hi { (x >> 16) as u16 } else { x as u16 }));
+    let acc = flush(half(a, true).mul_add(half(b, true), flush(acc)));
+    flush(half(a, false).mul_add(half(b, false), acc))
+}
+
+/// The 12x32 tile in portable code, the same bits as [`kernel`].
+unsafe fn kernel_portable(
+    pairs: usize,
+    ap: *const u32,
+    bp: *const u32,
+    c: *mut f32,
+    ldc: isize,
+    acc: bool,
+    bias: *const f32,
+) {
+    // SAFETY: as [`kernel`]'s.
+    unsafe {
+        let mut s = [[0f32; NR]; MR];
+        for p in 0..pairs {
+            let b = std::slice::from_raw_parts(bp.add(p * NR), NR);
+            for (i, row) in s.iter_mut().enumerate() {
+                let a = *ap.add(p * MR + i);
+                for (x, &bj) in row.iter_mut().zip(b) {
+                    *x = dot_pair(*x, a, bj);
+                }
+            }
+        }
+        for (i, row) in s.iter().enumerate() {
+            let ci = c.offset(i as isize * ldc);
+            for (j, &v) in row.iter().enumerate() {
+                *ci.add(j) = if acc {
+                    *ci.add(j) + v
+                } else if bias.is_null() {
+                    v
+                } else {
+                    v + *bias.add(j)
+                };
+            }
+        }
+    }
 }
 
 /// Round fp32 to bf16 (nearest even; a NaN stays a NaN), as bit patterns.
@@ -343,12 +430,15 @@ mod tests {
     /// of the tile, past a k block, a column block), every layout of A and B, with and without
     /// accumulation and bias; and the same bits for any thread count. The bound is fp32
     /// accumulation's: k additions, each rounding at most half an ulp of the running sum, so
-    /// |c - exact| <= k * 2^-24 * sum |a b| (the products are exact).
+    /// |c - exact| <= k * 2^-24 * sum |a b| (the products are exact). Both tiles, the portable
+    /// one everywhere and `vdpbf16ps` where the CPU has it, and the two give the same bits.
     #[test]
     fn matches_f64_on_bf16_inputs_and_any_thread_count() {
-        if !available() {
-            eprintln!("SKIPPED bgemm tests: this CPU has no AVX512_BF16 (or the kernels are held below AVX-512)");
-            return;
+        let mut kernels: Vec<(&str, Kernel)> = vec![("portable", kernel_portable)];
+        if available() {
+            kernels.push(("avx512bf16", kernel));
+        } else {
+            eprintln!("SKIPPED bgemm's AVX512_BF16 tile: this CPU has no AVX512_BF16 (or the kernels are held below AVX-512); the portable tile is tested");
         }
         for &(m, n, k) in
             &[(1, 1, 1), (1, 33, 7), (13, 31, 2), (12, 32, 385), (25, 70, 131), (300, 65, 800), (7, 2100, 9)]
@@ -392,13 +482,15 @@ mod tests {
                     }
                 }
                 let mut first: Option<Vec<f32>> = None;
-                for threads in [1, 2, 3] {
+                for (threads, &(name, kern)) in [1, 2, 3].into_iter().flat_map(|t| kernels.iter().map(move |k| (t, k)))
+                {
                     let mut c = start.clone();
                     let bp = if with_bias { bias.as_ptr() } else { std::ptr::null() };
                     // SAFETY: the strides address (m, k), (k, n) and (m, n) inside the vectors;
-                    // the CPU has AVX512_BF16 (checked above).
+                    // the AVX512_BF16 tile is in the list only where the CPU has it.
                     unsafe {
-                        bgemm(
+                        bgemm_with(
+                            kern,
                             m,
                             n,
                             k,
@@ -417,14 +509,90 @@ mod tests {
                         let bound = (k + 2) as f64 * 6e-8 * s + 1e-30;
                         assert!(
                             (got as f64 - w).abs() <= bound,
-                            "m={m} n={n} k={k} {idx}: {got} vs {w} (bound {bound})"
+                            "{name} m={m} n={n} k={k} {idx}: {got} vs {w} (bound {bound})"
                         );
                     }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     match &first {
                         None => first = Some(c),
-                        Some(f) => assert!(f == &c, "m={m} n={n} k={k}: {threads} threads gave other bits"),
+                        Some(f) => {
+                            assert!(
+                                bits(f) == bits(&c),
+                                "m={m} n={n} k={k}: {name} on {threads} threads gave other bits"
+                            )
+                        }
                     }
                 }
+            }
+        }
+    }
+
+    /// `vdpbf16ps`'s rules where they show: products that round, denormal bf16 inputs (read as
+    /// zero), sums that cancel to denormals (flushed), a wide range of exponents; the portable
+    /// tile must give the instruction's bits.
+    #[test]
+    fn portable_tile_gives_the_instructions_bits() {
+        if !available() {
+            eprintln!("SKIPPED portable_tile_gives_the_instructions_bits: this CPU has no AVX512_BF16 to compare with");
+            return;
+        }
+        let (m, n, k) = (MR, NR, 301);
+        let mut r = TestRng(7);
+        let denormal = |x: f32| (x.to_bits() >> 16) as u16 & 0x807F | 0x0001;
+        let mut cases: Vec<(&str, Vec<u16>, Vec<u16>)> = vec![];
+        // Mixed: a denormal in every seventh input, tiny, huge and plain values.
+        let mut pick = |i: usize, r: &mut TestRng| -> u16 {
+            let x = r.vec(1)[0];
+            match i % 7 {
+                0 => denormal(x),
+                1 => to_bf16(x * 1e-20),
+                2 => to_bf16(x * 1e15),
+                _ => to_bf16(x),
+            }
+        };
+        let a: Vec<u16> = (0..m * k).map(|i| pick(i, &mut r)).collect();
+        let b: Vec<u16> = (0..k * n).map(|i| pick(i / 3, &mut r)).collect();
+        cases.push(("mixed", a, b));
+        // Denormal A against huge B: read as zero, the products vanish (else ~1e-9).
+        let a: Vec<u16> = r.vec(m * k).iter().map(|&x| denormal(x)).collect();
+        let b: Vec<u16> = r.vec(k * n).iter().map(|&x| to_bf16(x * 1e30)).collect();
+        cases.push(("denormal inputs", a, b));
+        // Tiny A and B: the products and sums are fp32 denormals, flushed to zero.
+        let a: Vec<u16> = r.vec(m * k).iter().map(|&x| to_bf16(x * 1e-20)).collect();
+        let b: Vec<u16> = r.vec(k * n).iter().map(|&x| to_bf16(x * 1e-20)).collect();
+        cases.push(("denormal results", a, b));
+        for (what, a, b) in cases {
+            let run = |kern: Kernel| {
+                let mut c = vec![0f32; m * n];
+                // SAFETY: (m, k), (k, n), (m, n) row-major inside the vectors; `kernel` only here,
+                // where the CPU has AVX512_BF16.
+                unsafe {
+                    bgemm_with(
+                        kern,
+                        m,
+                        n,
+                        k,
+                        c.as_mut_ptr(),
+                        n as isize,
+                        false,
+                        std::ptr::null(),
+                        a.as_ptr(),
+                        (k as isize, 1),
+                        b.as_ptr(),
+                        (n as isize, 1),
+                        1,
+                    )
+                };
+                c
+            };
+            let (hw, port) = (run(kernel), run(kernel_portable));
+            for (i, (x, y)) in hw.iter().zip(&port).enumerate() {
+                assert!(
+                    x.to_bits() == y.to_bits(),
+                    "{what}: element {i}: vdpbf16ps {x:e} ({:#x}), portable {y:e} ({:#x})",
+                    x.to_bits(),
+                    y.to_bits()
+                );
             }
         }
     }
