@@ -541,7 +541,7 @@ mod tests {
         let denormal = |x: f32| (x.to_bits() >> 16) as u16 & 0x807F | 0x0001;
         let mut cases: Vec<(&str, Vec<u16>, Vec<u16>)> = vec![];
         // Mixed: a denormal in every seventh input, tiny, huge and plain values.
-        let mut pick = |i: usize, r: &mut TestRng| -> u16 {
+        let pick = |i: usize, r: &mut TestRng| -> u16 {
             let x = r.vec(1)[0];
             match i % 7 {
                 0 => denormal(x),
