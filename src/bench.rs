@@ -208,13 +208,14 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         peak_method: method,
         mfu: peak.map(|p| achieved / p),
         peak_rss_mib: peak_rss_mib(),
-        phases: ["forward", "backward", "optimizer"]
-            .iter()
-            .zip(phase)
-            .filter(|&(n, _)| cfg.ce_rows == 0 || *n != "forward")
-            .map(|(n, s)| (if *n == "backward" && cfg.ce_rows > 0 { "forward+backward" } else { n }, s))
-            .map(|(n, s)| (n.to_string(), s / total))
-            .collect(),
+        phases: if cfg.ce_rows > 0 {
+            vec![("forward+backward", phase[0] + phase[1]), ("optimizer", phase[2])]
+        } else {
+            vec![("forward", phase[0]), ("backward", phase[1]), ("optimizer", phase[2])]
+        }
+        .into_iter()
+        .map(|(n, s)| (n.to_string(), s / total))
+        .collect(),
         kinds,
     })
 }

@@ -550,11 +550,19 @@ impl Model {
             };
             self.train = Some(TrainBufs { grads, buckets, m, v });
             // Activations sized before training lack the backward buffers.
-            if let Some(a) = self.acts.take() {
-                a.free(&mut *self.be);
-                self.reserve(a.cap_b, a.cap_t)?;
-            }
+            self.remake_acts()?;
         }
+        Ok(())
+    }
+
+    /// Make the activations again at their capacity, for a new plan or new buffers (nothing
+    /// when none are allocated). What they held is gone.
+    fn remake_acts(&mut self) -> Result<()> {
+        if let Some(a) = self.acts.take() {
+            a.free(&mut *self.be);
+            self.reserve(a.cap_b, a.cap_t)?;
+        }
+        self.last = Last::default();
         Ok(())
     }
 
@@ -568,12 +576,7 @@ impl Model {
             bail!("-r {level}: the recompute levels are 0 (none), 1 (the MLP activation) and 2 (+ the norms and attention's probabilities)");
         }
         self.plan = self.arch.acts(&self.config).with_recompute(level);
-        if let Some(a) = self.acts.take() {
-            a.free(&mut *self.be);
-            self.reserve(a.cap_b, a.cap_t)?;
-        }
-        self.last = Last::default();
-        Ok(())
+        self.remake_acts()
     }
 
     /// Run the classifier (the head's GEMM, the cross-entropy and their backward) `rows`
@@ -590,12 +593,7 @@ impl Model {
             );
         }
         self.ce_rows = rows;
-        if let Some(a) = self.acts.take() {
-            a.free(&mut *self.be);
-            self.reserve(a.cap_b, a.cap_t)?;
-        }
-        self.last = Last::default();
-        Ok(())
+        self.remake_acts()
     }
 
     /// The recompute level ([`Model::set_recompute`]).

@@ -546,6 +546,8 @@ fn prepare_text_with_a_tokenizer_json_runs_in_bounded_memory() {
     let text = llmrs::testdata::tinyshakespeare_text().repeat(8);
     std::fs::write(d.join("big.txt"), &text).unwrap();
     let tok = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizers/bytelevel.json");
+    // Reaped by wait4 below (for its rusage), not by Child::wait.
+    #[allow(clippy::zombie_processes)]
     let child = llmrs()
         .current_dir(d)
         .args(["prepare", "text", "big.txt", "--tokenizer", tok, "-o", "out"])

@@ -168,6 +168,7 @@ impl<'a> Ops<'a> {
     }
 
     /// LayerNorm: out (N, C) = (x - mean) * rstd * w + b; mean, rstd (N) kept for backward.
+    #[allow(clippy::too_many_arguments)]
     pub fn layernorm_forward(&mut self, out: Buf, mean: Buf, rstd: Buf, x: Buf, w: Buf, b: Buf, r: Rows) {
         let Rows { n, c } = r;
         lens!("layernorm_forward"; out => n * c, mean => n, rstd => n, x => n * c, w => c, b => c);
@@ -421,6 +422,7 @@ impl<'a> Ops<'a> {
     }
 
     /// losses (N) = -log softmax(logits (N, Vp)[:, :V])[targets]; lse (N) kept for backward.
+    #[allow(clippy::too_many_arguments)]
     pub fn crossentropy_forward(
         &mut self,
         losses: Buf,

@@ -79,6 +79,7 @@ pub trait Arch: Sync {
     /// Its backward (training, pos 0): the scatter into the embedding's gradients.
     fn embed_backward(&self, ops: &mut Ops, cfg: &ModelConfig, dw: &View<Buf>, dout: Buf, ids: Buf, s: Seq);
     /// One block over N positions: x.res_out from x.res_in.
+    #[allow(clippy::too_many_arguments)]
     fn block_forward(
         &self,
         ops: &mut Ops,

@@ -65,6 +65,16 @@ fn descriptor(rest: &str, desc: &str) -> Result<ModelConfig> {
     )
 }
 
+/// Llama's config.json fields and the Qwen family's (no sliding window), for Qwen2 and Qwen3.
+pub fn hf_config_qwen(cfg: &ModelConfig, torch_dtype: &str, names: (&str, &str)) -> serde_json::Value {
+    let mut v = llama::hf_config_common(cfg, torch_dtype, names);
+    v["use_sliding_window"] = false.into();
+    v["sliding_window"] = serde_json::Value::Null;
+    v["max_window_layers"] = cfg.num_layers.into();
+    v["attention_dropout"] = 0.0.into();
+    v
+}
+
 /// `use_sliding_window` true computes another model (attention over a window): refused.
 pub fn refuse_sliding_window(f: &HfFields, path: &Path) -> Result<()> {
     if f.flag("use_sliding_window", false)? {
@@ -193,12 +203,7 @@ impl Arch for Qwen2 {
     }
 
     fn hf_config(&self, cfg: &ModelConfig, torch_dtype: &str) -> serde_json::Value {
-        let mut v = llama::hf_config_common(cfg, torch_dtype, self.hf_names());
-        v["use_sliding_window"] = false.into();
-        v["sliding_window"] = serde_json::Value::Null;
-        v["max_window_layers"] = cfg.num_layers.into();
-        v["attention_dropout"] = 0.0.into();
-        v
+        hf_config_qwen(cfg, torch_dtype, self.hf_names())
     }
 
     fn hf_tensors(&self, cfg: &ModelConfig, lay: &ParamLayout) -> Vec<HfTensor> {

@@ -217,12 +217,8 @@ impl Arch for Qwen3 {
     }
 
     fn hf_config(&self, cfg: &ModelConfig, torch_dtype: &str) -> serde_json::Value {
-        let mut v = llama::hf_config_common(cfg, torch_dtype, self.hf_names());
+        let mut v = super::qwen2::hf_config_qwen(cfg, torch_dtype, self.hf_names());
         v["attention_bias"] = cfg.qkv_bias.into();
-        v["use_sliding_window"] = false.into();
-        v["sliding_window"] = serde_json::Value::Null;
-        v["max_window_layers"] = cfg.num_layers.into();
-        v["attention_dropout"] = 0.0.into();
         v
     }
 
