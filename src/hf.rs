@@ -87,7 +87,7 @@ fn resolve(path: &Path) -> Result<Files> {
 }
 
 /// Convert one stored tensor to f32 (F32, BF16 and F16 are accepted).
-fn to_f32(t: &TensorView, name: &str) -> Result<Vec<f32>> {
+pub(crate) fn to_f32(t: &TensorView, name: &str) -> Result<Vec<f32>> {
     let d = t.data();
     let n = t.shape().iter().product();
     let mut out = vec![0f32; n];
@@ -105,7 +105,7 @@ fn to_f32(t: &TensorView, name: &str) -> Result<Vec<f32>> {
 
 /// The (cols, rows) transpose of a row-major (rows, cols) matrix: between llm.c's (out, in)
 /// weights and transformers' Conv1D (in, out).
-fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub(crate) fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
     for i in 0..rows {
         for j in 0..cols {

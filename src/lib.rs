@@ -18,6 +18,7 @@ pub mod gpu;
 pub mod hellaswag;
 pub mod hf;
 pub mod hub;
+pub mod lora;
 pub mod mem;
 pub mod model;
 pub mod models;

@@ -8,7 +8,7 @@
 
 use crate::acts::{ActPlan, Acts, KvCache, NormActs};
 use crate::backend::comm::{read_host, Collectives, Reduce, SingleProcess};
-use crate::backend::ops::{Mat, Ops, Seq};
+use crate::backend::ops::{Adapter, BlockLora, Mat, Ops, Seq, FROZEN};
 use crate::backend::{self, AdamWParams, Backend, Buf, DType, Device, SkipAbove};
 use crate::config::ModelConfig;
 use crate::models::family::{Arch, Attn, Consts};
@@ -50,6 +50,22 @@ struct TrainBufs {
     buckets: Option<(Buf, Buf)>,
     m: Buf,
     v: Buf,
+}
+
+/// A LoRA run ([`crate::lora`]): the base parameters are frozen (no gradients, no AdamW
+/// state); the adapters are what trains, and the [`TrainBufs`] are theirs.
+#[derive(Clone, Debug)]
+struct LoraState {
+    /// The adapted projections, rank and alpha (the values live in `params`).
+    meta: crate::lora::Adapters,
+    params: Buf, // (adapter parameters): per target A (R, in) then B (out, R)
+    /// Each block's adapters for the ops, with their gradients once training.
+    blocks: Vec<BlockLora>,
+    /// Where backward writes the frozen norms' and biases' gradients, which nothing reads:
+    /// one disjoint slice per such tensor of a block (or of the outer ones).
+    sink: Buf,
+    /// The (N, R) workspaces of every block's adapters: (h, dh), sized with the activations.
+    scratch: Option<Buf>,
 }
 
 /// ZeRO-3: the full parameters gathered for the current pass, in one allocation: the
@@ -131,6 +147,8 @@ pub struct Model {
     /// Rows of logits the classifier computes at once (0: all B*T). See
     /// [`Model::set_classifier_rows`].
     ce_rows: usize,
+    /// LoRA adapters ([`Model::set_lora`]).
+    lora: Option<LoraState>,
 }
 
 impl Model {
@@ -197,6 +215,7 @@ impl Model {
             grads_overwrite: false,
             skip: SkipAbove::NON_FINITE,
             ce_rows: 0,
+            lora: None,
         })
     }
 
@@ -242,7 +261,8 @@ impl Model {
         for l in 0..cfg.num_layers {
             let w = self.block_weights(l)?;
             let x = a.layer(l, b, t);
-            arch.block_forward(&mut Ops::new(&mut *self.be), &cfg, &self.consts, &w, &x, n, Attn::Causal(s));
+            let lora = self.lora.as_ref().map(|lo| &lo.blocks[l]);
+            arch.block_forward(&mut Ops::new(&mut *self.be).with_lora(lora), &cfg, &self.consts, &w, &x, n, Attn::Causal(s));
         }
         let mut ops = Ops::new(&mut *self.be);
         let norm = a.norm(n);
@@ -326,10 +346,15 @@ impl Model {
         for l in (0..nl).rev() {
             let (w, dw) = (self.block_weights(l)?, self.block_grads(l));
             let x = a.layer(l, b, t);
-            arch.block_backward(&mut Ops::new(&mut *self.be), &cfg, &self.consts, &w, &dw, &x, &d, s, acc);
+            let lora = self.lora.as_ref().map(|lo| &lo.blocks[l]);
+            let mut ops = Ops::new(&mut *self.be).with_lora(lora);
+            arch.block_backward(&mut ops, &cfg, &self.consts, &w, &dw, &x, &d, s, acc);
             self.reduce_grads(&self.layout.block_ids(), l)?;
         }
-        arch.embed_backward(&mut Ops::new(&mut *self.be), &cfg, &d_o, d.dres, inp, s);
+        // A frozen embedding has no gradient to scatter.
+        if self.lora.is_none() {
+            arch.embed_backward(&mut Ops::new(&mut *self.be), &cfg, &d_o, d.dres, inp, s);
+        }
         self.reduce_grads(&self.layout.outer_ids(), 0)
     }
 
@@ -341,7 +366,7 @@ impl Model {
     /// adds each micro-batch's reduced gradients to it).
     pub fn zero_grad(&mut self) -> Result<()> {
         let tr = self.train.context("zero_grad needs training state: call alloc_training_state first")?;
-        if self.zero.stage >= 2 {
+        if self.lora.is_some() || self.zero.stage >= 2 {
             self.be.fill(tr.grads, 0.0);
         } else {
             for t in self.layout.ids().filter(|&t| !self.layout.spec(t).whole) {
@@ -360,6 +385,25 @@ impl Model {
     pub fn update(&mut self, o: &OptimConfig, lr: f32, step: usize, skip: SkipAbove) -> Result<()> {
         let tr = self.train.context("update needs training state: call alloc_training_state first")?;
         self.skip = skip;
+        if let Some(lo) = &self.lora {
+            // The adapters: data parallel over the ranks (ZeRO-0), one AdamW over them all.
+            let (be, norm) = (&mut *self.be, self.stats.slice(1..2));
+            self.comm.all_reduce(be, self.stats.prefix(1), Reduce::Mean)?;
+            self.comm.all_reduce(be, tr.grads, Reduce::Mean)?;
+            Ops::new(be).global_norm_squared(norm, tr.grads, false);
+            let h = AdamWParams {
+                lr,
+                beta1: o.beta1,
+                beta2: o.beta2,
+                eps: o.eps,
+                weight_decay: o.weight_decay,
+                grad_clip: o.grad_clip,
+                t: step as i32 + 1,
+                skip,
+            };
+            Ops::new(be).adamw_update(lo.params, tr.grads, tr.m, tr.v, self.stats, &h);
+            return Ok(());
+        }
         let bufs = crate::zero::StepBufs { params: self.params, grads: tr.grads, m: tr.m, v: tr.v, stats: self.stats };
         let layout = &self.layout;
         let hyper = |t: TensorId| AdamWParams {
@@ -424,6 +468,9 @@ impl Model {
     /// zeroed.
     fn outer_grads(&mut self) -> View<Buf> {
         let tr = self.train.expect("checked by the caller");
+        if let Some(lo) = &self.lora {
+            return frozen_grads(&self.layout, self.layout.outer(), lo.sink);
+        }
         let Some((bucket, _)) = tr.buckets else { return self.layout.outer().map(|r| tr.grads.slice(r.clone())) };
         let views = self.zero.outer_bucket().0.map(|r| bucket.slice(r.clone()));
         for t in self.layout.outer_ids().into_iter().filter(|&t| !self.layout.spec(t).whole) {
@@ -436,6 +483,9 @@ impl Model {
     /// block bucket, with the gradients that backward adds to (the norms') zeroed.
     fn block_grads(&mut self, l: usize) -> View<Buf> {
         let tr = self.train.expect("checked by the caller");
+        if let Some(lo) = &self.lora {
+            return frozen_grads(&self.layout, self.layout.block(l), lo.sink);
+        }
         let Some((_, bucket)) = tr.buckets else { return self.layout.block(l).map(|r| tr.grads.slice(r.clone())) };
         let views = self.zero.block_bucket().0.map(|r| bucket.slice(r.clone()));
         for t in self.layout.block_ids().into_iter().filter(|&t| !self.layout.spec(t).whole) {
@@ -519,6 +569,10 @@ impl Model {
             m.buffers += bytes(g.whole);
         }
         m.buffers += self.consts_buf.map_or(0, bytes);
+        if let Some(lo) = &self.lora {
+            m.params += bytes(lo.params);
+            m.buffers += bytes(lo.sink) + lo.scratch.map_or(0, bytes);
+        }
         if let Some(tr) = self.train {
             m.grads = bytes(tr.grads);
             m.adamw = bytes(tr.m) + bytes(tr.v);
@@ -540,6 +594,12 @@ impl Model {
                 self.be.fill(b, 0.0);
                 Ok(b)
             };
+            if let Some(len) = self.lora.as_ref().map(|lo| lo.params.len) {
+                let (grads, m, v) = (z(vec![len])?, z(vec![len])?, z(vec![len])?);
+                self.train = Some(TrainBufs { grads, buckets: None, m, v });
+                self.wire_lora();
+                return self.remake_acts();
+            }
             let (grads, m, v) = (z(self.zero.parts_at(2))?, z(self.zero.parts_at(1))?, z(self.zero.parts_at(1))?);
             let buckets = if self.zero.stage >= 2 {
                 let (e, b) = (self.zero.outer_bucket().1, self.zero.block_bucket().1);
@@ -577,6 +637,102 @@ impl Model {
         }
         self.plan = self.arch.acts(&self.config).with_recompute(level);
         self.remake_acts()
+    }
+
+    /// Make this a LoRA run ([`crate::lora`]): the base parameters are frozen (no gradients,
+    /// no AdamW state: backward computes only what the adapters and the inputs need) and the
+    /// adapters are added to the projections they adapt in every pass. Call before
+    /// [`Model::alloc_training_state`]. The CPU backend runs it, as one process or data
+    /// parallel over ranks (ZeRO stage 0).
+    pub fn set_lora(&mut self, adapters: &crate::lora::Adapters) -> Result<()> {
+        if self.lora.is_some() || self.train.is_some() {
+            bail!("LoRA adapters are set once, before the training state is allocated");
+        }
+        if !self.be.runs_lora() {
+            bail!("--lora runs on the CPU backend only for now; use --device cpu");
+        }
+        if self.zero.stage > 0 {
+            bail!("--lora with ZeRO stage {} is not implemented: the adapters are small; use -z 0", self.zero.stage);
+        }
+        if let Some(t) = adapters.targets.iter().find(|t| crate::lora::select(&self.config, &[t.module.clone()]).is_err()) {
+            bail!("LoRA target {} is not a projection of this model", t.module);
+        }
+        let params = self.be.alloc(adapters.num_parameters().max(1), DType::F32)?.prefix(adapters.num_parameters());
+        self.be.upload(params, &adapters.data);
+        // The frozen tensors that backward still writes (norms, biases): disjoint slices of one
+        // sink, as large as the larger of a block's and the outer tensors' sets.
+        let small = |ids: Vec<TensorId>| -> usize {
+            ids.into_iter().filter(|&t| self.layout.spec(t).shape.len() < 2).map(|t| self.layout.spec(t).numel_per_layer()).sum()
+        };
+        let sink_len = small(self.layout.block_ids()).max(small(self.layout.outer_ids())).max(1);
+        let sink = self.be.alloc(sink_len, DType::F32)?;
+        let scratch = self.be.alloc(2 * self.config.max_seq_len * adapters.r, DType::F32)?;
+        let meta = crate::lora::Adapters { data: vec![], ..adapters.clone() };
+        self.lora = Some(LoraState { meta, params, blocks: vec![], sink, scratch: Some(scratch) });
+        self.wire_lora();
+        self.last = Last::default();
+        Ok(())
+    }
+
+    /// The LoRA run's adapters (rank, alpha, targets; no values), if any.
+    pub fn lora(&self) -> Option<&crate::lora::Adapters> {
+        self.lora.as_ref().map(|lo| &lo.meta)
+    }
+
+    /// The adapters' values of a slot (parameters, gradients, AdamW moments) as a host copy.
+    pub fn read_adapters(&mut self, slot: Slot) -> Result<Vec<f32>> {
+        let b = self.adapter_slot(slot)?;
+        let mut out = vec![0f32; b.len];
+        self.be.download(b, &mut out)?;
+        Ok(out)
+    }
+
+    /// Overwrite the adapters' values of a slot.
+    pub fn write_adapters(&mut self, slot: Slot, data: &[f32]) -> Result<()> {
+        let b = self.adapter_slot(slot)?;
+        if data.len() != b.len {
+            bail!("{} adapter values given for {} ({slot:?})", data.len(), b.len);
+        }
+        self.be.upload(b, data);
+        self.last = Last::default();
+        Ok(())
+    }
+
+    fn adapter_slot(&self, slot: Slot) -> Result<Buf> {
+        let lo = self.lora.as_ref().context("not a LoRA run")?;
+        if slot == Slot::Params {
+            return Ok(lo.params);
+        }
+        let tr = self.train.with_context(|| format!("{slot:?} need training state"))?;
+        Ok(match slot {
+            Slot::Grads => tr.grads,
+            Slot::AdamM => tr.m,
+            _ => tr.v,
+        })
+    }
+
+    /// Tell every block's ops where its adapters, their gradients and workspaces are.
+    fn wire_lora(&mut self) {
+        let grads = self.train.map(|tr| tr.grads);
+        let Some(lo) = &mut self.lora else { return };
+        let scratch = lo.scratch.expect("allocated with the adapters");
+        let (h, dh) = (scratch.prefix(scratch.len / 2), scratch.slice(scratch.len / 2..scratch.len));
+        let mut blocks: Vec<BlockLora> =
+            (0..self.config.num_layers).map(|_| BlockLora { adapters: vec![], h, dh }).collect();
+        for (i, t) in lo.meta.targets.iter().enumerate() {
+            let (ra, rb) = (lo.meta.a_range(i), lo.meta.b_range(i));
+            blocks[t.layer].adapters.push(Adapter {
+                weight: self.params.slice(self.layout.layer(t.tensor, t.layer)),
+                a: lo.params.slice(ra.clone()),
+                b: lo.params.slice(rb.clone()),
+                grads: grads.map(|g| (g.slice(ra), g.slice(rb))),
+                r: lo.meta.r,
+                row0: t.row0,
+                rows: t.rows,
+                scale: lo.meta.scale(),
+            });
+        }
+        lo.blocks = blocks;
     }
 
     /// Run the classifier (the head's GEMM, the cross-entropy and their backward) `rows`
@@ -632,6 +788,17 @@ impl Model {
             ""
         };
         self.acts = Some(acts.with_context(|| format!("activations for B={cb} x T={ct}: lower -b or -t{hint}"))?);
+        if let Some(r) = self.lora.as_ref().map(|lo| lo.meta.r) {
+            // Adapters' (N, R) workspaces for a pass over the activations' positions or a KV
+            // cache's (at most maxT).
+            let n = (cb * ct).max(self.config.max_seq_len);
+            if let Some(old) = self.lora.as_mut().and_then(|lo| lo.scratch.take()) {
+                self.be.free(old);
+            }
+            let scratch = self.be.alloc(2 * n * r, DType::F32)?;
+            self.lora.as_mut().expect("checked").scratch = Some(scratch);
+            self.wire_lora();
+        }
         Ok(())
     }
 
@@ -685,7 +852,8 @@ impl Model {
                 // computes the rest of its block for that position alone.
                 let keep = if i + 1 == chunks && l + 1 == cfg.num_layers { 1 } else { tn };
                 let attn = Attn::Cached { k, v, pos, cap: cache.capacity, keep };
-                arch.block_forward(&mut Ops::new(&mut *self.be), &cfg, &self.consts, &w, &x, tn, attn);
+                let lora = self.lora.as_ref().map(|lo| &lo.blocks[l]);
+                arch.block_forward(&mut Ops::new(&mut *self.be).with_lora(lora), &cfg, &self.consts, &w, &x, tn, attn);
             }
             cache.pos += tn;
         }
@@ -944,6 +1112,26 @@ pub fn optimizer_step(model: &mut Model, o: &OptimConfig, lr: f32, step: usize) 
 /// which adds its products in another order than the GEMM, so its loss would change by a
 /// rounding; with 3 rows or more the chunks can always be cut with none of a single row.
 pub const MIN_CLASSIFIER_ROWS: usize = 3;
+
+/// The gradient views of a frozen model's tensors `ranges` (a block's or the outer ones): a
+/// matrix's is [`FROZEN`] (its GEMM gradient is not computed), the others' disjoint slices of
+/// `sink`, which nothing reads.
+fn frozen_grads(layout: &ParamLayout, ranges: View<std::ops::Range<usize>>, sink: Buf) -> View<Buf> {
+    let mut off = 0;
+    let ids: Vec<TensorId> = layout.ids().collect();
+    View(
+        ids.iter()
+            .zip(&ranges.0)
+            .map(|(&t, r)| {
+                if layout.spec(t).shape.len() >= 2 || r.is_empty() {
+                    return if r.is_empty() { sink.prefix(0) } else { FROZEN };
+                }
+                off += r.len();
+                sink.slice(off - r.len()..off)
+            })
+            .collect(),
+    )
+}
 
 /// The classifier's chunks over `n` positions as (first row, rows): `rows` at a time, except
 /// that a last chunk of a single row (see [`MIN_CLASSIFIER_ROWS`]) takes one row from the

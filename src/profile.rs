@@ -17,12 +17,14 @@ pub enum Kind {
     Gelu,
     Swiglu,
     Residual,
+    /// The LoRA adapters' terms.
+    Lora,
     /// The LM head matmul plus softmax / cross-entropy.
     Classifier,
     Optimizer,
 }
 
-pub const KINDS: [Kind; 11] = [
+pub const KINDS: [Kind; 12] = [
     Kind::Encoder,
     Kind::LayerNorm,
     Kind::RmsNorm,
@@ -32,6 +34,7 @@ pub const KINDS: [Kind; 11] = [
     Kind::Gelu,
     Kind::Swiglu,
     Kind::Residual,
+    Kind::Lora,
     Kind::Classifier,
     Kind::Optimizer,
 ];

@@ -64,7 +64,7 @@ fn gpu_matmul_forward_and_backward() {
                     }
                     p.both(
                         |be, [dinp, dw, db, dout, inp, w]| {
-                            be.matmul_backward(Some(dinp), dw, bias.then_some(db), dout, inp, w, n, c, oc, accumulate)
+                            be.matmul_backward(Some(dinp), Some(dw), bias.then_some(db), dout, inp, w, n, c, oc, accumulate)
                         },
                         [dinp, dw, db, dout, inp, w],
                     );
@@ -96,7 +96,7 @@ fn gpu_matmul_in_parts_of_a_grid() {
         p.poison(dinp);
         p.both(
             |be, [dinp, dw, db, out, inp, w]| {
-                be.matmul_backward(Some(dinp), dw, Some(db), out, inp, w, n, c, oc, false)
+                be.matmul_backward(Some(dinp), Some(dw), Some(db), out, inp, w, n, c, oc, false)
             },
             [dinp, dw, db, out, inp, w],
         );

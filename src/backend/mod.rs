@@ -133,6 +133,20 @@ macro_rules! lens {
 }
 pub(crate) use lens;
 
+/// The shape of one LoRA adapter's op ([`crate::lora`]): N rows of C inputs into a projection
+/// of OC outputs, of which the adapter of rank R adds to rows row0..row0+ROWS (all of them but
+/// for one of a fused projection's parts), scaled by `scale` (alpha / R).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LoraShape {
+    pub n: usize,
+    pub c: usize,
+    pub oc: usize,
+    pub r: usize,
+    pub row0: usize,
+    pub rows: usize,
+    pub scale: f32,
+}
+
 /// Hyperparameters of one AdamW update of one tensor.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWParams {
@@ -179,6 +193,11 @@ impl SkipAbove {
 pub trait Backend {
     /// What runs, for logs and `llmrs bench` (e.g. "cpu: packed AVX2+FMA GEMM, 2 threads").
     fn describe(&self) -> String;
+
+    /// Whether it implements the LoRA ops ([`Backend::lora_forward`]).
+    fn runs_lora(&self) -> bool {
+        false
+    }
 
     /// The device's fp32 peak in GFLOP/s and how it was found, for `llmrs bench`'s MFU; None
     /// where the backend does not measure one.
@@ -341,10 +360,11 @@ pub trait Backend {
     fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize);
     /// dinp (N, C) (out) = dout @ weight; dweight (OC, C) = dout^T @ inp and dbias (OC) = the
     /// column sums of dout (N, OC), added to (inout) when `accumulate`, else overwritten (out).
+    /// No dweight: a frozen weight's gradient is not computed (LoRA).
     fn matmul_backward(
         &mut self,
         dinp: Option<Buf>,
-        dweight: Buf,
+        dweight: Option<Buf>,
         dbias: Option<Buf>,
         dout: Buf,
         inp: Buf,
@@ -353,6 +373,28 @@ pub trait Backend {
         c: usize,
         oc: usize,
         accumulate: bool,
+    );
+
+    /// A LoRA adapter's term (see [`LoraShape`]): h (N, R) = scale * inp (N, C) @ a (R, C)^T
+    /// (out), and out[:, row0..row0+ROWS] (N, OC) += h @ b (ROWS, R)^T (inout).
+    #[allow(clippy::too_many_arguments)]
+    fn lora_forward(&mut self, out: Buf, h: Buf, inp: Buf, a: Buf, b: Buf, s: LoraShape);
+    /// Its backward: h recomputed (out); with g = dout[:, row0..row0+ROWS]: db (ROWS, R) +=
+    /// g^T @ h, dh (N, R) = scale * g @ b (out), da (R, C) += dh^T @ inp, dinp (N, C) += dh @ a
+    /// (all inout but h and dh).
+    #[allow(clippy::too_many_arguments)]
+    fn lora_backward(
+        &mut self,
+        dinp: Option<Buf>,
+        da: Buf,
+        db: Buf,
+        h: Buf,
+        dh: Buf,
+        dout: Buf,
+        inp: Buf,
+        a: Buf,
+        b: Buf,
+        s: LoraShape,
     );
 
     /// out (N) = gelu(inp (N)), tanh approximation.

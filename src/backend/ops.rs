@@ -5,8 +5,13 @@
 //! backend's [`Backend::poison`] and [`Backend::check_written`]). The device's raw op then runs
 //! on buffers that hold to the contract. Shapes come as small structs ([`Rows`], [`Mat`],
 //! [`Heads`], [`Seq`]) so that a block reads as llm.c's list of calls.
+//!
+//! LoRA ([`crate::lora`]) lives here too, as PEFT's wrapped layers live outside the model's
+//! code: a pass given a block's adapters ([`Ops::with_lora`]) adds each adapter's term to the
+//! projection whose weight it adapts, in that projection's own matmul_forward and
+//! matmul_backward, so every family's block runs LoRA unchanged.
 
-use super::{AdamWParams, Backend, Buf};
+use super::{AdamWParams, Backend, Buf, LoraShape};
 use crate::profile::Kind;
 
 /// N rows of C values.
@@ -97,16 +102,56 @@ macro_rules! lens {
     };
 }
 
+/// The gradient "buffer" of a frozen weight: the backward computes no gradient for it (the
+/// base model of a LoRA run). Only [`Ops::matmul_backward`]'s weight takes it.
+pub const FROZEN: Buf = Buf { alloc: u32::MAX - 1, off: 0, len: 0, dtype: super::DType::F32 };
+
+/// One LoRA adapter on rows row0..row0+ROWS of a projection's weight (OC, C): its A (R, C) and
+/// B (ROWS, R), and their gradients in a training pass.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Adapter {
+    /// The adapted weight, as the family passes it to the matmul.
+    pub weight: Buf,
+    pub a: Buf,
+    pub b: Buf,
+    /// (da, db), in a training pass.
+    pub grads: Option<(Buf, Buf)>,
+    pub r: usize,
+    pub row0: usize,
+    pub rows: usize,
+    pub scale: f32,
+}
+
+/// The adapters of one block, and the two (N, R) workspaces their ops use.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockLora {
+    pub adapters: Vec<Adapter>,
+    pub h: Buf,  // (N, R) at the pass's capacity
+    pub dh: Buf, // (N, R)
+}
+
 /// The ops of one pass on one backend.
 pub struct Ops<'a> {
     be: &'a mut dyn Backend,
     /// Charge every op to this kind instead of its own (the LM head's matmul is the classifier's).
     kind: Option<Kind>,
+    /// The block's LoRA adapters, added to the matmuls of the weights they adapt.
+    lora: Option<&'a BlockLora>,
 }
 
 impl<'a> Ops<'a> {
     pub fn new(be: &'a mut dyn Backend) -> Self {
-        Ops { be, kind: None }
+        Ops { be, kind: None, lora: None }
+    }
+
+    /// These ops with a block's LoRA adapters (none when None).
+    pub fn with_lora(self, lora: Option<&'a BlockLora>) -> Self {
+        Ops { lora, ..self }
+    }
+
+    /// The adapters on `w`.
+    fn adapters(&self, w: Buf) -> Vec<Adapter> {
+        self.lora.map_or(vec![], |l| l.adapters.iter().filter(|a| a.weight == w).copied().collect())
     }
 
     /// The backend, for what is not a layer op (memory, transfers, collectives).
@@ -296,7 +341,8 @@ impl<'a> Ops<'a> {
         self.run("residual_forward", Kind::Residual, &[W(out)], &[a, b], |be| be.residual_forward(out, a, b));
     }
 
-    /// out (N, OC) = x (N, C) @ w (OC, C)^T [+ bias (OC)].
+    /// out (N, OC) = x (N, C) @ w (OC, C)^T [+ bias (OC)], plus the terms of the LoRA adapters
+    /// on w.
     pub fn matmul_forward(&mut self, out: Buf, x: Buf, w: Buf, bias: Option<Buf>, m: Mat) {
         let Mat { n, c, oc } = m;
         lens!("matmul_forward"; out => n * oc, x => n * c, w => oc * c);
@@ -306,10 +352,18 @@ impl<'a> Ops<'a> {
         self.run("matmul_forward", Kind::Matmul, &[W(out)], &[x, w, bias.unwrap_or(NONE)], |be| {
             be.matmul_forward(out, x, w, bias, n, c, oc)
         });
+        for ad in self.adapters(w) {
+            let (s, h) = self.lora_shape(&ad, m);
+            lens!("lora_forward"; ad.a => ad.r * c, ad.b => ad.rows * ad.r);
+            self.run("lora_forward", Kind::Lora, &[Rw(out), Scratch(h)], &[x, ad.a, ad.b], |be| {
+                be.lora_forward(out, h, x, ad.a, ad.b, s)
+            });
+        }
     }
 
     /// dx (N, C) (out) = dout @ w; dw (OC, C) = dout^T @ x and db (OC) = the column sums of dout
-    /// (N, OC), added to when `acc`, else overwritten.
+    /// (N, OC), added to when `acc`, else overwritten; dw [`FROZEN`]: no weight gradient. The
+    /// LoRA adapters on w add their terms to dx and to their gradients.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_backward(
         &mut self,
@@ -323,7 +377,11 @@ impl<'a> Ops<'a> {
         acc: bool,
     ) {
         let Mat { n, c, oc } = m;
-        lens!("matmul_backward"; dw => oc * c, dout => n * oc, x => n * c, w => oc * c);
+        let dw = (dw != FROZEN).then_some(dw);
+        lens!("matmul_backward"; dout => n * oc, x => n * c, w => oc * c);
+        if let Some(d) = dw {
+            lens!("matmul_backward"; d => oc * c);
+        }
         if let Some(d) = dx {
             lens!("matmul_backward"; d => n * c);
         }
@@ -331,10 +389,28 @@ impl<'a> Ops<'a> {
             lens!("matmul_backward"; d => oc);
         }
         let grad = |b: Buf| if acc { Rw(b) } else { W(b) };
-        let outs = [W(dx.unwrap_or(NONE)), grad(dw), grad(db.unwrap_or(NONE))];
+        let outs = [W(dx.unwrap_or(NONE)), grad(dw.unwrap_or(NONE)), grad(db.unwrap_or(NONE))];
         self.run("matmul_backward", Kind::Matmul, &outs, &[dout, x, w], |be| {
             be.matmul_backward(dx, dw, db, dout, x, w, n, c, oc, acc)
         });
+        for ad in self.adapters(w) {
+            let Some((da, dbl)) = ad.grads else { panic!("matmul_backward: a LoRA adapter without gradients") };
+            let (s, h) = self.lora_shape(&ad, m);
+            let dh = self.lora.expect("adapters").dh.prefix(n * ad.r);
+            lens!("lora_backward"; ad.a => ad.r * c, ad.b => ad.rows * ad.r, da => ad.r * c, dbl => ad.rows * ad.r);
+            let outs = [Rw(dx.unwrap_or(NONE)), Rw(da), Rw(dbl), Scratch(h), Scratch(dh)];
+            self.run("lora_backward", Kind::Lora, &outs, &[dout, x, ad.a, ad.b], |be| {
+                be.lora_backward(dx, da, dbl, h, dh, dout, x, ad.a, ad.b, s)
+            });
+        }
+    }
+
+    /// The op shape of adapter `ad` on the projection `m`, and its (N, R) workspace.
+    fn lora_shape(&self, ad: &Adapter, m: Mat) -> (LoraShape, Buf) {
+        let Mat { n, c, oc } = m;
+        assert!(ad.row0 + ad.rows <= oc, "a LoRA adapter on rows {}..{} of {oc}", ad.row0, ad.row0 + ad.rows);
+        let s = LoraShape { n, c, oc, r: ad.r, row0: ad.row0, rows: ad.rows, scale: ad.scale };
+        (s, self.lora.expect("adapters").h.prefix(n * ad.r))
     }
 
     /// out (N) = gelu(x (N)), tanh approximation.

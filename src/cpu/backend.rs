@@ -14,8 +14,8 @@
 //! checks. Gradient and loss buffers are op outputs, so a NaN that reaches a loss or a gradient
 //! from unwritten memory is caught at the op that put it there.
 
-use super::{adamw, attention, classifier, encoder, gelu, layernorm, matmul, residual, rmsnorm, rope, swiglu};
-use crate::backend::{lens, AdamWParams, Backend, Buf, DType};
+use super::{adamw, attention, classifier, encoder, gelu, layernorm, lora, matmul, residual, rmsnorm, rope, swiglu};
+use crate::backend::{lens, AdamWParams, Backend, Buf, DType, LoraShape};
 use crate::profile::{Kind, WallTimer};
 use anyhow::{bail, Context, Result};
 
@@ -149,6 +149,10 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
+    fn runs_lora(&self) -> bool {
+        true
+    }
+
     fn describe(&self) -> String {
         let gemm = if super::sgemm::fast_path_available() {
             super::sgemm::Tile::current().describe()
@@ -440,7 +444,7 @@ impl Backend for CpuBackend {
     fn matmul_backward(
         &mut self,
         dinp: Option<Buf>,
-        dweight: Buf,
+        dweight: Option<Buf>,
         dbias: Option<Buf>,
         dout: Buf,
         inp: Buf,
@@ -451,11 +455,37 @@ impl Backend for CpuBackend {
         accumulate: bool,
     ) {
         let grad = |b: Buf| if accumulate { Rw(b) } else { W(b) };
-        let (has_dinp, has_dbias) = (dinp.is_some(), dbias.is_some());
-        let outs = [dinp.map_or(W(NONE), W), grad(dweight), dbias.map_or(W(NONE), grad)];
+        let (has_dinp, has_dw, has_dbias) = (dinp.is_some(), dweight.is_some(), dbias.is_some());
+        let outs = [dinp.map_or(W(NONE), W), dweight.map_or(W(NONE), grad), dbias.map_or(W(NONE), grad)];
         self.run("matmul_backward", outs, [dout, inp, weight], [], |[di, dw, db], [d, x, w], []| {
-            let (di, db) = (has_dinp.then_some(di), has_dbias.then_some(db));
+            let (di, dw, db) = (has_dinp.then_some(di), has_dw.then_some(dw), has_dbias.then_some(db));
             matmul::matmul_backward(di, dw, db, d, x, w, n, c, oc, accumulate)
+        });
+    }
+
+    fn lora_forward(&mut self, out: Buf, h: Buf, inp: Buf, a: Buf, b: Buf, s: LoraShape) {
+        self.run("lora_forward", [Rw(out), W(h)], [inp, a, b], [], |[o, h], [x, a, b], []| {
+            lora::lora_forward(o, h, x, a, b, s)
+        });
+    }
+
+    fn lora_backward(
+        &mut self,
+        dinp: Option<Buf>,
+        da: Buf,
+        db: Buf,
+        h: Buf,
+        dh: Buf,
+        dout: Buf,
+        inp: Buf,
+        a: Buf,
+        b: Buf,
+        s: LoraShape,
+    ) {
+        let has_dinp = dinp.is_some();
+        let outs = [dinp.map_or(W(NONE), Rw), Rw(da), Rw(db), W(h), W(dh)];
+        self.run("lora_backward", outs, [dout, inp, a, b], [], |[di, da, db, h, dh], [d, x, a, b], []| {
+            lora::lora_backward(has_dinp.then_some(di), da, db, h, dh, d, x, a, b, s)
         });
     }
 

@@ -274,7 +274,7 @@ crate::simd_fn! {
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward(
     dinp: Option<&mut [f32]>,
-    dweight: &mut [f32],
+    dweight: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
     dout: &[f32],
     inp: &[f32],
@@ -288,7 +288,9 @@ pub fn matmul_backward(
     if let Some(dinp) = dinp {
         gemm_strided(n, c, oc, &mut dinp[..n * c], (c_, 1), false, dout, (oc_, 1), weight, (c_, 1));
     }
-    gemm_strided(oc, c, n, &mut dweight[..oc * c], (c_, 1), accumulate, dout, (1, oc_), inp, (c_, 1));
+    if let Some(dweight) = dweight {
+        gemm_strided(oc, c, n, &mut dweight[..oc * c], (c_, 1), accumulate, dout, (1, oc_), inp, (c_, 1));
+    }
     if let Some(dbias) = dbias {
         bias_backward(dbias, dout, n, oc, accumulate);
     }
@@ -410,7 +412,7 @@ mod tests {
             let mut dinp = vec![9f32; n * c];
             let mut dw = vec![0.5f32; oc * c];
             let mut db = vec![0.25f32; oc];
-            matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &proj, &inp, &w, n, c, oc, true);
+            matmul_backward(Some(&mut dinp), Some(&mut dw), Some(&mut db), &proj, &inp, &w, n, c, oc, true);
             // dw and db accumulate onto their previous contents...
             dw.iter_mut().for_each(|x| *x -= 0.5);
             db.iter_mut().for_each(|x| *x -= 0.25);
@@ -419,7 +421,7 @@ mod tests {
             check_grad(&b, &db, |x| loss(&inp, &w, x), "dbias");
             // ...or overwrite them: same gradients over stale contents.
             let (mut dw2, mut db2) = (vec![7f32; oc * c], vec![-3f32; oc]);
-            matmul_backward(None, &mut dw2, Some(&mut db2), &proj, &inp, &w, n, c, oc, false);
+            matmul_backward(None, Some(&mut dw2), Some(&mut db2), &proj, &inp, &w, n, c, oc, false);
             assert_close(&dw2, &dw, 1e-6, 1e-5, "dweight overwritten");
             assert_close(&db2, &db, 1e-6, 1e-5, "dbias overwritten");
         }

@@ -9,6 +9,7 @@ pub mod classifier;
 pub mod encoder;
 pub mod gelu;
 pub mod layernorm;
+pub mod lora;
 pub mod math;
 pub mod matmul;
 pub mod peak;

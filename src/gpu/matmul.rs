@@ -182,7 +182,7 @@ impl GpuBackend {
     pub(super) fn matmul_backward_(
         &mut self,
         dinp: Option<Buf>,
-        dweight: Buf,
+        dweight: Option<Buf>,
         dbias: Option<Buf>,
         dout: Buf,
         inp: Buf,
@@ -192,7 +192,7 @@ impl GpuBackend {
         oc: usize,
         accumulate: bool,
     ) {
-        let outs: Vec<Buf> = [Some(dweight), dinp, dbias].into_iter().flatten().collect();
+        let outs: Vec<Buf> = [dweight, dinp, dbias].into_iter().flatten().collect();
         Self::disjoint("matmul_backward", &outs, &[dout, inp, weight]);
         if n == 0 {
             // No rows: sums of nothing (as the CPU's GEMM writes them).
@@ -203,11 +203,14 @@ impl GpuBackend {
         }
         let row_bufs: Vec<_> = [(dout, oc), (inp, c)].into_iter().chain(dinp.map(|d| (d, c))).collect();
         let rows = self.mem.row_pieces(n, &row_bufs);
-        let outs = self.mem.row_pieces(oc, &[(weight, c), (dweight, c)]);
+        let outs_of: Vec<_> = [Some((weight, c)), dweight.map(|d| (d, c))].into_iter().flatten().collect();
+        let outs = self.mem.row_pieces(oc, &outs_of);
         if let Some(dinp) = dinp {
             self.matmul_dinp(dinp, dout, weight, (&rows, &outs), c, oc);
         }
-        self.matmul_dweight(dweight, dout, inp, (&rows, &outs), c, oc, accumulate);
+        if let Some(dweight) = dweight {
+            self.matmul_dweight(dweight, dout, inp, (&rows, &outs), c, oc, accumulate);
+        }
         if let Some(dbias) = dbias {
             self.matmul_dbias(dbias, dout, &rows, oc, accumulate);
         }

@@ -24,7 +24,7 @@ mod rmsnorm;
 mod rope;
 mod swiglu;
 
-use crate::backend::{AdamWParams, Backend, Buf, DType};
+use crate::backend::{AdamWParams, Backend, Buf, DType, LoraShape};
 use crate::profile::Kind;
 use anyhow::Result;
 use context::Context;
@@ -482,7 +482,7 @@ impl Backend for GpuBackend {
     fn matmul_backward(
         &mut self,
         dinp: Option<Buf>,
-        dweight: Buf,
+        dweight: Option<Buf>,
         dbias: Option<Buf>,
         dout: Buf,
         inp: Buf,
@@ -493,6 +493,24 @@ impl Backend for GpuBackend {
         accumulate: bool,
     ) {
         self.matmul_backward_(dinp, dweight, dbias, dout, inp, weight, n, c, oc, accumulate)
+    }
+    fn lora_forward(&mut self, _out: Buf, _h: Buf, _inp: Buf, _a: Buf, _b: Buf, _s: LoraShape) {
+        unreachable!("LoRA runs on the CPU backend only (Model::set_lora refuses the GPU)")
+    }
+    fn lora_backward(
+        &mut self,
+        _dinp: Option<Buf>,
+        _da: Buf,
+        _db: Buf,
+        _h: Buf,
+        _dh: Buf,
+        _dout: Buf,
+        _inp: Buf,
+        _a: Buf,
+        _b: Buf,
+        _s: LoraShape,
+    ) {
+        unreachable!("LoRA runs on the CPU backend only (Model::set_lora refuses the GPU)")
     }
     fn gelu_forward(&mut self, out: Buf, inp: Buf) {
         self.gelu_forward_(out, inp)

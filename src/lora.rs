@@ -1,0 +1,434 @@
+//! LoRA adapters (Hu et al. 2021, as Hugging Face PEFT implements them): a frozen projection
+//! W (out, in) gains a trained low-rank term, y = x W^T + scale * (x A^T) B^T with A (R, in),
+//! B (out, R) and scale = alpha / R. PEFT's `lora_A` initialisation (Kaiming-uniform with
+//! a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))) and zero `lora_B`, so a new adapter starts as the
+//! base model.
+//!
+//! The adapted modules are transformers' linear projections, found from the family's own table
+//! of transformers tensors ([`crate::models::family::Arch::hf_tensors`]): every 2-D tensor that
+//! lives in a block. Where llmrs fuses projections (Llama's q, k and v in one qkv weight, up
+//! and gate in one), an adapter covers its rows of the fused weight ([`Target::row0`]), so a
+//! PEFT adapter maps one to one onto llmrs's adapters. The ops are [`crate::backend::ops`]'s
+//! (`Adapter`, `BlockLora`); this file holds the adapters' values, their files (PEFT's
+//! `adapter_config.json` and `adapter_model.safetensors`) and the merge into the base.
+
+use crate::config::ModelConfig;
+use crate::files::{f32s_to_le, read_file, write_atomic};
+use crate::hf::to_f32;
+use crate::models;
+use crate::params::{TensorId, Weights};
+use crate::rng::Mt19937;
+use anyhow::{bail, Context, Result};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype as StDtype, SafeTensors};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+
+/// The adapter file names PEFT's `save_pretrained` writes.
+pub const CONFIG_FILE: &str = "adapter_config.json";
+pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
+
+/// One adapted projection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// transformers' module path (`model.layers.0.self_attn.q_proj`, `transformer.h.0.attn.c_attn`).
+    pub module: String,
+    /// Its last name (`q_proj`), what `target_modules` lists.
+    pub short: String,
+    /// The llmrs tensor and layer holding its weight, and its rows there.
+    pub tensor: TensorId,
+    pub layer: usize,
+    pub row0: usize,
+    /// out and in features.
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Every linear projection of a model of shape `cfg` that LoRA can adapt, in layer order.
+pub fn linear_modules(cfg: &ModelConfig) -> Vec<Target> {
+    let arch = models::arch(cfg);
+    let lay = models::layout(cfg);
+    let mut out = vec![];
+    for e in arch.hf_tensors(cfg, &lay) {
+        let Some(module) = e.name.strip_suffix(".weight") else { continue };
+        if e.shape.len() != 2 {
+            continue;
+        }
+        let (rows, cols) = if e.transposed { (e.shape[1], e.shape[0]) } else { (e.shape[0], e.shape[1]) };
+        // The block tensor and layer whose values hold these rows (none for the embeddings
+        // and the head, which are not adapted).
+        let found = lay.block_ids().into_iter().find_map(|t| {
+            (0..cfg.num_layers).find_map(|l| {
+                let r = lay.layer(t, l);
+                (r.start <= e.range.start && e.range.end <= r.end).then_some((t, l, r.start))
+            })
+        });
+        if let Some((tensor, layer, start)) = found {
+            let short = module.rsplit('.').next().unwrap_or(module).to_string();
+            let module = format!("{}{module}", arch.hf_prefix());
+            out.push(Target { module, short, tensor, layer, row0: (e.range.start - start) / cols, rows, cols });
+        }
+    }
+    out
+}
+
+/// The names `target_modules` can list for this family (every projection's last name).
+pub fn module_names(cfg: &ModelConfig) -> Vec<String> {
+    let mut names: Vec<String> = vec![];
+    for t in linear_modules(cfg) {
+        if !names.contains(&t.short) {
+            names.push(t.short);
+        }
+    }
+    names
+}
+
+/// The projections `wanted` names, as PEFT matches `target_modules`: a module whose path is a
+/// name or ends with `.name`; `all-linear` (or nothing) is every projection. A name that matches
+/// none is an error that lists what the family has.
+pub fn select(cfg: &ModelConfig, wanted: &[String]) -> Result<Vec<Target>> {
+    let all = linear_modules(cfg);
+    if wanted.is_empty() || wanted.iter().any(|w| w == "all-linear") {
+        return Ok(all);
+    }
+    let hits = |t: &Target, w: &str| {
+        let m = t.module.strip_prefix(models::arch(cfg).hf_prefix()).unwrap_or(&t.module);
+        t.module == w || m == w || t.module.ends_with(&format!(".{w}"))
+    };
+    if let Some(w) = wanted.iter().find(|w| !all.iter().any(|t| hits(t, w))) {
+        bail!(
+            "LoRA target {w:?}: the {} family has no such projection (it has {})",
+            models::arch(cfg).name(),
+            module_names(cfg).join(", ")
+        );
+    }
+    Ok(all.into_iter().filter(|t| wanted.iter().any(|w| hits(t, w))).collect())
+}
+
+/// The adapters of one model: rank, alpha, the adapted projections and, for each in order,
+/// A (R, in) then B (out, R) in one flat buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Adapters {
+    pub r: usize,
+    pub alpha: f32,
+    pub targets: Vec<Target>,
+    pub data: Vec<f32>,
+}
+
+impl Adapters {
+    /// New adapters on `targets`: A drawn as PEFT's init from `rng`, B zero.
+    pub fn new(r: usize, alpha: f32, targets: Vec<Target>, rng: &mut Mt19937) -> Result<Adapters> {
+        if r == 0 {
+            bail!("--lora 0: the rank must be at least 1");
+        }
+        if !(alpha.is_finite() && alpha > 0.0) {
+            bail!("--lora-alpha {alpha}: must be a positive number");
+        }
+        if let Some(t) = targets.iter().find(|t| r > t.rows.min(t.cols)) {
+            bail!("--lora {r}: above the size of {} ({} x {}); use a rank of at most {}", t.module, t.rows, t.cols, t.rows.min(t.cols));
+        }
+        let len = targets.iter().map(|t| r * (t.cols + t.rows)).sum();
+        let mut a = Adapters { r, alpha, targets, data: vec![0.0; len] };
+        for i in 0..a.targets.len() {
+            let bound = 1.0 / (a.targets[i].cols as f32).sqrt();
+            let ra = a.a_range(i);
+            for x in &mut a.data[ra] {
+                *x = (rng.next_u32() as f64 / u32::MAX as f64 * 2.0 - 1.0) as f32 * bound;
+            }
+        }
+        Ok(a)
+    }
+
+    /// PEFT's scaling, alpha / R.
+    pub fn scale(&self) -> f32 {
+        self.alpha / self.r as f32
+    }
+
+    pub fn num_parameters(&self) -> usize {
+        self.data.len()
+    }
+
+    fn start(&self, i: usize) -> usize {
+        self.targets[..i].iter().map(|t| self.r * (t.cols + t.rows)).sum()
+    }
+
+    /// Where target i's A (R, in) lives in [`Adapters::data`].
+    pub fn a_range(&self, i: usize) -> Range<usize> {
+        let s = self.start(i);
+        s..s + self.r * self.targets[i].cols
+    }
+
+    /// Where target i's B (out, R) lives.
+    pub fn b_range(&self, i: usize) -> Range<usize> {
+        let s = self.a_range(i).end;
+        s..s + self.r * self.targets[i].rows
+    }
+
+    /// The distinct last names of the targets, as `target_modules`.
+    pub fn target_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = vec![];
+        for t in &self.targets {
+            if !names.contains(&t.short) {
+                names.push(t.short.clone());
+            }
+        }
+        names
+    }
+
+    /// W += scale * B @ A for every target: the merged model (PEFT's `merge_and_unload`).
+    pub fn merge_into(&self, w: &mut Weights) {
+        let s = self.scale() as f64;
+        for (i, t) in self.targets.iter().enumerate() {
+            let (a, b) = (&self.data[self.a_range(i)], &self.data[self.b_range(i)]);
+            let dst = w.layer_mut(t.tensor, t.layer);
+            for o in 0..t.rows {
+                let row = &mut dst[(t.row0 + o) * t.cols..(t.row0 + o + 1) * t.cols];
+                for (k, x) in row.iter_mut().enumerate() {
+                    let d: f64 = (0..self.r).map(|j| b[o * self.r + j] as f64 * a[j * t.cols + k] as f64).sum();
+                    *x = (*x as f64 + s * d) as f32;
+                }
+            }
+        }
+    }
+
+    /// Write a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors` in
+    /// fp32) for a base of shape `cfg`, which PEFT's `PeftModel.from_pretrained` loads onto
+    /// that base. `base` names the base model in the config.
+    pub fn save_peft(&self, cfg: &ModelConfig, dir: &Path, base: &str) -> Result<()> {
+        let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = vec![];
+        for (i, t) in self.targets.iter().enumerate() {
+            for (part, range, shape) in
+                [("lora_A", self.a_range(i), vec![self.r, t.cols]), ("lora_B", self.b_range(i), vec![t.rows, self.r])]
+            {
+                let mut b = vec![];
+                f32s_to_le(&self.data[range], &mut b);
+                bytes.push((format!("base_model.model.{}.{part}.weight", t.module), shape, b));
+            }
+        }
+        let views = bytes
+            .iter()
+            .map(|(n, s, b)| Ok((n.clone(), TensorView::new(StDtype::F32, s.clone(), b)?)))
+            .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let out = safetensors::serialize(views, Some(meta))?;
+        let conv1d = self.targets.iter().any(|t| is_conv1d(cfg, t));
+        let config = serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base,
+            "r": self.r,
+            "lora_alpha": self.alpha,
+            "target_modules": self.target_names(),
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "fan_in_fan_out": conv1d,
+            "use_rslora": false,
+            "use_dora": false,
+            "modules_to_save": null,
+            "init_lora_weights": true,
+            "layers_to_transform": null,
+            "layers_pattern": null,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "inference_mode": true,
+            "revision": null,
+        });
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        write_atomic(&dir.join(WEIGHTS_FILE), &[&out])?;
+        write_atomic(&dir.join(CONFIG_FILE), &[serde_json::to_string_pretty(&config)?.as_bytes()])?;
+        Ok(())
+    }
+
+    /// Read a PEFT adapter directory made for a base of shape `cfg`: its config checked to be a
+    /// LoRA llmrs computes exactly, every tensor checked against the base's projections.
+    pub fn load_peft(cfg: &ModelConfig, dir: &Path) -> Result<Adapters> {
+        let cpath = dir.join(CONFIG_FILE);
+        let text = String::from_utf8(read_file(&cpath)?).map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", cpath.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", cpath.display()))?;
+        let pc = PeftConfig::parse(&v, &cpath)?;
+        let targets = select(cfg, &pc.targets).with_context(|| format!("{}: target_modules", cpath.display()))?;
+        let wpath = dir.join(WEIGHTS_FILE);
+        let bytes = read_file(&wpath)?;
+        let st = SafeTensors::deserialize(&bytes)
+            .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", wpath.display()))?;
+        let mut a = Adapters {
+            r: pc.r,
+            alpha: pc.alpha,
+            data: vec![0.0; targets.iter().map(|t| pc.r * (t.cols + t.rows)).sum()],
+            targets,
+        };
+        let prefix = models::arch(cfg).hf_prefix();
+        let mut used = std::collections::HashSet::new();
+        for i in 0..a.targets.len() {
+            let t = a.targets[i].clone();
+            for (part, range, shape) in
+                [("lora_A", a.a_range(i), [a.r, t.cols]), ("lora_B", a.b_range(i), [t.rows, a.r])]
+            {
+                // With the family's prefix (a PEFT model of the LM) or without (of the bare model).
+                let bare = t.module.strip_prefix(prefix).unwrap_or(&t.module);
+                let names = [format!("base_model.model.{}.{part}.weight", t.module), format!("base_model.model.{bare}.{part}.weight")];
+                let Some((name, x)) = names.iter().find_map(|n| st.tensor(n).ok().map(|x| (n.clone(), x))) else {
+                    bail!("{}: tensor {} is missing: the adapter was not made for this base model", wpath.display(), names[0]);
+                };
+                if x.shape() != shape {
+                    bail!(
+                        "{}: tensor {name} has shape {:?}, this base model's {} needs {shape:?}: the adapter was made for another base",
+                        wpath.display(),
+                        x.shape(),
+                        t.module
+                    );
+                }
+                let vals = to_f32(&x, &name)?;
+                if let Some(v) = vals.iter().find(|v| !v.is_finite()) {
+                    bail!("{}: tensor {name} holds {v}", wpath.display());
+                }
+                a.data[range].copy_from_slice(&vals);
+                used.insert(name);
+            }
+        }
+        if let Some(n) = st.names().into_iter().find(|n| !used.contains(*n)) {
+            bail!(
+                "{}: tensor {n} is not a LoRA A or B of this base's projections (the adapter was made for another \
+                 base, or holds what llmrs does not implement: biases, DoRA, modules_to_save)",
+                wpath.display()
+            );
+        }
+        Ok(a)
+    }
+}
+
+/// GPT-2's projections are transformers' Conv1D (PEFT's `fan_in_fan_out`).
+fn is_conv1d(cfg: &ModelConfig, t: &Target) -> bool {
+    let lay = models::layout(cfg);
+    models::arch(cfg).hf_tensors(cfg, &lay).iter().any(|e| e.transposed && e.name == format!("{}.weight", t.module.strip_prefix(models::arch(cfg).hf_prefix()).unwrap_or(&t.module)))
+}
+
+/// The fields of PEFT's `adapter_config.json` that llmrs honours.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeftConfig {
+    pub r: usize,
+    pub alpha: f32,
+    pub targets: Vec<String>,
+}
+
+impl PeftConfig {
+    /// Read and check an `adapter_config.json`: what would compute another model (DoRA,
+    /// rsLoRA, trained biases, modules_to_save, dropout, per-module ranks) is a one-line error
+    /// naming the field.
+    pub fn parse(v: &serde_json::Value, path: &Path) -> Result<PeftConfig> {
+        let p = path.display();
+        let field = |k: &str| v.get(k).filter(|x| !x.is_null());
+        match field("peft_type").and_then(|x| x.as_str()) {
+            Some("LORA") | None => {}
+            Some(other) => bail!("{p}: peft_type {other:?}: llmrs reads LoRA adapters only"),
+        }
+        let r = field("r").and_then(|x| x.as_u64()).with_context(|| format!("{p}: no integer field r (the rank)"))? as usize;
+        if r == 0 {
+            bail!("{p}: r is 0");
+        }
+        let alpha = field("lora_alpha").and_then(|x| x.as_f64()).unwrap_or(8.0) as f32;
+        let bool_field = |k: &str| field(k).and_then(|x| x.as_bool()).unwrap_or(false);
+        for k in ["use_dora", "use_rslora", "lora_bias", "use_qalora"] {
+            if bool_field(k) {
+                bail!("{p}: {k} true is not supported (llmrs computes plain LoRA)");
+            }
+        }
+        if let Some(b) = field("bias").and_then(|x| x.as_str()).filter(|b| *b != "none") {
+            bail!("{p}: bias {b:?} is not supported (llmrs trains no biases in a LoRA run); use \"none\"");
+        }
+        let drop = field("lora_dropout").and_then(|x| x.as_f64()).unwrap_or(0.0);
+        if drop != 0.0 {
+            bail!("{p}: lora_dropout {drop} is not supported (llmrs has no adapter dropout); use 0");
+        }
+        let nonempty = |k: &str| match field(k) {
+            Some(serde_json::Value::Array(a)) => !a.is_empty(),
+            Some(serde_json::Value::Object(o)) => !o.is_empty(),
+            Some(_) => true,
+            None => false,
+        };
+        for k in ["modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform", "exclude_modules", "target_parameters", "trainable_token_indices"] {
+            if nonempty(k) {
+                bail!("{p}: {k} is set; llmrs does not implement it (one rank and alpha for every projection of every layer)");
+            }
+        }
+        let targets = match field("target_modules") {
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .map(|x| x.as_str().map(String::from).with_context(|| format!("{p}: target_modules holds {x}, not a name")))
+                .collect::<Result<Vec<_>>>()?,
+            Some(serde_json::Value::String(s)) if s == "all-linear" => vec![s.clone()],
+            Some(serde_json::Value::String(s)) => {
+                bail!("{p}: target_modules {s:?} is a regular expression; llmrs reads a list of module names")
+            }
+            Some(other) => bail!("{p}: target_modules {other} is not a list of module names"),
+            None => bail!("{p}: no target_modules"),
+        };
+        Ok(PeftConfig { r, alpha, targets })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_cover_every_projection_and_their_rows() {
+        let cfg = ModelConfig::from_descriptor("llama:2x16:4:2").unwrap();
+        let all = linear_modules(&cfg);
+        assert_eq!(module_names(&cfg), ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"]);
+        assert_eq!(all.len(), 14);
+        let q = &all[0];
+        assert_eq!((q.module.as_str(), q.row0, q.rows, q.cols), ("model.layers.0.self_attn.q_proj", 0, 16, 16));
+        let k = &all[1];
+        assert_eq!((k.row0, k.rows), (16, cfg.kv_dim()));
+        let g = select(&cfg, &["gpt".into()]).unwrap_err().to_string();
+        assert!(g.contains("no such projection") && g.contains("q_proj"), "{g}");
+        assert_eq!(select(&cfg, &["q_proj".into(), "self_attn.v_proj".into()]).unwrap().len(), 4);
+        let gpt = ModelConfig::from_descriptor("2x16:2:8").unwrap();
+        assert_eq!(module_names(&gpt), ["c_attn", "c_proj", "c_fc"]);
+        let t = select(&gpt, &["attn.c_proj".into()]).unwrap();
+        assert_eq!(t.len(), 2);
+        assert_eq!(t[0].module, "transformer.h.0.attn.c_proj");
+    }
+
+    #[test]
+    fn peft_configs_llmrs_cannot_honour_are_refused_by_field() {
+        let ok = serde_json::json!({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+            "lora_dropout": 0.0, "bias": "none", "use_dora": false, "modules_to_save": null, "rank_pattern": {}});
+        let p = Path::new("adapter_config.json");
+        assert_eq!(PeftConfig::parse(&ok, p).unwrap(), PeftConfig { r: 4, alpha: 8.0, targets: vec!["q_proj".into()] });
+        for (k, v, says) in [
+            ("use_dora", serde_json::json!(true), "use_dora"),
+            ("lora_dropout", serde_json::json!(0.1), "lora_dropout"),
+            ("bias", serde_json::json!("all"), "bias"),
+            ("modules_to_save", serde_json::json!(["lm_head"]), "modules_to_save"),
+            ("rank_pattern", serde_json::json!({"q_proj": 8}), "rank_pattern"),
+            ("target_modules", serde_json::json!(".*proj"), "regular expression"),
+            ("peft_type", serde_json::json!("IA3"), "peft_type"),
+        ] {
+            let mut bad = ok.clone();
+            bad[k] = v;
+            let e = PeftConfig::parse(&bad, p).unwrap_err().to_string();
+            assert!(e.contains(says) && !e.contains('\n'), "{k}: {e}");
+        }
+    }
+
+    /// Save then load gives the same adapters; a base of another shape refuses them.
+    #[test]
+    fn peft_files_round_trip_and_refuse_another_base() {
+        let dir = std::env::temp_dir().join(format!("llmrs-lora-rt-{}", std::process::id()));
+        for desc in ["llama:2x16:4:2", "2x16:2:8"] {
+            let cfg = ModelConfig::from_descriptor(desc).unwrap();
+            let mut a = Adapters::new(3, 5.0, select(&cfg, &[]).unwrap(), &mut Mt19937::new(1)).unwrap();
+            a.data.iter_mut().enumerate().for_each(|(i, x)| *x += i as f32 * 1e-3);
+            a.save_peft(&cfg, &dir, "base").unwrap();
+            assert_eq!(Adapters::load_peft(&cfg, &dir).unwrap(), a);
+            let other = ModelConfig::from_descriptor(if desc.starts_with("llama") { "llama:2x24:4:2" } else { "2x24:2:8" }).unwrap();
+            let e = Adapters::load_peft(&other, &dir).unwrap_err().to_string();
+            assert!(e.contains("another base"), "{e}");
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
