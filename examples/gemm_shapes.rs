@@ -40,8 +40,9 @@ fn main() {
         let (mut dinp, mut dw, mut db) = (vec![0f32; n * c], vec![0f32; oc * c], vec![0f32; oc]);
         let flops = 2.0 * (n * c * oc) as f64;
         let fwd = best(&mut || matmul_forward(&mut out, &inp, &w, Some(&b), n, c, oc));
-        let bwd =
-            best(&mut || matmul_backward(Some(&mut dinp), Some(&mut dw), Some(&mut db), &out, &inp, &w, n, c, oc, true));
+        let bwd = best(&mut || {
+            matmul_backward(Some(&mut dinp), Some(&mut dw), Some(&mut db), &out, &inp, &w, n, c, oc, true)
+        });
         let (f, b) = (flops / fwd / 1e9, 2.0 * flops / bwd / 1e9);
         if json {
             rows.push(format!("\"{name}\": {{\"forward\": {f:.2}, \"backward\": {b:.2}}}"));

@@ -24,6 +24,10 @@ pub struct BenchConfig {
     pub recompute: u8,
     /// Rows of logits the classifier computes at once (train's `--ce-rows`; 0 = all).
     pub ce_rows: usize,
+    /// LoRA rank (as train's --lora; 0 = every weight trains), alpha 2R, on `lora_targets`
+    /// (empty: every projection).
+    pub lora: usize,
+    pub lora_targets: Vec<String>,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -44,6 +48,9 @@ pub struct BenchReport {
     pub ce_rows: usize,
     /// The rank that made this report (rank 0 prints it).
     pub rank: usize,
+    /// LoRA rank (0: a full training step) and the adapters' parameters.
+    pub lora: usize,
+    pub trainable_parameters: usize,
     pub steps: usize,
     pub ms_median: f64,
     pub ms_min: f64,
@@ -71,10 +78,15 @@ pub struct BenchReport {
     pub kinds: Vec<(String, f64)>,
 }
 
-/// FLOPs per token of a training step (forward + backward), llm.c's `gpt2_estimate_mfu` count.
+/// FLOPs per token of a training step (forward + backward), llm.c's `gpt2_estimate_mfu` count:
+/// 6N + 6LCT; with LoRA the frozen base costs 4N (no weight gradients) and the adapters 6 each.
 pub fn flops_per_token(model: &Model, t: usize) -> f64 {
     let c = &model.config;
-    6.0 * model.num_parameters() as f64 + 6.0 * (c.num_layers * c.channels * t) as f64
+    let attn = 6.0 * (c.num_layers * c.channels * t) as f64;
+    match model.lora() {
+        Some(a) => 4.0 * model.num_parameters() as f64 + 6.0 * a.num_parameters() as f64 + attn,
+        None => 6.0 * model.num_parameters() as f64 + attn,
+    }
 }
 
 /// Peak resident memory of this process (Linux `VmHWM`), in MiB.
@@ -110,7 +122,14 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         anyhow::bail!("-t {t} is longer than the model's context {}", weights.config.max_seq_len);
     }
     let (rank, world) = (comm.rank(), comm.world());
+    let mc = weights.config;
     let mut model = Model::with_collectives(weights, crate::backend::factory::open(cfg.device)?, comm, cfg.zero_stage)?;
+    if cfg.lora > 0 {
+        let targets = crate::lora::select(&mc, &cfg.lora_targets)?;
+        let a =
+            crate::lora::Adapters::new(cfg.lora, 2.0 * cfg.lora as f32, targets, &mut crate::rng::Mt19937::new(42))?;
+        model.set_lora(&a)?;
+    }
     model.alloc_training_state()?;
     model.set_recompute(cfg.recompute)?;
     model.set_classifier_rows(cfg.ce_rows)?;
@@ -194,6 +213,8 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         recompute: model.recompute(),
         ce_rows: cfg.ce_rows,
         rank,
+        lora: cfg.lora,
+        trainable_parameters: model.lora().map_or(model.num_parameters(), |a| a.num_parameters()),
         steps: cfg.steps,
         ms_median,
         ms_min,
@@ -233,6 +254,13 @@ impl std::fmt::Display for BenchReport {
             self.steps
         )?;
         writeln!(f, "backend     {}", self.backend)?;
+        if self.lora > 0 {
+            writeln!(
+                f,
+                "LoRA        rank {}: {} trainable parameters, the base frozen",
+                self.lora, self.trainable_parameters
+            )?;
+        }
         writeln!(f, "ms/step     median {:.1} (min {:.1}, max {:.1})", self.ms_median, self.ms_min, self.ms_max)?;
         if self.processes > 1 {
             writeln!(f, "processes   {} (ZeRO stage {})", self.processes, self.zero_stage)?;
@@ -299,6 +327,8 @@ mod tests {
             zero_stage: 0,
             recompute: 1,
             ce_rows: 5,
+            lora: 0,
+            lora_targets: vec![],
         })
         .unwrap();
         assert!(r.ms_min <= r.ms_median && r.ms_median <= r.ms_max);

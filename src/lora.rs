@@ -126,7 +126,13 @@ impl Adapters {
             bail!("--lora-alpha {alpha}: must be a positive number");
         }
         if let Some(t) = targets.iter().find(|t| r > t.rows.min(t.cols)) {
-            bail!("--lora {r}: above the size of {} ({} x {}); use a rank of at most {}", t.module, t.rows, t.cols, t.rows.min(t.cols));
+            bail!(
+                "--lora {r}: above the size of {} ({} x {}); use a rank of at most {}",
+                t.module,
+                t.rows,
+                t.cols,
+                t.rows.min(t.cols)
+            );
         }
         let len = targets.iter().map(|t| r * (t.cols + t.rows)).sum();
         let mut a = Adapters { r, alpha, targets, data: vec![0.0; len] };
@@ -244,7 +250,8 @@ impl Adapters {
     /// LoRA llmrs computes exactly, every tensor checked against the base's projections.
     pub fn load_peft(cfg: &ModelConfig, dir: &Path) -> Result<Adapters> {
         let cpath = dir.join(CONFIG_FILE);
-        let text = String::from_utf8(read_file(&cpath)?).map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", cpath.display()))?;
+        let text = String::from_utf8(read_file(&cpath)?)
+            .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", cpath.display()))?;
         let v: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", cpath.display()))?;
         let pc = PeftConfig::parse(&v, &cpath)?;
@@ -268,9 +275,16 @@ impl Adapters {
             {
                 // With the family's prefix (a PEFT model of the LM) or without (of the bare model).
                 let bare = t.module.strip_prefix(prefix).unwrap_or(&t.module);
-                let names = [format!("base_model.model.{}.{part}.weight", t.module), format!("base_model.model.{bare}.{part}.weight")];
+                let names = [
+                    format!("base_model.model.{}.{part}.weight", t.module),
+                    format!("base_model.model.{bare}.{part}.weight"),
+                ];
                 let Some((name, x)) = names.iter().find_map(|n| st.tensor(n).ok().map(|x| (n.clone(), x))) else {
-                    bail!("{}: tensor {} is missing: the adapter was not made for this base model", wpath.display(), names[0]);
+                    bail!(
+                        "{}: tensor {} is missing: the adapter was not made for this base model",
+                        wpath.display(),
+                        names[0]
+                    );
                 };
                 if x.shape() != shape {
                     bail!(
@@ -299,10 +313,159 @@ impl Adapters {
     }
 }
 
+/// The magic of llmrs's LoRA checkpoint (a LoRA run's `model_%08d.bin`).
+pub const LORA_MAGIC: i32 = 20261204;
+const LORA_VERSION: i32 = 1;
+
+/// Which base model adapters were trained on: how to load it again (`-e`'s spec and the seed
+/// of a random one) and a hash of its values, so that a resume or a merge refuses another base.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BaseId {
+    pub source: String,
+    pub seed: u32,
+    pub hash: String,
+}
+
+impl BaseId {
+    pub fn of(source: &str, seed: u32, w: &Weights) -> BaseId {
+        BaseId { source: source.to_string(), seed, hash: weights_hash(w) }
+    }
+
+    /// Load the base: `source` (or `other`, a spec the user gave instead), checked to hash as
+    /// the one the adapters were trained on.
+    pub fn load(&self, other: Option<&str>) -> Result<Weights> {
+        let spec = other.unwrap_or(&self.source);
+        let w = crate::source::load_any(spec, self.seed).with_context(|| format!("the LoRA base model {spec}"))?;
+        let h = weights_hash(&w);
+        if h != self.hash {
+            bail!(
+                "base model {spec} (hash {h}) is not the one these adapters were trained on ({} with seed {}, hash {}):                  give that model with -e",
+                self.source,
+                self.seed,
+                self.hash
+            );
+        }
+        Ok(w)
+    }
+}
+
+/// A hash of the values of `w` (64-bit, over their bits), in hex.
+pub fn weights_hash(w: &Weights) -> String {
+    // FNV-1a's constants over 32-bit words, folded from 4 lanes: fast on gigabytes, and any
+    // changed value changes it with overwhelming likelihood.
+    let mut lanes = [0xcbf29ce484222325u64; 4];
+    for chunk in w.data.chunks(4) {
+        for (l, x) in lanes.iter_mut().zip(chunk) {
+            *l = (*l ^ x.to_bits() as u64).wrapping_mul(0x100000001b3);
+        }
+    }
+    let h = lanes.iter().fold(w.data.len() as u64, |h, l| (h ^ l).wrapping_mul(0x100000001b3).rotate_left(29));
+    format!("{h:016x}")
+}
+
+/// Whether `path` is a LoRA checkpoint (its magic), without reading the rest.
+pub fn is_checkpoint(path: &Path) -> bool {
+    use std::io::Read;
+    let mut m = [0u8; 4];
+    path.is_file()
+        && std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut m)).is_ok()
+        && i32::from_le_bytes(m) == LORA_MAGIC
+}
+
+/// Write a LoRA run's checkpoint model file: llm.c's 256-int header (magic [`LORA_MAGIC`],
+/// version 1, the JSON's length, the number of values), then JSON (the base's config.json, its
+/// [`BaseId`], r, lora_alpha and the adapted modules), then the adapters' fp32 values.
+pub fn save_checkpoint(path: &Path, cfg: &ModelConfig, a: &Adapters, base: &BaseId) -> Result<()> {
+    let config: serde_json::Value = serde_json::from_str(&crate::hf::config_json(cfg, crate::files::Dtype::F32))?;
+    let modules: Vec<&str> = a.targets.iter().map(|t| t.module.as_str()).collect();
+    let json =
+        serde_json::json!({"base_config": config, "base": base, "r": a.r, "lora_alpha": a.alpha, "modules": modules});
+    let json = serde_json::to_string(&json)?;
+    let mut h = [0i32; crate::files::HEADER_INTS];
+    (h[0], h[1], h[2]) = (LORA_MAGIC, LORA_VERSION, json.len() as i32);
+    h[3] = i32::try_from(a.data.len()).context("adapters too large for the file")?;
+    let header: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut vals = vec![];
+    f32s_to_le(&a.data, &mut vals);
+    write_atomic(path, &[&header, json.as_bytes(), &vals])
+}
+
+/// Read a LoRA checkpoint: the base's shape, the adapters, and the base's identity.
+pub fn load_checkpoint(path: &Path) -> Result<(ModelConfig, Adapters, BaseId)> {
+    let p = path.display();
+    let bytes = read_file(path)?;
+    let h = crate::files::parse_header(&bytes, path, "LoRA checkpoint")?;
+    if h[0] != LORA_MAGIC {
+        bail!("{p} is not a LoRA checkpoint (magic {}, expected {LORA_MAGIC})", h[0]);
+    }
+    if h[1] != LORA_VERSION {
+        bail!("{p}: LoRA checkpoint version {} is not supported (expected {LORA_VERSION})", h[1]);
+    }
+    let hb = crate::files::HEADER_BYTES;
+    let len =
+        usize::try_from(h[2]).ok().filter(|&n| n > 0 && n < 1 << 26).with_context(|| format!("{p}: bad header"))?;
+    let text = bytes.get(hb..hb + len).with_context(|| format!("{p}: truncated header"))?;
+    let v: serde_json::Value = serde_json::from_slice(text).with_context(|| format!("{p}: corrupt header"))?;
+    let cfg_text = serde_json::to_string(&v["base_config"])?;
+    let cfg = crate::hf::parse_config(&cfg_text, path)?;
+    let base: BaseId = serde_json::from_value(v["base"].clone()).with_context(|| format!("{p}: corrupt header"))?;
+    let r = v["r"].as_u64().with_context(|| format!("{p}: corrupt header (r)"))? as usize;
+    let alpha = v["lora_alpha"].as_f64().with_context(|| format!("{p}: corrupt header (lora_alpha)"))? as f32;
+    let modules: Vec<String> =
+        serde_json::from_value(v["modules"].clone()).with_context(|| format!("{p}: corrupt header"))?;
+    let targets = select(&cfg, &modules)?;
+    if targets.len() != modules.len() {
+        bail!("{p}: its modules do not match its base's projections");
+    }
+    let n: usize = targets.iter().map(|t| r * (t.cols + t.rows)).sum();
+    let vals = &bytes[hb + len..];
+    if n != h[3] as usize || vals.len() != 4 * n {
+        bail!(
+            "{p}: {} bytes of values, adapters of rank {r} on these modules need {}: the file is truncated or corrupt",
+            vals.len(),
+            4 * n
+        );
+    }
+    let mut data = vec![0f32; n];
+    crate::files::f32s_from_le(vals, &mut data);
+    if data.iter().any(|x| !x.is_finite()) {
+        bail!("{p}: the adapters hold non-finite values (a diverged run)");
+    }
+    Ok((cfg, Adapters { r, alpha, targets, data }, base))
+}
+
+/// Adapters for a base of shape `cfg` from `path`: a PEFT adapter directory, or a LoRA run's
+/// checkpoint (its base checked to be of the same shape).
+pub fn load_adapters(path: &Path, cfg: &ModelConfig) -> Result<Adapters> {
+    if path.is_dir() {
+        return Adapters::load_peft(cfg, path);
+    }
+    let (c, a, _) = load_checkpoint(path)?;
+    if !c.same_shape(cfg) {
+        bail!("{}: adapters for a base of shape {c}, not {cfg}", path.display());
+    }
+    Ok(a)
+}
+
+/// The merged model (PEFT's `merge_and_unload`) of base `spec` and the adapters at `lora` (a
+/// PEFT directory, or a LoRA checkpoint, whose base `spec` must be: its seed is the one used).
+pub fn load_merged(spec: &str, seed: u32, lora: &Path) -> Result<Weights> {
+    let mut w = if lora.is_dir() {
+        crate::source::load_any(spec, seed)?
+    } else {
+        load_checkpoint(lora)?.2.load(Some(spec)).with_context(|| format!("--lora {}", lora.display()))?
+    };
+    load_adapters(lora, &w.config)?.merge_into(&mut w);
+    Ok(w)
+}
+
 /// GPT-2's projections are transformers' Conv1D (PEFT's `fan_in_fan_out`).
 fn is_conv1d(cfg: &ModelConfig, t: &Target) -> bool {
     let lay = models::layout(cfg);
-    models::arch(cfg).hf_tensors(cfg, &lay).iter().any(|e| e.transposed && e.name == format!("{}.weight", t.module.strip_prefix(models::arch(cfg).hf_prefix()).unwrap_or(&t.module)))
+    models::arch(cfg).hf_tensors(cfg, &lay).iter().any(|e| {
+        e.transposed
+            && e.name == format!("{}.weight", t.module.strip_prefix(models::arch(cfg).hf_prefix()).unwrap_or(&t.module))
+    })
 }
 
 /// The fields of PEFT's `adapter_config.json` that llmrs honours.
@@ -324,7 +487,8 @@ impl PeftConfig {
             Some("LORA") | None => {}
             Some(other) => bail!("{p}: peft_type {other:?}: llmrs reads LoRA adapters only"),
         }
-        let r = field("r").and_then(|x| x.as_u64()).with_context(|| format!("{p}: no integer field r (the rank)"))? as usize;
+        let r = field("r").and_then(|x| x.as_u64()).with_context(|| format!("{p}: no integer field r (the rank)"))?
+            as usize;
         if r == 0 {
             bail!("{p}: r is 0");
         }
@@ -348,7 +512,15 @@ impl PeftConfig {
             Some(_) => true,
             None => false,
         };
-        for k in ["modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform", "exclude_modules", "target_parameters", "trainable_token_indices"] {
+        for k in [
+            "modules_to_save",
+            "rank_pattern",
+            "alpha_pattern",
+            "layers_to_transform",
+            "exclude_modules",
+            "target_parameters",
+            "trainable_token_indices",
+        ] {
             if nonempty(k) {
                 bail!("{p}: {k} is set; llmrs does not implement it (one rank and alpha for every projection of every layer)");
             }
@@ -356,7 +528,9 @@ impl PeftConfig {
         let targets = match field("target_modules") {
             Some(serde_json::Value::Array(a)) => a
                 .iter()
-                .map(|x| x.as_str().map(String::from).with_context(|| format!("{p}: target_modules holds {x}, not a name")))
+                .map(|x| {
+                    x.as_str().map(String::from).with_context(|| format!("{p}: target_modules holds {x}, not a name"))
+                })
                 .collect::<Result<Vec<_>>>()?,
             Some(serde_json::Value::String(s)) if s == "all-linear" => vec![s.clone()],
             Some(serde_json::Value::String(s)) => {
@@ -425,7 +599,9 @@ mod tests {
             a.data.iter_mut().enumerate().for_each(|(i, x)| *x += i as f32 * 1e-3);
             a.save_peft(&cfg, &dir, "base").unwrap();
             assert_eq!(Adapters::load_peft(&cfg, &dir).unwrap(), a);
-            let other = ModelConfig::from_descriptor(if desc.starts_with("llama") { "llama:2x24:4:2" } else { "2x24:2:8" }).unwrap();
+            let other =
+                ModelConfig::from_descriptor(if desc.starts_with("llama") { "llama:2x24:4:2" } else { "2x24:2:8" })
+                    .unwrap();
             let e = Adapters::load_peft(&other, &dir).unwrap_err().to_string();
             assert!(e.contains("another base"), "{e}");
         }

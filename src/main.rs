@@ -76,6 +76,12 @@ enum Cmd {
         /// Rows of logits the classifier computes at once (as train's --ce-rows; 0 = all).
         #[arg(long = "ce-rows", default_value_t = D.with(|d| d.ce_rows))]
         ce_rows: usize,
+        /// LoRA adapters of this rank, alpha twice it (as train's --lora; 0 = every weight trains).
+        #[arg(long = "lora", default_value_t = 0)]
+        lora: usize,
+        /// The projections LoRA adapts (as train's --lora-targets).
+        #[arg(long = "lora-targets", value_delimiter = ',')]
+        lora_targets: Vec<String>,
     },
     /// Evaluate a model.
     #[command(subcommand)]
@@ -101,6 +107,13 @@ enum Cmd {
         /// Seed when the input is a descriptor for random init (e.g. d12).
         #[arg(long, default_value_t = 42)]
         seed: u32,
+        /// INPUT is a LoRA run's checkpoint: write the merged model (base + adapters) instead
+        /// of the PEFT adapter directory.
+        #[arg(long)]
+        merge: bool,
+        /// Merge these LoRA adapters (a PEFT directory or LoRA checkpoint) into INPUT.
+        #[arg(long)]
+        lora: Option<PathBuf>,
     },
 }
 
@@ -197,6 +210,9 @@ enum EvalCmd {
         /// model's own tokenizer.json, else GPT-2's. A .bin eval file is already tokenized (GPT-2).
         #[arg(long)]
         tokenizer: Option<String>,
+        /// LoRA adapters on top of the model (a PEFT adapter directory or a LoRA checkpoint).
+        #[arg(long)]
+        lora: Option<PathBuf>,
     },
 }
 
@@ -237,6 +253,10 @@ struct GenArgs {
     /// Keep going after <|endoftext|>.
     #[arg(long)]
     no_stop: bool,
+    /// LoRA adapters on top of the model: a PEFT adapter directory or a LoRA run's checkpoint
+    /// (merged into the weights at load, as PEFT's merge_and_unload).
+    #[arg(long)]
+    lora: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -389,6 +409,21 @@ struct TrainArgs {
     /// 1024 rows cost speed. 0 = all at once; else at least 3.
     #[arg(long = "ce-rows", default_value_t = D.with(|d| d.ce_rows))]
     ce_rows: usize,
+    /// LoRA: train adapters of this rank on the projections instead of every weight; the base
+    /// model is frozen (no gradients, no AdamW state). 0 = full fine-tune.
+    #[arg(long = "lora", default_value_t = 0)]
+    lora: usize,
+    /// LoRA's alpha (the adapters' scale is alpha / rank). Default: twice the rank.
+    #[arg(long = "lora-alpha")]
+    lora_alpha: Option<f32>,
+    /// The projections LoRA adapts, as PEFT's target_modules (comma-separated last names such
+    /// as q_proj,v_proj, or c_attn for GPT-2). Default: all-linear, every projection of a block.
+    #[arg(long = "lora-targets", value_delimiter = ',')]
+    lora_targets: Vec<String>,
+    /// Go on from a PEFT adapter directory (its adapter_config.json gives rank, alpha and
+    /// targets) or a LoRA checkpoint, on top of -e.
+    #[arg(long = "lora-from")]
+    lora_from: Option<PathBuf>,
 }
 
 /// llm.c spells some flags with two letters after one dash (-nk, -nm, -sl, -sg); map them to long names.
@@ -491,12 +526,24 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
         zero_stage: a.zero_stage,
         recompute: a.recompute,
         ce_rows: a.ce_rows,
+        lora: a.lora,
+        lora_alpha: a.lora_alpha,
+        lora_targets: a.lora_targets,
+        lora_from: a.lora_from,
         overwrite: a.overwrite,
         quiet: false,
         device,
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// `spec`'s weights, with `--lora`'s adapters merged in.
+fn load_with_lora(spec: &str, seed: u32, lora: Option<&Path>) -> Result<llmrs::params::Weights> {
+    match lora {
+        Some(p) => llmrs::lora::load_merged(spec, seed, p),
+        None => llmrs::source::load_any(spec, seed),
+    }
 }
 
 /// The model to load from `--hf owner/name` (first) or `-e`.
@@ -514,7 +561,7 @@ fn cmd_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
     let sampler = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
     sampler.validate()?; // before loading (or downloading) anything
     let spec = model_spec(a.hf, a.model)?;
-    let mut model = llmrs::model::Model::new(llmrs::source::load_any(&spec, 0)?, device)?;
+    let mut model = llmrs::model::Model::new(load_with_lora(&spec, 0, a.lora.as_deref())?, device)?;
     let tok = llmrs::source::tokenizer_for_text(a.tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let prompt = if a.prompt.is_empty() { vec![tok.doc_start] } else { tok.encode(&a.prompt)? };
     // The model's own end tokens (generation_config.json, config.json), else the tokenizer's.
@@ -658,7 +705,19 @@ fn run_command(cli: Cli, comm: Comm) -> Result<()> {
         Some(Cmd::Train(a)) => cmd_train(a, device, comm),
         Some(Cmd::Prepare(p)) => cmd_prepare(p),
         Some(Cmd::Generate(a)) => cmd_generate(a, device),
-        Some(Cmd::Bench { model, batch_size, seq_len, steps, warmup, json, zero_stage, recompute, ce_rows }) => {
+        Some(Cmd::Bench {
+            model,
+            batch_size,
+            seq_len,
+            steps,
+            warmup,
+            json,
+            zero_stage,
+            recompute,
+            ce_rows,
+            lora,
+            lora_targets,
+        }) => {
             let steps = steps.max(1);
             let cfg = llmrs::bench::BenchConfig {
                 model,
@@ -670,13 +729,17 @@ fn run_command(cli: Cli, comm: Comm) -> Result<()> {
                 zero_stage,
                 recompute,
                 ce_rows,
+                lora,
+                lora_targets,
             };
             cmd_bench(&cfg, json, comm)
         }
         Some(Cmd::Devices) => cmd_devices(),
         Some(Cmd::Plot { logs, out }) => cmd_plot(&logs, &out),
         Some(Cmd::Eval(e)) => cmd_eval(e, device),
-        Some(Cmd::Convert { paths, hf, dtype, seed }) => cmd_convert(&paths, hf, &dtype, seed),
+        Some(Cmd::Convert { paths, hf, dtype, seed, merge, lora }) => {
+            cmd_convert(&paths, hf, &dtype, seed, merge, lora)
+        }
     }
 }
 
@@ -728,9 +791,9 @@ fn cmd_plot(logs: &[PathBuf], out: &Path) -> Result<()> {
 }
 
 fn cmd_eval(e: EvalCmd, device: llmrs::backend::Device) -> Result<()> {
-    let EvalCmd::Hellaswag { model, hf, data, limit, tokenizer } = e;
+    let EvalCmd::Hellaswag { model, hf, data, limit, tokenizer, lora } = e;
     let spec = model_spec(hf, model)?;
-    let mut model = llmrs::model::Model::new(llmrs::source::load_any(&spec, 42)?, device)?;
+    let mut model = llmrs::model::Model::new(load_with_lora(&spec, 42, lora.as_deref())?, device)?;
     let tok = llmrs::source::tokenizer_for_text(tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let data = match data {
         Some(d) => d,
@@ -751,7 +814,14 @@ fn cmd_eval(e: EvalCmd, device: llmrs::backend::Device) -> Result<()> {
     Ok(())
 }
 
-fn cmd_convert(paths: &[String], hf: Option<String>, dtype: &str, seed: u32) -> Result<()> {
+fn cmd_convert(
+    paths: &[String],
+    hf: Option<String>,
+    dtype: &str,
+    seed: u32,
+    merge: bool,
+    lora: Option<PathBuf>,
+) -> Result<()> {
     let dtype = parse_dtype(dtype)?;
     let (spec, output) = match (hf, paths) {
         (Some(h), [out]) => (format!("hf:{h}"), PathBuf::from(out)),
@@ -759,8 +829,32 @@ fn cmd_convert(paths: &[String], hf: Option<String>, dtype: &str, seed: u32) -> 
         (Some(_), _) => bail!("with --hf, give only the output path: llmrs convert --hf owner/name OUT"),
         (None, _) => bail!("give the input model and the output path: llmrs convert IN OUT"),
     };
-    let weights = llmrs::source::load_any(&spec, seed)?;
-    if output.extension().is_some_and(|e| e == "bin") {
+    let is_bin = output.extension().is_some_and(|e| e == "bin");
+    let input = Path::new(&spec);
+    if llmrs::lora::is_checkpoint(input) && !merge {
+        // A LoRA run's checkpoint: its adapters as a PEFT adapter directory.
+        if is_bin {
+            bail!("{spec} holds LoRA adapters: give a directory for PEFT's adapter files, or --merge for the merged model");
+        }
+        let (cfg, a, base) = llmrs::lora::load_checkpoint(input)?;
+        let name = base.source.strip_prefix("hf:").unwrap_or(&base.source);
+        a.save_peft(&cfg, &output, name)?;
+        eprintln!(
+            "wrote {} (PEFT LoRA adapter: rank {}, alpha {}, {} projections, {} parameters; base {name})",
+            output.display(),
+            a.r,
+            a.alpha,
+            a.targets.len(),
+            a.num_parameters()
+        );
+        return Ok(());
+    }
+    if merge && lora.is_none() && !llmrs::lora::is_checkpoint(input) {
+        bail!("--merge merges a LoRA run's checkpoint into its base: {spec} is not one (or give --lora DIR)");
+    }
+    // A LoRA checkpoint loads as its base with the adapters merged (llmrs::source::load_any).
+    let weights = load_with_lora(&spec, seed, lora.as_deref())?;
+    if is_bin {
         llmrs::checkpoint::save_model(&weights, &output, dtype)?;
     } else {
         llmrs::hf::save_hf(&weights, &output, dtype)?;

@@ -262,7 +262,15 @@ impl Model {
             let w = self.block_weights(l)?;
             let x = a.layer(l, b, t);
             let lora = self.lora.as_ref().map(|lo| &lo.blocks[l]);
-            arch.block_forward(&mut Ops::new(&mut *self.be).with_lora(lora), &cfg, &self.consts, &w, &x, n, Attn::Causal(s));
+            arch.block_forward(
+                &mut Ops::new(&mut *self.be).with_lora(lora),
+                &cfg,
+                &self.consts,
+                &w,
+                &x,
+                n,
+                Attn::Causal(s),
+            );
         }
         let mut ops = Ops::new(&mut *self.be);
         let norm = a.norm(n);
@@ -642,8 +650,9 @@ impl Model {
     /// Make this a LoRA run ([`crate::lora`]): the base parameters are frozen (no gradients,
     /// no AdamW state: backward computes only what the adapters and the inputs need) and the
     /// adapters are added to the projections they adapt in every pass. Call before
-    /// [`Model::alloc_training_state`]. The CPU backend runs it, as one process or data
-    /// parallel over ranks (ZeRO stage 0).
+    /// [`Model::alloc_training_state`]. The CPU backend runs it, as one process or over ranks:
+    /// the adapters, their gradients (averaged) and AdamW state are every rank's, whatever the
+    /// ZeRO stage; under ZeRO-3 the frozen base is sharded as in a full run.
     pub fn set_lora(&mut self, adapters: &crate::lora::Adapters) -> Result<()> {
         if self.lora.is_some() || self.train.is_some() {
             bail!("LoRA adapters are set once, before the training state is allocated");
@@ -651,10 +660,8 @@ impl Model {
         if !self.be.runs_lora() {
             bail!("--lora runs on the CPU backend only for now; use --device cpu");
         }
-        if self.zero.stage > 0 {
-            bail!("--lora with ZeRO stage {} is not implemented: the adapters are small; use -z 0", self.zero.stage);
-        }
-        if let Some(t) = adapters.targets.iter().find(|t| crate::lora::select(&self.config, &[t.module.clone()]).is_err()) {
+        let all = crate::lora::linear_modules(&self.config);
+        if let Some(t) = adapters.targets.iter().find(|t| !all.contains(t)) {
             bail!("LoRA target {} is not a projection of this model", t.module);
         }
         let params = self.be.alloc(adapters.num_parameters().max(1), DType::F32)?.prefix(adapters.num_parameters());
@@ -662,7 +669,10 @@ impl Model {
         // The frozen tensors that backward still writes (norms, biases): disjoint slices of one
         // sink, as large as the larger of a block's and the outer tensors' sets.
         let small = |ids: Vec<TensorId>| -> usize {
-            ids.into_iter().filter(|&t| self.layout.spec(t).shape.len() < 2).map(|t| self.layout.spec(t).numel_per_layer()).sum()
+            ids.into_iter()
+                .filter(|&t| self.layout.spec(t).shape.len() < 2)
+                .map(|t| self.layout.spec(t).numel_per_layer())
+                .sum()
         };
         let sink_len = small(self.layout.block_ids()).max(small(self.layout.outer_ids())).max(1);
         let sink = self.be.alloc(sink_len, DType::F32)?;
@@ -714,6 +724,9 @@ impl Model {
     /// Tell every block's ops where its adapters, their gradients and workspaces are.
     fn wire_lora(&mut self) {
         let grads = self.train.map(|tr| tr.grads);
+        // The weight as the block's pass sees it: a view of the parameters, or under ZeRO-3 of
+        // the one-block buffer every layer's weights are gathered into.
+        let gathered = self.gathered.map(|g| self.zero.block_bucket().0.map(|r| g.block.slice(r.clone())));
         let Some(lo) = &mut self.lora else { return };
         let scratch = lo.scratch.expect("allocated with the adapters");
         let (h, dh) = (scratch.prefix(scratch.len / 2), scratch.slice(scratch.len / 2..scratch.len));
@@ -722,7 +735,10 @@ impl Model {
         for (i, t) in lo.meta.targets.iter().enumerate() {
             let (ra, rb) = (lo.meta.a_range(i), lo.meta.b_range(i));
             blocks[t.layer].adapters.push(Adapter {
-                weight: self.params.slice(self.layout.layer(t.tensor, t.layer)),
+                weight: match &gathered {
+                    Some(v) => v[t.tensor],
+                    None => self.params.slice(self.layout.layer(t.tensor, t.layer)),
+                },
                 a: lo.params.slice(ra.clone()),
                 b: lo.params.slice(rb.clone()),
                 grads: grads.map(|g| (g.slice(ra), g.slice(rb))),
@@ -1005,7 +1021,9 @@ impl Model {
     pub fn state_finite(&mut self) -> Result<(bool, bool)> {
         let be = &mut *self.be;
         let finite = |be: &mut dyn Backend, b: Buf| read_host(be, b, |h| h.iter().all(|x| x.is_finite()));
-        let mut bad = [!finite(be, self.params)? as u8 as f32, 0.0];
+        // A LoRA run's base never changes: its adapters are what could diverge.
+        let params = self.lora.as_ref().map_or(self.params, |lo| lo.params);
+        let mut bad = [!finite(be, params)? as u8 as f32, 0.0];
         if let Some(tr) = self.train {
             bad[1] = !(finite(be, tr.m)? && finite(be, tr.v)?) as u8 as f32;
         }

@@ -18,6 +18,13 @@ pub fn load_any(spec: &str, seed: u32) -> Result<Weights> {
     if p.is_dir() || spec.ends_with(".safetensors") {
         return crate::hf::load_hf(p);
     }
+    // A LoRA run's checkpoint: its base with the adapters merged.
+    if crate::lora::is_checkpoint(p) {
+        let (_, a, base) = crate::lora::load_checkpoint(p)?;
+        let mut w = base.load(None)?;
+        a.merge_into(&mut w);
+        return Ok(w);
+    }
     // Anything that exists is read as a file (a FIFO or device is refused by name).
     if spec.ends_with(".bin") || p.exists() {
         return load_model(p);
@@ -35,6 +42,9 @@ pub fn peek_config(spec: &str) -> Result<Option<ModelConfig>> {
     let p = Path::new(spec);
     if p.is_dir() || spec.ends_with(".safetensors") {
         return crate::hf::peek_config(p).map(Some);
+    }
+    if crate::lora::is_checkpoint(p) {
+        return crate::lora::load_checkpoint(p).map(|(c, _, _)| Some(c));
     }
     if spec.ends_with(".bin") || p.exists() {
         return crate::checkpoint::peek_config(p).map(Some);

@@ -103,6 +103,14 @@ pub struct TrainConfig {
     /// the logits buffer holds (rows, Vp); a training step runs head, loss and their backward
     /// chunk by chunk (1024: free from about that many rows, and B*T <= 1024 is unchunked)
     pub ce_rows: usize,
+    /// --lora  LoRA rank: train adapters on the projections, the base frozen (0: every weight)
+    pub lora: usize,
+    /// --lora-alpha  the adapters' scale is alpha / rank (default 2 * rank)
+    pub lora_alpha: Option<f32>,
+    /// --lora-targets  PEFT's target_modules (empty: all-linear)
+    pub lora_targets: Vec<String>,
+    /// --lora-from  a PEFT adapter directory or LoRA checkpoint to go on from
+    pub lora_from: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -145,6 +153,10 @@ impl Default for TrainConfig {
             zero_stage: 0,
             recompute: 1,
             ce_rows: 1024,
+            lora: 0,
+            lora_alpha: None,
+            lora_targets: vec![],
+            lora_from: None,
         }
     }
 }
@@ -193,6 +205,12 @@ impl TrainConfig {
                 self.ce_rows,
                 crate::model::MIN_CLASSIFIER_ROWS
             );
+        }
+        if let Some(a) = self.lora_alpha {
+            finite(a, "--lora-alpha", "a finite number > 0", a > 0.0)?;
+        }
+        if self.lora == 0 && self.lora_from.is_none() && (self.lora_alpha.is_some() || !self.lora_targets.is_empty()) {
+            bail!("--lora-alpha and --lora-targets set up LoRA adapters: give their rank with --lora R");
         }
         if self.val_max_steps == Some(0) {
             bail!("-m 0: validation would average no batches; give -m N >= 1, -m -1 for the whole val split, or -v 0 for no validation");
@@ -446,6 +464,50 @@ fn load_weights(cfg: &TrainConfig, resume_step: Option<usize>, rank: usize) -> R
     Ok(weights)
 }
 
+/// The weights to train and, in a LoRA run, its adapters and the base's identity: a resumed
+/// LoRA checkpoint's (its base loaded again and checked by hash), `--lora-from`'s, or new ones
+/// of rank `--lora`.
+fn load_weights_and_adapters(
+    cfg: &TrainConfig,
+    resume_step: Option<usize>,
+    rank: usize,
+) -> Result<(crate::params::Weights, Option<(crate::lora::Adapters, crate::lora::BaseId)>)> {
+    use crate::lora::{Adapters, BaseId};
+    let ckpt = resume_step.map(|s| resume_paths(cfg, s, rank)[0].clone()).filter(|p| crate::lora::is_checkpoint(p));
+    let (w, lora) = match ckpt {
+        Some(p) => {
+            let (_, a, base) = crate::lora::load_checkpoint(&p)?;
+            // -e may name the base another way (a local copy); its values must be the same.
+            let w = base.load(cfg.model_given.then_some(cfg.model.as_str()))?;
+            (w, Some((a, base)))
+        }
+        None if resume_step.is_none() && (cfg.lora > 0 || cfg.lora_from.is_some()) => {
+            let w = crate::source::load_any(&cfg.model, cfg.seed)?;
+            let a = match &cfg.lora_from {
+                Some(p) => crate::lora::load_adapters(p, &w.config).context("--lora-from")?,
+                None => {
+                    let targets = crate::lora::select(&w.config, &cfg.lora_targets).context("--lora-targets")?;
+                    let alpha = cfg.lora_alpha.unwrap_or(2.0 * cfg.lora as f32);
+                    Adapters::new(cfg.lora, alpha, targets, &mut crate::rng::Mt19937::new(cfg.seed))?
+                }
+            };
+            let base = BaseId::of(&cfg.model, cfg.seed, &w);
+            (w, Some((a, base)))
+        }
+        None => {
+            if resume_step.is_some() && (cfg.lora > 0 || cfg.lora_from.is_some()) && rank == 0 {
+                eprintln!("note: -y 1 resumes a full fine-tune's checkpoint; --lora and --lora-from are not used");
+            }
+            (load_weights(cfg, resume_step, rank)?, None)
+        }
+    };
+    let (t, max_t) = (cfg.seq_len, w.config.max_seq_len);
+    if t > max_t {
+        bail!("sequence length -t {t} is longer than the model's max_seq_len {max_t}");
+    }
+    Ok((w, lora))
+}
+
 /// This rank's train and val loaders. With -a the train loader reads the val split, in order
 /// (the step resets it to the same batch). Also returns whether the train data is shuffled,
 /// which a resumed run must match.
@@ -544,6 +606,8 @@ struct Run<'a> {
     train: DataLoader,
     val: DataLoader,
     model: Model,
+    /// A LoRA run's base model (the checkpoints hold only the adapters).
+    lora_base: Option<crate::lora::BaseId>,
     tokenizer: Tokenizer,
     rep: Reporter,
     hellaswag: Option<Vec<crate::hellaswag::Example>>,
@@ -568,7 +632,7 @@ impl<'a> Run<'a> {
         resume_step: Option<usize>,
         run_dir: Option<&RunDir>,
     ) -> Result<Self> {
-        let weights = load_weights(cfg, resume_step, shape.rank)?;
+        let (weights, lora) = load_weights_and_adapters(cfg, resume_step, shape.rank)?;
         let mc = weights.config;
         if let (Some(s), true, 0) = (resume_step, cfg.model_given, shape.rank) {
             // llm.c resumes the checkpoint whatever -e says; say so when -e names another model.
@@ -590,7 +654,7 @@ impl<'a> Run<'a> {
                 if cfg.max_steps.is_some() { " (-x)" } else { " (one epoch of the train data)" }
             );
         }
-        if cfg.output_dir.is_some() && cfg.checkpoint_every > 0 {
+        if cfg.output_dir.is_some() && cfg.checkpoint_every > 0 && lora.is_none() {
             crate::checkpoint::check_model_file(&mc, cfg.save_dtype)?;
         }
         if let (Some(rd), Some(s)) = (run_dir, resume_step) {
@@ -598,6 +662,9 @@ impl<'a> Run<'a> {
         }
         let mut model =
             Model::with_collectives(weights, crate::backend::factory::open(cfg.device)?, comm, cfg.zero_stage)?;
+        if let Some((a, _)) = &lora {
+            model.set_lora(a)?;
+        }
         model.alloc_training_state()?;
         model.set_recompute(cfg.recompute)?;
         model.set_classifier_rows(cfg.ce_rows)?;
@@ -630,6 +697,7 @@ impl<'a> Run<'a> {
             train,
             val,
             model,
+            lora_base: lora.map(|(_, b)| b),
             tokenizer,
             rep,
             hellaswag: None,
@@ -665,6 +733,17 @@ impl<'a> Run<'a> {
                 self.val.num_tokens,
             ));
             rep.line(&format!("device: {}", model.describe_backend()));
+            if let Some(a) = model.lora() {
+                rep.line(&format!(
+                    "LoRA: rank {} alpha {} on {} projections ({}): {} trainable parameters, the base's {} frozen",
+                    a.r,
+                    a.alpha,
+                    a.targets.len(),
+                    a.target_names().join(", "),
+                    a.num_parameters(),
+                    model.num_parameters()
+                ));
+            }
         }
         let mem = model.memory();
         if world > 1 {
@@ -761,7 +840,7 @@ impl<'a> Run<'a> {
         let (cfg, step, Shape { rank, world, .. }) = (self.cfg, self.step, self.shape);
         let Some(dir) = cfg.output_dir.as_deref().filter(|_| cfg.checkpoint_every > 0) else { return Ok(()) };
         if !self.resuming && ((step > 0 && step % cfg.checkpoint_every == 0) || last) {
-            write_checkpoint(dir, step, &mut self.model, &self.train, cfg.save_dtype)?;
+            write_checkpoint(dir, step, &mut self.model, &self.train, cfg.save_dtype, self.lora_base.as_ref())?;
         }
         // After a checkpoint, and on resuming (a kill may have come between the newest
         // checkpoint and the deletions that should have followed it).
@@ -879,7 +958,14 @@ fn check_diverged(step: usize, loss: f32, norm: f32, exploded: f32) -> Result<()
 /// file, then (after all have) rank 0 the DONE marker, so a checkpoint without DONE is ignored.
 /// A diverged model (non-finite parameters or AdamW moments) is refused before anything is
 /// written, so the newest complete checkpoint is always one that can be resumed.
-fn write_checkpoint(dir: &Path, step: usize, model: &mut Model, train: &DataLoader, dtype: Dtype) -> Result<()> {
+fn write_checkpoint(
+    dir: &Path,
+    step: usize,
+    model: &mut Model,
+    train: &DataLoader,
+    dtype: Dtype,
+    lora_base: Option<&crate::lora::BaseId>,
+) -> Result<()> {
     let rank = model.rank().0;
     let [m, s, d] = ckpt_paths(dir, step, rank);
     let diverged = |what: &str| {
@@ -894,6 +980,29 @@ fn write_checkpoint(dir: &Path, step: usize, model: &mut Model, train: &DataLoad
     };
     // Every rank checks what it holds and all agree, so that all write or none does.
     let (params_ok, state_ok) = model.state_finite()?;
+    if let (Some(base), Some(meta)) = (lora_base, model.lora().cloned()) {
+        // A LoRA run's model file holds the adapters and the base's identity.
+        if !params_ok {
+            return Err(diverged("an adapter is"));
+        }
+        if !state_ok {
+            return Err(diverged("the AdamW state is"));
+        }
+        let st = TrainState { step, loader: train.state(), should_shuffle: train.should_shuffle() };
+        save_state(&s, model, &st)?;
+        if rank == 0 {
+            let a = crate::lora::Adapters { data: model.read_adapters(crate::model::Slot::Params)?, ..meta };
+            if let Err(e) = crate::lora::save_checkpoint(&m, &model.config, &a, base) {
+                let _ = std::fs::remove_file(&s);
+                return Err(e);
+            }
+        }
+        model.barrier()?;
+        if rank == 0 {
+            crate::files::write_atomic(&d, &[])?;
+        }
+        return Ok(());
+    }
     let weights = model.weights_on_rank0()?;
     if !params_ok {
         let bad = weights.as_ref().and_then(|w| {
@@ -943,7 +1052,7 @@ mod tests {
         let mut model = Model::new(crate::params::Weights::random(cfg, 1).unwrap(), Device::Cpu).unwrap();
         model.alloc_training_state().unwrap();
         let out = dir.path().join("run");
-        write_checkpoint(&out, 3, &mut model, &dl, Dtype::F32).unwrap();
+        write_checkpoint(&out, 3, &mut model, &dl, Dtype::F32, None).unwrap();
         assert_eq!(latest_checkpoint(&out), Some(3));
         let files = || std::fs::read_dir(&out).unwrap().count();
         assert_eq!(files(), 3);
@@ -954,12 +1063,12 @@ mod tests {
             let mut bad = good.clone();
             bad[good.len() / 2] = if slot == Slot::Params { f32::NAN } else { f32::INFINITY };
             model.write_all(slot, &bad).unwrap();
-            let e = format!("{:#}", write_checkpoint(&out, 4, &mut model, &dl, Dtype::F32).unwrap_err());
+            let e = format!("{:#}", write_checkpoint(&out, 4, &mut model, &dl, Dtype::F32, None).unwrap_err());
             assert!(e.contains("not finite") && e.contains("newest complete checkpoint is step 3"), "{e}");
             assert_eq!((files(), latest_checkpoint(&out)), (3, Some(3)), "{slot:?}: something was written");
             model.write_all(slot, &good).unwrap();
         }
-        write_checkpoint(&out, 4, &mut model, &dl, Dtype::F32).unwrap();
+        write_checkpoint(&out, 4, &mut model, &dl, Dtype::F32, None).unwrap();
         assert_eq!(latest_checkpoint(&out), Some(4));
     }
 
@@ -977,7 +1086,7 @@ mod tests {
         model.alloc_training_state().unwrap();
         let out = dir.path().join("run");
         std::fs::create_dir_all(out.join("model_00000003.bin")).unwrap();
-        assert!(write_checkpoint(&out, 3, &mut model, &dl, Dtype::F32).is_err());
+        assert!(write_checkpoint(&out, 3, &mut model, &dl, Dtype::F32, None).is_err());
         let names: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, ["model_00000003.bin"], "only the directory in the way is there");
         let scaling = crate::config::Llama3Scaling {
@@ -990,7 +1099,7 @@ mod tests {
             crate::config::ModelConfig { rope: crate::config::Rope { theta: 1e4, scaling: Some(scaling) }, ..cfg };
         let mut model = Model::new(crate::params::Weights::random(bad, 1).unwrap(), Device::Cpu).unwrap();
         model.alloc_training_state().unwrap();
-        let e = format!("{:#}", write_checkpoint(&out, 4, &mut model, &dl, Dtype::F32).unwrap_err());
+        let e = format!("{:#}", write_checkpoint(&out, 4, &mut model, &dl, Dtype::F32, None).unwrap_err());
         assert!(e.contains("cannot be checkpointed") && e.contains("original_max_position_embeddings"), "{e}");
         assert_eq!(std::fs::read_dir(&out).unwrap().count(), 1, "nothing written");
     }

@@ -566,3 +566,93 @@ fn prepare_text_with_a_tokenizer_json_runs_in_bounded_memory() {
     assert!(tokens > 3_000_000, "{tokens}");
     assert!(peak_mib < 450.0, "prepare text peaked at {peak_mib:.0} MiB for {} MB of text", text.len() / 1_000_000);
 }
+
+/// The LoRA commands end to end: train adapters, convert the checkpoint to PEFT's files and to
+/// the merged model, generate and evaluate with `--lora` (a PEFT directory or the checkpoint),
+/// which equal the merged model; and the one-line errors of LoRA flags.
+#[test]
+fn lora_train_convert_generate_and_eval() {
+    let dir = tempfile::tempdir().unwrap();
+    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
+    llmrs::data::write_shard(&dir.path().join("train.bin"), &toks).unwrap();
+    llmrs::data::write_shard(&dir.path().join("val.bin"), &toks[..400]).unwrap();
+    let run = |args: &[&str]| {
+        let o = llmrs().current_dir(dir.path()).args(args).args(["--threads", "1"]).output().unwrap();
+        assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    run(&["convert", "llama:2x32:4:2:16", "base", "--seed", "5"]);
+    let (out, _) = run(&[
+        "train",
+        "-i",
+        "train.bin",
+        "-j",
+        "val.bin",
+        "-e",
+        "base",
+        "-b",
+        "2",
+        "-t",
+        "16",
+        "-x",
+        "30",
+        "-v",
+        "30",
+        "-m",
+        "1",
+        "-s",
+        "0",
+        "-n",
+        "30",
+        "-o",
+        "run",
+        "--lora",
+        "4",
+        "--lora-targets",
+        "q_proj,v_proj,down_proj",
+        "-l",
+        "3e-2",
+    ]);
+    assert!(out.contains("LoRA: rank 4 alpha 8 on 6 projections (q_proj, v_proj, down_proj)"), "{out}");
+    let ckpt = "run/model_00000030.bin";
+    let (_, err) = run(&["convert", ckpt, "adapter"]);
+    assert!(err.contains("PEFT LoRA adapter: rank 4, alpha 8, 6 projections"), "{err}");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("adapter/adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["target_modules"], serde_json::json!(["q_proj", "v_proj", "down_proj"]));
+    assert_eq!(cfg["base_model_name_or_path"], "base");
+    run(&["convert", "--merge", ckpt, "merged"]);
+    run(&["convert", "base", "merged2.bin", "--lora", "adapter"]);
+    let gen = |e: &str, lora: Option<&str>| {
+        let mut a = vec!["generate", "-e", e, "-n", "10", "--temperature", "0", "--no-stop", "--tokenizer", "gpt2"];
+        if let Some(l) = lora {
+            a.extend(["--lora", l]);
+        }
+        run(&a).0
+    };
+    let merged = gen("merged", None);
+    assert_eq!(gen("base", Some("adapter")), merged);
+    assert_eq!(gen("base", Some(ckpt)), merged);
+    assert_eq!(gen(ckpt, None), merged);
+    assert_eq!(gen("merged2.bin", None), merged);
+    assert_ne!(gen("base", None), merged, "the adapters change the greedy text");
+    let ex = r#"{"ctx": "A man is sitting on a roof. he", "label": 3, "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.", "is holding a rubik's cube.", "starts pulling up roofing on a roof."]}"#;
+    std::fs::write(dir.path().join("hs.jsonl"), format!("{ex}\n")).unwrap();
+    let (a, _) =
+        run(&["eval", "hellaswag", "-e", "base", "--lora", "adapter", "--data", "hs.jsonl", "--tokenizer", "gpt2"]);
+    let (b, _) = run(&["eval", "hellaswag", "-e", "merged", "--data", "hs.jsonl", "--tokenizer", "gpt2"]);
+    assert_eq!(a, b);
+    // Errors: a target the family lacks, a checkpoint to a .bin without --merge, --merge of a
+    // plain model, adapters on another base.
+    let train = ["train", "-i", "train.bin", "-j", "val.bin", "-e", "base", "-b", "2", "-t", "16", "-x", "1"];
+    refused_with(dir.path(), &[&train[..], &["--lora", "4", "--lora-targets", "c_fc"]].concat(), &["c_fc", "q_proj"]);
+    refused_with(dir.path(), &["convert", ckpt, "x.bin"], &["--merge"]);
+    refused_with(dir.path(), &["convert", "--merge", "base", "x.bin"], &["not one"]);
+    run(&["convert", "llama:2x32:4:2:16", "other", "--seed", "6"]);
+    refused_with(
+        dir.path(),
+        &["generate", "-e", "other", "--lora", ckpt, "-n", "2", "--tokenizer", "gpt2"],
+        &["not the one"],
+    );
+}

@@ -466,6 +466,8 @@ fn gpu_bench_reports_the_adapter_and_time_per_layer_kind() {
         zero_stage: 0,
         recompute: 1,
         ce_rows: 0,
+        lora: 0,
+        lora_targets: vec![],
     })
     .unwrap();
     assert!(r.backend.starts_with("gpu: fp32 WGSL kernels on"), "{}", r.backend);

@@ -64,7 +64,18 @@ fn gpu_matmul_forward_and_backward() {
                     }
                     p.both(
                         |be, [dinp, dw, db, dout, inp, w]| {
-                            be.matmul_backward(Some(dinp), Some(dw), bias.then_some(db), dout, inp, w, n, c, oc, accumulate)
+                            be.matmul_backward(
+                                Some(dinp),
+                                Some(dw),
+                                bias.then_some(db),
+                                dout,
+                                inp,
+                                w,
+                                n,
+                                c,
+                                oc,
+                                accumulate,
+                            )
                         },
                         [dinp, dw, db, dout, inp, w],
                     );

@@ -48,7 +48,12 @@ impl Io {
         let bytes = std::fs::read(fixture("lora/io.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let ints = |n: &str| {
-            st.tensor(n).unwrap().data().chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32).collect()
+            st.tensor(n)
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
+                .collect()
         };
         let (inputs, targets) = (ints("input_ids"), ints("targets"));
         Io { inputs, targets, bytes }

@@ -426,3 +426,157 @@ fn resuming_past_the_last_step_is_refused_and_changes_nothing() {
         assert!(out.join("model_00000004.bin").exists());
     }
 }
+
+/// A LoRA run (GPT-2's and Llama's projections): its checkpoints hold the adapters (not the
+/// base), a resume from one gives the same losses bit for bit, the base never changes, and the
+/// checkpoint loads as the merged model and converts to PEFT's files.
+#[test]
+fn a_lora_run_trains_only_its_adapters_and_resumes_bit_identically() {
+    for model in ["2x32:2:32", "llama:2x32:4:2:16"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (train, val) = make_data(dir.path());
+        let out = dir.path().join("run");
+        let cfg = TrainConfig {
+            model: model.into(),
+            checkpoint_every: 5,
+            lora: 4,
+            lora_alpha: Some(16.0),
+            learning_rate: 1e-2,
+            ..small(&out, &train, &val)
+        };
+        let full = run(&cfg).unwrap();
+        assert_eq!(full.train_losses.len(), 12);
+        let mean = |r: std::ops::Range<usize>| full.train_losses[r].iter().map(|x| x.1).sum::<f32>() / 4.0;
+        assert!(mean(8..12) < mean(0..4) - 0.01, "{model}: LoRA did not learn: {:?}", full.train_losses);
+        let ckpt = out.join("model_00000012.bin");
+        assert!(llmrs::lora::is_checkpoint(&ckpt));
+        let (cfg12, a12, base) = llmrs::lora::load_checkpoint(&ckpt).unwrap();
+        assert_eq!(base.source, model);
+        let base_w = llmrs::source::load_any(model, 42).unwrap();
+        assert_eq!(base.hash, llmrs::lora::weights_hash(&base_w));
+        assert!(cfg12.same_shape(&base_w.config));
+        assert_eq!((a12.r, a12.alpha), (4, 16.0));
+        // The file holds the adapters only: a small fraction of the model.
+        let size = std::fs::metadata(&ckpt).unwrap().len() as usize;
+        assert!(size < 1024 * 8 + 4 * a12.num_parameters() + 4096, "{size} bytes");
+        // Loaded as a model it is the merge of base and adapters, which a run's last validation saw.
+        let merged = llmrs::source::load_any(ckpt.to_str().unwrap(), 0).unwrap();
+        let mut m = llmrs::model::Model::new(merged, llmrs::backend::Device::Cpu).unwrap();
+        let mut v = llmrs::data::DataLoader::new(&val, 2, 16, 50257, false).unwrap();
+        let mut loss = 0.0;
+        for _ in 0..2 {
+            v.next_batch().unwrap();
+            loss += m.loss(&v.inputs, &v.targets, 2, 16).unwrap() / 2.0;
+        }
+        let last_val = full.val_losses.last().unwrap().1;
+        assert!((loss - last_val).abs() < 1e-4 * last_val, "{model}: merged {loss} vs the run's {last_val}");
+        // Resume from step 5 after a crash.
+        for s in [10, 12] {
+            for f in [format!("DONE_{s:08}"), format!("model_{s:08}.bin"), format!("state_{s:08}_00000.bin")] {
+                std::fs::remove_file(out.join(f)).unwrap();
+            }
+        }
+        let resumed = run(&TrainConfig { resume: true, lora: 0, lora_alpha: None, ..cfg.clone() }).unwrap();
+        assert_eq!(resumed.train_losses.len(), 7);
+        for ((s1, l1), (s2, l2)) in full.train_losses[5..].iter().zip(&resumed.train_losses) {
+            assert_eq!((s1, l1.to_bits()), (s2, l2.to_bits()), "{model} step {s1}: {l1} vs {l2}");
+        }
+        assert_eq!(llmrs::lora::load_checkpoint(&ckpt).unwrap().1, a12, "{model}: the same adapters after resuming");
+        // A resume on another base is refused, naming both.
+        for s in [12] {
+            for f in [format!("DONE_{s:08}"), format!("model_{s:08}.bin"), format!("state_{s:08}_00000.bin")] {
+                std::fs::remove_file(out.join(f)).unwrap();
+            }
+        }
+        let other = dir.path().join("other.bin");
+        let w7 = llmrs::source::load_any(model, 7).unwrap();
+        llmrs::checkpoint::save_model(&w7, &other, llmrs::files::Dtype::F32).unwrap();
+        let spec = other.to_str().unwrap().to_string();
+        let e = format!(
+            "{:#}",
+            run(&TrainConfig { resume: true, model: spec, model_given: true, ..cfg.clone() }).unwrap_err()
+        );
+        assert!(e.contains("not the one these adapters were trained on") && e.contains("seed 42"), "{e}");
+    }
+}
+
+/// LoRA over 2 ranks at every ZeRO stage (the base sharded under ZeRO-3) trains as one
+/// process with the whole batch.
+#[test]
+fn lora_ranks_train_as_one_process_at_every_zero_stage() {
+    for model in ["2x32:2:32", "llama:2x32:4:2:16"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (train, val) = make_data(dir.path());
+        let base = TrainConfig {
+            model: model.into(),
+            total_batch_size: Some(128),
+            max_steps: Some(10),
+            checkpoint_every: 10,
+            sample_every: 5,
+            gen_tokens: 6,
+            lora: 4,
+            learning_rate: 1e-2,
+            ..small(dir.path(), &train, &val)
+        };
+        let run_ranks = |world: usize, stage: usize, b: usize| {
+            let out = dir.path().join(format!("w{world}z{stage}"));
+            let cfg = TrainConfig { output_dir: Some(out.clone()), zero_stage: stage, batch_size: b, ..base.clone() };
+            let ranks: Vec<_> = llmrs::backend::comm::local_group(world)
+                .into_iter()
+                .map(|comm| {
+                    let cfg = cfg.clone();
+                    std::thread::spawn(move || llmrs::train::run_with(&cfg, Box::new(comm)).unwrap())
+                })
+                .collect();
+            let runs: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+            (runs, llmrs::lora::load_checkpoint(&out.join("model_00000010.bin")).unwrap().1)
+        };
+        let (one, one_a) = run_ranks(1, 0, 4);
+        for stage in 0..=3 {
+            let (runs, a) = run_ranks(2, stage, 2);
+            for r in &runs {
+                for ((s, x), (_, y)) in r.train_losses.iter().zip(&one[0].train_losses) {
+                    assert!((x - y).abs() <= 1e-5 * y, "{model} ZeRO-{stage} step {s}: {x} vs {y}");
+                }
+                assert_eq!(r.samples, one[0].samples, "{model} ZeRO-{stage}: samples");
+            }
+            let worst = a.data.iter().zip(&one_a.data).map(|(x, y)| (x - y).abs()).fold(0f32, common::nan_max);
+            assert!(worst <= 1e-4, "{model} ZeRO-{stage}: adapters differ by {worst}");
+        }
+    }
+}
+
+#[test]
+fn lora_settings_that_cannot_work_are_refused_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    let base = TrainConfig { model: "llama:2x32:4:2:16".into(), lora: 4, ..small(dir.path(), &train, &val) };
+    let err = |c: TrainConfig| format!("{:#}", run(&c).unwrap_err());
+    let e = err(TrainConfig { lora_targets: vec!["c_attn".into()], ..base.clone() });
+    assert!(e.contains("\"c_attn\"") && e.contains("q_proj") && !e.contains('\n'), "{e}");
+    let e = err(TrainConfig { lora: 64, ..base.clone() });
+    assert!(e.contains("--lora 64") && e.contains("at most"), "{e}");
+    let e = err(TrainConfig { lora: 0, lora_alpha: Some(8.0), ..base.clone() });
+    assert!(e.contains("--lora R"), "{e}");
+    // An adapter made for another base: its shapes differ.
+    let other = llmrs::config::ModelConfig::from_descriptor("llama:2x48:4:2:16").unwrap();
+    let targets = llmrs::lora::select(&other, &[]).unwrap();
+    let a = llmrs::lora::Adapters::new(2, 4.0, targets, &mut llmrs::rng::Mt19937::new(1)).unwrap();
+    let peft = dir.path().join("other_adapter");
+    a.save_peft(&other, &peft, "x").unwrap();
+    let e = err(TrainConfig { lora: 0, lora_from: Some(peft), ..base.clone() });
+    assert!(e.contains("--lora-from") && e.contains("another base"), "{e}");
+    // A PEFT config llmrs cannot honour.
+    let cfg = llmrs::source::peek_config("llama:2x32:4:2:16").unwrap().unwrap();
+    let dora = dir.path().join("dora");
+    llmrs::lora::Adapters::new(2, 4.0, llmrs::lora::select(&cfg, &[]).unwrap(), &mut llmrs::rng::Mt19937::new(1))
+        .unwrap()
+        .save_peft(&cfg, &dora, "x")
+        .unwrap();
+    let j = std::fs::read_to_string(dora.join("adapter_config.json"))
+        .unwrap()
+        .replace("\"use_dora\": false", "\"use_dora\": true");
+    std::fs::write(dora.join("adapter_config.json"), j).unwrap();
+    let e = err(TrainConfig { lora: 0, lora_from: Some(dora), ..base });
+    assert!(e.contains("use_dora"), "{e}");
+}

@@ -94,8 +94,9 @@ mod tests {
             let (mut da, mut db, mut dx) = (da0.clone(), db0.clone(), dx0.clone());
             lora_backward(Some(&mut dx), &mut da, &mut db, &mut h, &mut dh, &dout, &x, &a, &b, s);
             let g = |i: usize, o: usize| dout[i * oc + row0 + o] as f64;
-            let dhf: Vec<f64> =
-                (0..n * r).map(|i| (0..rows).map(|o| g(i / r, o) * b[o * r + i % r] as f64).sum::<f64>() * scale as f64).collect();
+            let dhf: Vec<f64> = (0..n * r)
+                .map(|i| (0..rows).map(|o| g(i / r, o) * b[o * r + i % r] as f64).sum::<f64>() * scale as f64)
+                .collect();
             for o in 0..rows {
                 for j in 0..r {
                     let want = db0[o * r + j] as f64 + (0..n).map(|i| g(i, o) * hf[i * r + j]).sum::<f64>();
@@ -104,13 +105,15 @@ mod tests {
             }
             for j in 0..r {
                 for k in 0..c {
-                    let want = da0[j * c + k] as f64 + (0..n).map(|i| dhf[i * r + j] * x[i * c + k] as f64).sum::<f64>();
+                    let want =
+                        da0[j * c + k] as f64 + (0..n).map(|i| dhf[i * r + j] * x[i * c + k] as f64).sum::<f64>();
                     assert!((da[j * c + k] as f64 - want).abs() < 1e-4, "da");
                 }
             }
             for i in 0..n {
                 for k in 0..c {
-                    let want = dx0[i * c + k] as f64 + (0..r).map(|j| dhf[i * r + j] * a[j * c + k] as f64).sum::<f64>();
+                    let want =
+                        dx0[i * c + k] as f64 + (0..r).map(|j| dhf[i * r + j] * a[j * c + k] as f64).sum::<f64>();
                     assert!((dx[i * c + k] as f64 - want).abs() < 1e-4, "dx");
                 }
             }
