@@ -650,15 +650,12 @@ impl Model {
     /// Make this a LoRA run ([`crate::lora`]): the base parameters are frozen (no gradients,
     /// no AdamW state: backward computes only what the adapters and the inputs need) and the
     /// adapters are added to the projections they adapt in every pass. Call before
-    /// [`Model::alloc_training_state`]. The CPU backend runs it, as one process or over ranks:
+    /// [`Model::alloc_training_state`]. Every backend runs it, as one process or over ranks:
     /// the adapters, their gradients (averaged) and AdamW state are every rank's, whatever the
     /// ZeRO stage; under ZeRO-3 the frozen base is sharded as in a full run.
     pub fn set_lora(&mut self, adapters: &crate::lora::Adapters) -> Result<()> {
         if self.lora.is_some() || self.train.is_some() {
             bail!("LoRA adapters are set once, before the training state is allocated");
-        }
-        if !self.be.runs_lora() {
-            bail!("--lora runs on the CPU backend only for now; use --device cpu");
         }
         let all = crate::lora::linear_modules(&self.config);
         if let Some(t) = adapters.targets.iter().find(|t| !all.contains(t)) {

@@ -91,6 +91,38 @@ fn gpu_matmul_forward_and_backward() {
     });
 }
 
+/// A LoRA adapter's term on the adapted rows of a fused projection (row0 > 0, rows < OC) and on
+/// a whole one, forward and backward (which adds to dinp and to the adapter's gradients).
+#[test]
+fn gpu_lora_forward_and_backward() {
+    both("gpu_lora_forward_and_backward", |p| {
+        for &(n, c, oc, r, row0, rows) in
+            &[(1, 1, 1, 1, 0, 1), (5, 7, 13, 3, 4, 6), (70, 33, 60, 8, 0, 60), (600, 5, 12, 2, 9, 3)]
+        {
+            // A (R, C) and B (ROWS, R) fit one window (tiny: 512 floats), as any real adapter's do.
+            let s = llmrs::backend::LoraShape { n, c, oc, r, row0, rows, scale: 1.75 };
+            let [out, h, inp, a, b, dinp, da, db, dh, dout] =
+                p.parts([n * oc, n * r, n * c, r * c, rows * r, n * c, r * c, rows * r, n * r, n * oc]);
+            let what = format!("lora n={n} c={c} oc={oc} r={r} rows {row0}..{}", row0 + rows);
+            p.poison(h);
+            p.both(|be, [out, h, inp, a, b]| be.lora_forward(out, h, inp, a, b, s), [out, h, inp, a, b]);
+            p.check(out, 1e-5, &format!("{what}: out"));
+            p.check(h, 1e-5, &format!("{what}: h"));
+            p.poison(h);
+            p.poison(dh);
+            p.both(
+                |be, [dinp, da, db, h, dh, dout, inp, a, b]| {
+                    be.lora_backward(Some(dinp), da, db, h, dh, dout, inp, a, b, s)
+                },
+                [dinp, da, db, h, dh, dout, inp, a, b],
+            );
+            for (x, name) in [(dinp, "dinp"), (da, "da"), (db, "db"), (dh, "dh")] {
+                p.check(x, 1e-5, &format!("{what}: {name}"));
+            }
+        }
+    });
+}
+
 /// Grids of 4 workgroups per dimension: a GEMM of more than 4 tiles of rows or columns runs in
 /// parts (on the real limit, 65535 tiles, the rows of 4 million positions).
 #[test]

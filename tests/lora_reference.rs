@@ -2,7 +2,8 @@
 //! of rank 4, alpha 8, on every projection of the tiny Llama of tests/fixtures/llama/gqa and of
 //! the tiny GPT-2 of tests/fixtures/hf/gpt2_tiny_fp32, with nonzero B). The adapter's logits,
 //! 20 adapter-only AdamW steps (losses, gradient norms, the final adapters), the exported
-//! adapter's files, and the merge against PEFT's `merge_and_unload`.
+//! adapter's files, and the merge against PEFT's `merge_and_unload`; on the CPU and on the GPU
+//! backend (lavapipe in CI; SKIPPED without an adapter).
 
 mod common;
 
@@ -70,10 +71,19 @@ fn logits(model: &mut Model, io: &Io) -> Vec<f32> {
     (0..22).flat_map(|i| model.logits_at(i).unwrap()).collect()
 }
 
-fn lora_model(family: &str, adapter: &str) -> (Model, Adapters) {
+/// The CPU, and the GPU when there is an adapter (else a loud SKIPPED line for its half).
+fn devices(test: &str) -> Vec<Device> {
+    let mut d = vec![Device::Cpu];
+    if common::gpu::available(test) {
+        d.push(Device::Gpu(None));
+    }
+    d
+}
+
+fn lora_model(family: &str, adapter: &str, dev: Device) -> (Model, Adapters) {
     let w = load_hf(&base(family)).unwrap();
     let a = Adapters::load_peft(&w.config, &fixture(&format!("lora/{family}_{adapter}"))).unwrap();
-    let mut model = Model::new(w, Device::Cpu).unwrap();
+    let mut model = Model::new(w, dev).unwrap();
     model.set_lora(&a).unwrap();
     (model, a)
 }
@@ -81,11 +91,12 @@ fn lora_model(family: &str, adapter: &str) -> (Model, Adapters) {
 #[test]
 fn an_adapter_gives_pefts_logits() {
     let io = Io::load();
-    for family in ["llama", "gpt2"] {
+    for (dev, family) in devices("an_adapter_gives_pefts_logits").into_iter().flat_map(|d| [(d, "llama"), (d, "gpt2")])
+    {
         for adapter in ["adapter0", "adapter20"] {
-            let (mut model, _) = lora_model(family, adapter);
+            let (mut model, _) = lora_model(family, adapter, dev);
             let want = io.floats(&format!("{family}_{}_logits", adapter.replace("adapter", "lora")));
-            compare(&logits(&mut model, &io), &want, 1e-4, &format!("{family} {adapter} logits"));
+            compare(&logits(&mut model, &io), &want, 1e-4, &format!("{dev}: {family} {adapter} logits"));
         }
         // And without the adapter the base's own logits differ (the adapter is not a no-op).
         let mut plain = Model::new(load_hf(&base(family)).unwrap(), Device::Cpu).unwrap();
@@ -97,9 +108,10 @@ fn an_adapter_gives_pefts_logits() {
 
 #[test]
 fn twenty_adapter_only_adamw_steps_follow_peft() {
-    for family in ["llama", "gpt2"] {
+    let devs = devices("twenty_adapter_only_adamw_steps_follow_peft");
+    for (dev, family) in devs.into_iter().flat_map(|d| [(d, "llama"), (d, "gpt2")]) {
         let tr = common::trajectory::Trajectory::load(&fixture(&format!("lora/{family}_trajectory.json")));
-        let (mut model, start) = lora_model(family, "adapter0");
+        let (mut model, start) = lora_model(family, "adapter0", dev);
         let base_before = model.read_all(Slot::Params).unwrap();
         model.alloc_training_state().unwrap();
         let mem = model.memory();
@@ -108,14 +120,14 @@ fn twenty_adapter_only_adamw_steps_follow_peft() {
         for step in 0..tr.steps {
             let s = tr.step(&mut model, step);
             let (l, n) = (tr.losses[step], tr.grad_norms[step]);
-            assert!((s.loss - l).abs() <= 1e-5 * l, "{family} step {step} loss {} vs {l}", s.loss);
-            assert!((s.grad_norm - n).abs() <= 1e-4 * n, "{family} step {step} norm {} vs {n}", s.grad_norm);
+            assert!((s.loss - l).abs() <= 1e-5 * l, "{dev}: {family} step {step} loss {} vs {l}", s.loss);
+            assert!((s.grad_norm - n).abs() <= 1e-4 * n, "{dev}: {family} step {step} norm {} vs {n}", s.grad_norm);
         }
         assert_eq!(model.read_all(Slot::Params).unwrap(), base_before, "{family}: the base is frozen");
         let cfg = model.config;
         let want = Adapters::load_peft(&cfg, &fixture(&format!("lora/{family}_adapter20"))).unwrap();
         let got = model.read_adapters(Slot::Params).unwrap();
-        compare(&got, &want.data, 1e-4, &format!("{family}: adapters after 20 steps"));
+        compare(&got, &want.data, 1e-4, &format!("{dev}: {family}: adapters after 20 steps"));
         // Exported as PEFT's files, read back: the same adapters, PEFT's names and shapes.
         let dir = std::env::temp_dir().join(format!("llmrs-lora-export-{family}-{}", std::process::id()));
         let trained = Adapters { data: got.clone(), ..start.clone() };

@@ -194,11 +194,6 @@ pub trait Backend {
     /// What runs, for logs and `llmrs bench` (e.g. "cpu: packed AVX2+FMA GEMM, 2 threads").
     fn describe(&self) -> String;
 
-    /// Whether it implements the LoRA ops ([`Backend::lora_forward`]).
-    fn runs_lora(&self) -> bool {
-        false
-    }
-
     /// The device's fp32 peak in GFLOP/s and how it was found, for `llmrs bench`'s MFU; None
     /// where the backend does not measure one.
     fn measure_peak(&self) -> Option<(f64, String)> {

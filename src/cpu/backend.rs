@@ -149,10 +149,6 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
-    fn runs_lora(&self) -> bool {
-        true
-    }
-
     fn describe(&self) -> String {
         let gemm = if super::sgemm::fast_path_available() {
             super::sgemm::Tile::current().describe()

@@ -14,7 +14,7 @@ pub const IMMEDIATE_BYTES: u32 = 128;
 pub const COMMON: &str = include_str!("kernels/common.wgsl");
 
 /// Every kernel module, by file name.
-const FILES: [(&str, &str); 12] = [
+const FILES: [(&str, &str); 13] = [
     ("memory", include_str!("kernels/memory.wgsl")),
     ("encoder", include_str!("kernels/encoder.wgsl")),
     ("layernorm", include_str!("kernels/layernorm.wgsl")),
@@ -27,6 +27,7 @@ const FILES: [(&str, &str); 12] = [
     ("attention", include_str!("kernels/attention.wgsl")),
     ("classifier", include_str!("kernels/classifier.wgsl")),
     ("adamw", include_str!("kernels/adamw.wgsl")),
+    ("lora", include_str!("kernels/lora.wgsl")),
 ];
 
 /// The complete WGSL of every module (common helpers included), by file name: what the
@@ -69,11 +70,12 @@ pub enum K {
     Adamw,
     SumSquares,
     ReducePartials,
+    LoraScale,
 }
 
 /// (kernel, module, entry point, storage buffers bound at 0..n, which of them hold u32 (a bit
 /// per binding; the others f32)).
-const TABLE: [(K, &str, &str, usize, u8); 31] = [
+const TABLE: [(K, &str, &str, usize, u8); 32] = [
     (K::Fill, "memory", "fill", 1, 0),
     (K::CopyRows, "memory", "copy_rows", 2, 0),
     (K::ColumnSums, "memory", "column_sums", 2, 0),
@@ -105,6 +107,7 @@ const TABLE: [(K, &str, &str, usize, u8); 31] = [
     (K::Adamw, "adamw", "adamw", 5, 0),
     (K::SumSquares, "adamw", "sum_squares", 2, 0),
     (K::ReducePartials, "adamw", "reduce_partials", 2, 0),
+    (K::LoraScale, "lora", "lora_scale", 1, 0),
 ];
 
 /// Most buffers any kernel binds.

@@ -277,7 +277,7 @@ impl GpuBackend {
 
 /// Rows `r` and columns `cols` of a row-major (_, width) matrix: the span from the first
 /// element of the block to its last.
-fn block(x: Buf, width: usize, r: &Range<usize>, cols: &Range<usize>) -> Buf {
+pub(super) fn block(x: Buf, width: usize, r: &Range<usize>, cols: &Range<usize>) -> Buf {
     let first = r.start * width + cols.start;
     x.slice(first..(r.end - 1) * width + cols.end)
 }

@@ -16,6 +16,7 @@ mod encoder;
 mod gelu;
 pub mod kernels;
 mod layernorm;
+mod lora;
 mod matmul;
 mod memory;
 mod record;
@@ -494,23 +495,23 @@ impl Backend for GpuBackend {
     ) {
         self.matmul_backward_(dinp, dweight, dbias, dout, inp, weight, n, c, oc, accumulate)
     }
-    fn lora_forward(&mut self, _out: Buf, _h: Buf, _inp: Buf, _a: Buf, _b: Buf, _s: LoraShape) {
-        unreachable!("LoRA runs on the CPU backend only (Model::set_lora refuses the GPU)")
+    fn lora_forward(&mut self, out: Buf, h: Buf, inp: Buf, a: Buf, b: Buf, s: LoraShape) {
+        self.lora_forward_(out, h, inp, a, b, s)
     }
     fn lora_backward(
         &mut self,
-        _dinp: Option<Buf>,
-        _da: Buf,
-        _db: Buf,
-        _h: Buf,
-        _dh: Buf,
-        _dout: Buf,
-        _inp: Buf,
-        _a: Buf,
-        _b: Buf,
-        _s: LoraShape,
+        dinp: Option<Buf>,
+        da: Buf,
+        db: Buf,
+        h: Buf,
+        dh: Buf,
+        dout: Buf,
+        inp: Buf,
+        a: Buf,
+        b: Buf,
+        s: LoraShape,
     ) {
-        unreachable!("LoRA runs on the CPU backend only (Model::set_lora refuses the GPU)")
+        self.lora_backward_(dinp, da, db, h, dh, dout, inp, a, b, s)
     }
     fn gelu_forward(&mut self, out: Buf, inp: Buf) {
         self.gelu_forward_(out, inp)
