@@ -8,10 +8,11 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-fn train(dir: &Path, out: &str) -> Command {
+fn train(dir: &Path, out: &str, extra: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_llmrs"));
     c.current_dir(dir)
-        .args(["train", "-i", "train.bin", "-j", "val.bin", "-e", "2x32:2:32", "-b", "2", "-t", "16", "-x", "30"])
+        .args(["train", "-i", "train.bin", "-j", "val.bin", "-b", "2", "-t", "16", "-x", "30"])
+        .args(if extra.is_empty() { &["-e", "2x32:2:32"][..] } else { extra })
         .args([
             "-v",
             "10",
@@ -59,10 +60,20 @@ fn losses(log: &Path) -> (Losses, Losses) {
 
 #[test]
 fn twenty_sigkills_resume_to_the_uninterrupted_run() {
+    sigkills_resume_to_the_uninterrupted_run(20, &[]);
+}
+
+/// The same for a LoRA run (its checkpoints: the adapters and their AdamW state), 8 kills.
+#[test]
+fn sigkills_of_a_lora_run_resume_to_the_uninterrupted_run() {
+    sigkills_resume_to_the_uninterrupted_run(8, &["--lora", "4", "-e", "llama:2x32:4:2:16"]);
+}
+
+fn sigkills_resume_to_the_uninterrupted_run(total_kills: usize, extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     common::make_data(dir.path(), 99, 4000, 800);
     let t0 = Instant::now();
-    let o = train(dir.path(), "ref").output().unwrap();
+    let o = train(dir.path(), "ref", extra).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let full = t0.elapsed();
     let want = losses(&dir.path().join("ref/log.jsonl"));
@@ -70,7 +81,7 @@ fn twenty_sigkills_resume_to_the_uninterrupted_run() {
 
     // Kill times spread over one whole run's duration (start-up, steps and checkpoint writes).
     // A run that gets to the end before its kill closes an episode: it is checked, and the
-    // next kills go to a fresh directory, until 20 kills have landed.
+    // next kills go to a fresh directory, until all the kills have landed.
     let names = |d: &str| {
         let mut v: Vec<String> = std::fs::read_dir(dir.path().join(d))
             .unwrap()
@@ -93,13 +104,13 @@ fn twenty_sigkills_resume_to_the_uninterrupted_run() {
     };
     let mut seed = 0x2545F4914F6CDD1Du64;
     let (mut kills, mut episode, mut in_episode) = (0, 0, 0);
-    while kills < 20 {
+    while kills < total_kills {
         seed ^= seed << 13;
         seed ^= seed >> 7;
         seed ^= seed << 17;
         let at = full.mul_f64((seed % 1000) as f64 / 1000.0);
         let out = format!("crash{episode}");
-        let mut child = train(dir.path(), &out).spawn().unwrap();
+        let mut child = train(dir.path(), &out, extra).spawn().unwrap();
         std::thread::sleep(at);
         if child.try_wait().unwrap().is_none() {
             child.kill().unwrap(); // SIGKILL
@@ -119,7 +130,7 @@ fn twenty_sigkills_resume_to_the_uninterrupted_run() {
         }
     }
     let out = format!("crash{episode}");
-    let o = train(dir.path(), &out).output().unwrap();
+    let o = train(dir.path(), &out, extra).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     check(&out, in_episode);
 }
