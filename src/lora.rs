@@ -151,8 +151,9 @@ impl Adapters {
         self.alpha / self.r as f32
     }
 
+    /// The adapters' values: R * (in + out) per target.
     pub fn num_parameters(&self) -> usize {
-        self.data.len()
+        self.targets.iter().map(|t| self.r * (t.cols + t.rows)).sum()
     }
 
     fn start(&self, i: usize) -> usize {

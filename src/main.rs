@@ -213,6 +213,10 @@ enum EvalCmd {
         /// LoRA adapters on top of the model (a PEFT adapter directory or a LoRA checkpoint).
         #[arg(long)]
         lora: Option<PathBuf>,
+        /// Rows of logits the classifier computes at once (as train's --ce-rows; 0 = all):
+        /// the losses are the same bits, the logits buffer that much smaller.
+        #[arg(long = "ce-rows", default_value_t = D.with(|d| d.ce_rows))]
+        ce_rows: usize,
     },
 }
 
@@ -257,6 +261,9 @@ struct GenArgs {
     /// (merged into the weights at load, as PEFT's merge_and_unload).
     #[arg(long)]
     lora: Option<PathBuf>,
+    /// With --no-cache: rows of logits computed at once (as train's --ce-rows; 0 = all).
+    #[arg(long = "ce-rows", default_value_t = D.with(|d| d.ce_rows))]
+    ce_rows: usize,
 }
 
 #[derive(Args)]
@@ -562,6 +569,7 @@ fn cmd_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
     sampler.validate()?; // before loading (or downloading) anything
     let spec = model_spec(a.hf, a.model)?;
     let mut model = llmrs::model::Model::new(load_with_lora(&spec, 0, a.lora.as_deref())?, device)?;
+    model.set_classifier_rows(a.ce_rows)?;
     let tok = llmrs::source::tokenizer_for_text(a.tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let prompt = if a.prompt.is_empty() { vec![tok.doc_start] } else { tok.encode(&a.prompt)? };
     // The model's own end tokens (generation_config.json, config.json), else the tokenizer's.
@@ -791,9 +799,10 @@ fn cmd_plot(logs: &[PathBuf], out: &Path) -> Result<()> {
 }
 
 fn cmd_eval(e: EvalCmd, device: llmrs::backend::Device) -> Result<()> {
-    let EvalCmd::Hellaswag { model, hf, data, limit, tokenizer, lora } = e;
+    let EvalCmd::Hellaswag { model, hf, data, limit, tokenizer, lora, ce_rows } = e;
     let spec = model_spec(hf, model)?;
     let mut model = llmrs::model::Model::new(load_with_lora(&spec, 42, lora.as_deref())?, device)?;
+    model.set_classifier_rows(ce_rows)?;
     let tok = llmrs::source::tokenizer_for_text(tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let data = match data {
         Some(d) => d,

@@ -167,7 +167,12 @@ impl Model {
         let Weights { config, layout, data } = weights;
         let zero = Sharding::new(zero, comm.rank(), comm.world(), config)?;
         let pieces = zero.pieces();
-        let params = be.alloc_parts(&zero.parts_at(3), DType::F32)?;
+        let (params, data) = if zero.stage == 3 {
+            (be.alloc_parts(&zero.parts_at(3), DType::F32)?, data)
+        } else {
+            // The backend takes the host copy as its own where it can (the CPU).
+            (be.alloc_from(&zero.parts_at(3), data)?, vec![])
+        };
         let mut gathered = None;
         if zero.stage == 3 {
             for p in &pieces {
@@ -177,8 +182,6 @@ impl Model {
             let whole = be.alloc_parts(&zero.bucket_parts(), DType::F32)?;
             let (embed, block) = (whole.prefix(e), whole.slice(e..e + b));
             gathered = Some(Gathered { whole, embed, block, embed_valid: false, block_held: None });
-        } else {
-            be.upload(params, &data);
         }
         drop(data); // the host copy goes before anything else is allocated
         let stats = be.alloc(2, DType::F32)?;

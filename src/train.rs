@@ -484,6 +484,20 @@ fn load_weights_and_adapters(
         None if resume_step.is_none() && (cfg.lora > 0 || cfg.lora_from.is_some()) => {
             let w = crate::source::load_any(&cfg.model, cfg.seed)?;
             let a = match &cfg.lora_from {
+                Some(p) if !p.is_dir() => {
+                    // A LoRA checkpoint: its adapters were trained on one base, which -e must be.
+                    let (_, a, base) = crate::lora::load_checkpoint(p).context("--lora-from")?;
+                    if base.hash != crate::lora::weights_hash(&w) {
+                        bail!(
+                            "--lora-from {}: its adapters were trained on {} (seed {}), not on -e {}",
+                            p.display(),
+                            base.source,
+                            base.seed,
+                            cfg.model
+                        );
+                    }
+                    a
+                }
                 Some(p) => crate::lora::load_adapters(p, &w.config).context("--lora-from")?,
                 None => {
                     let targets = crate::lora::select(&w.config, &cfg.lora_targets).context("--lora-targets")?;

@@ -238,11 +238,30 @@ fn generate_eval_convert_and_plot_commands() {
     let (cached, _) =
         run(&["generate", "-e", "m.bin", "-p", "To be, or not", "-n", "12", "--temperature", "0", "--no-stop"]);
     assert_eq!(uncached, cached);
+    let (chunked, _) = run(&[
+        "generate",
+        "-e",
+        "m.bin",
+        "-p",
+        "To be, or not",
+        "-n",
+        "12",
+        "--temperature",
+        "0",
+        "--no-stop",
+        "--no-cache",
+        "--ce-rows",
+        "3",
+    ]);
+    assert_eq!(chunked, cached);
     // HellaSwag on a few hand-made examples in JSON lines.
     let ex = r#"{"ctx": "A man is sitting on a roof. he", "label": 3, "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.", "is holding a rubik's cube.", "starts pulling up roofing on a roof."]}"#;
     std::fs::write(dir.path().join("hs.jsonl"), format!("{ex}\n{ex}\n")).unwrap();
     let (out, _) = run(&["eval", "hellaswag", "-e", "hf_dir", "--data", "hs.jsonl"]);
     assert!(out.contains("acc_norm") && out.contains("/2 = ") && out.contains("95% CI"), "{out}");
+    // The classifier in chunks of 3 rows: the same losses, so the same scores.
+    let (chunked, _) = run(&["eval", "hellaswag", "-e", "hf_dir", "--data", "hs.jsonl", "--ce-rows", "3"]);
+    assert_eq!(chunked, out);
     run(&["prepare", "hellaswag", "--input", "hs.jsonl", "-o", "hsbin"]);
     let (out2, _) = run(&["eval", "hellaswag", "-e", "hf_dir", "--data", "hsbin/hellaswag_val.bin"]);
     assert_eq!(out, out2, "JSON lines and llm.c's .bin score the same");

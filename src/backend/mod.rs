@@ -212,6 +212,14 @@ pub trait Backend {
     fn alloc_parts(&mut self, parts: &[usize], dtype: DType) -> Result<Buf> {
         self.alloc(parts.iter().sum(), dtype)
     }
+    /// An f32 allocation of `parts` (as [`Backend::alloc_parts`]) holding `data`, which it may
+    /// take as its own memory (the CPU does: loading a model then needs one copy of its
+    /// weights, not two).
+    fn alloc_from(&mut self, parts: &[usize], data: Vec<f32>) -> Result<Buf> {
+        let b = self.alloc_parts(parts, DType::F32)?;
+        self.upload(b, &data);
+        Ok(b)
+    }
     /// Release the allocation that `buf` points into (its other handles become invalid).
     fn free(&mut self, buf: Buf);
     /// dst = src, converted to dst's dtype.

@@ -209,6 +209,17 @@ impl Backend for CpuBackend {
         Ok(Buf { alloc, off: 0, len, dtype })
     }
 
+    fn alloc_from(&mut self, parts: &[usize], data: Vec<f32>) -> Result<Buf> {
+        let len = data.len();
+        if parts.iter().sum::<usize>() != len {
+            bail!("alloc_from: {len} values for parts of {} in all", parts.iter().sum::<usize>());
+        }
+        let id = u32::try_from(self.allocs.len()).ok().filter(|&i| i != u32::MAX);
+        let Some(alloc) = id else { bail!("too many allocations") };
+        self.allocs.push(Some(Storage::F32(data)));
+        Ok(Buf { alloc, off: 0, len, dtype: DType::F32 })
+    }
+
     fn free(&mut self, buf: Buf) {
         if let Some(slot) = self.allocs.get_mut(buf.alloc as usize) {
             *slot = None;
