@@ -79,12 +79,17 @@ pub struct BenchReport {
 }
 
 /// FLOPs per token of a training step (forward + backward), llm.c's `gpt2_estimate_mfu` count:
-/// 6N + 6LCT; with LoRA the frozen base costs 4N (no weight gradients) and the adapters 6 each.
+/// 6N + 6LCT; with LoRA the frozen base costs 4N (no weight gradients) and each adapter of rank
+/// R on an (out, in) projection 8R*in + 6R*out (its forward's two GEMMs, then h again and four
+/// GEMMs in the backward).
 pub fn flops_per_token(model: &Model, t: usize) -> f64 {
     let c = &model.config;
     let attn = 6.0 * (c.num_layers * c.channels * t) as f64;
     match model.lora() {
-        Some(a) => 4.0 * model.num_parameters() as f64 + 6.0 * a.num_parameters() as f64 + attn,
+        Some(a) => {
+            let per = |x: &crate::lora::Target| (8 * a.r * x.cols + 6 * a.r * x.rows) as f64;
+            4.0 * model.num_parameters() as f64 + a.targets.iter().map(per).sum::<f64>() + attn
+        }
         None => 6.0 * model.num_parameters() as f64 + attn,
     }
 }
@@ -124,6 +129,9 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
     let (rank, world) = (comm.rank(), comm.world());
     let mc = weights.config;
     let mut model = Model::with_collectives(weights, crate::backend::factory::open(cfg.device)?, comm, cfg.zero_stage)?;
+    if cfg.lora == 0 && !cfg.lora_targets.is_empty() {
+        anyhow::bail!("--lora-targets sets up LoRA adapters: give their rank with --lora R");
+    }
     if cfg.lora > 0 {
         let targets = crate::lora::select(&mc, &cfg.lora_targets)?;
         let a =

@@ -105,7 +105,7 @@ pub(crate) fn to_f32(t: &TensorView, name: &str) -> Result<Vec<f32>> {
 
 /// The (cols, rows) transpose of a row-major (rows, cols) matrix: between llm.c's (out, in)
 /// weights and transformers' Conv1D (in, out).
-pub(crate) fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
     for i in 0..rows {
         for j in 0..cols {

@@ -125,16 +125,11 @@ impl Adapters {
         if !(alpha.is_finite() && alpha > 0.0) {
             bail!("--lora-alpha {alpha}: must be a positive number");
         }
-        if let Some(t) = targets.iter().find(|t| r > t.rows.min(t.cols)) {
-            bail!(
-                "--lora {r}: above the size of {} ({} x {}); use a rank of at most {}",
-                t.module,
-                t.rows,
-                t.cols,
-                t.rows.min(t.cols)
-            );
+        let most = targets.iter().map(|t| t.rows.min(t.cols)).min().unwrap_or(usize::MAX);
+        if let Some(t) = targets.iter().find(|t| r > most && t.rows.min(t.cols) == most) {
+            bail!("--lora {r}: above the size of {} ({} x {}); use a rank of at most {most}", t.module, t.rows, t.cols);
         }
-        let len = targets.iter().map(|t| r * (t.cols + t.rows)).sum();
+        let len = values(r, &targets)?;
         let mut a = Adapters { r, alpha, targets, data: vec![0.0; len] };
         for i in 0..a.targets.len() {
             let bound = 1.0 / (a.targets[i].cols as f32).sqrt();
@@ -183,19 +178,28 @@ impl Adapters {
         names
     }
 
-    /// W += scale * B @ A for every target: the merged model (PEFT's `merge_and_unload`).
+    /// W += scale * (B @ A) for every target: the merged model (PEFT's `merge_and_unload`, in
+    /// its order: the product in fp32 by the threaded GEMM, then scaled and added).
     pub fn merge_into(&self, w: &mut Weights) {
-        let s = self.scale() as f64;
+        let s = self.scale();
         for (i, t) in self.targets.iter().enumerate() {
             let (a, b) = (&self.data[self.a_range(i)], &self.data[self.b_range(i)]);
-            let dst = w.layer_mut(t.tensor, t.layer);
-            for o in 0..t.rows {
-                let row = &mut dst[(t.row0 + o) * t.cols..(t.row0 + o + 1) * t.cols];
-                for (k, x) in row.iter_mut().enumerate() {
-                    let d: f64 = (0..self.r).map(|j| b[o * self.r + j] as f64 * a[j * t.cols + k] as f64).sum();
-                    *x = (*x as f64 + s * d) as f32;
-                }
-            }
+            let mut delta = vec![0f32; t.rows * t.cols]; // (out, in)
+            let (r_, c_) = (self.r as isize, t.cols as isize);
+            crate::cpu::matmul::gemm_strided(
+                t.rows,
+                t.cols,
+                self.r,
+                &mut delta,
+                (c_, 1),
+                false,
+                b,
+                (r_, 1),
+                a,
+                (c_, 1),
+            );
+            let dst = &mut w.layer_mut(t.tensor, t.layer)[t.row0 * t.cols..(t.row0 + t.rows) * t.cols];
+            dst.iter_mut().zip(&delta).for_each(|(x, d)| *x += d * s);
         }
     }
 
@@ -248,25 +252,34 @@ impl Adapters {
     }
 
     /// Read a PEFT adapter directory made for a base of shape `cfg`: its config checked to be a
-    /// LoRA llmrs computes exactly, every tensor checked against the base's projections.
-    pub fn load_peft(cfg: &ModelConfig, dir: &Path) -> Result<Adapters> {
+    /// LoRA llmrs computes exactly, every tensor checked against the base's projections. For
+    /// training (`--lora-from`) a dropout is refused too (llmrs trains without one); for
+    /// inference it changes nothing.
+    pub fn load_peft(cfg: &ModelConfig, dir: &Path, training: bool) -> Result<Adapters> {
         let cpath = dir.join(CONFIG_FILE);
         let text = String::from_utf8(read_file(&cpath)?)
             .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", cpath.display()))?;
         let v: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", cpath.display()))?;
-        let pc = PeftConfig::parse(&v, &cpath)?;
+        let pc = PeftConfig::parse(&v, &cpath, training)?;
         let targets = select(cfg, &pc.targets).with_context(|| format!("{}: target_modules", cpath.display()))?;
         let wpath = dir.join(WEIGHTS_FILE);
         let bytes = read_file(&wpath)?;
         let st = SafeTensors::deserialize(&bytes)
             .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", wpath.display()))?;
-        let mut a = Adapters {
-            r: pc.r,
-            alpha: pc.alpha,
-            data: vec![0.0; targets.iter().map(|t| pc.r * (t.cols + t.rows)).sum()],
-            targets,
-        };
+        let len = values(pc.r, &targets).with_context(|| format!("{}: r {}", cpath.display(), pc.r))?;
+        // Refused before allocating: a file smaller than the adapters' values in bf16 (the
+        // smallest dtype read) cannot hold them.
+        if len.saturating_mul(2) > bytes.len() {
+            bail!(
+                "{}: {} bytes cannot hold adapters of rank {} on this base's {} projections: the adapter was made for another base",
+                wpath.display(),
+                bytes.len(),
+                pc.r,
+                targets.len()
+            );
+        }
+        let mut a = Adapters { r: pc.r, alpha: pc.alpha, data: vec![0.0; len], targets };
         let prefix = models::arch(cfg).hf_prefix();
         let mut used = std::collections::HashSet::new();
         for i in 0..a.targets.len() {
@@ -328,8 +341,15 @@ pub struct BaseId {
 }
 
 impl BaseId {
+    /// The base `source` (`-e`'s spec; a path made absolute, so that a run resumed or merged
+    /// from another directory finds it) with `seed`, and its values' hash.
     pub fn of(source: &str, seed: u32, w: &Weights) -> BaseId {
-        BaseId { source: source.to_string(), seed, hash: weights_hash(w) }
+        let p = Path::new(source);
+        let source = match p.exists().then(|| std::fs::canonicalize(p)) {
+            Some(Ok(abs)) => abs.display().to_string(),
+            _ => source.to_string(),
+        };
+        BaseId { source, seed, hash: weights_hash(w) }
     }
 
     /// Load the base: `source` (or `other`, a spec the user gave instead), checked to hash as
@@ -340,7 +360,7 @@ impl BaseId {
         let h = weights_hash(&w);
         if h != self.hash {
             bail!(
-                "base model {spec} (hash {h}) is not the one these adapters were trained on ({} with seed {}, hash {}):                  give that model with -e",
+                "base model {spec} (hash {h}) is not the one these adapters were trained on ({} with seed {}, hash {}): give that base with -e",
                 self.source,
                 self.seed,
                 self.hash
@@ -410,17 +430,18 @@ pub fn load_checkpoint(path: &Path) -> Result<(ModelConfig, Adapters, BaseId)> {
     let cfg_text = serde_json::to_string(&v["base_config"])?;
     let cfg = crate::hf::parse_config(&cfg_text, path)?;
     let base: BaseId = serde_json::from_value(v["base"].clone()).with_context(|| format!("{p}: corrupt header"))?;
-    let r = v["r"].as_u64().with_context(|| format!("{p}: corrupt header (r)"))? as usize;
-    let alpha = v["lora_alpha"].as_f64().with_context(|| format!("{p}: corrupt header (lora_alpha)"))? as f32;
+    let r = v["r"].as_u64().filter(|&r| r > 0).with_context(|| format!("{p}: corrupt header (r)"))? as usize;
+    let alpha = v["lora_alpha"].as_f64().map(|a| a as f32).filter(|a| a.is_finite() && *a > 0.0);
+    let alpha = alpha.with_context(|| format!("{p}: corrupt header (lora_alpha)"))?;
     let modules: Vec<String> =
         serde_json::from_value(v["modules"].clone()).with_context(|| format!("{p}: corrupt header"))?;
-    let targets = select(&cfg, &modules)?;
+    let targets = select(&cfg, &modules).with_context(|| format!("{p}: modules"))?;
     if targets.len() != modules.len() {
         bail!("{p}: its modules do not match its base's projections");
     }
-    let n: usize = targets.iter().map(|t| r * (t.cols + t.rows)).sum();
+    let n = values(r, &targets).with_context(|| format!("{p}: corrupt header (r)"))?;
     let vals = &bytes[hb + len..];
-    if n != h[3] as usize || vals.len() != 4 * n {
+    if n != h[3] as usize || vals.len() != n.saturating_mul(4) {
         bail!(
             "{p}: {} bytes of values, adapters of rank {r} on these modules need {}: the file is truncated or corrupt",
             vals.len(),
@@ -436,10 +457,10 @@ pub fn load_checkpoint(path: &Path) -> Result<(ModelConfig, Adapters, BaseId)> {
 }
 
 /// Adapters for a base of shape `cfg` from `path`: a PEFT adapter directory, or a LoRA run's
-/// checkpoint (its base checked to be of the same shape).
-pub fn load_adapters(path: &Path, cfg: &ModelConfig) -> Result<Adapters> {
+/// checkpoint (its base checked to be of the same shape). `training`: as [`Adapters::load_peft`].
+pub fn load_adapters(path: &Path, cfg: &ModelConfig, training: bool) -> Result<Adapters> {
     if path.is_dir() {
-        return Adapters::load_peft(cfg, path);
+        return Adapters::load_peft(cfg, path, training);
     }
     let (c, a, _) = load_checkpoint(path)?;
     if !c.same_shape(cfg) {
@@ -456,8 +477,17 @@ pub fn load_merged(spec: &str, seed: u32, lora: &Path) -> Result<Weights> {
     } else {
         load_checkpoint(lora)?.2.load(Some(spec)).with_context(|| format!("--lora {}", lora.display()))?
     };
-    load_adapters(lora, &w.config)?.merge_into(&mut w);
+    load_adapters(lora, &w.config, false)?.merge_into(&mut w);
     Ok(w)
+}
+
+/// The adapters' values for rank `r` on `targets`, R * (in + out) each; an error when that
+/// overflows (a corrupt or hostile rank).
+fn values(r: usize, targets: &[Target]) -> Result<usize> {
+    targets
+        .iter()
+        .try_fold(0usize, |n, t| t.cols.checked_add(t.rows)?.checked_mul(r)?.checked_add(n))
+        .with_context(|| format!("rank {r}: the adapters would not fit in memory"))
 }
 
 /// GPT-2's projections are transformers' Conv1D (PEFT's `fan_in_fan_out`).
@@ -481,7 +511,7 @@ impl PeftConfig {
     /// Read and check an `adapter_config.json`: what would compute another model (DoRA,
     /// rsLoRA, trained biases, modules_to_save, dropout, per-module ranks) is a one-line error
     /// naming the field.
-    pub fn parse(v: &serde_json::Value, path: &Path) -> Result<PeftConfig> {
+    pub fn parse(v: &serde_json::Value, path: &Path, training: bool) -> Result<PeftConfig> {
         let p = path.display();
         let field = |k: &str| v.get(k).filter(|x| !x.is_null());
         match field("peft_type").and_then(|x| x.as_str()) {
@@ -504,8 +534,10 @@ impl PeftConfig {
             bail!("{p}: bias {b:?} is not supported (llmrs trains no biases in a LoRA run); use \"none\"");
         }
         let drop = field("lora_dropout").and_then(|x| x.as_f64()).unwrap_or(0.0);
-        if drop != 0.0 {
-            bail!("{p}: lora_dropout {drop} is not supported (llmrs has no adapter dropout); use 0");
+        if training && drop != 0.0 {
+            bail!(
+                "{p}: lora_dropout {drop}: llmrs trains adapters without dropout; set it to 0 to go on training these"
+            );
         }
         let nonempty = |k: &str| match field(k) {
             Some(serde_json::Value::Array(a)) => !a.is_empty(),
@@ -521,6 +553,8 @@ impl PeftConfig {
             "exclude_modules",
             "target_parameters",
             "trainable_token_indices",
+            "layer_replication",
+            "alora_invocation_tokens",
         ] {
             if nonempty(k) {
                 bail!("{p}: {k} is set; llmrs does not implement it (one rank and alpha for every projection of every layer)");
@@ -573,7 +607,14 @@ mod tests {
         let ok = serde_json::json!({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
             "lora_dropout": 0.0, "bias": "none", "use_dora": false, "modules_to_save": null, "rank_pattern": {}});
         let p = Path::new("adapter_config.json");
-        assert_eq!(PeftConfig::parse(&ok, p).unwrap(), PeftConfig { r: 4, alpha: 8.0, targets: vec!["q_proj".into()] });
+        assert_eq!(
+            PeftConfig::parse(&ok, p, true).unwrap(),
+            PeftConfig { r: 4, alpha: 8.0, targets: vec!["q_proj".into()] }
+        );
+        // A dropout only matters to training: inference (and merging) reads such an adapter.
+        let mut drop = ok.clone();
+        drop["lora_dropout"] = serde_json::json!(0.05);
+        assert!(PeftConfig::parse(&drop, p, false).is_ok());
         for (k, v, says) in [
             ("use_dora", serde_json::json!(true), "use_dora"),
             ("lora_dropout", serde_json::json!(0.1), "lora_dropout"),
@@ -582,10 +623,11 @@ mod tests {
             ("rank_pattern", serde_json::json!({"q_proj": 8}), "rank_pattern"),
             ("target_modules", serde_json::json!(".*proj"), "regular expression"),
             ("peft_type", serde_json::json!("IA3"), "peft_type"),
+            ("layer_replication", serde_json::json!([[0, 2]]), "layer_replication"),
         ] {
             let mut bad = ok.clone();
             bad[k] = v;
-            let e = PeftConfig::parse(&bad, p).unwrap_err().to_string();
+            let e = PeftConfig::parse(&bad, p, true).unwrap_err().to_string();
             assert!(e.contains(says) && !e.contains('\n'), "{k}: {e}");
         }
     }
@@ -599,11 +641,11 @@ mod tests {
             let mut a = Adapters::new(3, 5.0, select(&cfg, &[]).unwrap(), &mut Mt19937::new(1)).unwrap();
             a.data.iter_mut().enumerate().for_each(|(i, x)| *x += i as f32 * 1e-3);
             a.save_peft(&cfg, &dir, "base").unwrap();
-            assert_eq!(Adapters::load_peft(&cfg, &dir).unwrap(), a);
+            assert_eq!(Adapters::load_peft(&cfg, &dir, true).unwrap(), a);
             let other =
                 ModelConfig::from_descriptor(if desc.starts_with("llama") { "llama:2x24:4:2" } else { "2x24:2:8" })
                     .unwrap();
-            let e = Adapters::load_peft(&other, &dir).unwrap_err().to_string();
+            let e = Adapters::load_peft(&other, &dir, true).unwrap_err().to_string();
             assert!(e.contains("another base"), "{e}");
         }
         std::fs::remove_dir_all(&dir).ok();

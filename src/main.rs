@@ -842,6 +842,9 @@ fn cmd_convert(
     let input = Path::new(&spec);
     if llmrs::lora::is_checkpoint(input) && !merge {
         // A LoRA run's checkpoint: its adapters as a PEFT adapter directory.
+        if lora.is_some() {
+            bail!("--lora merges adapters into the model: give --merge too, or no --lora for {spec}'s PEFT files");
+        }
         if is_bin {
             bail!("{spec} holds LoRA adapters: give a directory for PEFT's adapter files, or --merge for the merged model");
         }

@@ -18,7 +18,8 @@ use crate::profile::Kind;
 use crate::zero::{Piece, Sharding};
 use anyhow::{bail, Context, Result};
 
-/// Which of the model's flat buffers (all in the parameter layout) a host copy is of.
+/// Which of the model's flat buffers a host copy is of: the parameter layout's, but for a LoRA
+/// run's gradients and AdamW moments, which are its adapters' ([`Model::set_lora`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Slot {
     Params,
@@ -41,7 +42,8 @@ pub struct StepStats {
 }
 
 /// Gradients and AdamW moments: (num_parameters) in the parameter layout, or this rank's shard
-/// (num_parameters / world) in the shard layout of [`crate::zero`] where the stage shards them.
+/// (num_parameters / world) in the shard layout of [`crate::zero`] where the stage shards them;
+/// in a LoRA run the adapters' (their parameters' layout, every rank's whole).
 #[derive(Clone, Copy, Debug)]
 struct TrainBufs {
     grads: Buf,
@@ -63,9 +65,10 @@ struct LoraState {
     blocks: Vec<BlockLora>,
     /// Where backward writes the frozen norms' and biases' gradients, which nothing reads:
     /// one disjoint slice per such tensor of a block (or of the outer ones).
-    sink: Buf,
-    /// The (N, R) workspaces of every block's adapters: (h, dh), sized with the activations.
-    scratch: Option<Buf>,
+    sink: Buf, // (the larger of a block's and the outer tensors' 1-D sizes)
+    /// The workspaces of every block's adapters, h then dh, for the activations' positions or
+    /// a KV cache's (N = the larger).
+    scratch: Buf, // (2, N, R)
 }
 
 /// ZeRO-3: the full parameters gathered for the current pass, in one allocation: the
@@ -582,7 +585,7 @@ impl Model {
         m.buffers += self.consts_buf.map_or(0, bytes);
         if let Some(lo) = &self.lora {
             m.params += bytes(lo.params);
-            m.buffers += bytes(lo.sink) + lo.scratch.map_or(0, bytes);
+            m.buffers += bytes(lo.sink) + bytes(lo.scratch);
         }
         if let Some(tr) = self.train {
             m.grads = bytes(tr.grads);
@@ -676,9 +679,13 @@ impl Model {
         };
         let sink_len = small(self.layout.block_ids()).max(small(self.layout.outer_ids())).max(1);
         let sink = self.be.alloc(sink_len, DType::F32)?;
-        let scratch = self.be.alloc(2 * self.config.max_seq_len * adapters.r, DType::F32)?;
+        // Backward adds to it (the norms' weight gradients): finite, never read.
+        self.be.fill(sink, 0.0);
+        // Workspaces for a pass over the activations' positions or a KV cache's (at most maxT).
+        let n = self.acts.as_ref().map_or(0, |a| a.cap_b * a.cap_t).max(self.config.max_seq_len);
+        let scratch = self.be.alloc(2 * n * adapters.r, DType::F32)?;
         let meta = crate::lora::Adapters { data: vec![], ..adapters.clone() };
-        self.lora = Some(LoraState { meta, params, blocks: vec![], sink, scratch: Some(scratch) });
+        self.lora = Some(LoraState { meta, params, blocks: vec![], sink, scratch });
         self.wire_lora();
         self.last = Last::default();
         Ok(())
@@ -689,36 +696,12 @@ impl Model {
         self.lora.as_ref().map(|lo| &lo.meta)
     }
 
-    /// The adapters' values of a slot (parameters, gradients, AdamW moments) as a host copy.
-    pub fn read_adapters(&mut self, slot: Slot) -> Result<Vec<f32>> {
-        let b = self.adapter_slot(slot)?;
+    /// A host copy of the adapters' values.
+    pub fn read_adapters(&mut self) -> Result<Vec<f32>> {
+        let b = self.lora.as_ref().context("not a LoRA run")?.params;
         let mut out = vec![0f32; b.len];
         self.be.download(b, &mut out)?;
         Ok(out)
-    }
-
-    /// Overwrite the adapters' values of a slot.
-    pub fn write_adapters(&mut self, slot: Slot, data: &[f32]) -> Result<()> {
-        let b = self.adapter_slot(slot)?;
-        if data.len() != b.len {
-            bail!("{} adapter values given for {} ({slot:?})", data.len(), b.len);
-        }
-        self.be.upload(b, data);
-        self.last = Last::default();
-        Ok(())
-    }
-
-    fn adapter_slot(&self, slot: Slot) -> Result<Buf> {
-        let lo = self.lora.as_ref().context("not a LoRA run")?;
-        if slot == Slot::Params {
-            return Ok(lo.params);
-        }
-        let tr = self.train.with_context(|| format!("{slot:?} need training state"))?;
-        Ok(match slot {
-            Slot::Grads => tr.grads,
-            Slot::AdamM => tr.m,
-            _ => tr.v,
-        })
     }
 
     /// Tell every block's ops where its adapters, their gradients and workspaces are.
@@ -728,7 +711,7 @@ impl Model {
         // the one-block buffer every layer's weights are gathered into.
         let gathered = self.gathered.map(|g| self.zero.block_bucket().0.map(|r| g.block.slice(r.clone())));
         let Some(lo) = &mut self.lora else { return };
-        let scratch = lo.scratch.expect("allocated with the adapters");
+        let scratch = lo.scratch;
         let (h, dh) = (scratch.prefix(scratch.len / 2), scratch.slice(scratch.len / 2..scratch.len));
         let mut blocks: Vec<BlockLora> =
             (0..self.config.num_layers).map(|_| BlockLora { adapters: vec![], h, dh }).collect();
@@ -808,12 +791,13 @@ impl Model {
             // Adapters' (N, R) workspaces for a pass over the activations' positions or a KV
             // cache's (at most maxT).
             let n = (cb * ct).max(self.config.max_seq_len);
-            if let Some(old) = self.lora.as_mut().and_then(|lo| lo.scratch.take()) {
+            let old = self.lora.as_ref().expect("checked").scratch;
+            if old.len < 2 * n * r {
                 self.be.free(old);
+                let scratch = self.be.alloc(2 * n * r, DType::F32)?;
+                self.lora.as_mut().expect("checked").scratch = scratch;
+                self.wire_lora();
             }
-            let scratch = self.be.alloc(2 * n * r, DType::F32)?;
-            self.lora.as_mut().expect("checked").scratch = Some(scratch);
-            self.wire_lora();
         }
         Ok(())
     }
@@ -1136,11 +1120,11 @@ pub const MIN_CLASSIFIER_ROWS: usize = 3;
 /// `sink`, which nothing reads.
 fn frozen_grads(layout: &ParamLayout, ranges: View<std::ops::Range<usize>>, sink: Buf) -> View<Buf> {
     let mut off = 0;
-    let ids: Vec<TensorId> = layout.ids().collect();
     View(
-        ids.iter()
+        layout
+            .ids()
             .zip(&ranges.0)
-            .map(|(&t, r)| {
+            .map(|(t, r)| {
                 if layout.spec(t).shape.len() >= 2 || r.is_empty() {
                     return if r.is_empty() { sink.prefix(0) } else { FROZEN };
                 }

@@ -21,7 +21,9 @@ pub fn load_any(spec: &str, seed: u32) -> Result<Weights> {
     // A LoRA run's checkpoint: its base with the adapters merged.
     if crate::lora::is_checkpoint(p) {
         let (_, a, base) = crate::lora::load_checkpoint(p)?;
-        let mut w = base.load(None)?;
+        let mut w = base.load(None).with_context(|| {
+            format!("{spec} holds LoRA adapters of base {}: give that base as -e BASE --lora {spec}", base.source)
+        })?;
         a.merge_into(&mut w);
         return Ok(w);
     }

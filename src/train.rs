@@ -212,6 +212,9 @@ impl TrainConfig {
         if self.lora == 0 && self.lora_from.is_none() && (self.lora_alpha.is_some() || !self.lora_targets.is_empty()) {
             bail!("--lora-alpha and --lora-targets set up LoRA adapters: give their rank with --lora R");
         }
+        if self.lora_from.is_some() && (self.lora > 0 || self.lora_alpha.is_some() || !self.lora_targets.is_empty()) {
+            bail!("--lora-from's adapters have their own rank, alpha and targets: give --lora-from without --lora, --lora-alpha or --lora-targets");
+        }
         if self.val_max_steps == Some(0) {
             bail!("-m 0: validation would average no batches; give -m N >= 1, -m -1 for the whole val split, or -v 0 for no validation");
         }
@@ -498,7 +501,7 @@ fn load_weights_and_adapters(
                     }
                     a
                 }
-                Some(p) => crate::lora::load_adapters(p, &w.config).context("--lora-from")?,
+                Some(p) => crate::lora::load_adapters(p, &w.config, true).context("--lora-from")?,
                 None => {
                     let targets = crate::lora::select(&w.config, &cfg.lora_targets).context("--lora-targets")?;
                     let alpha = cfg.lora_alpha.unwrap_or(2.0 * cfg.lora as f32);
@@ -1005,7 +1008,7 @@ fn write_checkpoint(
         let st = TrainState { step, loader: train.state(), should_shuffle: train.should_shuffle() };
         save_state(&s, model, &st)?;
         if rank == 0 {
-            let a = crate::lora::Adapters { data: model.read_adapters(crate::model::Slot::Params)?, ..meta };
+            let a = crate::lora::Adapters { data: model.read_adapters()?, ..meta };
             if let Err(e) = crate::lora::save_checkpoint(&m, &model.config, &a, base) {
                 let _ = std::fs::remove_file(&s);
                 return Err(e);

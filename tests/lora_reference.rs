@@ -82,7 +82,7 @@ fn devices(test: &str) -> Vec<Device> {
 
 fn lora_model(family: &str, adapter: &str, dev: Device) -> (Model, Adapters) {
     let w = load_hf(&base(family)).unwrap();
-    let a = Adapters::load_peft(&w.config, &fixture(&format!("lora/{family}_{adapter}"))).unwrap();
+    let a = Adapters::load_peft(&w.config, &fixture(&format!("lora/{family}_{adapter}")), true).unwrap();
     let mut model = Model::new(w, dev).unwrap();
     model.set_lora(&a).unwrap();
     (model, a)
@@ -125,14 +125,14 @@ fn twenty_adapter_only_adamw_steps_follow_peft() {
         }
         assert_eq!(model.read_all(Slot::Params).unwrap(), base_before, "{family}: the base is frozen");
         let cfg = model.config;
-        let want = Adapters::load_peft(&cfg, &fixture(&format!("lora/{family}_adapter20"))).unwrap();
-        let got = model.read_adapters(Slot::Params).unwrap();
+        let want = Adapters::load_peft(&cfg, &fixture(&format!("lora/{family}_adapter20")), true).unwrap();
+        let got = model.read_adapters().unwrap();
         compare(&got, &want.data, 1e-4, &format!("{dev}: {family}: adapters after 20 steps"));
         // Exported as PEFT's files, read back: the same adapters, PEFT's names and shapes.
         let dir = std::env::temp_dir().join(format!("llmrs-lora-export-{family}-{}", std::process::id()));
         let trained = Adapters { data: got.clone(), ..start.clone() };
         trained.save_peft(&cfg, &dir, "base").unwrap();
-        assert_eq!(Adapters::load_peft(&cfg, &dir).unwrap().data, got);
+        assert_eq!(Adapters::load_peft(&cfg, &dir, true).unwrap().data, got);
         let names = |d: &std::path::Path| {
             let b = std::fs::read(d.join("adapter_model.safetensors")).unwrap();
             let st = SafeTensors::deserialize(&b).unwrap();
@@ -151,11 +151,53 @@ fn merging_equals_pefts_merge_and_unload() {
     let io = Io::load();
     for family in ["llama", "gpt2"] {
         let mut w = load_hf(&base(family)).unwrap();
-        let a = Adapters::load_peft(&w.config, &fixture(&format!("lora/{family}_adapter0"))).unwrap();
+        let a = Adapters::load_peft(&w.config, &fixture(&format!("lora/{family}_adapter0")), true).unwrap();
         a.merge_into(&mut w);
         let want = load_hf(&fixture(&format!("lora/{family}_merged0"))).unwrap();
         compare(&w.data, &want.data, 1e-6, &format!("{family}: merged weights"));
         let mut model = Model::new(w, Device::Cpu).unwrap();
         compare(&logits(&mut model, &io), &io.floats(&format!("{family}_merged0_logits")), 1e-4, "merged logits");
     }
+}
+
+/// The adapters as ops (not merged) in the KV-cached pass generation uses: the last position's
+/// logits equal the merged model's, fed all at once and a token at a time.
+#[test]
+fn cached_passes_with_adapters_equal_the_merged_model() {
+    let io = Io::load();
+    for family in ["llama", "gpt2"] {
+        let (mut model, a) = lora_model(family, "adapter20", Device::Cpu);
+        let mut w = load_hf(&base(family)).unwrap();
+        a.merge_into(&mut w);
+        let mut merged = Model::new(w, Device::Cpu).unwrap();
+        let toks = &io.inputs[..11];
+        merged.forward(toks, None, 1, 11).unwrap();
+        let want = merged.logits_at(10).unwrap();
+        for chunk in [11, 1] {
+            let mut cache = model.kv_cache(11, chunk).unwrap();
+            let got = model.forward_cached(&mut cache, toks).unwrap().to_vec();
+            model.free_kv_cache(cache);
+            compare(&got, &want, 1e-4, &format!("{family}: cached logits, chunks of {chunk}"));
+        }
+    }
+}
+
+/// LoRA steps at recompute level 2 give the level-0 losses bit for bit; in the NaN-checking
+/// mode (every output poisoned before its op, checked after) the same losses again.
+#[test]
+fn lora_steps_are_the_same_bits_at_every_recompute_level_and_nan_checked() {
+    let tr = common::trajectory::Trajectory::load(&fixture("lora/llama_trajectory.json"));
+    let losses = |recompute: u8, nan_check: bool| -> Vec<u32> {
+        let w = load_hf(&base("llama")).unwrap();
+        let a = Adapters::load_peft(&w.config, &fixture("lora/llama_adapter0"), true).unwrap();
+        let be = Box::new(llmrs::cpu::backend::CpuBackend::new(nan_check));
+        let mut model = Model::with_collectives(w, be, Box::new(llmrs::backend::comm::SingleProcess), 0).unwrap();
+        model.set_lora(&a).unwrap();
+        model.alloc_training_state().unwrap();
+        model.set_recompute(recompute).unwrap();
+        (0..4).map(|s| tr.step(&mut model, s).loss.to_bits()).collect()
+    };
+    let r0 = losses(0, false);
+    assert_eq!(losses(2, false), r0, "-r 2");
+    assert_eq!(losses(1, true), r0, "NaN-checking mode");
 }

@@ -427,12 +427,12 @@ fn resuming_past_the_last_step_is_refused_and_changes_nothing() {
     }
 }
 
-/// A LoRA run (GPT-2's and Llama's projections): its checkpoints hold the adapters (not the
+/// A LoRA run (GPT-2's, Llama's, Qwen2's and Qwen3's projections): its checkpoints hold the adapters (not the
 /// base), a resume from one gives the same losses bit for bit, the base never changes, and the
 /// checkpoint loads as the merged model and converts to PEFT's files.
 #[test]
 fn a_lora_run_trains_only_its_adapters_and_resumes_bit_identically() {
-    for model in ["2x32:2:32", "llama:2x32:4:2:16"] {
+    for model in ["2x32:2:32", "llama:2x32:4:2:16", "qwen2:2x32:4:2:64:32", "qwen3:2x32:4:2:16:64:32"] {
         let dir = tempfile::tempdir().unwrap();
         let (train, val) = make_data(dir.path());
         let out = dir.path().join("run");
