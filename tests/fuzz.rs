@@ -1,9 +1,9 @@
 //! Property-based fuzzing of every file parser: random bytes, random byte mutations and
 //! truncations of a valid file, and extreme header values. Each parser must return Ok or a
 //! clear error, never panic, and never allocate from a header more than the file could back.
-//! Cases: `cases()` per strategy (4 strategies), each case picking one of the 6 parsers at
-//! random, so about cases * 4 / 6 per parser: 2000 per parser in every test run, and as many as
-//! asked with `LLMRS_FUZZ_CASES` (1500000 gives a million per parser; README has the command).
+//! Cases: `cases()` per strategy (4 strategies), each case picking one of the 9 parsers at
+//! random, so about cases * 4 / 9 per parser: 2000 per parser in every test run, and as many as
+//! asked with `LLMRS_FUZZ_CASES` (2250000 gives a million per parser; README has the command).
 
 use llmrs::backend::Device;
 use llmrs::checkpoint::{load_model, load_state, save_model, save_state, TrainState};
@@ -14,9 +14,9 @@ use llmrs::params::Weights;
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 
-/// Cases per strategy: 3000, or `$LLMRS_FUZZ_CASES` for a long opt-in run.
+/// Cases per strategy: 4500, or `$LLMRS_FUZZ_CASES` for a long opt-in run.
 fn cases() -> u32 {
-    std::env::var("LLMRS_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(3000)
+    std::env::var("LLMRS_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(4500)
 }
 
 /// Fail (abort) on any single allocation over 64 MiB: every valid file here is tiny, so a larger
@@ -56,6 +56,9 @@ struct Valid {
     shard: PathBuf,
     tokenizer: PathBuf,
     hf_dir: PathBuf,
+    /// A LoRA run's checkpoint and a PEFT adapter directory, for the model above.
+    lora: PathBuf,
+    peft_dir: PathBuf,
 }
 
 fn valid() -> &'static Valid {
@@ -78,7 +81,13 @@ fn valid() -> &'static Valid {
         llmrs::tokenizer::Tokenizer::gpt2().unwrap().save_llmc(&tokenizer).unwrap();
         let hf_dir = dir.path().join("hf");
         llmrs::hf::save_hf(&w, &hf_dir, Dtype::F32).unwrap();
-        Valid { _dir: dir, model, state, shard, tokenizer, hf_dir }
+        let targets = llmrs::lora::select(&cfg, &[]).unwrap();
+        let a = llmrs::lora::Adapters::new(2, 4.0, targets, &mut llmrs::rng::Mt19937::new(3)).unwrap();
+        let lora = dir.path().join("lora.bin");
+        llmrs::lora::save_checkpoint(&lora, &cfg, &a, &llmrs::lora::BaseId::of("1x8:2:8", 1, &w)).unwrap();
+        let peft_dir = dir.path().join("peft");
+        a.save_peft(&cfg, &peft_dir, "base").unwrap();
+        Valid { _dir: dir, model, state, shard, tokenizer, hf_dir, lora, peft_dir }
     })
 }
 
@@ -98,6 +107,9 @@ enum Kind {
     Tokenizer,
     Safetensors,
     ConfigJson,
+    LoraCheckpoint,
+    PeftWeights,
+    PeftConfig,
 }
 
 fn parse(kind: Kind, bytes: &[u8]) {
@@ -123,6 +135,17 @@ fn parse(kind: Kind, bytes: &[u8]) {
             std::fs::rename(&p, dir.path().join("config.json")).unwrap();
             llmrs::hf::load_hf(dir.path()).map(|_| ())
         }
+        Kind::LoraCheckpoint => llmrs::lora::load_checkpoint(&p).map(|_| ()),
+        Kind::PeftWeights | Kind::PeftConfig => {
+            let (mine, other) = match kind {
+                Kind::PeftWeights => (llmrs::lora::WEIGHTS_FILE, llmrs::lora::CONFIG_FILE),
+                _ => (llmrs::lora::CONFIG_FILE, llmrs::lora::WEIGHTS_FILE),
+            };
+            std::fs::copy(v.peft_dir.join(other), dir.path().join(other)).unwrap();
+            std::fs::rename(&p, dir.path().join(mine)).unwrap();
+            let cfg = llmrs::checkpoint::peek_config(&v.model).unwrap();
+            llmrs::lora::Adapters::load_peft(&cfg, dir.path(), true).map(|_| ())
+        }
     };
 }
 
@@ -135,11 +158,24 @@ fn valid_bytes(kind: Kind) -> Vec<u8> {
         Kind::Tokenizer => &v.tokenizer,
         Kind::Safetensors => return std::fs::read(v.hf_dir.join("model.safetensors")).unwrap(),
         Kind::ConfigJson => return std::fs::read(v.hf_dir.join("config.json")).unwrap(),
+        Kind::LoraCheckpoint => &v.lora,
+        Kind::PeftWeights => return std::fs::read(v.peft_dir.join(llmrs::lora::WEIGHTS_FILE)).unwrap(),
+        Kind::PeftConfig => return std::fs::read(v.peft_dir.join(llmrs::lora::CONFIG_FILE)).unwrap(),
     };
     std::fs::read(p).unwrap()
 }
 
-const KINDS: [Kind; 6] = [Kind::Model, Kind::State, Kind::Shard, Kind::Tokenizer, Kind::Safetensors, Kind::ConfigJson];
+const KINDS: [Kind; 9] = [
+    Kind::Model,
+    Kind::State,
+    Kind::Shard,
+    Kind::Tokenizer,
+    Kind::Safetensors,
+    Kind::ConfigJson,
+    Kind::LoraCheckpoint,
+    Kind::PeftWeights,
+    Kind::PeftConfig,
+];
 
 fn kind() -> impl Strategy<Value = Kind> {
     (0..KINDS.len()).prop_map(|i| KINDS[i])
@@ -188,4 +224,7 @@ fn valid_files_parse() {
     llmrs::data::read_shard(&v.shard).unwrap();
     llmrs::tokenizer::Tokenizer::load_llmc(&v.tokenizer).unwrap();
     llmrs::hf::load_hf(&v.hf_dir).unwrap();
+    llmrs::lora::load_checkpoint(&v.lora).unwrap();
+    let cfg = llmrs::checkpoint::peek_config(&v.model).unwrap();
+    llmrs::lora::Adapters::load_peft(&cfg, &v.peft_dir, true).unwrap();
 }
