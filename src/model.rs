@@ -43,7 +43,8 @@ pub struct StepStats {
 
 /// Gradients and AdamW moments: (num_parameters) in the parameter layout, or this rank's shard
 /// (num_parameters / world) in the shard layout of [`crate::zero`] where the stage shards them;
-/// in a LoRA run the adapters' (their parameters' layout, every rank's whole).
+/// in a LoRA run the adapters' (their parameters' layout; AdamW's a 1/world shard under
+/// ZeRO-1..3).
 #[derive(Clone, Copy, Debug)]
 struct TrainBufs {
     grads: Buf,
@@ -60,7 +61,7 @@ struct TrainBufs {
 struct LoraState {
     /// The adapted projections, rank and alpha (the values live in `params`).
     meta: crate::lora::Adapters,
-    params: Buf, // (adapter parameters): per target A (R, in) then B (out, R)
+    params: Buf, // (adapter parameters, padded to a multiple of the ranks): per target A (R, in) then B (out, R)
     /// Each block's adapters for the ops, with their gradients once training.
     blocks: Vec<BlockLora>,
     /// Where backward writes the frozen norms' and biases' gradients, which nothing reads:
@@ -400,11 +401,25 @@ impl Model {
         let tr = self.train.context("update needs training state: call alloc_training_state first")?;
         self.skip = skip;
         if let Some(lo) = &self.lora {
-            // The adapters: data parallel over the ranks (ZeRO-0), one AdamW over them all.
+            // The adapters: data parallel over the ranks. ZeRO-0: gradients averaged everywhere
+            // and every rank's AdamW over all; ZeRO-1..3: this rank's shard of the gradients
+            // (reduce-scattered), of the AdamW state and of the update, then the adapters
+            // gathered whole again.
             let (be, norm) = (&mut *self.be, self.stats.slice(1..2));
             self.comm.all_reduce(be, self.stats.prefix(1), Reduce::Mean)?;
-            self.comm.all_reduce(be, tr.grads, Reduce::Mean)?;
-            Ops::new(be).global_norm_squared(norm, tr.grads, false);
+            let (params, grads) = if self.zero.stage == 0 {
+                self.comm.all_reduce(be, tr.grads, Reduce::Mean)?;
+                Ops::new(be).global_norm_squared(norm, tr.grads, false);
+                (lo.params, tr.grads)
+            } else {
+                let own = tr.m.len;
+                let shard = self.comm.rank() * own..(self.comm.rank() + 1) * own;
+                let g = tr.grads.slice(shard.clone());
+                self.comm.reduce_scatter(be, tr.grads, g, Reduce::Mean, false)?;
+                Ops::new(be).global_norm_squared(norm, g, false);
+                self.comm.all_reduce(be, norm, Reduce::Sum)?;
+                (lo.params.slice(shard), g)
+            };
             let h = AdamWParams {
                 lr,
                 beta1: o.beta1,
@@ -415,7 +430,10 @@ impl Model {
                 t: step as i32 + 1,
                 skip,
             };
-            Ops::new(be).adamw_update(lo.params, tr.grads, tr.m, tr.v, self.stats, &h);
+            Ops::new(be).adamw_update(params, grads, tr.m, tr.v, self.stats, &h);
+            if self.zero.stage > 0 {
+                self.comm.all_gather(be, params, lo.params)?;
+            }
             return Ok(());
         }
         let bufs = crate::zero::StepBufs { params: self.params, grads: tr.grads, m: tr.m, v: tr.v, stats: self.stats };
@@ -609,7 +627,10 @@ impl Model {
                 Ok(b)
             };
             if let Some(len) = self.lora.as_ref().map(|lo| lo.params.len) {
-                let (grads, m, v) = (z(vec![len])?, z(vec![len])?, z(vec![len])?);
+                // ZeRO-1..3 shard the adapters' AdamW state; every rank's backward writes all
+                // of their gradients (reduce-scattered in the update).
+                let own = if self.zero.stage > 0 { len / self.comm.world() } else { len };
+                let (grads, m, v) = (z(vec![len])?, z(vec![own])?, z(vec![own])?);
                 self.train = Some(TrainBufs { grads, buckets: None, m, v });
                 self.wire_lora();
                 return self.remake_acts();
@@ -657,8 +678,8 @@ impl Model {
     /// no AdamW state: backward computes only what the adapters and the inputs need) and the
     /// adapters are added to the projections they adapt in every pass. Call before
     /// [`Model::alloc_training_state`]. Every backend runs it, as one process or over ranks:
-    /// the adapters, their gradients (averaged) and AdamW state are every rank's, whatever the
-    /// ZeRO stage; under ZeRO-3 the frozen base is sharded as in a full run.
+    /// the adapters and their gradients are every rank's; ZeRO-1..3 shard their AdamW state
+    /// and update, and ZeRO-3 shards the frozen base as in a full run.
     pub fn set_lora(&mut self, adapters: &crate::lora::Adapters) -> Result<()> {
         if self.lora.is_some() || self.train.is_some() {
             bail!("LoRA adapters are set once, before the training state is allocated");
@@ -667,8 +688,12 @@ impl Model {
         if let Some(t) = adapters.targets.iter().find(|t| !all.contains(t)) {
             bail!("LoRA target {} is not a projection of this model", t.module);
         }
-        let params = self.be.alloc(adapters.num_parameters().max(1), DType::F32)?.prefix(adapters.num_parameters());
-        self.be.upload(params, &adapters.data);
+        // Padded to a multiple of the ranks, so that ZeRO-1..3 can shard their AdamW state.
+        let len = adapters.num_parameters();
+        let world = self.comm.world();
+        let params = self.be.alloc(len.div_ceil(world).max(1) * world, DType::F32)?;
+        self.be.fill(params, 0.0);
+        self.be.upload(params.prefix(len), &adapters.data);
         // The frozen tensors that backward still writes (norms, biases): disjoint slices of one
         // sink, as large as the larger of a block's and the outer tensors' sets.
         let small = |ids: Vec<TensorId>| -> usize {
@@ -698,7 +723,8 @@ impl Model {
 
     /// A host copy of the adapters' values.
     pub fn read_adapters(&mut self) -> Result<Vec<f32>> {
-        let b = self.lora.as_ref().context("not a LoRA run")?.params;
+        let lo = self.lora.as_ref().context("not a LoRA run")?;
+        let b = lo.params.prefix(lo.meta.num_parameters());
         let mut out = vec![0f32; b.len];
         self.be.download(b, &mut out)?;
         Ok(out)

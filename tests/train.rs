@@ -529,11 +529,20 @@ fn lora_ranks_train_as_one_process_at_every_zero_stage() {
                 })
                 .collect();
             let runs: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
-            (runs, llmrs::lora::load_checkpoint(&out.join("model_00000010.bin")).unwrap().1)
+            let state = std::fs::metadata(out.join("state_00000010_00000.bin")).unwrap().len() as usize;
+            (runs, llmrs::lora::load_checkpoint(&out.join("model_00000010.bin")).unwrap().1, state)
         };
-        let (one, one_a) = run_ranks(1, 0, 4);
+        let (one, one_a, _) = run_ranks(1, 0, 4);
+        let mut state0 = 0;
         for stage in 0..=3 {
-            let (runs, a) = run_ranks(2, stage, 2);
+            let (runs, a, state) = run_ranks(2, stage, 2);
+            // ZeRO-1..3: each rank's state file holds half of the adapters' AdamW moments.
+            let half = a.num_parameters().div_ceil(2);
+            if stage == 0 {
+                state0 = state;
+            } else {
+                assert_eq!(state0 - state, 2 * 4 * half, "{model} ZeRO-{stage}: AdamW state not sharded");
+            }
             for r in &runs {
                 for ((s, x), (_, y)) in r.train_losses.iter().zip(&one[0].train_losses) {
                     assert!((x - y).abs() <= 1e-5 * y, "{model} ZeRO-{stage} step {s}: {x} vs {y}");
