@@ -8,6 +8,7 @@
 
 mod common;
 
+use common::compare;
 use llmrs::backend::Device;
 use llmrs::checkpoint::{load_debug_state, load_model};
 use llmrs::config::ModelConfig;
@@ -17,21 +18,6 @@ use std::path::PathBuf;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
-
-/// Max |a-b| relative to (floor + |b|); panics with the worst element when above 1.
-fn compare(a: &[f32], b: &[f32], rtol: f32, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: length");
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let atol = 1e-5 * scale.max(1e-30);
-    let (mut worst, mut at) = (0f32, 0);
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        let r = (x - y).abs() / (atol + rtol * y.abs());
-        if r > worst {
-            (worst, at) = (r, i);
-        }
-    }
-    assert!(worst <= 1.0, "{what}: element {at}: {} vs {} (ratio {worst})", a[at], b[at]);
 }
 
 #[test]

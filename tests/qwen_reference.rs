@@ -8,6 +8,7 @@
 
 mod common;
 
+use common::compare;
 use llmrs::backend::Device;
 use llmrs::checkpoint::{load_model, save_model};
 use llmrs::config::ModelConfig;
@@ -30,21 +31,6 @@ fn devices(test: &str) -> Vec<Device> {
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen").join(name)
-}
-
-/// |a - b| <= atol + rtol |b|, atol 1e-5 of b's largest magnitude.
-fn compare(a: &[f32], b: &[f32], rtol: f32, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: length");
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let atol = 1e-5 * scale.max(1e-30);
-    let (mut worst, mut at) = (0f32, 0);
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        let r = (x - y).abs() / (atol + rtol * y.abs());
-        if r > worst || r.is_nan() {
-            (worst, at) = (if r.is_nan() { f32::INFINITY } else { r }, i);
-        }
-    }
-    assert!(worst <= 1.0, "{what}: element {at}: {} vs {} (ratio {worst})", a[at], b[at]);
 }
 
 fn io() -> (Vec<u32>, Vec<u32>, Vec<u8>) {

@@ -38,6 +38,23 @@ pub fn nan_max(a: f32, b: f32) -> f32 {
     }
 }
 
+/// |a - b| <= atol + rtol |b| elementwise, atol 1e-5 of b's largest magnitude (the reference
+/// tests' tolerance: both sides fp32, summing in different orders); a NaN anywhere fails.
+#[allow(dead_code)] // not every test file uses it
+pub fn compare(a: &[f32], b: &[f32], rtol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: length");
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let atol = 1e-5 * scale.max(1e-30);
+    let (mut worst, mut at) = (0f32, 0);
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let r = (x - y).abs() / (atol + rtol * y.abs());
+        if r > worst || r.is_nan() {
+            (worst, at) = (if r.is_nan() { f32::INFINITY } else { r }, i);
+        }
+    }
+    assert!(worst <= 1.0, "{what}: element {at}: {} vs {} (ratio {worst})", a[at], b[at]);
+}
+
 #[allow(dead_code)] // not every test file uses it
 pub mod gpu;
 
