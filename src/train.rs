@@ -943,6 +943,16 @@ impl<'a> Run<'a> {
             let (png, _) = crate::plot::plot(&[run], &dir.join("curves"))?;
             if !self.cfg.quiet {
                 println!("training curves: {} (and .svg)", png.display());
+                // A LoRA run's checkpoint holds adapters: say how to use them.
+                if let (Some(base), Some(s)) = (&self.lora_base, latest_checkpoint(dir)) {
+                    let ckpt = dir.join(format!("model_{s:08}.bin"));
+                    println!(
+                        "LoRA adapters: {c} (sample: llmrs generate -e {b} --lora {c}; PEFT's files: llmrs convert {c} DIR; \
+                         merged: llmrs convert --merge {c} OUT)",
+                        c = ckpt.display(),
+                        b = base.source
+                    );
+                }
             }
         }
         Ok(self.summary)
