@@ -276,3 +276,34 @@ fn without_mpi_a_launch_of_several_processes_says_how_to_build() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("cargo build --release --features mpi"), "{err}");
 }
+
+/// A LoRA run under `mpirun -np 2` at every ZeRO stage (ZeRO-1..3 shard the adapters' AdamW
+/// state, ZeRO-3 the frozen base too) trains as one process with the whole batch.
+#[test]
+fn lora_ranks_under_mpirun_train_as_one_process_at_every_zero_stage() {
+    let test = "lora_ranks_under_mpirun_train_as_one_process_at_every_zero_stage";
+    if mpirun(2, test).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = make_data(dir.path(), 7, 40_000, 8_000);
+    let flags = ["-x", "10", "-v", "5", "-m", "2", "-n", "10", "--lora", "4"];
+    let adapters = |out: &Path| llmrs::lora::load_checkpoint(&out.join("model_00000010.bin")).unwrap().1.data;
+    let one = dir.path().join("one");
+    let mut c = Command::new(BIN);
+    c.args(train_args(&data, &one, 4, &flags));
+    run_ok(c, "one process");
+    let (one_train, one_a) = (log_values(&one, "train_loss"), adapters(&one));
+    assert_eq!(one_train.len(), 10);
+    for stage in 0..=3 {
+        let out = dir.path().join(format!("z{stage}"));
+        let mut c = mpirun(2, test).unwrap();
+        c.args(train_args(&data, &out, 2, &flags)).args(["-z", &stage.to_string()]);
+        run_ok(c, &format!("mpirun -np 2 -z {stage} --lora 4"));
+        for ((s, a), (_, b)) in log_values(&out, "train_loss").iter().zip(&one_train) {
+            assert!(close(*a, *b), "ZeRO-{stage}, step {s}: train loss {a} vs {b} on one process");
+        }
+        let worst = adapters(&out).iter().zip(&one_a).map(|(a, b)| (a - b).abs()).fold(0f32, nan_max);
+        assert!(worst <= 1e-4, "ZeRO-{stage}: an adapter differs by {worst} after 10 steps");
+    }
+}
