@@ -356,7 +356,8 @@ impl BaseId {
     /// the one the adapters were trained on.
     pub fn load(&self, other: Option<&str>) -> Result<Weights> {
         let spec = other.unwrap_or(&self.source);
-        let w = crate::source::load_any(spec, self.seed).with_context(|| format!("the LoRA base model {spec}"))?;
+        let w = crate::source::load_any(spec, self.seed)
+            .with_context(|| format!("the LoRA base model {spec} (moved? give it with -e)"))?;
         let h = weights_hash(&w);
         if h != self.hash {
             bail!(

@@ -482,6 +482,12 @@ fn load_weights_and_adapters(
             let (_, a, base) = crate::lora::load_checkpoint(&p)?;
             // -e may name the base another way (a local copy); its values must be the same.
             let w = base.load(cfg.model_given.then_some(cfg.model.as_str()))?;
+            if (cfg.lora > 0 || cfg.lora_from.is_some()) && rank == 0 {
+                eprintln!(
+                    "note: -y 1 resumes the LoRA checkpoint's adapters (rank {}); --lora and --lora-from are not used",
+                    a.r
+                );
+            }
             (w, Some((a, base)))
         }
         None if resume_step.is_none() && (cfg.lora > 0 || cfg.lora_from.is_some()) => {
