@@ -43,6 +43,8 @@ pub struct Target {
     /// out and in features.
     pub rows: usize,
     pub cols: usize,
+    /// Stored transposed by transformers (GPT-2's Conv1D: PEFT's `fan_in_fan_out`).
+    pub conv1d: bool,
 }
 
 /// Every linear projection of a model of shape `cfg` that LoRA can adapt, in layer order.
@@ -67,7 +69,8 @@ pub fn linear_modules(cfg: &ModelConfig) -> Vec<Target> {
         if let Some((tensor, layer, start)) = found {
             let short = module.rsplit('.').next().unwrap_or(module).to_string();
             let module = format!("{}{module}", arch.hf_prefix());
-            out.push(Target { module, short, tensor, layer, row0: (e.range.start - start) / cols, rows, cols });
+            let row0 = (e.range.start - start) / cols;
+            out.push(Target { module, short, tensor, layer, row0, rows, cols, conv1d: e.transposed });
         }
     }
     out
@@ -204,9 +207,9 @@ impl Adapters {
     }
 
     /// Write a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors` in
-    /// fp32) for a base of shape `cfg`, which PEFT's `PeftModel.from_pretrained` loads onto
+    /// fp32) for the base its targets came from, which PEFT's `PeftModel.from_pretrained` loads onto
     /// that base. `base` names the base model in the config.
-    pub fn save_peft(&self, cfg: &ModelConfig, dir: &Path, base: &str) -> Result<()> {
+    pub fn save_peft(&self, dir: &Path, base: &str) -> Result<()> {
         let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = vec![];
         for (i, t) in self.targets.iter().enumerate() {
             for (part, range, shape) in
@@ -223,7 +226,7 @@ impl Adapters {
             .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
         let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
         let out = safetensors::serialize(views, Some(meta))?;
-        let conv1d = self.targets.iter().any(|t| is_conv1d(cfg, t));
+        let conv1d = self.targets.iter().any(|t| t.conv1d);
         let config = serde_json::json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -473,12 +476,16 @@ pub fn load_adapters(path: &Path, cfg: &ModelConfig, training: bool) -> Result<A
 /// The merged model (PEFT's `merge_and_unload`) of base `spec` and the adapters at `lora` (a
 /// PEFT directory, or a LoRA checkpoint, whose base `spec` must be: its seed is the one used).
 pub fn load_merged(spec: &str, seed: u32, lora: &Path) -> Result<Weights> {
-    let mut w = if lora.is_dir() {
-        crate::source::load_any(spec, seed)?
+    let (mut w, a) = if lora.is_dir() {
+        let w = crate::source::load_any(spec, seed)?;
+        let a = Adapters::load_peft(&w.config, lora, false)?;
+        (w, a)
     } else {
-        load_checkpoint(lora)?.2.load(Some(spec)).with_context(|| format!("--lora {}", lora.display()))?
+        // Its base is checked by hash, so the adapters fit it.
+        let (_, a, base) = load_checkpoint(lora)?;
+        (base.load(Some(spec)).with_context(|| format!("--lora {}", lora.display()))?, a)
     };
-    load_adapters(lora, &w.config, false)?.merge_into(&mut w);
+    a.merge_into(&mut w);
     Ok(w)
 }
 
@@ -489,15 +496,6 @@ fn values(r: usize, targets: &[Target]) -> Result<usize> {
         .iter()
         .try_fold(0usize, |n, t| t.cols.checked_add(t.rows)?.checked_mul(r)?.checked_add(n))
         .with_context(|| format!("rank {r}: the adapters would not fit in memory"))
-}
-
-/// GPT-2's projections are transformers' Conv1D (PEFT's `fan_in_fan_out`).
-fn is_conv1d(cfg: &ModelConfig, t: &Target) -> bool {
-    let lay = models::layout(cfg);
-    models::arch(cfg).hf_tensors(cfg, &lay).iter().any(|e| {
-        e.transposed
-            && e.name == format!("{}.weight", t.module.strip_prefix(models::arch(cfg).hf_prefix()).unwrap_or(&t.module))
-    })
 }
 
 /// The fields of PEFT's `adapter_config.json` that llmrs honours.
@@ -641,7 +639,7 @@ mod tests {
             let cfg = ModelConfig::from_descriptor(desc).unwrap();
             let mut a = Adapters::new(3, 5.0, select(&cfg, &[]).unwrap(), &mut Mt19937::new(1)).unwrap();
             a.data.iter_mut().enumerate().for_each(|(i, x)| *x += i as f32 * 1e-3);
-            a.save_peft(&cfg, &dir, "base").unwrap();
+            a.save_peft(&dir, "base").unwrap();
             assert_eq!(Adapters::load_peft(&cfg, &dir, true).unwrap(), a);
             let other =
                 ModelConfig::from_descriptor(if desc.starts_with("llama") { "llama:2x24:4:2" } else { "2x24:2:8" })

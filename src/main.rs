@@ -848,9 +848,9 @@ fn cmd_convert(
         if is_bin {
             bail!("{spec} holds LoRA adapters: give a directory for PEFT's adapter files, or --merge for the merged model");
         }
-        let (cfg, a, base) = llmrs::lora::load_checkpoint(input)?;
+        let (_, a, base) = llmrs::lora::load_checkpoint(input)?;
         let name = base.source.strip_prefix("hf:").unwrap_or(&base.source);
-        a.save_peft(&cfg, &output, name)?;
+        a.save_peft(&output, name)?;
         eprintln!(
             "wrote {} (PEFT LoRA adapter: rank {}, alpha {}, {} projections, {} parameters; base {name})",
             output.display(),
