@@ -1,8 +1,8 @@
 //! Time the step's elementwise ops that are not GEMMs at GPT-2 124M, B=4, T=64 (256 rows): the
 //! cross-entropy forward and backward over the 50257-token vocabulary, GELU forward and
 //! backward over the 12 layers' (256, 3072) activations, and the 25 LayerNorms forward and
-//! backward over (256, 768), and the 12 layers' attention forward and backward (B=4, T=64,
-//! 12 heads). Best of five, all threads.
+//! backward over (256, 768), and the 12 layers' attention forward and backward (B=4, T=64 and
+//! B=1, T=1024, 12 heads). Best of five, all threads.
 //! `cargo run --release --example ops_time`
 use llmrs::cpu::attention::{attention_backward, attention_forward};
 use llmrs::cpu::classifier::{crossentropy_forward, crossentropy_softmax_backward_inplace};
@@ -60,15 +60,19 @@ fn main() {
     });
     println!("LayerNorm (25 x {n} x {c}): forward {fwd:.1} ms, backward {bwd:.1} ms");
 
-    let (b, t, nh) = (4, 64, 12);
-    let qkv: Vec<f32> = (0..b * t * 3 * c).map(|i| ((i * 7919) % 1000) as f32 * 0.002 - 1.0).collect();
-    let (mut out, mut att, mut heads) = (vec![0f32; b * t * c], vec![0f32; b * nh * t * t], vec![0f32; b * t * c]);
-    let fwd =
-        best_ms(|| (0..12).for_each(|_| attention_forward(&mut out, &mut att, &mut heads, &qkv, b, t, c, nh, nh)));
-    let (mut dqkv, mut scratch) = (vec![0f32; b * t * 3 * c], vec![0f32; b * nh * t * t]);
-    let mut heads = vec![0f32; b * t * 4 * c]; // the model lends dfch (B, T, 4*C) here
-    let bwd = best_ms(|| {
-        (0..12).for_each(|_| attention_backward(&mut dqkv, &mut scratch, &mut heads, &out, &qkv, &att, b, t, c, nh, nh))
-    });
-    println!("attention (12 x B={b} T={t} NH={nh}): forward {fwd:.1} ms, backward {bwd:.1} ms");
+    // The step's shape, and one long sequence (where the probabilities of old did not fit a cache).
+    for (b, t, nh) in [(4, 64, 12), (1, 1024, 12)] {
+        let qkv: Vec<f32> = (0..b * t * 3 * c).map(|i| ((i * 7919) % 1000) as f32 * 0.002 - 1.0).collect();
+        let (mut out, mut stats, mut heads) =
+            (vec![0f32; b * t * c], vec![0f32; b * nh * t * 2], vec![0f32; b * t * c]);
+        let fwd = best_ms(|| {
+            (0..12).for_each(|_| attention_forward(&mut out, &mut stats, &mut heads, &qkv, b, t, c, nh, nh))
+        });
+        let mut dqkv = vec![0f32; b * t * 3 * c];
+        let mut heads = vec![0f32; b * t * 4 * c]; // the model lends dfch (B, T, 4*C) here
+        let bwd = best_ms(|| {
+            (0..12).for_each(|_| attention_backward(&mut dqkv, &mut heads, &out, &qkv, &stats, b, t, c, nh, nh))
+        });
+        println!("attention (12 x B={b} T={t} NH={nh}): forward {fwd:.1} ms, backward {bwd:.1} ms");
+    }
 }

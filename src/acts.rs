@@ -18,12 +18,9 @@ use anyhow::Result;
 pub enum Width {
     /// This many values per position.
     Pos(usize),
-    /// Attention's scores or probabilities: NH values per key for every position (B, NH, T, T)
-    /// in a training pass; (NH, TN, cap) against a KV cache of cap positions.
-    Probs,
-    /// One sequence's [`Width::Probs`] (NH, T, T), for a block that runs attention a sequence
-    /// at a time; against a KV cache (one sequence already) as Probs.
-    SeqProbs,
+    /// This many values per position and head, head-major: (B, NH, T, k) (attention's
+    /// per-row softmax statistics).
+    Heads(usize),
 }
 
 /// One activation of a family's block.
@@ -35,8 +32,7 @@ pub struct ActSpec {
     /// workspace).
     pub per_layer: bool,
     /// The recompute level (llm.c's `-r`) from which this activation is no longer kept per
-    /// layer but recomputed by the block's backward from what is kept (0: always kept), and a
-    /// [`Width::Probs`] one is held for one sequence at a time ([`Width::SeqProbs`]).
+    /// layer but recomputed by the block's backward from what is kept (0: always kept).
     pub recompute_from: u8,
 }
 
@@ -54,15 +50,11 @@ impl ActSpec {
     pub const fn recomputed(name: &'static str, width: Width, level: u8) -> Self {
         ActSpec { name, width, per_layer: true, recompute_from: level }
     }
-    /// From recompute level `level` on, a [`Width::Probs`] buffer is one sequence's.
-    pub const fn per_sequence_from(self, level: u8) -> Self {
-        ActSpec { recompute_from: level, ..self }
-    }
 }
 
 /// The highest recompute level: 1 recomputes the MLP's activation (GELU, SwiGLU), 2 the
-/// norms' outputs and attention's probabilities too (llm.c's `-r`; its CUDA attention never
-/// keeps the probabilities).
+/// norms' outputs too (llm.c's `-r`). Attention's probabilities are never kept at any level:
+/// its backward rebuilds them from per-row statistics, as llm.c's CUDA attention does.
 pub const MAX_RECOMPUTE: u8 = 2;
 
 /// What a family's block needs besides the residual stream: the forward pass's activations
@@ -77,14 +69,11 @@ pub struct ActPlan {
 
 impl ActPlan {
     /// This plan at recompute level `level` (at most [`MAX_RECOMPUTE`]): the activations
-    /// recomputed from that level become buffers all layers share, attention's one sequence's.
+    /// recomputed from that level become buffers all layers share.
     pub fn with_recompute(mut self, level: u8) -> ActPlan {
         for s in self.fwd.iter_mut().chain(&mut self.back) {
             if s.recompute_from > 0 && s.recompute_from <= level {
                 s.per_layer = false;
-                if s.width == Width::Probs {
-                    s.width = Width::SeqProbs;
-                }
             }
         }
         self.recompute = level;
@@ -92,14 +81,11 @@ impl ActPlan {
     }
 }
 
-/// Values of `w` for `positions` query positions against `keys` keys with `nh` heads.
-fn len_of(w: Width, positions: usize, keys: usize, nh: usize) -> usize {
+/// Values of `w` for `positions` positions with `nh` heads.
+fn len_of(w: Width, positions: usize, nh: usize) -> usize {
     match w {
         Width::Pos(x) => positions * x,
-        Width::Probs => positions * nh * keys,
-        // A training pass: T positions of B*T against T keys; a KV-cached pass is one
-        // sequence, TN <= cap positions against cap keys.
-        Width::SeqProbs => positions.min(keys) * nh * keys,
+        Width::Heads(x) => positions * nh * x,
     }
 }
 
@@ -149,7 +135,7 @@ impl BlockActs {
                     .zip(&self.a.0)
                     .map(|(s, &x)| match s.width {
                         Width::Pos(w) => rows(x, w),
-                        Width::Probs | Width::SeqProbs => x,
+                        Width::Heads(_) => x,
                     })
                     .collect(),
             ),
@@ -217,11 +203,11 @@ impl Acts {
         let logit_rows = logit_rows.clamp(1, n);
         let one = |len: usize| (1, len);
         let mut views = vec![one(n * c), (l, n * c)];
-        views.extend(plan.fwd.iter().map(|s| (if s.per_layer { l } else { 1 }, len_of(s.width, n, t, nh))));
+        views.extend(plan.fwd.iter().map(|s| (if s.per_layer { l } else { 1 }, len_of(s.width, n, nh))));
         views.extend([one(n * c), one(n), one(n), one(logit_rows * vp), one(n), one(n), one(n * c)]);
         let bw = |len: usize| (1, if backward { len } else { 0 });
         views.push(bw(n * c));
-        views.extend(plan.back.iter().map(|s| bw(len_of(s.width, n, t, nh))));
+        views.extend(plan.back.iter().map(|s| bw(len_of(s.width, n, nh))));
         let (whole, v) = carve(be, &views)?;
         let tokens = be.alloc(2 * n, DType::U32)?;
         let k = plan.fwd.len();
@@ -299,9 +285,9 @@ impl Acts {
             .iter()
             .zip(&self.fwd)
             .map(|(s, &x)| {
-                let len = len_of(s.width, n, t, self.nh);
+                let len = len_of(s.width, n, self.nh);
                 if s.per_layer {
-                    x.part(l, len_of(s.width, cap, self.cap_t, self.nh)).prefix(len)
+                    x.part(l, len_of(s.width, cap, self.nh)).prefix(len)
                 } else {
                     x.prefix(len)
                 }
@@ -314,7 +300,7 @@ impl Acts {
     /// The backward buffers for a pass over (b, t).
     pub fn back(&self, b: usize, t: usize) -> BackActs {
         let n = b * t;
-        let d = self.plan.back.iter().zip(&self.back).map(|(s, &x)| x.prefix(len_of(s.width, n, t, self.nh))).collect();
+        let d = self.plan.back.iter().zip(&self.back).map(|(s, &x)| x.prefix(len_of(s.width, n, self.nh))).collect();
         BackActs { dres: self.dres.prefix(n * self.c), d: View(d) }
     }
 }
@@ -361,7 +347,7 @@ impl KvCache {
         let (c, l, nh, vp, ch, kv) =
             (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size, chunk, cfg.kv_dim());
         let mut views = vec![(l, capacity * kv), (l, capacity * kv), (1, ch * c)];
-        views.extend(plan.fwd.iter().map(|s| (1, len_of(s.width, ch, capacity, nh))));
+        views.extend(plan.fwd.iter().map(|s| (1, len_of(s.width, ch, nh))));
         views.extend([(1, c), (1, 1), (1, 1), (1, vp)]);
         let (whole, v) = carve(be, &views)?;
         let tokens = be.alloc(ch, DType::U32)?;
@@ -396,7 +382,7 @@ impl KvCache {
     /// Layer `l`'s views for `tn` new positions, and its key and value rows (cap, KV*HS).
     pub(crate) fn layer(&self, l: usize, tn: usize) -> (BlockActs, Buf, Buf) {
         let cap = self.capacity;
-        let a = self.plan.fwd.iter().zip(&self.acts).map(|(s, &x)| x.prefix(len_of(s.width, tn, cap, self.nh)));
+        let a = self.plan.fwd.iter().zip(&self.acts).map(|(s, &x)| x.prefix(len_of(s.width, tn, self.nh)));
         let stream = self.stream.prefix(tn * self.c);
         // No backward reads this pass: nothing to recompute.
         let x = BlockActs { res_in: stream, res_out: stream, a: View(a.collect()), recompute: 0 };

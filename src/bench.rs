@@ -20,7 +20,7 @@ pub struct BenchConfig {
     pub device: Device,
     /// ZeRO stage when several processes run (`mpirun -np N llmrs bench -z S`).
     pub zero_stage: usize,
-    /// Recompute level (train's `-r`): 0 none, 1 the MLP activation, 2 + the norms and attention's probabilities.
+    /// Recompute level (train's `-r`): 0 none, 1 the MLP activation, 2 + the norms' outputs.
     pub recompute: u8,
     /// Rows of logits the classifier computes at once (train's `--ce-rows`; 0 = all).
     pub ce_rows: usize,

@@ -70,7 +70,7 @@ enum Cmd {
         /// ZeRO stage when launched by mpirun (0-3, as train's -z).
         #[arg(short = 'z', long = "zero-stage", default_value_t = 0)]
         zero_stage: usize,
-        /// Recompute in the backward (as train's -r): 0 none, 1 the MLP activation, 2 + the norms, attention's probabilities.
+        /// Recompute in the backward (as train's -r): 0 none, 1 the MLP activation, 2 + the norms' outputs.
         #[arg(short = 'r', long = "recompute", default_value_t = D.with(|d| d.recompute))]
         recompute: u8,
         /// Rows of logits the classifier computes at once (as train's --ce-rows; 0 = all).
@@ -407,8 +407,8 @@ struct TrainArgs {
     #[arg(short = 'z', long = "zero-stage", default_value_t = D.with(|d| d.zero_stage))]
     zero_stage: usize,
     /// Recompute in the backward instead of keeping per layer (llm.c -r): 0 none, 1 the MLP
-    /// activation (GELU, SwiGLU), 2 + the norms' outputs and attention's probabilities. Same losses
-    /// bit for bit; less memory.
+    /// activation (GELU, SwiGLU), 2 + the norms' outputs. Same losses bit for bit; less memory.
+    /// (Attention never keeps its probabilities: its backward rebuilds them at every level.)
     #[arg(short = 'r', long = "recompute", default_value_t = D.with(|d| d.recompute))]
     recompute: u8,
     /// Rows of logits the classifier (head, cross-entropy, their backward) computes at once,

@@ -663,12 +663,12 @@ impl Model {
 
     /// Recompute level `level` (llm.c's `-r`; [`crate::acts::MAX_RECOMPUTE`] at most): 1 keeps
     /// one MLP activation buffer for all layers instead of one per layer and recomputes it in
-    /// each block's backward, 2 the norms' outputs and attention's probabilities too. Every loss and gradient is the same
+    /// each block's backward, 2 the norms' outputs too. Every loss and gradient is the same
     /// bits as at 0; the memory saved costs a few element-wise passes per step. Activations
     /// already sized are made again at the same capacity.
     pub fn set_recompute(&mut self, level: u8) -> Result<()> {
         if level > crate::acts::MAX_RECOMPUTE {
-            bail!("-r {level}: the recompute levels are 0 (none), 1 (the MLP activation) and 2 (+ the norms and attention's probabilities)");
+            bail!("-r {level}: the recompute levels are 0 (none), 1 (the MLP activation) and 2 (+ the norms' outputs)");
         }
         self.plan = self.arch.acts(&self.config).with_recompute(level);
         self.remake_acts()
@@ -794,11 +794,10 @@ impl Model {
         let cfg = &self.config;
         let widths = self.plan.fwd.iter().chain(&self.plan.back).map(|s| match s.width {
             crate::acts::Width::Pos(w) => w,
-            crate::acts::Width::Probs | crate::acts::Width::SeqProbs => 0,
+            crate::acts::Width::Heads(k) => k.saturating_mul(cfg.num_heads),
         });
         let wide = widths.fold(cfg.padded_vocab_size, usize::saturating_add);
-        let per_position = ct.checked_mul(cfg.num_heads).and_then(|x| x.checked_add(wide));
-        let per_position = per_position.and_then(|x| x.checked_mul(16 * (cfg.num_layers + 2)));
+        let per_position = wide.checked_mul(16 * (cfg.num_layers + 2));
         if per_position.and_then(|p| cb.checked_mul(ct)?.checked_mul(p)).is_none() {
             bail!("B={cb} x T={ct} is far more than any machine can hold activations for; lower -b or -t");
         }

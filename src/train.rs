@@ -96,8 +96,7 @@ pub struct TrainConfig {
     /// 2 + gradients, 3 + parameters (llm.c: 0)
     pub zero_stage: usize,
     /// -r  recompute in the backward instead of keeping per layer: 0 none, 1 the MLP
-    /// activation (GELU, SwiGLU), 2 + the norms' outputs and attention's probabilities; the same
-    /// bits at every level (llm.c: 1)
+    /// activation (GELU, SwiGLU), 2 + the norms' outputs; the same bits at every level (llm.c: 1)
     pub recompute: u8,
     /// --ce-rows  rows of logits the classifier computes at once (0: all B*T; else >= 3):
     /// the logits buffer holds (rows, Vp); a training step runs head, loss and their backward
@@ -195,7 +194,7 @@ impl TrainConfig {
         }
         if self.recompute > crate::acts::MAX_RECOMPUTE {
             bail!(
-                "-r {}: the recompute levels are 0 (none), 1 (the MLP activation) and 2 (+ the norms and attention's probabilities)",
+                "-r {}: the recompute levels are 0 (none), 1 (the MLP activation) and 2 (+ the norms' outputs)",
                 self.recompute
             );
         }

@@ -315,7 +315,7 @@ fn gpu_elementwise_ops() {
 #[test]
 fn gpu_attention_forward_and_backward() {
     both("gpu_attention_forward_and_backward", |p| {
-        // A (b, h) plane of scores must fit one binding: up to T = 22 with tiny ones.
+        // A (b, h) plane of scores must fit one binding (a tile): up to T = 22 with tiny ones.
         // (B, T, C, NH, KV): GPT-2's (KV = NH) and grouped-query shapes (KV < NH).
         let shapes: &[_] = if p.tiny() {
             &[
@@ -339,41 +339,25 @@ fn gpu_attention_forward_and_backward() {
         };
         for &(b, t, c, nh, nkv) in shapes {
             let qd = c + 2 * nkv * (c / nh);
-            let [out, att, ws, qkv, dout, dqkv, datt, ws3, probs] = p.parts([
-                b * t * c,
-                b * nh * t * t,
-                b * t * c,
-                b * t * qd,
-                b * t * c,
-                b * t * qd,
-                b * nh * t * t,
-                b * t * 3 * c,
-                b * nh * t * t,
-            ]);
+            let [out, stats, ws, qkv, dout, dqkv, ws3] =
+                p.parts([b * t * c, b * nh * t * 2, b * t * c, b * t * qd, b * t * c, b * t * qd, b * t * 3 * c]);
             p.scale(qkv, 2.0);
             p.poison(out);
-            p.poison(att);
+            p.poison(stats);
             p.both(
-                |be, [out, att, ws, qkv]| be.attention_forward(Some(out), att, ws, qkv, b, t, c, nh, nkv),
-                [out, att, ws, qkv],
+                |be, [out, stats, ws, qkv]| be.attention_forward(out, stats, ws, qkv, b, t, c, nh, nkv),
+                [out, stats, ws, qkv],
             );
             let what = format!("attention b={b} t={t} c={c} nh={nh} nkv={nkv}");
             p.check(out, 2e-5, &what);
-            p.check(att, 2e-5, &what);
-            // The probabilities alone (a backward's recomputation).
-            p.poison(probs);
-            p.both(
-                |be, [probs, ws, qkv]| be.attention_forward(None, probs, ws, qkv, b, t, c, nh, nkv),
-                [probs, ws, qkv],
-            );
-            p.check(probs, 2e-5, &format!("{what}, probabilities alone"));
+            // Each row's (max, 1/sum): the backward rebuilds the probabilities from these.
+            p.check(stats, 2e-5, &format!("{what}, row statistics"));
             p.poison(dqkv);
-            p.poison(datt);
             p.both(
-                |be, [dqkv, datt, ws3, dout, qkv, att]| {
-                    be.attention_backward(dqkv, datt, ws3, dout, qkv, att, b, t, c, nh, nkv)
+                |be, [dqkv, ws3, dout, qkv, stats]| {
+                    be.attention_backward(dqkv, ws3, dout, qkv, stats, b, t, c, nh, nkv)
                 },
-                [dqkv, datt, ws3, dout, qkv, att],
+                [dqkv, ws3, dout, qkv, stats],
             );
             p.check(dqkv, 5e-5, &what);
         }
@@ -392,14 +376,13 @@ fn gpu_cached_attention() {
         };
         for &(pos, tn, c, nh, nkv, max_t) in shapes {
             let kv = nkv * (c / nh);
-            let [out, scores, ws, qkv, kc, vc] =
-                p.parts([tn * c, nh * tn * max_t, tn * c, tn * (c + 2 * kv), max_t * kv, max_t * kv]);
+            let [out, ws, qkv, kc, vc] = p.parts([tn * c, tn * c, tn * (c + 2 * kv), max_t * kv, max_t * kv]);
             p.poison(out);
             p.both(
-                |be, [out, scores, ws, qkv, kc, vc]| {
-                    be.attention_forward_cached(out, scores, ws, qkv, kc, vc, pos, tn, c, nh, nkv, max_t)
+                |be, [out, ws, qkv, kc, vc]| {
+                    be.attention_forward_cached(out, ws, qkv, kc, vc, pos, tn, c, nh, nkv, max_t)
                 },
-                [out, scores, ws, qkv, kc, vc],
+                [out, ws, qkv, kc, vc],
             );
             let what = format!("cached attention pos={pos} tn={tn} c={c} nh={nh} nkv={nkv}");
             p.check(out, 2e-5, &what);

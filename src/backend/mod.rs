@@ -405,15 +405,16 @@ pub trait Backend {
     /// d (N, inout) *= gelu'(inp (N)): d(out) becomes d(inp).
     fn gelu_backward(&mut self, d: Buf, inp: Buf);
 
-    /// Causal self-attention: out (B, T, C) and the probabilities att (B, NH, T, T) (zero above
-    /// the diagonal, kept for backward) from qkv (B, T, QKV): the NH query heads, then the
-    /// `nkv` key heads, then the value heads, query head h reading key and value head
-    /// h / (NH / nkv) (grouped-query attention; GPT-2: nkv = NH). workspace (B, T, C): scratch.
-    /// Without `out`, only att, the same bits as with it (the backward's recomputation).
+    /// Causal self-attention: out (B, T, C) and stats (B, NH, T, 2) from qkv (B, T, QKV): the
+    /// NH query heads, then the `nkv` key heads, then the value heads, query head h reading key
+    /// and value head h / (NH / nkv) (grouped-query attention; GPT-2: nkv = NH). stats holds
+    /// each query row's softmax statistics (max(scale * scores), 1 / sum of exps), from which
+    /// the backward rebuilds the probabilities: no (B, NH, T, T) matrix is kept (flash
+    /// attention's scheme). workspace (B, T, C): scratch.
     fn attention_forward(
         &mut self,
-        out: Option<Buf>,
-        att: Buf,
+        out: Buf,
+        stats: Buf,
         workspace: Buf,
         qkv: Buf,
         b: usize,
@@ -422,16 +423,16 @@ pub trait Backend {
         nh: usize,
         nkv: usize,
     );
-    /// dqkv (B, T, QKV) (out) from dout (B, T, C); a key or value head's gradient sums over
-    /// its query heads in order. datt (B, NH, T, T) and workspace (B, T, 3*C): scratch.
+    /// dqkv (B, T, QKV) (out) from dout (B, T, C), qkv and the forward's stats (B, NH, T, 2); a
+    /// key or value head's gradient sums over its query heads in order. workspace (B, T, 3*C):
+    /// scratch.
     fn attention_backward(
         &mut self,
         dqkv: Buf,
-        datt: Buf,
         workspace: Buf,
         dout: Buf,
         qkv: Buf,
-        att: Buf,
+        stats: Buf,
         b: usize,
         t: usize,
         c: usize,
@@ -441,11 +442,10 @@ pub trait Backend {
     /// Attention of `tn` new positions of one sequence against a KV cache: the new keys and
     /// values in qkv (TN, QKV) go to rows pos..pos+tn of k_cache and v_cache (maxT, KV*HS)
     /// (inout), then out (TN, C) = attention of each new position over cache rows 0..=its own.
-    /// scores (NH, TN, maxT) and workspace (TN, C): scratch.
+    /// workspace (TN, C): scratch.
     fn attention_forward_cached(
         &mut self,
         out: Buf,
-        scores: Buf,
         workspace: Buf,
         qkv: Buf,
         k_cache: Buf,

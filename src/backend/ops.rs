@@ -425,58 +425,36 @@ impl<'a> Ops<'a> {
         self.run("gelu_backward", Kind::Gelu, &[Rw(d)], &[x], |be| be.gelu_backward(d, x));
     }
 
-    /// Causal self-attention over B sequences of T: out (B, T, QD) and the probabilities att
-    /// (B, NH, T, T) from qkv (B, T, QKV); ws (B, T, QD) scratch.
-    pub fn attention_forward(&mut self, out: Buf, att: Buf, ws: Buf, qkv: Buf, s: Seq, h: Heads) {
-        let (n, t) = (s.n(), s.t);
+    /// Causal self-attention over B sequences of T: out (B, T, QD) and each query row's softmax
+    /// statistics stats (B, NH, T, 2) from qkv (B, T, QKV); ws (B, T, QD) scratch.
+    pub fn attention_forward(&mut self, out: Buf, stats: Buf, ws: Buf, qkv: Buf, s: Seq, h: Heads) {
+        let n = s.n();
         assert!(h.nkv > 0 && h.nh.is_multiple_of(h.nkv), "attention_forward: {} heads, {} kv heads", h.nh, h.nkv);
-        lens!("attention_forward"; out => n * h.q(), att => s.b * h.nh * t * t, ws => n * h.q(), qkv => n * h.qkv());
-        self.run("attention_forward", Kind::Attention, &[W(out), W(att), Scratch(ws)], &[qkv], |be| {
-            be.attention_forward(Some(out), att, ws, qkv, s.b, s.t, h.q(), h.nh, h.nkv)
+        lens!("attention_forward"; out => n * h.q(), stats => n * h.nh * 2, ws => n * h.q(), qkv => n * h.qkv());
+        self.run("attention_forward", Kind::Attention, &[W(out), W(stats), Scratch(ws)], &[qkv], |be| {
+            be.attention_forward(out, stats, ws, qkv, s.b, s.t, h.q(), h.nh, h.nkv)
         });
     }
 
-    /// att (B, NH, T, T) alone, the same bits as [`Ops::attention_forward`]'s: a backward's
-    /// recomputation of probabilities it did not keep. ws (B, T, QD) scratch.
-    pub fn attention_probs(&mut self, att: Buf, ws: Buf, qkv: Buf, s: Seq, h: Heads) {
-        let (n, t) = (s.n(), s.t);
-        assert!(h.nkv > 0 && h.nh.is_multiple_of(h.nkv), "attention_probs: {} heads, {} kv heads", h.nh, h.nkv);
-        lens!("attention_probs"; att => s.b * h.nh * t * t, ws => n * h.q(), qkv => n * h.qkv());
-        self.run("attention_probs", Kind::Attention, &[W(att), Scratch(ws)], &[qkv], |be| {
-            be.attention_forward(None, att, ws, qkv, s.b, s.t, h.q(), h.nh, h.nkv)
-        });
-    }
-
-    /// dqkv (B, T, QKV) (out) from dout (B, T, QD); datt (B, NH, T, T) and ws (B, T, 3 QD) scratch.
+    /// dqkv (B, T, QKV) (out) from dout (B, T, QD), qkv and the forward's stats (B, NH, T, 2),
+    /// the probabilities rebuilt as the backward goes; ws (B, T, 3 QD) scratch.
     #[allow(clippy::too_many_arguments)]
-    pub fn attention_backward(
-        &mut self,
-        dqkv: Buf,
-        datt: Buf,
-        ws: Buf,
-        dout: Buf,
-        qkv: Buf,
-        att: Buf,
-        s: Seq,
-        h: Heads,
-    ) {
-        let (n, t) = (s.n(), s.t);
-        lens!("attention_backward"; dqkv => n * h.qkv(), datt => s.b * h.nh * t * t, ws => n * 3 * h.q(),
-              dout => n * h.q(), qkv => n * h.qkv(), att => s.b * h.nh * t * t);
-        let outs = [W(dqkv), Scratch(datt), Scratch(ws)];
-        self.run("attention_backward", Kind::Attention, &outs, &[dout, qkv, att], |be| {
-            be.attention_backward(dqkv, datt, ws, dout, qkv, att, s.b, s.t, h.q(), h.nh, h.nkv)
+    pub fn attention_backward(&mut self, dqkv: Buf, ws: Buf, dout: Buf, qkv: Buf, stats: Buf, s: Seq, h: Heads) {
+        let n = s.n();
+        lens!("attention_backward"; dqkv => n * h.qkv(), ws => n * 3 * h.q(),
+              dout => n * h.q(), qkv => n * h.qkv(), stats => n * h.nh * 2);
+        self.run("attention_backward", Kind::Attention, &[W(dqkv), Scratch(ws)], &[dout, qkv, stats], |be| {
+            be.attention_backward(dqkv, ws, dout, qkv, stats, s.b, s.t, h.q(), h.nh, h.nkv)
         });
     }
 
     /// Attention of `tn` new positions against a KV cache of `cap` positions holding `pos`:
     /// their keys and values (in qkv (TN, QKV)) go to rows pos.. of k and v (cap, KV*HS), then
-    /// out (TN, QD). scores (NH, TN, cap) and ws (TN, QD): scratch.
+    /// out (TN, QD). ws (TN, QD): scratch.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_forward_cached(
         &mut self,
         out: Buf,
-        scores: Buf,
         ws: Buf,
         qkv: Buf,
         k: Buf,
@@ -487,13 +465,13 @@ impl<'a> Ops<'a> {
         h: Heads,
     ) {
         assert!(tn > 0 && pos + tn <= cap, "attention_forward_cached: positions past the cache");
-        lens!("attention_forward_cached"; out => tn * h.q(), scores => h.nh * tn * cap, ws => tn * h.q(),
+        lens!("attention_forward_cached"; out => tn * h.q(), ws => tn * h.q(),
               qkv => tn * h.qkv(), k => cap * h.kv(), v => cap * h.kv());
         // The cache's rows up to the new ones are what it holds (the rest is not written yet).
         let held = (pos + tn) * h.kv();
-        let outs = [W(out), Scratch(scores), Scratch(ws), Rw(k.prefix(held)), Rw(v.prefix(held))];
+        let outs = [W(out), Scratch(ws), Rw(k.prefix(held)), Rw(v.prefix(held))];
         self.run("attention_forward_cached", Kind::Attention, &outs, &[qkv], |be| {
-            be.attention_forward_cached(out, scores, ws, qkv, k, v, pos, tn, h.q(), h.nh, h.nkv, cap)
+            be.attention_forward_cached(out, ws, qkv, k, v, pos, tn, h.q(), h.nh, h.nkv, cap)
         });
     }
 

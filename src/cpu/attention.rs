@@ -3,13 +3,18 @@
 //! Layout: `qkv (B, T, QKV)` holds each position's NH query heads, then its KV key heads, then
 //! its KV value heads (QKV = (NH + 2 KV) * HS; GPT-2: KV = NH, QKV = 3C). Query head h of
 //! position t is `qkv[b, t, h*HS .. (h+1)*HS]`; it reads key and value head g = h / (NH / KV),
-//! at offsets C + g*HS and C + KV*HS + g*HS. The softmax output `att (B, NH, T, T)` is kept for
-//! backward (entries above the diagonal are 0).
+//! at offsets C + g*HS and C + KV*HS + g*HS.
+//!
+//! No (B, NH, T, T) matrix is ever held (flash attention's scheme): the forward keeps the
+//! output and each query row's softmax statistics `stats (B, NH, T, 2)`, and the backward
+//! rebuilds the probabilities block by block of query rows, in a per-thread tile of
+//! [`ROW_BLOCK`] x T, from the same GEMM and those statistics: the same bits as the forward's.
 
 use super::math::{add_lanes, combine_lanes, max_lanes};
 use super::team::{self, Disjoint};
 #[cfg(test)]
 use rayon::prelude::*;
+use std::cell::RefCell;
 
 /// Dot product with 8 independent partial sums, so the compiler can keep them in one SIMD
 /// register (a single running sum would force sequential, scalar adds).
@@ -105,8 +110,9 @@ fn attention_forward_loops(
 
 crate::simd_fn! {
 /// The causal softmax of one row of raw scores: the first `live` entries become
-/// softmax(scale * x), the rest (future positions) 0.
-fn softmax_prefix(row: &mut [f32], live: usize, scale: f32) {
+/// softmax(scale * x), the rest (future positions) 0. Returns the row's statistics
+/// (max(scale * x), 1 / sum of the exps), from which [`probs_row`] rebuilds the same bits.
+fn softmax_prefix(row: &mut [f32], live: usize, scale: f32) -> [f32; 2] {
     // Max and sum over 8 lanes, not one running value (a chain of dependent scalar ops). The
     // max of x * scale is taken as max(x) * scale: scale > 0 and rounding is monotonic, so it is
     // the same number. A NaN score still reaches the output through the exps.
@@ -118,6 +124,19 @@ fn softmax_prefix(row: &mut [f32], live: usize, scale: f32) {
     add_lanes(&mut acc, &row[..live]);
     let inv = 1.0 / combine_lanes(acc);
     row[..live].iter_mut().for_each(|x| *x *= inv);
+    row[live..].fill(0.0);
+    [maxv, inv]
+}
+}
+
+crate::simd_fn! {
+/// [`softmax_prefix`] again from its statistics: the row of raw scores becomes the same
+/// probabilities, bit for bit (the same two roundings per entry), without the two reductions.
+fn probs_row(row: &mut [f32], live: usize, scale: f32, stats: [f32; 2]) {
+    let [maxv, inv] = stats;
+    for x in &mut row[..live] {
+        *x = super::math::exp(*x * scale - maxv) * inv;
+    }
     row[live..].fill(0.0);
 }
 }
@@ -135,18 +154,42 @@ crate::simd_fn! {
 }
 
 /// Query rows per causal block: each block of queries is multiplied only with the keys it can
-/// see (those up to its last row), which halves the attention GEMMs at long T. At T <= 64 there
-/// is one block, the full T x T.
+/// see (those up to its last row), which halves the attention GEMMs at long T, and its scores
+/// live in a tile of ROW_BLOCK x T floats, never in a (T, T) plane. At T <= 64 there is one
+/// block, the full T x T.
 const ROW_BLOCK: usize = 64;
 
-/// out (B, T, C), att (B, NH, T, T) from qkv (B, T, QKV). Per (batch, head) and block of query
-/// rows, two GEMMs: scores = Q K^T over the visible keys (then the causal mask inside the
-/// block), and out = softmax(scores) V. `att` is zero above the diagonal. `heads (B, NH, T, HS)`
-/// is workspace.
+thread_local! {
+    /// Each thread's attention tiles (the scores, probabilities and their gradients of one
+    /// block of query rows against the keys it sees): grown on first use to what the longest
+    /// sequence needs (2 x ROW_BLOCK x T floats: 512 KiB at T = 1024, within a core's L2),
+    /// then reused. They stand in for the (B, NH, T, T) probabilities that attention kept
+    /// before: the backward rebuilds them block by block from the row statistics.
+    static TILES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `f` on this thread's tile workspace of `len` floats (its contents are stale: every user
+/// writes before it reads).
+fn with_tiles<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    TILES.with(|tiles| {
+        let mut v = tiles.borrow_mut();
+        if v.len() < len {
+            // Fresh rather than resized: nothing old is worth copying.
+            *v = vec![0.0; len];
+        }
+        f(&mut v[..len])
+    })
+}
+
+/// out (B, T, C) and stats (B, NH, T, 2) from qkv (B, T, QKV). Per (batch, head) and block of
+/// query rows, two GEMMs: scores = Q K^T over the visible keys (then the causal mask inside the
+/// block), and out = softmax(scores) V, the scores in a per-thread tile. `stats` keeps each
+/// query row's softmax statistics (max(scale * s), 1 / sum of exps), all the backward needs to
+/// rebuild the probabilities. `heads (B, NH, T, HS)` is workspace.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     out: &mut [f32],
-    att: &mut [f32],
+    stats: &mut [f32],
     heads: &mut [f32],
     qkv: &[f32],
     b: usize,
@@ -155,20 +198,14 @@ pub fn attention_forward(
     nh: usize,
     nkv: usize,
 ) {
-    attention_forward_blocked(Some((out, heads)), att, qkv, b, t, c, nh, nkv, ROW_BLOCK)
+    attention_forward_blocked(out, stats, heads, qkv, b, t, c, nh, nkv, ROW_BLOCK)
 }
 
-/// att (B, NH, T, T) alone from qkv (B, T, QKV): [`attention_forward`]'s probabilities, the
-/// same bits (the same calls), for a backward that did not keep them.
-pub fn attention_probs(att: &mut [f32], qkv: &[f32], b: usize, t: usize, c: usize, nh: usize, nkv: usize) {
-    attention_forward_blocked(None, att, qkv, b, t, c, nh, nkv, ROW_BLOCK)
-}
-
-/// `out_heads`: the output (B, T, C) and its workspace (B, NH, T, HS); None for att alone.
 #[allow(clippy::too_many_arguments)]
 fn attention_forward_blocked(
-    out_heads: Option<(&mut [f32], &mut [f32])>,
-    att: &mut [f32],
+    out: &mut [f32],
+    stats: &mut [f32],
+    heads: &mut [f32],
     qkv: &[f32],
     b: usize,
     t: usize,
@@ -181,34 +218,31 @@ fn attention_forward_blocked(
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let qd = c + 2 * nkv * hs;
-    let (c3, ti_, hs_) = (qd as isize, t as isize, hs as isize);
-    let (out, mut heads) = match out_heads {
-        Some((out, heads)) => (Some(out), Some(heads)),
-        None => (None, None),
-    };
+    let (c3, hs_) = (qd as isize, hs as isize);
     // The Disjoint view of the heads ends with this block, before they are read below.
     {
-        let heads_d = heads.as_deref_mut().map(|h| Disjoint::new(&mut h[..b * nh * t * hs]));
-        team::chunks_mut(&mut att[..b * nh * t * t], t * t, |bh, p| {
+        let heads_d = Disjoint::new(&mut heads[..b * nh * t * hs]);
+        team::chunks_mut(&mut stats[..b * nh * t * 2], t * 2, |bh, st| {
             // SAFETY: plane bh of the heads is this task's alone.
-            let mut o = heads_d.as_ref().map(|d| unsafe { d.part(bh * t * hs..(bh + 1) * t * hs) });
+            let o = unsafe { heads_d.part(bh * t * hs..(bh + 1) * t * hs) };
             let (row0, h) = ((bh / nh) * t * qd, bh % nh);
             let (ko, vo) = kv_offsets(h, c, nh, nkv);
             let (q, k, v) = (&qkv[row0 + h * hs..], &qkv[row0 + ko..], &qkv[row0 + vo..]);
-            for r0 in (0..t).step_by(block) {
-                let r1 = (r0 + block).min(t);
-                // Rows r0..r1 see keys 0..r1; softmax_prefix zeroes the rest of each row.
-                gemm(r1 - r0, r1, hs, &mut p[r0 * t..], (ti_, 1), false, &q[r0 * qd..], (c3, 1), k, (1, c3));
-                for ti in r0..r1 {
-                    softmax_prefix(&mut p[ti * t..(ti + 1) * t], ti + 1, scale);
+            with_tiles(block.min(t) * t, |tile| {
+                for r0 in (0..t).step_by(block) {
+                    let r1 = (r0 + block).min(t);
+                    // p (rows, r1): rows r0..r1 see keys 0..r1; softmax_prefix zeroes the rest.
+                    let (p, ld) = (&mut tile[..(r1 - r0) * r1], r1 as isize);
+                    gemm(r1 - r0, r1, hs, p, (ld, 1), false, &q[r0 * qd..], (c3, 1), k, (1, c3));
+                    for (i, row) in p.chunks_exact_mut(r1).enumerate() {
+                        let s = softmax_prefix(row, r0 + i + 1, scale);
+                        st[2 * (r0 + i)..2 * (r0 + i + 1)].copy_from_slice(&s);
+                    }
+                    gemm(r1 - r0, hs, r1, &mut o[r0 * hs..], (hs_, 1), false, p, (ld, 1), v, (c3, 1));
                 }
-                if let Some(o) = o.as_deref_mut() {
-                    gemm(r1 - r0, hs, r1, &mut o[r0 * hs..], (hs_, 1), false, &p[r0 * t..], (ti_, 1), v, (c3, 1));
-                }
-            }
+            })
         });
     }
-    let (Some(out), Some(heads)) = (out, heads) else { return };
     let heads = &heads[..b * nh * t * hs];
     team::chunks_mut(&mut out[..b * t * c], c, |bt, row| {
         let (bi, ti) = (bt / t, bt % t);
@@ -218,37 +252,37 @@ fn attention_forward_blocked(
     });
 }
 
-/// Backward of [`attention_forward`], as GEMMs per (batch, head): dP = dO V^T, the softmax
-/// backward dS = P (dP - rowsum(P dP)) (scaled), dQ = dS K, dK = dS^T Q, dV = P^T dO, each
-/// restricted to the causal triangle by blocks of rows (dP, dQ) or of keys (dK, dV). A key or
-/// value head's gradient is the sum of its query heads', in head order.
-/// `dqkv (B, T, QKV)` is overwritten; `scratch (B, NH, T, T)` and `heads (B, NH, 3, T, HS)` are
-/// workspace.
+/// Backward of [`attention_forward`], flash attention's way: per (batch, head) and block of
+/// query rows, the probabilities P again (the forward's GEMM and its statistics: the same
+/// bits), dP = dO V^T, the softmax backward dS = P (dP - rowsum(P dP)) (scaled), dQ = dS K for
+/// the block's rows, and the block's share of dK += dS^T Q and dV += P^T dO for the keys it saw.
+/// So dK and dV sum over query blocks in order (where a version that kept the whole (T, T)
+/// planes summed each key's column in one GEMM: the same sums, rounded in another order).
+/// A key or value head's gradient is the sum of its query heads', in head order.
+/// `dqkv (B, T, QKV)` is overwritten; `heads (B, NH, 3, T, HS)` is workspace.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     dqkv: &mut [f32],
-    scratch: &mut [f32],
     heads: &mut [f32],
     dout: &[f32],
     qkv: &[f32],
-    att: &[f32],
+    stats: &[f32],
     b: usize,
     t: usize,
     c: usize,
     nh: usize,
     nkv: usize,
 ) {
-    attention_backward_blocked(dqkv, scratch, heads, dout, qkv, att, b, t, c, nh, nkv, ROW_BLOCK)
+    attention_backward_blocked(dqkv, heads, dout, qkv, stats, b, t, c, nh, nkv, ROW_BLOCK)
 }
 
 #[allow(clippy::too_many_arguments)]
 fn attention_backward_blocked(
     dqkv: &mut [f32],
-    scratch: &mut [f32],
     heads: &mut [f32],
     dout: &[f32],
     qkv: &[f32],
-    att: &[f32],
+    stats: &[f32],
     b: usize,
     t: usize,
     c: usize,
@@ -260,35 +294,43 @@ fn attention_backward_blocked(
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let qd = c + 2 * nkv * hs;
-    let (c_, c3, ti_, hs_) = (c as isize, qd as isize, t as isize, hs as isize);
-    let heads_d = Disjoint::new(&mut heads[..b * nh * 3 * t * hs]);
-    team::chunks_mut(&mut scratch[..b * nh * t * t], t * t, |bh, ds| {
-        // SAFETY: plane bh of the heads is this task's alone.
-        let hd = unsafe { heads_d.part(bh * 3 * t * hs..(bh + 1) * 3 * t * hs) };
+    let (c_, c3, hs_) = (c as isize, qd as isize, hs as isize);
+    team::chunks_mut(&mut heads[..b * nh * 3 * t * hs], 3 * t * hs, |bh, hd| {
         let (bi, h) = (bh / nh, bh % nh);
         let row0 = bi * t * qd;
         let (ko, vo) = kv_offsets(h, c, nh, nkv);
         let (q, k, v) = (&qkv[row0 + h * hs..], &qkv[row0 + ko..], &qkv[row0 + vo..]);
         let d = &dout[bi * t * c + h * hs..];
-        let p = &att[bh * t * t..(bh + 1) * t * t];
+        let st = &stats[bh * t * 2..(bh + 1) * t * 2];
         let (dq, rest) = hd.split_at_mut(t * hs);
         let (dk, dv) = rest.split_at_mut(t * hs);
-        for r0 in (0..t).step_by(block) {
-            let r1 = (r0 + block).min(t);
-            // dP and dS of query rows r0..r1 over the keys 0..r1 they saw (zero beyond).
-            gemm(r1 - r0, r1, hs, &mut ds[r0 * t..], (ti_, 1), false, &d[r0 * c..], (c_, 1), v, (1, c3));
-            for ti in r0..r1 {
-                softmax_backward_row(&mut ds[ti * t..(ti + 1) * t], &p[ti * t..(ti + 1) * t], ti + 1, scale);
+        // Every block adds to the keys it saw.
+        dk.fill(0.0);
+        dv.fill(0.0);
+        let w = block.min(t);
+        with_tiles(2 * w * t, |tiles| {
+            let (p, ds) = tiles.split_at_mut(w * t);
+            for r0 in (0..t).step_by(block) {
+                let (r1, rows) = ((r0 + block).min(t), (r0 + block).min(t) - r0);
+                let (p, ds, ld) = (&mut p[..rows * r1], &mut ds[..rows * r1], r1 as isize);
+                let (qb, db) = (&q[r0 * qd..], &d[r0 * c..]);
+                // P (rows, r1) of query rows r0..r1 over the keys 0..r1 they saw (zero beyond).
+                gemm(rows, r1, hs, p, (ld, 1), false, qb, (c3, 1), k, (1, c3));
+                for (i, row) in p.chunks_exact_mut(r1).enumerate() {
+                    let at = 2 * (r0 + i);
+                    probs_row(row, r0 + i + 1, scale, [st[at], st[at + 1]]);
+                }
+                // dS (rows, r1) = softmax'(dO V^T)
+                gemm(rows, r1, hs, ds, (ld, 1), false, db, (c_, 1), v, (1, c3));
+                for (i, (row, pr)) in ds.chunks_exact_mut(r1).zip(p.chunks_exact(r1)).enumerate() {
+                    softmax_backward_row(row, pr, r0 + i + 1, scale);
+                }
+                gemm(rows, hs, r1, &mut dq[r0 * hs..], (hs_, 1), false, ds, (ld, 1), k, (c3, 1));
+                // Keys 0..r1: dK += dS^T Q, dV += P^T dO over these query rows.
+                gemm(r1, hs, rows, dk, (hs_, 1), true, ds, (1, ld), qb, (c3, 1));
+                gemm(r1, hs, rows, dv, (hs_, 1), true, p, (1, ld), db, (c_, 1));
             }
-            gemm(r1 - r0, hs, r1, &mut dq[r0 * hs..], (hs_, 1), false, &ds[r0 * t..], (ti_, 1), k, (c3, 1));
-        }
-        for k0 in (0..t).step_by(block) {
-            let k1 = (k0 + block).min(t);
-            // Keys k0..k1 were seen by queries k0..t only: dK = dS^T Q and dV = P^T dO over those.
-            let (lhs_ds, lhs_p) = (&ds[k0 * t + k0..], &p[k0 * t + k0..]);
-            gemm(k1 - k0, hs, t - k0, &mut dk[k0 * hs..], (hs_, 1), false, lhs_ds, (1, ti_), &q[k0 * qd..], (c3, 1));
-            gemm(k1 - k0, hs, t - k0, &mut dv[k0 * hs..], (hs_, 1), false, lhs_p, (1, ti_), &d[k0 * c..], (c_, 1));
-        }
+        })
     });
     // dQ per head; dK and dV per key/value head, summed over its query heads in order.
     let heads = &heads[..b * nh * 3 * t * hs];
@@ -316,14 +358,13 @@ fn attention_backward_blocked(
 /// `k_cache`/`v_cache (maxT, KV*HS)` at rows `pos..pos+tn`. New position i sits at absolute
 /// position `pos + i` and attends to cache rows `0..=pos+i`. Per head and block of
 /// [`ROW_BLOCK`] new rows, two GEMMs over the keys the block can see (up to its last row):
-/// scores = Q K^T and out = softmax(scores) V. The (head, block) tasks are spread over the
-/// threads as they go, so a head count that does not divide by the thread count (SmolLM2's 9
-/// on 2) leaves no thread idle, and a long prompt skips the keys of its later positions in
-/// its earlier rows. `scores (NH, tn, maxT)` and `head_out (NH, tn, HS)` are workspace.
+/// scores = Q K^T and out = softmax(scores) V, the scores in a per-thread tile. The (head,
+/// block) tasks are spread over the threads as they go, so a head count that does not divide
+/// by the thread count (SmolLM2's 9 on 2) leaves no thread idle, and a long prompt skips the
+/// keys of its later positions in its earlier rows. `head_out (NH, tn, HS)` is workspace.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_cached(
     out: &mut [f32],
-    scores: &mut [f32],
     head_out: &mut [f32],
     qkv: &[f32],
     k_cache: &[f32],
@@ -333,15 +374,13 @@ pub fn attention_forward_cached(
     c: usize,
     nh: usize,
     nkv: usize,
-    max_t: usize,
 ) {
     use crate::cpu::matmul::gemm_strided_serial;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let (kvd, rep) = (nkv * hs, nh / nkv);
-    let (kv_, c3, mt) = (kvd as isize, (c + 2 * kvd) as isize, max_t as isize);
+    let (kv_, c3) = (kvd as isize, (c + 2 * kvd) as isize);
     let blocks = tn.div_ceil(ROW_BLOCK);
-    let scores_d = Disjoint::new(&mut scores[..nh * tn * max_t]);
     let head_out_d = Disjoint::new(&mut head_out[..nh * tn * hs]);
     team::for_ranges(nh * blocks, 1, 1, |tasks| {
         for task in tasks {
@@ -349,23 +388,21 @@ pub fn attention_forward_cached(
             let rows = ROW_BLOCK.min(tn - r0);
             // Keys visible to the block's last row.
             let n = pos + r0 + rows;
-            // SAFETY: rows r0..r0+rows of head h, in the scores and the head outputs, are this
-            // task's alone.
-            let (sc, ho) = unsafe {
-                let at = h * tn + r0;
-                (scores_d.part(at * max_t..(at + rows) * max_t), head_out_d.part(at * hs..(at + rows) * hs))
-            };
-            // sc (rows, n) = Q_h (rows, HS) @ K_g^T (HS, n), g = h's key/value head
-            let q = &qkv[r0 * (c3 as usize) + h * hs..];
-            let g = h / rep;
-            let k = &k_cache[g * hs..];
-            gemm_strided_serial(rows, n, hs, sc, (mt, 1), false, q, (c3, 1), k, (1, kv_));
-            for i in 0..rows {
-                softmax_prefix(&mut sc[i * max_t..i * max_t + n], pos + r0 + i + 1, scale);
-            }
-            // ho (rows, HS) = P (rows, n) @ V_g (n, HS)
-            let v = &v_cache[g * hs..];
-            gemm_strided_serial(rows, hs, n, ho, (hs as isize, 1), false, sc, (mt, 1), v, (kv_, 1));
+            // SAFETY: rows r0..r0+rows of head h's outputs are this task's alone.
+            let ho = unsafe { head_out_d.part((h * tn + r0) * hs..(h * tn + r0 + rows) * hs) };
+            with_tiles(rows * n, |sc| {
+                // sc (rows, n) = Q_h (rows, HS) @ K_g^T (HS, n), g = h's key/value head
+                let q = &qkv[r0 * (c3 as usize) + h * hs..];
+                let g = h / rep;
+                let k = &k_cache[g * hs..];
+                gemm_strided_serial(rows, n, hs, sc, (n as isize, 1), false, q, (c3, 1), k, (1, kv_));
+                for (i, row) in sc.chunks_exact_mut(n).enumerate() {
+                    softmax_prefix(row, pos + r0 + i + 1, scale);
+                }
+                // ho (rows, HS) = P (rows, n) @ V_g (n, HS)
+                let v = &v_cache[g * hs..];
+                gemm_strided_serial(rows, hs, n, ho, (hs as isize, 1), false, sc, (n as isize, 1), v, (kv_, 1));
+            })
         }
     });
     for i in 0..tn {
@@ -500,58 +537,98 @@ mod tests {
             let mut r = TestRng((b * 1000 + t * 10 + c + nkv * 7) as u64);
             let qkv: Vec<f32> = r.vec(b * t * qd).iter().map(|x| x * 2.0).collect();
             let proj = r.vec(b * t * c);
-            let fwd = |qkv: &[f32]| {
-                let mut out = vec![0f32; b * t * c];
-                let mut att = vec![0f32; b * nh * t * t];
-                let mut heads = vec![0f32; b * t * c];
-                attention_forward(&mut out, &mut att, &mut heads, qkv, b, t, c, nh, nkv);
-                (out, att)
+            // Stale contents (9s, and each shape's tiles left by the one before) must not leak in.
+            let fwd_blocked = |qkv: &[f32], block: usize| {
+                let (mut out, mut stats, mut heads) =
+                    (vec![9f32; b * t * c], vec![9f32; b * nh * t * 2], vec![9f32; b * t * c]);
+                attention_forward_blocked(&mut out, &mut stats, &mut heads, qkv, b, t, c, nh, nkv, block);
+                (out, stats)
             };
-            // Causal blocks of 1, 2 and 3 rows (several blocks, a ragged last one) give the
-            // same results as one block; stale workspace contents must not leak in.
-            let full = {
-                let (mut out, mut att, mut heads) =
-                    (vec![0f32; b * t * c], vec![0f32; b * nh * t * t], vec![0f32; b * t * c]);
-                attention_forward_blocked(Some((&mut out, &mut heads)), &mut att, &qkv, b, t, c, nh, nkv, t.max(1));
-                let (mut dqkv, mut scratch, mut heads) =
-                    (vec![0f32; b * t * qd], vec![0f32; b * nh * t * t], vec![0f32; b * t * 3 * c]);
-                let (h, s) = (&mut heads, &mut scratch);
-                attention_backward_blocked(&mut dqkv, s, h, &proj, &qkv, &att, b, t, c, nh, nkv, t.max(1));
-                (out, att, dqkv)
+            let bwd_blocked = |stats: &[f32], block: usize| {
+                let (mut dqkv, mut heads) = (vec![9f32; b * t * qd], vec![9f32; b * t * 3 * c]);
+                attention_backward_blocked(&mut dqkv, &mut heads, &proj, &qkv, stats, b, t, c, nh, nkv, block);
+                dqkv
             };
-            for block in [1, 2, 3] {
-                let (mut out, mut att, mut heads) =
-                    (vec![9f32; b * t * c], vec![9f32; b * nh * t * t], vec![9f32; b * t * c]);
-                attention_forward_blocked(Some((&mut out, &mut heads)), &mut att, &qkv, b, t, c, nh, nkv, block);
-                assert_close(&out, &full.0, 1e-6, 1e-5, "blocked fwd");
-                assert_close(&att, &full.1, 1e-6, 1e-5, "blocked att");
-                let (mut dqkv, mut scratch, mut heads) =
-                    (vec![9f32; b * t * qd], vec![9f32; b * nh * t * t], vec![9f32; b * t * 3 * c]);
-                let (h, s) = (&mut heads, &mut scratch);
-                attention_backward_blocked(&mut dqkv, s, h, &proj, &qkv, &att, b, t, c, nh, nkv, block);
-                assert_close(&dqkv, &full.2, 1e-5, 1e-4, "blocked bwd");
-            }
-            let (out, att) = fwd(&qkv);
+            let fwd = |qkv: &[f32]| fwd_blocked(qkv, ROW_BLOCK);
+            let (out, stats) = fwd(&qkv);
             assert_close(&out, &reference(&qkv, b, t, c, nh, nkv), 1e-5, 1e-4, "attention fwd");
-            // The probabilities alone (the backward's recomputation) are the forward's bits.
-            let mut probs = vec![9f32; b * nh * t * t];
-            attention_probs(&mut probs, &qkv, b, t, c, nh, nkv);
-            assert!(probs.iter().zip(&att).all(|(x, y)| x.to_bits() == y.to_bits()), "attention_probs");
             let mut dqkv = vec![7f32; b * t * qd];
-            let mut scratch = vec![3f32; b * nh * t * t];
             let mut heads = vec![5f32; b * t * 3 * c];
-            attention_backward(&mut dqkv, &mut scratch, &mut heads, &proj, &qkv, &att, b, t, c, nh, nkv);
+            attention_backward(&mut dqkv, &mut heads, &proj, &qkv, &stats, b, t, c, nh, nkv);
             check_grad(&qkv, &dqkv, |x| testutil::dot(&fwd(x).0, &proj), "dqkv");
-            // The loop versions agree with the GEMM versions.
+            // Causal blocks of 1, 2 and 3 rows (several blocks, a ragged last one) give the
+            // results of one block; each block's rows are the same GEMM rows, so the forward
+            // and its statistics are the same bits.
+            let (full_out, full_stats) = fwd_blocked(&qkv, t.max(1));
+            let full_dqkv = bwd_blocked(&full_stats, t.max(1));
+            for block in [1, 2, 3] {
+                let (out, stats) = fwd_blocked(&qkv, block);
+                assert_close(&out, &full_out, 1e-6, 1e-5, "blocked fwd");
+                assert_close(&stats, &full_stats, 1e-6, 1e-5, "blocked stats");
+                assert_close(&bwd_blocked(&stats, block), &full_dqkv, 1e-5, 1e-4, "blocked bwd");
+            }
+            // The loop versions (which keep the whole (T, T) probabilities) agree.
             let (mut out2, mut att2) = (vec![0f32; b * t * c], vec![0f32; b * nh * t * t]);
             attention_forward_loops(&mut out2, &mut att2, &qkv, b, t, c, nh, nkv);
             assert_close(&out2, &out, 1e-6, 1e-5, "loops fwd");
-            assert_close(&att2, &att, 1e-6, 1e-5, "loops att");
             if nkv == nh {
                 let mut dqkv2 = vec![0f32; b * t * qd];
-                attention_backward_loops(&mut dqkv2, &mut scratch, &proj, &qkv, &att, b, t, c, nh);
+                let mut scratch = vec![3f32; b * nh * t * t];
+                attention_backward_loops(&mut dqkv2, &mut scratch, &proj, &qkv, &att2, b, t, c, nh);
                 assert_close(&dqkv2, &dqkv, 1e-5, 1e-4, "loops bwd");
             }
+        }
+    }
+
+    /// The backward's probabilities, rebuilt from a row's statistics, are the forward's bits,
+    /// for rows long and short, with scores large and tiny, and past the SIMD width.
+    #[test]
+    fn rebuilt_probabilities_are_the_forwards_bits() {
+        let mut r = TestRng(11);
+        for (len, live, gain) in [(1, 1, 1.0), (7, 5, 30.0), (37, 37, 0.01), (130, 97, 3.0), (64, 1, 200.0)] {
+            let raw: Vec<f32> = r.vec(len).iter().map(|x| x * gain).collect();
+            let scale = 0.125;
+            let mut fwd = raw.clone();
+            let st = softmax_prefix(&mut fwd, live, scale);
+            let mut again = raw.clone();
+            probs_row(&mut again, live, scale, st);
+            assert!(fwd.iter().zip(&again).all(|(x, y)| x.to_bits() == y.to_bits()), "len {len} live {live}");
+            assert!(fwd[live..].iter().all(|&x| x == 0.0));
+        }
+    }
+
+    /// The KV-cached pass (a prompt in pieces, then one position at a time) gives the full
+    /// causal pass's outputs, with rows past ROW_BLOCK in one piece.
+    #[test]
+    fn cached_equals_full() {
+        for &(t, c, nh, nkv, cut) in &[(5, 6, 3, 3, 2), (70, 8, 2, 1, 67), (9, 12, 6, 2, 1)] {
+            let (hs, kvd) = (c / nh, nkv * (c / nh));
+            let qd = c + 2 * kvd;
+            let mut r = TestRng((t * 31 + c) as u64);
+            let qkv = r.vec(t * qd);
+            let (full, _) = {
+                let (mut out, mut stats, mut heads) = (vec![0f32; t * c], vec![0f32; nh * t * 2], vec![0f32; t * c]);
+                attention_forward(&mut out, &mut stats, &mut heads, &qkv, 1, t, c, nh, nkv);
+                (out, stats)
+            };
+            let (mut kc, mut vc) = (vec![f32::NAN; t * kvd], vec![f32::NAN; t * kvd]);
+            let mut got = vec![0f32; t * c];
+            let mut pos = 0;
+            for tn in std::iter::once(cut).chain(std::iter::repeat_n(1, t - cut)) {
+                for i in pos..pos + tn {
+                    kc[i * kvd..(i + 1) * kvd].copy_from_slice(&qkv[i * qd + c..][..kvd]);
+                    vc[i * kvd..(i + 1) * kvd].copy_from_slice(&qkv[i * qd + c + kvd..][..kvd]);
+                }
+                let (mut out, mut ho) = (vec![0f32; tn * c], vec![9f32; tn * c]);
+                let q = &qkv[pos * qd..(pos + tn) * qd];
+                // Only the rows written so far: NaNs past them would show if read.
+                let (k, v) = (&kc[..(pos + tn) * kvd], &vc[..(pos + tn) * kvd]);
+                attention_forward_cached(&mut out, &mut ho, q, k, v, pos, tn, c, nh, nkv);
+                got[pos * c..(pos + tn) * c].copy_from_slice(&out);
+                pos += tn;
+            }
+            assert_eq!(hs * nh, c);
+            assert_close(&got, &full, 1e-6, 1e-5, "cached");
         }
     }
 }

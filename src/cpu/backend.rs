@@ -506,8 +506,8 @@ impl Backend for CpuBackend {
 
     fn attention_forward(
         &mut self,
-        out: Option<Buf>,
-        att: Buf,
+        out: Buf,
+        stats: Buf,
         workspace: Buf,
         qkv: Buf,
         b: usize,
@@ -516,28 +516,18 @@ impl Backend for CpuBackend {
         nh: usize,
         nkv: usize,
     ) {
-        match out {
-            Some(out) => self.run(
-                "attention_forward",
-                [W(out), W(att), Scratch(workspace)],
-                [qkv],
-                [],
-                |[o, a, ws], [qkv], []| attention::attention_forward(o, a, ws, qkv, b, t, c, nh, nkv),
-            ),
-            None => self.run("attention_probs", [W(att)], [qkv], [], |[a], [qkv], []| {
-                attention::attention_probs(a, qkv, b, t, c, nh, nkv)
-            }),
-        }
+        self.run("attention_forward", [W(out), W(stats), Scratch(workspace)], [qkv], [], |[o, st, ws], [qkv], []| {
+            attention::attention_forward(o, st, ws, qkv, b, t, c, nh, nkv)
+        })
     }
 
     fn attention_backward(
         &mut self,
         dqkv: Buf,
-        datt: Buf,
         workspace: Buf,
         dout: Buf,
         qkv: Buf,
-        att: Buf,
+        stats: Buf,
         b: usize,
         t: usize,
         c: usize,
@@ -546,19 +536,16 @@ impl Backend for CpuBackend {
     ) {
         self.run(
             "attention_backward",
-            [W(dqkv), Scratch(datt), Scratch(workspace)],
-            [dout, qkv, att],
+            [W(dqkv), Scratch(workspace)],
+            [dout, qkv, stats],
             [],
-            |[dqkv, datt, ws], [dout, qkv, att], []| {
-                attention::attention_backward(dqkv, datt, ws, dout, qkv, att, b, t, c, nh, nkv)
-            },
+            |[dqkv, ws], [dout, qkv, st], []| attention::attention_backward(dqkv, ws, dout, qkv, st, b, t, c, nh, nkv),
         );
     }
 
     fn attention_forward_cached(
         &mut self,
         out: Buf,
-        scores: Buf,
         workspace: Buf,
         qkv: Buf,
         k_cache: Buf,
@@ -577,16 +564,16 @@ impl Backend for CpuBackend {
         let (k_cache, v_cache) = (k_cache.prefix((pos + tn) * kv), v_cache.prefix((pos + tn) * kv));
         self.run(
             "attention_forward_cached",
-            [W(out), Scratch(scores), Scratch(workspace), Rw(k_cache), Rw(v_cache)],
+            [W(out), Scratch(workspace), Rw(k_cache), Rw(v_cache)],
             [qkv],
             [],
-            |[o, sc, ws, kc, vc], [qkv], []| {
+            |[o, ws, kc, vc], [qkv], []| {
                 for (i, row) in qkv.chunks_exact(qd).enumerate() {
                     let at = (pos + i) * kv;
                     kc[at..at + kv].copy_from_slice(&row[c..c + kv]);
                     vc[at..at + kv].copy_from_slice(&row[c + kv..]);
                 }
-                attention::attention_forward_cached(o, sc, ws, qkv, kc, vc, pos, tn, c, nh, nkv, max_t)
+                attention::attention_forward_cached(o, ws, qkv, kc, vc, pos, tn, c, nh, nkv)
             },
         );
     }

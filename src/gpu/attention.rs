@@ -2,21 +2,39 @@
 //! (kernels/attention.wgsl): scores = Q K^T, P = softmax, out = P V per (batch, head) plane,
 //! each GEMM skipping the tiles that the causal mask makes zero. The heads are read from and
 //! written to the packed (B, T, QKV) and (B, T, C) layouts through strides, with no copies.
-//! Planes are processed in groups whose tensors fit one binding each.
+//!
+//! No (B, NH, T, T) matrix is kept (flash attention's scheme, a group of planes at a time):
+//! the planes go through a workspace tile of at most [`TILE`] scores per group, the forward
+//! keeps each query row's softmax statistics (B, NH, T, 2), and the backward computes the
+//! scores of a group again and rebuilds its probabilities from those statistics.
 
 use super::matmul::{Batches, Operand, ACCUMULATE, K_LOWER, K_UPPER, SKIP_UPPER};
 use super::{u, GpuBackend, Groups, K};
-use crate::backend::Buf;
+use crate::backend::{Buf, DType};
 use std::ops::Range;
+
+/// Most scores a tile holds (64 MiB) unless a single group of planes (the heads that share a
+/// key/value head) is larger: enough planes per dispatch to fill a GPU, a bounded workspace.
+const TILE: usize = 1 << 24;
+
+/// The row softmax's variants (kernels/attention.wgsl).
+enum Softmax {
+    /// x becomes softmax(scale * x); with stats, each row's (max, 1/sum) goes there.
+    Forward(Option<Buf>),
+    /// x (scores) becomes the probabilities again from the forward's stats.
+    Rebuild(Buf),
+    /// x (dP) becomes dS, given the probabilities P.
+    Backward(Buf),
+}
 
 impl GpuBackend {
     /// The row softmax over `planes` x `rows` rows of x (rows rs apart, planes ps apart), row i
-    /// seeing keys 0..=pos+i of `len`; with `p` its backward (x holds dP and becomes dS).
+    /// seeing keys 0..=pos+i of `len`. Statistics are (planes, rows, 2), contiguous.
     #[allow(clippy::too_many_arguments)]
     fn softmax(
         &mut self,
         x: Buf,
-        p: Option<Buf>,
+        op: Softmax,
         planes: usize,
         rows: usize,
         rs: usize,
@@ -26,49 +44,69 @@ impl GpuBackend {
         scale: f32,
     ) {
         let wx = self.win(x);
-        let imm = |o1: u32| [wx.off, o1, u(planes), u(rows), u(rs), u(ps), u(pos), u(len), scale.to_bits()];
-        match p {
-            None => self.dispatch(K::SoftmaxForward, std::slice::from_ref(&wx), &imm(0), Groups(planes * rows)),
-            Some(p) => {
-                let wp = self.win(p);
-                self.dispatch(K::SoftmaxBackward, &[wx.clone(), wp.clone()], &imm(wp.off), Groups(planes * rows))
-            }
-        }
+        let (k, y, flag) = match op {
+            Softmax::Forward(stats) => (K::SoftmaxForward, stats, u32::from(stats.is_some())),
+            Softmax::Rebuild(stats) => (K::SoftmaxProbs, Some(stats), 1),
+            Softmax::Backward(p) => (K::SoftmaxBackward, Some(p), 1),
+        };
+        let wy = y.map_or_else(|| self.mem.dummy.clone(), |y| self.win(y));
+        let imm = [wx.off, wy.off, u(planes), u(rows), u(rs), u(ps), u(pos), u(len), scale.to_bits(), flag];
+        self.dispatch(k, &[wx, wy], &imm, Groups(planes * rows));
     }
 
-    /// Groups of the B*NH planes whose per-plane and per-batch tensors fit one binding each
-    /// (and a grid); None, and the error reported at the next host read, when a single plane
-    /// of `plane` scores does not fit.
-    fn planes(
+    /// The pieces of the b * nkv (batch, key/value head) planes of `plane` scores each (the
+    /// REP query heads of a key/value head), at most [`TILE`] scores and a grid's worth per
+    /// piece, such that the per-plane and per-batch tensors of a piece fit one binding each;
+    /// and `count` tiles from the attention workspace for the largest piece. None, and the
+    /// error reported at the next host read, when a single plane does not fit.
+    fn tiles(
         &mut self,
         b: usize,
-        nh: usize,
+        nkv: usize,
         plane: usize,
+        count: usize,
         per_plane: &[(Buf, usize)],
         per_batch: &[(Buf, usize)],
-    ) -> Option<Vec<Range<usize>>> {
-        let pieces = self.mem.plane_pieces(b * nh, nh, self.cuts.max_groups, per_plane, per_batch);
-        if pieces.is_none() {
-            self.fault.get_or_insert(format!(
-                "attention needs {:.1} MB for the scores of a head (of the heads that share a key/value \
-                 head), more than {} binds at once: lower the sequence length (-t), or run on the CPU with \
-                 --device cpu",
-                (plane * 4) as f64 / 1e6,
-                self.ctx.name()
-            ));
+    ) -> Option<(Vec<Range<usize>>, Vec<Buf>)> {
+        // A tile is bound whole: at most a binding's worth, whatever TILE says.
+        let room = TILE.min((self.mem.sizes.max_binding / 4) as usize);
+        let most = (room / plane.max(1)).clamp(1, self.cuts.max_groups);
+        let fits = |me: &mut Self, ok: bool| {
+            if !ok {
+                me.fault.get_or_insert(format!(
+                    "attention needs {:.1} MB for the scores of a head (of the heads that share a key/value \
+                     head), more than {} binds at once: lower the sequence length (-t), or run on the CPU \
+                     with --device cpu",
+                    (plane * 4) as f64 / 1e6,
+                    me.ctx.name()
+                ));
+            }
+            ok
+        };
+        let pieces = self.mem.plane_pieces(b * nkv, nkv, most, per_plane, per_batch);
+        if !fits(self, pieces.is_some()) {
+            return None;
         }
-        pieces
+        let pieces = pieces?;
+        let len = plane * pieces.iter().map(|z| z.len()).max().unwrap_or(0);
+        // Each tile its own allocation, so that each starts a binding window.
+        let slots: [fn(&mut Self) -> &mut Option<Buf>; 2] = [|s| &mut s.att_tiles[0], |s| &mut s.att_tiles[1]];
+        let mut tiles = vec![];
+        for slot in &slots[..count] {
+            tiles.push(self.workspace(*slot, len, DType::F32)?);
+        }
+        let bound = tiles.iter().all(|&t| t.len == 0 || self.mem.fit(t, 0) == t.len);
+        fits(self, bound).then_some((pieces, tiles))
     }
 
-    /// out (B, T, C) and att (B, NH, T, T) from qkv (B, T, QKV). With grouped-query attention
-    /// (REP = NH / KV query heads per key/value head), query head h = g*REP + r: the GEMMs run
-    /// once per r over the (batch, g) planes, whose operands are then evenly strided. Without
-    /// `out` only att, by the same dispatches (the backward's recomputation).
+    /// out (B, T, C) and stats (B, NH, T, 2) from qkv (B, T, QKV). With grouped-query
+    /// attention (REP = NH / KV query heads per key/value head), query head h = g*REP + r: the
+    /// GEMMs run once per r over the (batch, g) planes, whose operands are then evenly strided.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_forward_(
         &mut self,
-        out: Option<Buf>,
-        att: Buf,
+        out: Buf,
+        stats: Buf,
         workspace: Buf,
         qkv: Buf,
         b: usize,
@@ -79,15 +117,17 @@ impl GpuBackend {
     ) {
         let ((hs, qd, kv, rep), tt) = (shapes(c, nh, nkv), t * t);
         let scale = 1.0 / (hs as f32).sqrt();
-        let outs: Vec<Buf> = out.into_iter().chain([att, workspace]).collect();
-        Self::disjoint("attention_forward", &outs, &[qkv]);
-        let per_batch: Vec<(Buf, usize)> = [(qkv, t * qd)].into_iter().chain(out.map(|o| (o, t * c))).collect();
-        let Some(pieces) = self.planes(b, nkv, rep * tt, &[(att, rep * tt)], &per_batch) else { return };
+        Self::disjoint("attention_forward", &[out, stats, workspace], &[qkv]);
+        let per_batch = [(qkv, t * qd), (out, t * c)];
+        let Some((pieces, tiles)) = self.tiles(b, nkv, rep * tt, 1, &[(stats, rep * t * 2)], &per_batch) else {
+            return;
+        };
         for z in pieces {
             let (b0, b1) = (z.start / nkv, (z.end - 1) / nkv + 1);
             let q = qkv.slice(b0 * t * qd..b1 * t * qd);
-            let a = att.slice(z.start * rep * tt..z.end * rep * tt);
-            let batches = Batches { z0: z.start, count: z.end - z.start, inner: nkv };
+            let a = tiles[0].prefix(z.len() * rep * tt);
+            let st = stats.slice(z.start * rep * t * 2..z.end * rep * t * 2);
+            let batches = Batches { z0: z.start, count: z.len(), inner: nkv };
             // Query head g*REP + r and key/value head g of each (batch, g) plane.
             let q_heads = |r: usize| Operand::rows(q.slice(r * hs..q.len), qd).batched(t * qd, rep * hs);
             let scores = |r: usize| Operand::rows(a.slice(r * tt..a.len), t).each(rep * tt);
@@ -96,8 +136,7 @@ impl GpuBackend {
                 let kt = Operand::transposed(q.slice(c..q.len), qd).batched(t * qd, hs);
                 self.gemm((t, t, hs), q_heads(r), kt, scores(r), None, SKIP_UPPER, batches);
             }
-            self.softmax(a, None, (z.end - z.start) * rep, t, t, tt, 0, t, scale);
-            let Some(out) = out else { continue };
+            self.softmax(a, Softmax::Forward(Some(st)), z.len() * rep, t, t, tt, 0, t, scale);
             let o = out.slice(b0 * t * c..b1 * t * c);
             for r in 0..rep {
                 // out = P V, into the heads' columns of out
@@ -108,18 +147,18 @@ impl GpuBackend {
         }
     }
 
-    /// dqkv (B, T, QKV) from dout (B, T, C): dP = dO V^T, dS = softmax'(dP) (in datt),
-    /// dQ = dS K, dK = dS^T Q, dV = P^T dO; a key/value head's gradient sums its query heads'
-    /// in order (the GEMM of r > 0 adds to that of r - 1).
+    /// dqkv (B, T, QKV) from dout (B, T, C), qkv and the forward's stats: per group of
+    /// planes, P again (Q K^T, then the probabilities from the stats), dP = dO V^T, dS =
+    /// softmax'(dP), dQ = dS K, dK = dS^T Q, dV = P^T dO; a key/value head's gradient sums its
+    /// query heads' in order (the GEMM of r > 0 adds to that of r - 1).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_backward_(
         &mut self,
         dqkv: Buf,
-        datt: Buf,
         workspace: Buf,
         dout: Buf,
         qkv: Buf,
-        att: Buf,
+        stats: Buf,
         b: usize,
         t: usize,
         c: usize,
@@ -128,18 +167,20 @@ impl GpuBackend {
     ) {
         let ((hs, qd, kv, rep), tt) = (shapes(c, nh, nkv), t * t);
         let scale = 1.0 / (hs as f32).sqrt();
-        Self::disjoint("attention_backward", &[dqkv, datt, workspace], &[dout, qkv, att]);
+        Self::disjoint("attention_backward", &[dqkv, workspace], &[dout, qkv, stats]);
         let per_batch = [(qkv, t * qd), (dqkv, t * qd), (dout, t * c)];
-        let per_plane = [(att, rep * tt), (datt, rep * tt)];
-        let Some(pieces) = self.planes(b, nkv, rep * tt, &per_plane, &per_batch) else { return };
+        let Some((pieces, tiles)) = self.tiles(b, nkv, rep * tt, 2, &[(stats, rep * t * 2)], &per_batch) else {
+            return;
+        };
         for z in pieces {
             let (b0, b1) = (z.start / nkv, (z.end - 1) / nkv + 1);
             let q = qkv.slice(b0 * t * qd..b1 * t * qd);
             let dq = dqkv.slice(b0 * t * qd..b1 * t * qd);
             let d = dout.slice(b0 * t * c..b1 * t * c);
-            let p = att.slice(z.start * rep * tt..z.end * rep * tt);
-            let dp = datt.slice(z.start * rep * tt..z.end * rep * tt);
-            let batches = Batches { z0: z.start, count: z.end - z.start, inner: nkv };
+            let p = tiles[0].prefix(z.len() * rep * tt);
+            let dp = tiles[1].prefix(z.len() * rep * tt);
+            let st = stats.slice(z.start * rep * t * 2..z.end * rep * t * 2);
+            let batches = Batches { z0: z.start, count: z.len(), inner: nkv };
             // Query heads (r) and key/value heads (at `off`) of a (B, T, QKV) buffer.
             let q_heads = |x: Buf, r: usize| Operand::rows(x.slice(r * hs..x.len), qd).batched(t * qd, rep * hs);
             let kv_heads = |x: Buf, off: usize| Operand::rows(x.slice(off..x.len), qd).batched(t * qd, hs);
@@ -147,11 +188,14 @@ impl GpuBackend {
             let plane_t = |x: Buf, r: usize| Operand::transposed(x.slice(r * tt..x.len), t).each(rep * tt);
             let d_heads = |r: usize| Operand::rows(d.slice(r * hs..d.len), c).batched(t * c, rep * hs);
             for r in 0..rep {
-                // dP = dO V^T
+                // P = Q K^T, then its softmax from the stats; dP = dO V^T
+                let kt = Operand::transposed(q.slice(c..q.len), qd).batched(t * qd, hs);
+                self.gemm((t, t, hs), q_heads(q, r), kt, plane(p, r), None, SKIP_UPPER, batches);
                 let vt = Operand::transposed(q.slice(c + kv..q.len), qd).batched(t * qd, hs);
                 self.gemm((t, t, hs), d_heads(r), vt, plane(dp, r), None, SKIP_UPPER, batches);
             }
-            self.softmax(dp, Some(p), (z.end - z.start) * rep, t, t, tt, 0, t, scale);
+            self.softmax(p, Softmax::Rebuild(st), z.len() * rep, t, t, tt, 0, t, scale);
+            self.softmax(dp, Softmax::Backward(p), z.len() * rep, t, t, tt, 0, t, scale);
             for r in 0..rep {
                 // dQ = dS K, dK += dS^T Q, dV += P^T dO: every element of dqkv written, then added to
                 let acc = if r > 0 { ACCUMULATE } else { 0 };
@@ -164,12 +208,11 @@ impl GpuBackend {
 
     /// `tn` new positions of one sequence against its KV cache: their keys and values go to
     /// rows pos.. of the caches (maxT, KV*HS), then out (TN, C) = attention over cache rows
-    /// 0..=pos+i, in groups of heads whose scores (TN, maxT) fit one binding.
+    /// 0..=pos+i, in groups of heads whose scores (TN, pos+TN) fit a tile.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_forward_cached_(
         &mut self,
         out: Buf,
-        scores: Buf,
         workspace: Buf,
         qkv: Buf,
         k_cache: Buf,
@@ -183,24 +226,26 @@ impl GpuBackend {
     ) {
         let (hs, qd, kv, rep) = shapes(c, nh, nkv);
         assert!(tn > 0 && pos + tn <= max_t, "attention_forward_cached: positions {pos}+{tn} past {max_t}");
-        Self::disjoint("attention_forward_cached", &[out, scores, workspace, k_cache, v_cache], &[qkv]);
-        let (n, plane) = (pos + tn, tn * max_t);
+        Self::disjoint("attention_forward_cached", &[out, workspace, k_cache, v_cache], &[qkv]);
+        // Scores of the new rows against the keys they see, n per row.
+        let n = pos + tn;
+        let plane = tn * n;
         let scale = 1.0 / (hs as f32).sqrt();
         self.copy_rows(k_cache.slice(pos * kv..n * kv), kv, qkv.slice(c..qkv.len), qd, tn, kv);
         self.copy_rows(v_cache.slice(pos * kv..n * kv), kv, qkv.slice(c + kv..qkv.len), qd, tn, kv);
         // One batch of KV groups: the queries, caches and output are one sequence's, far below
         // a binding; the scores are cut by groups of heads.
-        let Some(pieces) = self.planes(1, nkv, rep * plane, &[(scores, rep * plane)], &[]) else { return };
+        let Some((pieces, tiles)) = self.tiles(1, nkv, rep * plane, 1, &[], &[]) else { return };
         for z in pieces {
-            let groups = Batches { z0: z.start, count: z.end - z.start, inner: nkv };
-            let sc = scores.slice(z.start * rep * plane..z.end * rep * plane);
-            let scs = |r: usize| Operand::rows(sc.slice(r * plane..sc.len), max_t).each(rep * plane);
+            let groups = Batches { z0: z.start, count: z.len(), inner: nkv };
+            let sc = tiles[0].prefix(z.len() * rep * plane);
+            let scs = |r: usize| Operand::rows(sc.slice(r * plane..sc.len), n).each(rep * plane);
             let q = |r: usize| Operand::rows(qkv.slice(r * hs..qkv.len), qd).batched(0, rep * hs);
             for r in 0..rep {
                 let kt = Operand::transposed(k_cache, kv).batched(0, hs);
                 self.gemm((tn, n, hs), q(r), kt, scs(r), None, 0, groups);
             }
-            self.softmax(sc, None, (z.end - z.start) * rep, tn, max_t, plane, pos, n, scale);
+            self.softmax(sc, Softmax::Forward(None), z.len() * rep, tn, n, plane, pos, n, scale);
             for r in 0..rep {
                 let v = Operand::rows(v_cache, kv).batched(0, hs);
                 let dst = Operand::rows(out.slice(r * hs..out.len), c).batched(0, rep * hs);

@@ -63,6 +63,7 @@ pub enum K {
     Matmul,
     BiasBackward,
     SoftmaxForward,
+    SoftmaxProbs,
     SoftmaxBackward,
     CrossentropyForward,
     CrossentropyBackward,
@@ -75,7 +76,7 @@ pub enum K {
 
 /// (kernel, module, entry point, storage buffers bound at 0..n, which of them hold u32 (a bit
 /// per binding; the others f32)).
-const TABLE: [(K, &str, &str, usize, u8); 32] = [
+const TABLE: [(K, &str, &str, usize, u8); 33] = [
     (K::Fill, "memory", "fill", 1, 0),
     (K::CopyRows, "memory", "copy_rows", 2, 0),
     (K::ColumnSums, "memory", "column_sums", 2, 0),
@@ -99,7 +100,8 @@ const TABLE: [(K, &str, &str, usize, u8); 32] = [
     (K::GeluBackward, "gelu", "gelu_backward", 2, 0),
     (K::Matmul, "matmul", "matmul", 4, 0),
     (K::BiasBackward, "matmul", "bias_backward", 2, 0),
-    (K::SoftmaxForward, "attention", "softmax_forward", 1, 0),
+    (K::SoftmaxForward, "attention", "softmax_forward", 2, 0),
+    (K::SoftmaxProbs, "attention", "softmax_probs", 2, 0),
     (K::SoftmaxBackward, "attention", "softmax_backward", 2, 0),
     (K::CrossentropyForward, "classifier", "crossentropy_forward", 4, 0b1000),
     (K::CrossentropyBackward, "classifier", "crossentropy_backward", 4, 0b1000),

@@ -126,6 +126,8 @@ pub struct GpuBackend {
     /// each op uses it only between its own dispatches (which run in the order they are
     /// recorded). Grown on use.
     scratch: Option<Buf>,
+    /// Workspace of attention's two score tiles (gpu/attention.rs), grown on use.
+    att_tiles: [Option<Buf>; 2],
     /// Workspace of the encoder backward's token buckets (u32; see gpu/encoder.rs), grown on use.
     buckets: Option<Buf>,
     /// An op that could not record its work (its workspace did not fit in memory): reported at
@@ -163,6 +165,7 @@ impl GpuBackend {
             rec: Recorder::new(opts.lose_after),
             host_u32: HashMap::new(),
             scratch: None,
+            att_tiles: [None, None],
             buckets: None,
             fault: None,
             cuts,
@@ -521,8 +524,8 @@ impl Backend for GpuBackend {
     }
     fn attention_forward(
         &mut self,
-        out: Option<Buf>,
-        att: Buf,
+        out: Buf,
+        stats: Buf,
         ws: Buf,
         qkv: Buf,
         b: usize,
@@ -531,28 +534,26 @@ impl Backend for GpuBackend {
         nh: usize,
         nkv: usize,
     ) {
-        self.attention_forward_(out, att, ws, qkv, b, t, c, nh, nkv)
+        self.attention_forward_(out, stats, ws, qkv, b, t, c, nh, nkv)
     }
     fn attention_backward(
         &mut self,
         dqkv: Buf,
-        datt: Buf,
         workspace: Buf,
         dout: Buf,
         qkv: Buf,
-        att: Buf,
+        stats: Buf,
         b: usize,
         t: usize,
         c: usize,
         nh: usize,
         nkv: usize,
     ) {
-        self.attention_backward_(dqkv, datt, workspace, dout, qkv, att, b, t, c, nh, nkv)
+        self.attention_backward_(dqkv, workspace, dout, qkv, stats, b, t, c, nh, nkv)
     }
     fn attention_forward_cached(
         &mut self,
         out: Buf,
-        scores: Buf,
         workspace: Buf,
         qkv: Buf,
         k_cache: Buf,
@@ -564,7 +565,7 @@ impl Backend for GpuBackend {
         nkv: usize,
         max_t: usize,
     ) {
-        self.attention_forward_cached_(out, scores, workspace, qkv, k_cache, v_cache, pos, tn, c, nh, nkv, max_t)
+        self.attention_forward_cached_(out, workspace, qkv, k_cache, v_cache, pos, tn, c, nh, nkv, max_t)
     }
     fn crossentropy_forward(&mut self, losses: Buf, lse: Buf, logits: Buf, tg: Buf, n: usize, v: usize, vp: usize) {
         self.crossentropy_forward_(losses, lse, logits, tg, n, v, vp)

@@ -51,7 +51,7 @@ pub enum A {
     Ln1Rstd,   // (N)
     Qkv,       // (N, 3C)
     Atty,      // (N, C)
-    Att,       // (B, NH, T, T) probabilities; KV-cached: scores (NH, TN, cap)
+    AttStats,  // (B, NH, T, 2) each query row's softmax statistics (flash attention's)
     Residual2, // (N, C)
     Ln2,       // (N, C)
     Ln2Mean,   // (N)
@@ -67,7 +67,6 @@ crate::ids!(A);
 pub enum D {
     DFch, // (N, 4C) d(fch); attention backward's workspace (N, 3C)
     DQkv, // (N, 3C)
-    DAtt, // (B, NH, T, T)
 }
 crate::ids!(D);
 
@@ -228,7 +227,7 @@ impl Arch for Gpt2 {
                 k("ln1_rstd", p(1)),
                 k("qkv", p(3 * c)),
                 k("atty", p(c)),
-                r("att", Width::Probs, 2),
+                k("att_stats", Width::Heads(2)),
                 k("residual2", p(c)),
                 r("ln2", p(c), 2),
                 k("ln2_mean", p(1)),
@@ -237,11 +236,7 @@ impl Arch for Gpt2 {
                 r("fch_gelu", p(f), 1),
                 ActSpec::shared("scratch", p(c)),
             ],
-            back: vec![
-                ActSpec::shared("dfch", p(f.max(3 * c))),
-                ActSpec::shared("dqkv", p(3 * c)),
-                ActSpec::shared("datt", Width::Probs).per_sequence_from(2),
-            ],
+            back: vec![ActSpec::shared("dfch", p(f.max(3 * c))), ActSpec::shared("dqkv", p(3 * c))],
             recompute: 0,
         }
     }
@@ -274,17 +269,9 @@ impl Arch for Gpt2 {
         ops.layernorm_forward(a[A::Ln1], a[A::Ln1Mean], a[A::Ln1Rstd], x.res_in, w[T::Ln1W], w[T::Ln1B], Rows { n, c });
         ops.matmul_forward(a[A::Qkv], a[A::Ln1], w[T::QkvW], Some(w[T::QkvB]), Mat { n, c, oc: 3 * c });
         match attn {
-            // At -r 2 att holds one sequence's probabilities (the backward recomputes them).
-            Attn::Causal(s) if x.recompute >= 2 => {
-                for i in 0..s.b {
-                    let (y, ws, qkv) =
-                        (s.rows(a[A::Atty], i, c), s.rows(a[A::Scratch], i, c), s.rows(a[A::Qkv], i, 3 * c));
-                    ops.attention_forward(y, a[A::Att], ws, qkv, s.one(), h);
-                }
-            }
-            Attn::Causal(s) => ops.attention_forward(a[A::Atty], a[A::Att], a[A::Scratch], a[A::Qkv], s, h),
+            Attn::Causal(s) => ops.attention_forward(a[A::Atty], a[A::AttStats], a[A::Scratch], a[A::Qkv], s, h),
             Attn::Cached { k, v, pos, cap, .. } => {
-                ops.attention_forward_cached(a[A::Atty], a[A::Att], a[A::Scratch], a[A::Qkv], k, v, pos, n, cap, h)
+                ops.attention_forward_cached(a[A::Atty], a[A::Scratch], a[A::Qkv], k, v, pos, n, cap, h)
             }
         }
         // Attention has filled the cache for all n positions; only the outputs read go on.
@@ -301,8 +288,9 @@ impl Arch for Gpt2 {
     }
 
     /// Backward of [`Gpt2::block_forward`], in reverse. Under recompute (`x.recompute`) the
-    /// GELU's output (1), the norms' outputs and attention's probabilities (2) are recomputed from the kept activations
+    /// GELU's output (1) and the norms' outputs (2) are recomputed from the kept activations
     /// just before they are read, by the forward's own calls, so every value is the same bits.
+    /// (Attention's probabilities are never kept: its backward rebuilds them at every level.)
     fn block_backward(
         &self,
         ops: &mut Ops,
@@ -372,17 +360,7 @@ impl Arch for Gpt2 {
             acc,
         );
         let ws = d.d[D::DFch].prefix(n * 3 * c);
-        if x.recompute >= 2 {
-            // One sequence at a time: its probabilities again, then its backward.
-            for i in 0..s.b {
-                let (ws, qkv) = (s.rows(ws, i, 3 * c), s.rows(a[A::Qkv], i, 3 * c));
-                ops.attention_probs(a[A::Att], ws.prefix(s.t * c), qkv, s.one(), h);
-                let (dqkv, dy) = (s.rows(d.d[D::DQkv], i, 3 * c), s.rows(scratch, i, c));
-                ops.attention_backward(dqkv, d.d[D::DAtt], ws, dy, qkv, a[A::Att], s.one(), h);
-            }
-        } else {
-            ops.attention_backward(d.d[D::DQkv], d.d[D::DAtt], ws, scratch, a[A::Qkv], a[A::Att], s, h);
-        }
+        ops.attention_backward(d.d[D::DQkv], ws, scratch, a[A::Qkv], a[A::AttStats], s, h);
         let (mean, rstd) = (a[A::Ln1Mean], a[A::Ln1Rstd]);
         if x.recompute >= 2 {
             ops.layernorm_forward(a[A::Ln1], mean, rstd, x.res_in, w[T::Ln1W], w[T::Ln1B], Rows { n, c });

@@ -51,7 +51,7 @@ pub enum A {
     Ln1Rstd,   // (N)
     Qkv,       // (N, QKV) q, k (rotated in place), v
     Atty,      // (N, QD)
-    Att,       // (B, NH, T, T) probabilities; KV-cached: scores (NH, TN, cap)
+    AttStats,  // (B, NH, T, 2) each query row's softmax statistics (flash attention's)
     Residual2, // (N, C)
     Ln2,       // (N, C)
     Ln2Rstd,   // (N)
@@ -69,7 +69,6 @@ pub enum D {
     DAct,    // (N, F) d(fch_act)
     DFch,    // (N, max(2F, 3 QD)) d(fch); attention backward's workspace
     DQkv,    // (N, QKV)
-    DAtt,    // (B, NH, T, T)
     DQkvRaw, // (N, QKV) d(qkv_raw) (Qwen3; else empty)
 }
 crate::ids!(D);
@@ -225,7 +224,7 @@ pub fn plan_of(cfg: &ModelConfig, head_norm: bool) -> ActPlan {
             k("ln1_rstd", p(1)),
             k("qkv", p(qkv)),
             k("atty", p(qd)),
-            r("att", Width::Probs, 2),
+            k("att_stats", Width::Heads(2)),
             k("residual2", p(c)),
             r("ln2", p(c), 2),
             k("ln2_rstd", p(1)),
@@ -239,7 +238,6 @@ pub fn plan_of(cfg: &ModelConfig, head_norm: bool) -> ActPlan {
             ActSpec::shared("dact", p(f)),
             ActSpec::shared("dfch", p((2 * f).max(3 * qd))),
             ActSpec::shared("dqkv", p(qkv)),
-            ActSpec::shared("datt", Width::Probs).per_sequence_from(2),
             ActSpec::shared("dqkv_raw", p(hn(qkv))),
         ],
         recompute: 0,
@@ -305,19 +303,11 @@ pub fn block_forward(ops: &mut Ops, cfg: &ModelConfig, k: &Consts, w: &BlockW, x
     match attn {
         Attn::Causal(s) => {
             ops.rope_forward(a[A::Qkv], rope, n, s.t, 0, h);
-            if x.recompute >= 2 {
-                // att holds one sequence's probabilities (the backward recomputes them).
-                for i in 0..s.b {
-                    let (y, ws, qkv) = (s.rows(a[A::Atty], i, h.q()), s.rows(ws, i, h.q()), s.rows(a[A::Qkv], i, qkv));
-                    ops.attention_forward(y, a[A::Att], ws, qkv, s.one(), h);
-                }
-            } else {
-                ops.attention_forward(a[A::Atty], a[A::Att], ws, a[A::Qkv], s, h)
-            }
+            ops.attention_forward(a[A::Atty], a[A::AttStats], ws, a[A::Qkv], s, h)
         }
         Attn::Cached { k, v, pos, cap, .. } => {
             ops.rope_forward(a[A::Qkv], rope, n, n, pos, h);
-            ops.attention_forward_cached(a[A::Atty], a[A::Att], ws, a[A::Qkv], k, v, pos, n, cap, h)
+            ops.attention_forward_cached(a[A::Atty], ws, a[A::Qkv], k, v, pos, n, cap, h)
         }
     }
     // Attention has filled the cache for all n positions; only the outputs read go on.
@@ -336,8 +326,9 @@ pub fn block_forward(ops: &mut Ops, cfg: &ModelConfig, k: &Consts, w: &BlockW, x
 /// Backward of [`block_forward`], in reverse. The rotation was applied to qkv in place, so
 /// attention's backward sees the rotated q and k it used, and its dq, dk are rotated back
 /// before the projection's backward. Under recompute (`x.recompute`) the SwiGLU's output (1)
-/// and the norms' outputs and attention's probabilities (2) are recomputed from the kept activations just before they are
-/// read, by the forward's own calls, so every value is the same bits.
+/// and the norms' outputs (2) are recomputed from the kept activations just before they are
+/// read, by the forward's own calls, so every value is the same bits. (Attention's
+/// probabilities are never kept: its backward rebuilds them at every level.)
 #[allow(clippy::too_many_arguments)]
 pub fn block_backward(
     ops: &mut Ops,
@@ -369,17 +360,7 @@ pub fn block_backward(
     // Attention branch; dfch is free again and serves as the attention workspace.
     ops.matmul_backward(Some(datty), dw.o, dw.o_b, dres, a[A::Atty], w.o, Mat { n, c: h.q(), oc: c }, acc);
     let ws = d.d[D::DFch].prefix(n * 3 * h.q());
-    if x.recompute >= 2 {
-        // One sequence at a time: its probabilities again, then its backward.
-        for i in 0..s.b {
-            let (ws, qkv_i) = (s.rows(ws, i, 3 * h.q()), s.rows(a[A::Qkv], i, qkv));
-            ops.attention_probs(a[A::Att], ws.prefix(s.t * h.q()), qkv_i, s.one(), h);
-            let (dqkv, dy) = (s.rows(d.d[D::DQkv], i, qkv), s.rows(datty, i, h.q()));
-            ops.attention_backward(dqkv, d.d[D::DAtt], ws, dy, qkv_i, a[A::Att], s.one(), h);
-        }
-    } else {
-        ops.attention_backward(d.d[D::DQkv], d.d[D::DAtt], ws, datty, a[A::Qkv], a[A::Att], s, h);
-    }
+    ops.attention_backward(d.d[D::DQkv], ws, datty, a[A::Qkv], a[A::AttStats], s, h);
     ops.rope_backward(d.d[D::DQkv], rope, n, s.t, 0, h);
     let dqkv = match (w.head_norm, dw.head_norm) {
         (Some((wq, wk)), Some((dwq, dwk))) => {

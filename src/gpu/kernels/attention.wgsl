@@ -1,10 +1,11 @@
-// The causal softmax of attention and its backward (cpu/attention.rs). The attention's
-// products (Q K^T, P V and their gradients) are GEMMs of matmul.wgsl. One workgroup per row of
-// scores; the rows are `rows` per plane, plane q's row i at o + q*ps + i*rs.
+// The causal softmax of attention, its rebuild from row statistics, and its backward
+// (cpu/attention.rs). The attention's products (Q K^T, P V and their gradients) are GEMMs of
+// matmul.wgsl. One workgroup per row of scores; the rows are `rows` per plane, plane q's row i
+// at o + q*ps + i*rs; row g = q*rows + i's statistics (max(scale * x), 1/sum) at o1 + 2g.
 
 struct Params {
-    o0: u32,    // softmax_forward: the scores, softmaxed in place; backward: dP, turned into dS
-    o1: u32,    // softmax_backward: the probabilities P
+    o0: u32,    // forward and probs: the scores, softmaxed in place; backward: dP, turned into dS
+    o1: u32,    // forward and probs: the row statistics; backward: the probabilities P
     planes: u32,
     rows: u32,
     rs: u32,    // row stride
@@ -12,6 +13,7 @@ struct Params {
     pos: u32,   // row i sees keys 0..pos+i (pos: positions already in a KV cache)
     len: u32,   // entries of a row to write: the live ones, then zeros up to len
     scale: f32, // 1/sqrt(HS)
+    stats: u32, // softmax_forward: 1 to write the row statistics to y
 }
 var<immediate> p: Params;
 
@@ -42,9 +44,36 @@ fn softmax_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
         s = s + e;
     }
     let inv = 1.0 / wg_sum(s, tid);
+    if (p.stats != 0u && tid == 0u) {
+        y[p.o1 + 2u * g] = maxv;
+        y[p.o1 + 2u * g + 1u] = inv;
+    }
     for (var j = tid; j < p.len; j = j + WG) {
         if (j < live) {
             x[r0 + j] = x[r0 + j] * inv;
+        } else {
+            x[r0 + j] = 0.0;
+        }
+    }
+}
+
+// The scores of row i become softmax_forward's probabilities again, from its statistics: the
+// same two roundings per entry, with no reduction.
+@compute @workgroup_size(WG)
+fn softmax_probs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) tid: u32) {
+    let g = group_id(wid, nwg);
+    if (g >= p.planes * p.rows) {
+        return;
+    }
+    let i = g % p.rows;
+    let r0 = p.o0 + (g / p.rows) * p.ps + i * p.rs;
+    let live = min(p.pos + i + 1u, p.len);
+    let maxv = y[p.o1 + 2u * g];
+    let inv = y[p.o1 + 2u * g + 1u];
+    for (var j = tid; j < p.len; j = j + WG) {
+        if (j < live) {
+            x[r0 + j] = exp_(x[r0 + j] * p.scale - maxv) * inv;
         } else {
             x[r0 + j] = 0.0;
         }
