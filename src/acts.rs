@@ -121,8 +121,9 @@ pub struct BlockActs {
 
 impl BlockActs {
     /// The views of the last `keep` of `n` positions (the same elements, not a copy): what a
-    /// block runs on past attention when only those positions' outputs are read. Attention's
-    /// probabilities stay whole (attention has run by then).
+    /// block runs on past attention when only those positions' outputs are read. Head-major
+    /// buffers ([`Width::Heads`]: attention's row statistics) stay whole: they cannot be cut by
+    /// rows, and nothing past attention reads them.
     pub fn last_rows(&self, plan: &ActPlan, c: usize, n: usize, keep: usize) -> BlockActs {
         let keep = keep.min(n);
         let rows = |x: Buf, width: usize| x.slice((n - keep) * width..n * width);

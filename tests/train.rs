@@ -229,8 +229,8 @@ fn qwen_ranks_train_as_one_process_at_every_zero_stage() {
     ranks_equal_one_process("qwen2:2x32:4:2:64:32", &[2]);
 }
 
-/// The memory savers under every ZeRO stage: -r 2 (attention a sequence at a time, its
-/// probabilities recomputed) and the fused classifier in chunks of 5 rows (the head's gradient
+/// The memory savers under every ZeRO stage: -r 2 (the MLP activation and the norms' outputs
+/// recomputed) and the fused classifier in chunks of 5 rows (the head's gradient
 /// written chunk by chunk into the bucket of ZeRO-2/3, from gathered weights under ZeRO-3).
 #[test]
 fn ranks_with_recompute_and_a_chunked_classifier_train_as_one_process() {

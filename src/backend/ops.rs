@@ -63,16 +63,6 @@ impl Seq {
     pub fn n(&self) -> usize {
         self.b * self.t
     }
-
-    /// One of these sequences.
-    pub fn one(self) -> Seq {
-        Seq { b: 1, t: self.t }
-    }
-
-    /// Sequence `i`'s rows of a (B, T, w) buffer.
-    pub fn rows(self, x: Buf, i: usize, w: usize) -> Buf {
-        x.slice(i * self.t * w..(i + 1) * self.t * w)
-    }
 }
 
 /// How an op uses a buffer it writes.

@@ -174,8 +174,9 @@ fn with_tiles<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     TILES.with(|tiles| {
         let mut v = tiles.borrow_mut();
         if v.len() < len {
-            // Fresh rather than resized: nothing old is worth copying.
-            *v = vec![0.0; len];
+            // Fresh rather than resized (nothing old is worth copying), and to a power of two:
+            // the KV-cached pass asks one row longer for every new token.
+            *v = vec![0.0; len.next_power_of_two()];
         }
         f(&mut v[..len])
     })

@@ -118,6 +118,9 @@ impl GpuBackend {
         let ((hs, qd, kv, rep), tt) = (shapes(c, nh, nkv), t * t);
         let scale = 1.0 / (hs as f32).sqrt();
         Self::disjoint("attention_forward", &[out, stats, workspace], &[qkv]);
+        if b * t == 0 {
+            return;
+        }
         let per_batch = [(qkv, t * qd), (out, t * c)];
         let Some((pieces, tiles)) = self.tiles(b, nkv, rep * tt, 1, &[(stats, rep * t * 2)], &per_batch) else {
             return;
@@ -168,6 +171,9 @@ impl GpuBackend {
         let ((hs, qd, kv, rep), tt) = (shapes(c, nh, nkv), t * t);
         let scale = 1.0 / (hs as f32).sqrt();
         Self::disjoint("attention_backward", &[dqkv, workspace], &[dout, qkv, stats]);
+        if b * t == 0 {
+            return;
+        }
         let per_batch = [(qkv, t * qd), (dqkv, t * qd), (dout, t * c)];
         let Some((pieces, tiles)) = self.tiles(b, nkv, rep * tt, 2, &[(stats, rep * t * 2)], &per_batch) else {
             return;
