@@ -204,6 +204,18 @@ fn hellaswag_during_training_is_logged_at_validation_steps() {
     assert_eq!(log.lines().filter(|l| l.contains("\"hellaswag\"")).count(), 2);
 }
 
+/// `world` ranks of a run on threads (`local_group`), each rank's summary in rank order.
+fn ranks_on_threads(cfg: &TrainConfig, world: usize) -> Vec<llmrs::train::RunSummary> {
+    let ranks: Vec<_> = llmrs::backend::comm::local_group(world)
+        .into_iter()
+        .map(|comm| {
+            let cfg = cfg.clone();
+            std::thread::spawn(move || llmrs::train::run_with(&cfg, Box::new(comm)).unwrap())
+        })
+        .collect();
+    ranks.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 /// Ranks on threads (`local_group`), each reading its part of every batch as llm.c splits it,
 /// train as one process with the whole batch, at every ZeRO stage and for 2 and 4 ranks: the
 /// same train and val losses at every step and the same parameters after the last, up to the
@@ -262,14 +274,7 @@ fn ranks_equal_one_process_with(model: &str, worlds: &[usize], recompute: u8, ce
     let run_ranks = |world: usize, stage: usize, b: usize| {
         let out = dir.path().join(format!("w{world}z{stage}b{b}"));
         let cfg = TrainConfig { output_dir: Some(out.clone()), zero_stage: stage, batch_size: b, ..base.clone() };
-        let ranks: Vec<_> = llmrs::backend::comm::local_group(world)
-            .into_iter()
-            .map(|comm| {
-                let cfg = cfg.clone();
-                std::thread::spawn(move || llmrs::train::run_with(&cfg, Box::new(comm)).unwrap())
-            })
-            .collect();
-        (ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>(), out)
+        (ranks_on_threads(&cfg, world), out)
     };
     let load = |d: &Path| llmrs::checkpoint::load_model(&d.join("model_00000020.bin")).unwrap();
     let close = |a: f32, b: f32, tol: f32| (a - b).abs() <= tol * b.abs().max(1.0);
@@ -521,14 +526,7 @@ fn lora_ranks_train_as_one_process_at_every_zero_stage() {
         let run_ranks = |world: usize, stage: usize, b: usize| {
             let out = dir.path().join(format!("w{world}z{stage}"));
             let cfg = TrainConfig { output_dir: Some(out.clone()), zero_stage: stage, batch_size: b, ..base.clone() };
-            let ranks: Vec<_> = llmrs::backend::comm::local_group(world)
-                .into_iter()
-                .map(|comm| {
-                    let cfg = cfg.clone();
-                    std::thread::spawn(move || llmrs::train::run_with(&cfg, Box::new(comm)).unwrap())
-                })
-                .collect();
-            let runs: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+            let runs = ranks_on_threads(&cfg, world);
             let state = std::fs::metadata(out.join("state_00000010_00000.bin")).unwrap().len() as usize;
             (runs, llmrs::lora::load_checkpoint(&out.join("model_00000010.bin")).unwrap().1, state)
         };

@@ -20,6 +20,16 @@ var<immediate> p: Params;
 @group(0) @binding(0) var<storage, read_write> x: array<f32>;
 @group(0) @binding(1) var<storage, read_write> y: array<f32>;
 
+// Row g's first element, from o0 (or o1).
+fn row_off(g: u32) -> u32 {
+    return (g / p.rows) * p.ps + (g % p.rows) * p.rs;
+}
+
+// How many of row g's entries are live: its row i sees keys 0..=pos+i.
+fn row_live(g: u32) -> u32 {
+    return min(p.pos + g % p.rows + 1u, p.len);
+}
+
 // The first pos+i+1 entries of row i become softmax(scale * x), the rest up to len zero.
 @compute @workgroup_size(WG)
 fn softmax_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -28,9 +38,8 @@ fn softmax_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     if (g >= p.planes * p.rows) {
         return;
     }
-    let i = g % p.rows;
-    let r0 = p.o0 + (g / p.rows) * p.ps + i * p.rs;
-    let live = min(p.pos + i + 1u, p.len);
+    let r0 = p.o0 + row_off(g);
+    let live = row_live(g);
     var m = NEG_INF;
     for (var j = tid; j < live; j = j + WG) {
         m = max(m, x[r0 + j]);
@@ -66,9 +75,8 @@ fn softmax_probs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     if (g >= p.planes * p.rows) {
         return;
     }
-    let i = g % p.rows;
-    let r0 = p.o0 + (g / p.rows) * p.ps + i * p.rs;
-    let live = min(p.pos + i + 1u, p.len);
+    let r0 = p.o0 + row_off(g);
+    let live = row_live(g);
     let maxv = y[p.o1 + 2u * g];
     let inv = y[p.o1 + 2u * g + 1u];
     for (var j = tid; j < p.len; j = j + WG) {
@@ -88,11 +96,9 @@ fn softmax_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     if (g >= p.planes * p.rows) {
         return;
     }
-    let i = g % p.rows;
-    let off = (g / p.rows) * p.ps + i * p.rs;
-    let d0 = p.o0 + off;
-    let p0 = p.o1 + off;
-    let live = min(p.pos + i + 1u, p.len);
+    let d0 = p.o0 + row_off(g);
+    let p0 = p.o1 + row_off(g);
+    let live = row_live(g);
     var s = 0.0;
     for (var j = tid; j < live; j = j + WG) {
         s = s + y[p0 + j] * x[d0 + j];
