@@ -34,21 +34,28 @@ pub struct ActSpec {
     /// The recompute level (llm.c's `-r`) from which this activation is no longer kept per
     /// layer but recomputed by the block's backward from what is kept (0: always kept).
     pub recompute_from: u8,
+    /// Statistics (a norm's mean and rstd, attention's row statistics): f32 at every
+    /// precision, as llm.c keeps them; the others take the run's activation dtype.
+    pub stat: bool,
 }
 
 impl ActSpec {
     /// Kept per layer.
     pub const fn kept(name: &'static str, width: Width) -> Self {
-        ActSpec { name, width, per_layer: true, recompute_from: 0 }
+        ActSpec { name, width, per_layer: true, recompute_from: 0, stat: false }
+    }
+    /// Kept per layer, f32 at every precision (see [`ActSpec::stat`]).
+    pub const fn stat(name: &'static str, width: Width) -> Self {
+        ActSpec { name, width, per_layer: true, recompute_from: 0, stat: true }
     }
     /// Shared by all layers.
     pub const fn shared(name: &'static str, width: Width) -> Self {
-        ActSpec { name, width, per_layer: false, recompute_from: 0 }
+        ActSpec { name, width, per_layer: false, recompute_from: 0, stat: false }
     }
     /// Kept per layer below recompute level `level`; from it on one shared buffer, which the
     /// family's backward refills (see [`BlockActs::recompute`]) before reading it.
     pub const fn recomputed(name: &'static str, width: Width, level: u8) -> Self {
-        ActSpec { name, width, per_layer: true, recompute_from: level }
+        ActSpec { name, width, per_layer: true, recompute_from: level, stat: false }
     }
 }
 
@@ -89,21 +96,32 @@ fn len_of(w: Width, positions: usize, nh: usize) -> usize {
     }
 }
 
-/// Cut consecutive views out of one new allocation: view i is `count` tensors of `len`
-/// elements each (a tensor per layer for the stacked ones), and the backend is told each
-/// tensor, so that none straddles two of a device's memory chunks.
-fn carve(be: &mut dyn Backend, views: &[(usize, usize)]) -> Result<(Buf, Vec<Buf>)> {
-    let parts: Vec<usize> = views.iter().flat_map(|&(count, len)| std::iter::repeat_n(len, count)).collect();
-    let whole = be.alloc_parts(&parts, DType::F32)?;
-    let mut off = 0;
-    let views = views
-        .iter()
-        .map(|&(count, len)| {
+/// One view to carve: `count` tensors of `len` elements of `dtype` (a tensor per layer for the
+/// stacked ones).
+type ViewSpec = (usize, usize, DType);
+
+/// Cut consecutive views out of new allocations, one per dtype: the backend is told each
+/// tensor, so that none straddles two of a device's memory chunks. Returns the allocations
+/// and the views in the order asked.
+fn carve(be: &mut dyn Backend, views: &[ViewSpec]) -> Result<(Vec<Buf>, Vec<Buf>)> {
+    let mut out = vec![None; views.len()];
+    let mut wholes = vec![];
+    for dtype in [DType::F32, DType::BF16] {
+        let mine: Vec<usize> = (0..views.len()).filter(|&i| views[i].2 == dtype).collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let parts: Vec<usize> = mine.iter().flat_map(|&i| std::iter::repeat_n(views[i].1, views[i].0)).collect();
+        let whole = be.alloc_parts(&parts, dtype)?;
+        let mut off = 0;
+        for &i in &mine {
+            let (count, len, _) = views[i];
             off += count * len;
-            whole.slice(off - count * len..off)
-        })
-        .collect();
-    Ok((whole, views))
+            out[i] = Some(whole.slice(off - count * len..off));
+        }
+        wholes.push(whole);
+    }
+    Ok((wholes, out.into_iter().map(|v| v.expect("every dtype carved")).collect()))
 }
 
 /// One block's buffers for a pass over N positions: the residual stream entering and leaving
@@ -171,7 +189,8 @@ pub struct Acts {
     plan: ActPlan,
     c: usize,
     nh: usize,
-    pub whole: Buf,
+    /// The allocations (one per dtype).
+    pub wholes: Vec<Buf>,
     pub tokens: Buf,   // u32 (2, B, T): inputs then targets
     encoded: Buf,      // (B, T, C)
     residual: Buf,     // (L, B, T, C) each block's output
@@ -190,6 +209,9 @@ pub struct Acts {
 }
 
 impl Acts {
+    /// The activations for capacity (B, T) in `dtype` (f32, or bf16 with the statistics and
+    /// losses still f32: [`ActSpec::stat`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         be: &mut dyn Backend,
         cfg: &ModelConfig,
@@ -198,18 +220,22 @@ impl Acts {
         t: usize,
         backward: bool,
         logit_rows: usize,
+        dtype: DType,
     ) -> Result<Self> {
         let (c, l, nh, vp) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size);
         let n = b * t;
         let logit_rows = logit_rows.clamp(1, n);
-        let one = |len: usize| (1, len);
-        let mut views = vec![one(n * c), (l, n * c)];
-        views.extend(plan.fwd.iter().map(|s| (if s.per_layer { l } else { 1 }, len_of(s.width, n, nh))));
-        views.extend([one(n * c), one(n), one(n), one(logit_rows * vp), one(n), one(n), one(n * c)]);
-        let bw = |len: usize| (1, if backward { len } else { 0 });
-        views.push(bw(n * c));
-        views.extend(plan.back.iter().map(|s| bw(len_of(s.width, n, nh))));
-        let (whole, v) = carve(be, &views)?;
+        let f32 = DType::F32;
+        let dt = |s: &ActSpec| if s.stat { f32 } else { dtype };
+        let one = |len: usize| (1, len, dtype);
+        let stat = |len: usize| (1, len, f32);
+        let mut views = vec![one(n * c), (l, n * c, dtype)];
+        views.extend(plan.fwd.iter().map(|s| (if s.per_layer { l } else { 1 }, len_of(s.width, n, nh), dt(s))));
+        views.extend([one(n * c), stat(n), stat(n), one(logit_rows * vp), stat(n), stat(n), one(n * c)]);
+        let bw = |len: usize, dtype| (1, if backward { len } else { 0 }, dtype);
+        views.push(bw(n * c, dtype));
+        views.extend(plan.back.iter().map(|s| bw(len_of(s.width, n, nh), dt(s))));
+        let (wholes, v) = carve(be, &views)?;
         let tokens = be.alloc(2 * n, DType::U32)?;
         let k = plan.fwd.len();
         Ok(Acts {
@@ -219,7 +245,7 @@ impl Acts {
             plan: plan.clone(),
             c,
             nh,
-            whole,
+            wholes,
             tokens,
             encoded: v[0],
             residual: v[1],
@@ -237,11 +263,17 @@ impl Acts {
         })
     }
 
-    /// Bytes (all f32) of the activations kept per layer (the residual stream and the plan's
-    /// per-layer ones) and of the logits.
+    /// Bytes of the activations kept per layer (the residual stream and the plan's per-layer
+    /// ones) and of the logits.
     pub fn bytes_by_part(&self) -> (usize, usize) {
-        let kept = self.plan.fwd.iter().zip(&self.fwd).filter(|(s, _)| s.per_layer).map(|(_, x)| x.len);
-        (4 * (self.residual.len + kept.sum::<usize>()), 4 * self.logits.len)
+        let bytes = |x: &Buf| x.len * x.dtype.bytes();
+        let kept = self.plan.fwd.iter().zip(&self.fwd).filter(|(s, _)| s.per_layer).map(|(_, x)| bytes(x));
+        (bytes(&self.residual) + kept.sum::<usize>(), bytes(&self.logits))
+    }
+
+    /// Bytes of all the activations.
+    pub fn bytes(&self) -> usize {
+        self.wholes.iter().chain([&self.tokens]).map(|x| x.len * x.dtype.bytes()).sum()
     }
 
     /// Whether a pass over (b, t) fits (and, when `backward`, the backward buffers exist).
@@ -250,7 +282,7 @@ impl Acts {
     }
 
     pub fn free(&self, be: &mut dyn Backend) {
-        be.free(self.whole);
+        self.wholes.iter().for_each(|&w| be.free(w));
         be.free(self.tokens);
     }
 
@@ -317,7 +349,7 @@ pub struct KvCache {
     pub chunk: usize,
     /// Positions already in the cache.
     pub pos: usize,
-    pub(crate) whole: Buf,
+    pub(crate) wholes: Vec<Buf>,
     pub(crate) tokens: Buf, // u32 (CH)
     k: Buf,                 // (L, cap, KV*HS)
     v: Buf,                 // (L, cap, KV*HS)
@@ -344,20 +376,22 @@ impl KvCache {
         plan: &ActPlan,
         capacity: usize,
         chunk: usize,
+        dtype: DType,
     ) -> Result<Self> {
         let (c, l, nh, vp, ch, kv) =
             (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size, chunk, cfg.kv_dim());
-        let mut views = vec![(l, capacity * kv), (l, capacity * kv), (1, ch * c)];
-        views.extend(plan.fwd.iter().map(|s| (1, len_of(s.width, ch, nh))));
-        views.extend([(1, c), (1, 1), (1, 1), (1, vp)]);
-        let (whole, v) = carve(be, &views)?;
+        let f32 = DType::F32;
+        let mut views = vec![(l, capacity * kv, dtype), (l, capacity * kv, dtype), (1, ch * c, dtype)];
+        views.extend(plan.fwd.iter().map(|s| (1, len_of(s.width, ch, nh), if s.stat { f32 } else { dtype })));
+        views.extend([(1, c, dtype), (1, 1, f32), (1, 1, f32), (1, vp, dtype)]);
+        let (wholes, v) = carve(be, &views)?;
         let tokens = be.alloc(ch, DType::U32)?;
         let k = plan.fwd.len();
         Ok(KvCache {
             capacity,
             chunk,
             pos: 0,
-            whole,
+            wholes,
             tokens,
             k: v[0],
             v: v[1],

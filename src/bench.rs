@@ -28,6 +28,9 @@ pub struct BenchConfig {
     /// (empty: every projection).
     pub lora: usize,
     pub lora_targets: Vec<String>,
+    /// train's `--precision` and `-w` (fp32 master weights with bf16).
+    pub precision: crate::config::Precision,
+    pub master_weights: bool,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -46,6 +49,7 @@ pub struct BenchReport {
     pub recompute: u8,
     /// The classifier's rows at once (0 = all).
     pub ce_rows: usize,
+    pub precision: crate::config::Precision,
     /// The rank that made this report (rank 0 prints it).
     pub rank: usize,
     /// LoRA rank (0: a full training step) and the adapters' parameters.
@@ -138,6 +142,7 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
             crate::lora::Adapters::new(cfg.lora, 2.0 * cfg.lora as f32, targets, &mut crate::rng::Mt19937::new(42))?;
         model.set_lora(&a)?;
     }
+    model.set_precision(cfg.precision, cfg.master_weights)?;
     model.alloc_training_state()?;
     model.set_recompute(cfg.recompute)?;
     model.set_classifier_rows(cfg.ce_rows)?;
@@ -220,6 +225,7 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         zero_stage: model.zero_stage(),
         recompute: model.recompute(),
         ce_rows: cfg.ce_rows,
+        precision: cfg.precision,
         rank,
         lora: cfg.lora,
         trainable_parameters: model.lora().map_or(model.num_parameters(), |a| a.num_parameters()),
@@ -294,9 +300,11 @@ impl std::fmt::Display for BenchReport {
         let mb = |x: usize| x as f64 / 1e6;
         writeln!(
             f,
-            "memory      {:.1} MB: parameters {:.1}, gradients {:.1}, AdamW {:.1}, ZeRO buffers {:.1}, activations {:.1} (kept per layer {:.1}, logits {:.1}; -r {}, --ce-rows {})",
+            "memory      {:.1} MB ({}): parameters {:.1}, master weights {:.1}, gradients {:.1}, AdamW {:.1}, buffers {:.1}, activations {:.1} (kept per layer {:.1}, logits {:.1}; -r {}, --ce-rows {})",
             mb(m.total()),
+            self.precision,
             mb(m.params),
+            mb(m.master),
             mb(m.grads),
             mb(m.adamw),
             mb(m.buffers),
@@ -337,6 +345,8 @@ mod tests {
             ce_rows: 5,
             lora: 0,
             lora_targets: vec![],
+            precision: crate::config::Precision::Fp32,
+            master_weights: true,
         })
         .unwrap();
         assert!(r.ms_min <= r.ms_median && r.ms_median <= r.ms_max);

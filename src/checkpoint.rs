@@ -243,11 +243,26 @@ pub struct TrainState {
     pub should_shuffle: bool,
 }
 
+/// The precision of the run that wrote a checkpoint: bf16 when its model file is (version 5)
+/// or its state file holds master weights.
+pub fn checkpoint_precision(model: &Path, state: &Path) -> Result<crate::config::Precision> {
+    let version = |p: &Path| -> Result<[i32; 5]> {
+        let b = read_file_prefix(p, 20)?;
+        if b.len() < 20 {
+            bail!("{}: truncated header", p.display());
+        }
+        let int = |i: usize| i32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
+        Ok([int(0), int(1), int(2), int(3), int(4)])
+    };
+    let bf16 = version(model)?[1] == 5 || version(state)?[4] == 1;
+    Ok(if bf16 { crate::config::Precision::Bf16 } else { crate::config::Precision::Fp32 })
+}
+
 /// The error [`save_state`] gives for AdamW moments that are not finite (a diverged run).
 pub const NON_FINITE_STATE: &str = "the AdamW state holds non-finite values";
 
-/// Write llm.c's training-state file: header (step, data position), AdamW m and v, and with
-/// shuffling the loader's permutations and RNG.
+/// Write llm.c's training-state file: header (step, data position), AdamW m and v, a bf16
+/// run's fp32 master weights, and with shuffling the loader's permutations and RNG.
 pub fn save_state(path: &Path, model: &mut Model, st: &TrainState) -> Result<()> {
     let mut h = [0i32; HEADER_INTS];
     let (rank, world) = model.rank();
@@ -255,7 +270,10 @@ pub fn save_state(path: &Path, model: &mut Model, st: &TrainState) -> Result<()>
     h[1] = 1; // version
     h[2] = world as i32; // num_processes
     h[3] = rank as i32; // process rank
-    h[4] = 0; // use_master_weights: fp32 parameters are their own master copy
+                        // use_master_weights: a bf16 run's fp32 master weights follow the moments (its model file
+                        // holds the bf16 working copy); fp32 parameters are their own master copy.
+    let master = model.precision().1;
+    h[4] = master as i32;
     h[5] = st.should_shuffle as i32;
     // Not in llm.c's header (its slot is padding there): the ZeRO stage, which decides what
     // the moments below hold.
@@ -286,6 +304,10 @@ pub fn save_state(path: &Path, model: &mut Model, st: &TrainState) -> Result<()>
             if vals.iter().any(|x| !x.is_finite()) {
                 return Err(std::io::Error::other(NON_FINITE_STATE));
             }
+            write_values(f, &vals, Dtype::F32)?;
+        }
+        if master {
+            let vals = model.read_param_shard().map_err(std::io::Error::other)?;
             write_values(f, &vals, Dtype::F32)?;
         }
         f.write_all(&tail)

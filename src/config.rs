@@ -27,6 +27,38 @@ pub const GPT2_PADDED_VOCAB: usize = 50304;
 /// The `<|endoftext|>` token id.
 pub const GPT2_EOT: u32 = 50256;
 
+/// The precision a model computes in (`--precision`; llm.c's `PRECISION` build setting).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub enum Precision {
+    /// Everything f32.
+    #[default]
+    Fp32,
+    /// llm.c's bf16 build: parameters (the working copy), gradients and activations in bf16;
+    /// master weights, AdamW's moments, norm statistics, attention's row statistics and the
+    /// losses in f32; every op computes in f32 (README: Precision).
+    Bf16,
+}
+
+impl std::str::FromStr for Precision {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "fp32" | "float32" => Ok(Precision::Fp32),
+            "bf16" | "bfloat16" => Ok(Precision::Bf16),
+            _ => bail!("unknown precision '{s}': use fp32 or bf16"),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+        })
+    }
+}
+
 /// The family a model belongs to, by its name in the registry of [`crate::models`] (`gpt2`,
 /// `llama`, `qwen2`, `qwen3`): the family decides the tensors, the block's calls and the files.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]

@@ -82,6 +82,12 @@ enum Cmd {
         /// The projections LoRA adapts (as train's --lora-targets).
         #[arg(long = "lora-targets", value_delimiter = ',')]
         lora_targets: Vec<String>,
+        /// fp32 or bf16 (as train's --precision).
+        #[arg(long, default_value_t = D.with(|d| d.precision))]
+        precision: llmrs::config::Precision,
+        /// With bf16: 1 = fp32 master weights, 0 = none (as train's -w).
+        #[arg(short = 'w', long = "master-weights", default_value_t = 1)]
+        master_weights: u8,
     },
     /// Evaluate a model.
     #[command(subcommand)]
@@ -217,6 +223,9 @@ enum EvalCmd {
         /// the losses are the same bits, the logits buffer that much smaller.
         #[arg(long = "ce-rows", default_value_t = D.with(|d| d.ce_rows))]
         ce_rows: usize,
+        /// fp32 or bf16 (bf16 weights and activations, ops in fp32; as train's --precision).
+        #[arg(long, default_value_t = D.with(|d| d.precision))]
+        precision: llmrs::config::Precision,
     },
 }
 
@@ -264,6 +273,9 @@ struct GenArgs {
     /// With --no-cache: rows of logits computed at once (as train's --ce-rows; 0 = all).
     #[arg(long = "ce-rows", default_value_t = D.with(|d| d.ce_rows))]
     ce_rows: usize,
+    /// fp32 or bf16 (bf16 weights, KV cache and activations, ops in fp32; as train's --precision).
+    #[arg(long, default_value_t = D.with(|d| d.precision))]
+    precision: llmrs::config::Precision,
 }
 
 #[derive(Args)]
@@ -387,9 +399,17 @@ struct TrainArgs {
     /// Read training batches in order instead of llm.c's shuffled order.
     #[arg(long = "no-shuffle")]
     no_shuffle: bool,
-    /// Checkpoint model dtype: fp32 or bf16.
-    #[arg(long = "save-dtype", default_value = D.with(|d| dtype_name(d.save_dtype)))]
-    save_dtype: String,
+    /// Checkpoint model dtype: fp32 or bf16 (default: the run's precision).
+    #[arg(long = "save-dtype")]
+    save_dtype: Option<String>,
+    /// Precision (llm.c's build setting): fp32, or bf16 (parameters, gradients and activations
+    /// in bf16, every op computing in fp32; README: Precision). bf16 runs on the CPU so far.
+    #[arg(long, default_value_t = D.with(|d| d.precision))]
+    precision: llmrs::config::Precision,
+    /// With bf16: 1 = keep fp32 master weights that AdamW updates (llm.c -w), 0 = AdamW rounds
+    /// its updates into the bf16 parameters stochastically (less memory).
+    #[arg(short = 'w', long = "master-weights", default_value_t = D.with(|d| d.master_weights as u8))]
+    master_weights: u8,
     /// Start from a model on the Hugging Face Hub (owner/name[@revision]) instead of -e.
     #[arg(long)]
     hf: Option<String>,
@@ -526,7 +546,17 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
         skip_grad_z: a.skip_grad_z,
         seed: a.seed,
         shuffle: !a.no_shuffle,
-        save_dtype: parse_dtype(&a.save_dtype)?,
+        save_dtype: match &a.save_dtype {
+            Some(d) => parse_dtype(d)?,
+            None if a.precision == llmrs::config::Precision::Bf16 => Dtype::BF16,
+            None => Dtype::F32,
+        },
+        precision: a.precision,
+        master_weights: match a.master_weights {
+            0 => false,
+            1 => true,
+            w => bail!("-w {w}: use 1 (fp32 master weights, the default) or 0 (bf16 parameters only)"),
+        },
         hellaswag: a.hellaswag == 1,
         hellaswag_data: a.hellaswag_data,
         hellaswag_limit: a.hellaswag_limit,
@@ -569,6 +599,7 @@ fn cmd_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
     sampler.validate()?; // before loading (or downloading) anything
     let spec = model_spec(a.hf, a.model)?;
     let mut model = llmrs::model::Model::new(load_with_lora(&spec, 0, a.lora.as_deref())?, device)?;
+    model.set_precision(a.precision, false)?;
     model.set_classifier_rows(a.ce_rows)?;
     let tok = llmrs::source::tokenizer_for_text(a.tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let prompt = if a.prompt.is_empty() { vec![tok.doc_start] } else { tok.encode(&a.prompt)? };
@@ -725,6 +756,8 @@ fn run_command(cli: Cli, comm: Comm) -> Result<()> {
             ce_rows,
             lora,
             lora_targets,
+            precision,
+            master_weights,
         }) => {
             let steps = steps.max(1);
             let cfg = llmrs::bench::BenchConfig {
@@ -739,6 +772,8 @@ fn run_command(cli: Cli, comm: Comm) -> Result<()> {
                 ce_rows,
                 lora,
                 lora_targets,
+                precision,
+                master_weights: master_weights != 0,
             };
             cmd_bench(&cfg, json, comm)
         }
@@ -799,9 +834,10 @@ fn cmd_plot(logs: &[PathBuf], out: &Path) -> Result<()> {
 }
 
 fn cmd_eval(e: EvalCmd, device: llmrs::backend::Device) -> Result<()> {
-    let EvalCmd::Hellaswag { model, hf, data, limit, tokenizer, lora, ce_rows } = e;
+    let EvalCmd::Hellaswag { model, hf, data, limit, tokenizer, lora, ce_rows, precision } = e;
     let spec = model_spec(hf, model)?;
     let mut model = llmrs::model::Model::new(load_with_lora(&spec, 42, lora.as_deref())?, device)?;
+    model.set_precision(precision, false)?;
     model.set_classifier_rows(ce_rows)?;
     let tok = llmrs::source::tokenizer_for_text(tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let data = match data {

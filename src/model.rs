@@ -10,7 +10,7 @@ use crate::acts::{ActPlan, Acts, KvCache, NormActs};
 use crate::backend::comm::{read_host, Collectives, Reduce, SingleProcess};
 use crate::backend::ops::{Adapter, BlockLora, Mat, Ops, Seq, FROZEN};
 use crate::backend::{self, AdamWParams, Backend, Buf, DType, Device, SkipAbove};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, Precision};
 use crate::models::family::{Arch, Attn, Consts};
 use crate::optim::OptimConfig;
 use crate::params::{ParamLayout, TensorId, View, Weights};
@@ -88,10 +88,14 @@ struct Gathered {
 /// Bytes of the model's state on this rank, by role (`llmrs bench`, the log).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct MemoryUse {
+    /// The parameters the passes read (bf16 under `--precision bf16`).
     pub params: usize,
+    /// The fp32 master weights of a bf16 run (llm.c's `-w 1`).
+    pub master: usize,
     pub grads: usize,
     pub adamw: usize,
-    /// ZeRO buckets and gathered parameters.
+    /// ZeRO buckets and gathered parameters, LoRA's workspaces, and the backend's own (the
+    /// CPU's f32 copies of the bf16 buffers of the largest ops so far).
     pub buffers: usize,
     pub activations: usize,
     /// Of the activations: those kept per layer from forward to backward (the residual stream
@@ -103,7 +107,7 @@ pub struct MemoryUse {
 
 impl MemoryUse {
     pub fn total(&self) -> usize {
-        self.params + self.grads + self.adamw + self.buffers + self.activations
+        self.params + self.master + self.grads + self.adamw + self.buffers + self.activations
     }
 }
 
@@ -133,6 +137,10 @@ pub struct Model {
     /// Every piece of the parameters with this rank's part ([`crate::zero`]).
     pieces: Vec<Piece>,
     params: Buf, // (num_parameters), or this rank's shard under ZeRO-3
+    /// A bf16 run with master weights: the bf16 working copy that every pass reads, written
+    /// from `params` (then the fp32 master weights) after each update.
+    work: Option<Buf>, // bf16 (num_parameters)
+    precision: Precision,
     gathered: Option<Gathered>,
     /// [loss accumulator, squared gradient norm].
     stats: Buf, // (2)
@@ -211,6 +219,8 @@ impl Model {
             zero,
             pieces,
             params,
+            work: None,
+            precision: Precision::Fp32,
             gathered,
             stats,
             flags,
@@ -429,6 +439,7 @@ impl Model {
                 grad_clip: o.grad_clip,
                 t: step as i32 + 1,
                 skip,
+                seed: rounding_seed(step),
             };
             Ops::new(be).adamw_update(params, grads, tr.m, tr.v, self.stats, &h);
             if self.zero.stage > 0 {
@@ -447,8 +458,18 @@ impl Model {
             grad_clip: o.grad_clip,
             t: step as i32 + 1,
             skip,
+            seed: rounding_seed(step),
         };
         self.zero.update(&mut *self.be, &mut *self.comm, bufs, hyper)?;
+        if let Some(work) = self.work {
+            // The bf16 working copy from the updated master weights, rounded stochastically as
+            // llm.c's AdamW writes it; a skipped step leaves it as it was (the one host read
+            // of the statistics that bf16 adds to a step).
+            let s = self.step_stats()?;
+            if !s.skipped {
+                Ops::new(&mut *self.be).convert(work, self.params, Some(rounding_seed(step)));
+            }
+        }
         self.forget_gathered();
         Ok(())
     }
@@ -458,7 +479,8 @@ impl Model {
     /// The tensors outside the blocks for this pass: views of the parameters, or under ZeRO-3
     /// gathered from every rank's shard (once per update).
     fn outer_weights(&mut self) -> Result<View<Buf>> {
-        let Some(mut g) = self.gathered else { return Ok(self.layout.outer().map(|r| self.params.slice(r.clone()))) };
+        let p = self.work.unwrap_or(self.params);
+        let Some(mut g) = self.gathered else { return Ok(self.layout.outer().map(|r| p.slice(r.clone()))) };
         let views = self.zero.outer_bucket().0.map(|r| g.embed.slice(r.clone()));
         if !g.embed_valid {
             for t in self.layout.outer_ids().into_iter().filter(|&t| views[t].len > 0) {
@@ -474,7 +496,8 @@ impl Model {
     /// Block `l`'s weights: views of the parameters, or under ZeRO-3 gathered just before use
     /// into the one-block buffer (which the next block's gathering overwrites).
     fn block_weights(&mut self, l: usize) -> Result<View<Buf>> {
-        let Some(mut g) = self.gathered else { return Ok(self.layout.block(l).map(|r| self.params.slice(r.clone()))) };
+        let p = self.work.unwrap_or(self.params);
+        let Some(mut g) = self.gathered else { return Ok(self.layout.block(l).map(|r| p.slice(r.clone()))) };
         let views = self.zero.block_bucket().0.map(|r| g.block.slice(r.clone()));
         if g.block_held != Some(l) {
             for t in self.layout.block_ids().into_iter().filter(|&t| views[t].len > 0) {
@@ -597,10 +620,13 @@ impl Model {
     pub fn memory(&self) -> MemoryUse {
         let bytes = |b: Buf| b.len * b.dtype.bytes();
         let mut m = MemoryUse { params: bytes(self.params), ..Default::default() };
+        if let Some(w) = self.work {
+            (m.params, m.master) = (bytes(w), bytes(self.params));
+        }
         if let Some(g) = self.gathered {
             m.buffers += bytes(g.whole);
         }
-        m.buffers += self.consts_buf.map_or(0, bytes);
+        m.buffers += self.consts_buf.map_or(0, bytes) + self.be.workspace_bytes();
         if let Some(lo) = &self.lora {
             m.params += bytes(lo.params);
             m.buffers += bytes(lo.sink) + bytes(lo.scratch);
@@ -611,7 +637,7 @@ impl Model {
             m.buffers += tr.buckets.map_or(0, |(e, b)| bytes(e) + bytes(b));
         }
         if let Some(a) = &self.acts {
-            m.activations = bytes(a.whole) + bytes(a.tokens);
+            m.activations = a.bytes();
             let (per_layer, logits) = a.bytes_by_part();
             (m.activations_per_layer, m.activations_logits) = (per_layer, logits);
         }
@@ -621,24 +647,29 @@ impl Model {
     /// Allocate gradients and AdamW moments (zeroed). Call once before training.
     pub fn alloc_training_state(&mut self) -> Result<()> {
         if self.train.is_none() {
-            let mut z = |parts: Vec<usize>| -> Result<Buf> {
-                let b = self.be.alloc_parts(&parts, DType::F32)?;
+            let gdt = self.act_dtype();
+            let mut z = |parts: Vec<usize>, dtype: DType| -> Result<Buf> {
+                let b = self.be.alloc_parts(&parts, dtype)?;
                 self.be.fill(b, 0.0);
                 Ok(b)
             };
+            let f32 = DType::F32;
             if let Some(len) = self.lora.as_ref().map(|lo| lo.params.len) {
                 // ZeRO-1..3 shard the adapters' AdamW state; every rank's backward writes all
-                // of their gradients (reduce-scattered in the update).
+                // of their gradients (reduce-scattered in the update). The adapters and their
+                // gradients stay f32 at every precision, as PEFT's under autocast.
                 let own = if self.zero.stage > 0 { len / self.comm.world() } else { len };
-                let (grads, m, v) = (z(vec![len])?, z(vec![own])?, z(vec![own])?);
+                let (grads, m, v) = (z(vec![len], f32)?, z(vec![own], f32)?, z(vec![own], f32)?);
                 self.train = Some(TrainBufs { grads, buckets: None, m, v });
                 self.wire_lora();
                 return self.remake_acts();
             }
-            let (grads, m, v) = (z(self.zero.parts_at(2))?, z(self.zero.parts_at(1))?, z(self.zero.parts_at(1))?);
+            // Gradients in the activations' dtype (bf16 as llm.c's), AdamW's moments f32.
+            let (grads, m, v) =
+                (z(self.zero.parts_at(2), gdt)?, z(self.zero.parts_at(1), f32)?, z(self.zero.parts_at(1), f32)?);
             let buckets = if self.zero.stage >= 2 {
                 let (e, b) = (self.zero.outer_bucket().1, self.zero.block_bucket().1);
-                let whole = z(self.zero.bucket_parts())?;
+                let whole = z(self.zero.bucket_parts(), gdt)?;
                 Some((whole.prefix(e), whole.slice(e..e + b)))
             } else {
                 None
@@ -659,6 +690,54 @@ impl Model {
         }
         self.last = Last::default();
         Ok(())
+    }
+
+    /// Compute in `precision` ([`Precision`]). bf16: the parameters the passes read, the
+    /// gradients and the activations become bf16; with `master_weights` (llm.c's `-w 1`) the
+    /// f32 parameters stay as master weights that AdamW updates, and the bf16 copy is written
+    /// from them after each update, rounded stochastically; without (`-w 0`) the parameters
+    /// themselves are bf16 and AdamW rounds its updates into them stochastically. A LoRA
+    /// run's frozen base needs no master weights. Call once, before
+    /// [`Model::alloc_training_state`].
+    pub fn set_precision(&mut self, precision: Precision, master_weights: bool) -> Result<()> {
+        if precision == self.precision {
+            return Ok(());
+        }
+        if self.train.is_some() || self.precision != Precision::Fp32 {
+            bail!("the precision is set once, before the training state is allocated");
+        }
+        if !self.be.supports_bf16() {
+            bail!(
+                "--precision bf16 runs on the CPU so far ({}); use --device cpu or --precision fp32",
+                self.be.describe()
+            );
+        }
+        if self.zero.stage == 3 {
+            bail!("--precision bf16 with ZeRO-3 is not supported yet: use -z 0, 1 or 2, or --precision fp32");
+        }
+        let bf = self.be.alloc_parts(&self.zero.parts_at(3), DType::BF16)?;
+        Ops::new(&mut *self.be).convert(bf, self.params, None);
+        if master_weights && self.lora.is_none() {
+            self.work = Some(bf);
+        } else {
+            self.be.free(self.params);
+            self.params = bf;
+        }
+        self.precision = precision;
+        self.remake_acts()
+    }
+
+    /// The precision ([`Model::set_precision`]) and whether there are master weights.
+    pub fn precision(&self) -> (Precision, bool) {
+        (self.precision, self.work.is_some())
+    }
+
+    /// The dtype of activations and gradients.
+    fn act_dtype(&self) -> DType {
+        match self.precision {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+        }
     }
 
     /// Recompute level `level` (llm.c's `-r`; [`crate::acts::MAX_RECOMPUTE`] at most): 1 keeps
@@ -683,6 +762,11 @@ impl Model {
     pub fn set_lora(&mut self, adapters: &crate::lora::Adapters) -> Result<()> {
         if self.lora.is_some() || self.train.is_some() {
             bail!("LoRA adapters are set once, before the training state is allocated");
+        }
+        if let Some(work) = self.work.take() {
+            // A frozen base needs no master weights: keep its bf16 copy only.
+            self.be.free(self.params);
+            self.params = work;
         }
         let all = crate::lora::linear_modules(&self.config);
         if let Some(t) = adapters.targets.iter().find(|t| !all.contains(t)) {
@@ -805,7 +889,8 @@ impl Model {
             a.free(&mut *self.be);
         }
         let rows = if self.ce_rows == 0 { cb * ct } else { self.ce_rows };
-        let acts = Acts::new(&mut *self.be, &self.config, &self.plan, cb, ct, backward, rows);
+        let dtype = self.act_dtype();
+        let acts = Acts::new(&mut *self.be, &self.config, &self.plan, cb, ct, backward, rows, dtype);
         let hint = if self.plan.recompute < crate::acts::MAX_RECOMPUTE {
             ", or keep fewer with -r 2 (README: Memory)"
         } else {
@@ -836,11 +921,12 @@ impl Model {
         if positions == 0 || positions > max_t || chunk == 0 {
             bail!("a KV cache holds 1 to {max_t} positions (asked: {positions}, chunks of {chunk})");
         }
-        KvCache::new(&mut *self.be, &self.config, &self.plan, positions, chunk.min(positions))
+        let dtype = self.act_dtype();
+        KvCache::new(&mut *self.be, &self.config, &self.plan, positions, chunk.min(positions), dtype)
     }
 
     pub fn free_kv_cache(&mut self, cache: KvCache) {
-        self.be.free(cache.whole);
+        cache.wholes.iter().for_each(|&w| self.be.free(w));
         self.be.free(cache.tokens);
     }
 
@@ -980,15 +1066,23 @@ impl Model {
         } else {
             self.be.upload(b, data);
         }
+        if let (Slot::Params, Some(work)) = (slot, self.work) {
+            Ops::new(&mut *self.be).convert(work, self.params, None);
+        }
         Ok(())
     }
 
     /// Overwrite the parameters from this rank's part of them in the shard layout (llm.c's fp32
     /// master weights in a ZeRO-1 state file); the parts are then all-gathered (a collective)
-    /// unless the stage keeps parameters sharded.
+    /// unless the stage keeps parameters sharded. A bf16 run's working copy is left as it is:
+    /// the checkpoint's model file holds it (exact resume).
     pub fn write_param_shard(&mut self, shard: &[f32]) -> Result<()> {
         if self.zero.stage == 0 {
-            return self.write_all(Slot::Params, shard);
+            if shard.len() != self.layout.num_parameters {
+                bail!("{} values for the parameters, the model has {}", shard.len(), self.layout.num_parameters);
+            }
+            self.be.upload(self.params, shard);
+            return Ok(());
         }
         if shard.len() != self.zero.shard_len() {
             bail!("{} values for this rank's part of the parameters, expected {}", shard.len(), self.zero.shard_len());
@@ -1004,10 +1098,32 @@ impl Model {
         Ok(())
     }
 
-    /// The parameters as host [`Weights`] (for model files and export); under ZeRO-3 a
-    /// collective.
+    /// This rank's part of the parameters in the shard layout ([`Model::write_param_shard`]'s
+    /// input): a bf16 run's master weights for its state file.
+    pub fn read_param_shard(&mut self) -> Result<Vec<f32>> {
+        if self.zero.stage == 0 {
+            return self.read_all(Slot::Params);
+        }
+        let mut out = crate::mem::zeroed::<f32>(self.zero.shard_len());
+        for p in &self.pieces {
+            let own = self.params.slice(if self.zero.stage == 3 { p.shard.clone() } else { p.owned.clone() });
+            self.be.download(own, &mut out[p.shard.clone()])?;
+        }
+        Ok(out)
+    }
+
+    /// The parameters as host [`Weights`] (for model files and export): those the passes read
+    /// (a bf16 run's working copy, not its master weights); under ZeRO-3 a collective.
     pub fn weights(&mut self) -> Result<Weights> {
-        Ok(Weights { config: self.config, layout: self.layout.clone(), data: self.read_all(Slot::Params)? })
+        let data = match self.work {
+            Some(w) => {
+                let mut out = crate::mem::zeroed(w.len);
+                self.be.download(w, &mut out)?;
+                out
+            }
+            None => self.read_all(Slot::Params)?,
+        };
+        Ok(Weights { config: self.config, layout: self.layout.clone(), data })
     }
 
     /// [`Model::weights`] on rank 0 only (None elsewhere): every rank calls it, only rank 0
@@ -1158,6 +1274,12 @@ fn frozen_grads(layout: &ParamLayout, ranges: View<std::ops::Range<usize>>, sink
             })
             .collect(),
     )
+}
+
+/// The seed of the stochastic rounding of step `step`'s bf16 parameters: a function of the
+/// step alone, so a resumed run rounds as the uninterrupted one.
+fn rounding_seed(step: usize) -> u32 {
+    (step as u32).wrapping_mul(0x9E37_79B9) ^ 0x6A09_E667
 }
 
 /// The classifier's chunks over `n` positions as (first row, rows): `rows` at a time, except

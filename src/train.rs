@@ -102,6 +102,11 @@ pub struct TrainConfig {
     /// the logits buffer holds (rows, Vp); a training step runs head, loss and their backward
     /// chunk by chunk (1024: free from about that many rows, and B*T <= 1024 is unchunked)
     pub ce_rows: usize,
+    /// --precision  fp32, or bf16 as llm.c's bf16 build (llm.c: bf16; the CPU only so far)
+    pub precision: crate::config::Precision,
+    /// -w  with bf16, keep fp32 master weights that AdamW updates (llm.c: on); off: AdamW
+    /// rounds its updates into the bf16 parameters stochastically
+    pub master_weights: bool,
     /// --lora  LoRA rank: train adapters on the projections, the base frozen (0: every weight)
     pub lora: usize,
     /// --lora-alpha  the adapters' scale is alpha / rank (default 2 * rank)
@@ -152,6 +157,8 @@ impl Default for TrainConfig {
             zero_stage: 0,
             recompute: 1,
             ce_rows: 1024,
+            precision: crate::config::Precision::Fp32,
+            master_weights: true,
             lora: 0,
             lora_alpha: None,
             lora_targets: vec![],
@@ -687,6 +694,14 @@ impl<'a> Run<'a> {
         if let Some((a, _)) = &lora {
             model.set_lora(a)?;
         }
+        model.set_precision(cfg.precision, cfg.master_weights)?;
+        if let (Some(s), 0, None) = (resume_step, shape.rank, &lora) {
+            let [m, st, _] = resume_paths(cfg, s, shape.rank);
+            let was = crate::checkpoint::checkpoint_precision(&m, &st)?;
+            if was != cfg.precision {
+                eprintln!("note: checkpoint {s} was written by a {was} run; this run computes in {}", cfg.precision);
+            }
+        }
         model.alloc_training_state()?;
         model.set_recompute(cfg.recompute)?;
         model.set_classifier_rows(cfg.ce_rows)?;
@@ -755,6 +770,10 @@ impl<'a> Run<'a> {
                 self.val.num_tokens,
             ));
             rep.line(&format!("device: {}", model.describe_backend()));
+            if let (crate::config::Precision::Bf16, master) = model.precision() {
+                let how = if master { "fp32 master weights" } else { "no master weights (-w 0)" };
+                rep.line(&format!("precision: bf16 parameters, gradients and activations; {how}; fp32 AdamW"));
+            }
             if let Some(a) = model.lora() {
                 rep.line(&format!(
                     "LoRA: rank {} alpha {} on {} projections ({}): {} trainable parameters, the base's {} frozen",

@@ -69,6 +69,12 @@ fn sigkills_of_a_lora_run_resume_to_the_uninterrupted_run() {
     sigkills_resume_to_the_uninterrupted_run(8, &["--lora", "4", "-e", "llama:2x32:4:2:16"]);
 }
 
+/// The same in bf16 (a version-5 model file, fp32 master weights in the state file), 8 kills.
+#[test]
+fn sigkills_of_a_bf16_run_resume_to_the_uninterrupted_run() {
+    sigkills_resume_to_the_uninterrupted_run(8, &["--precision", "bf16"]);
+}
+
 fn sigkills_resume_to_the_uninterrupted_run(total_kills: usize, extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     common::make_data(dir.path(), 99, 4000, 800);

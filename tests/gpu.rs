@@ -468,6 +468,8 @@ fn gpu_bench_reports_the_adapter_and_time_per_layer_kind() {
         ce_rows: 0,
         lora: 0,
         lora_targets: vec![],
+        precision: llmrs::config::Precision::Fp32,
+        master_weights: true,
     })
     .unwrap();
     assert!(r.backend.starts_with("gpu: fp32 WGSL kernels on"), "{}", r.backend);

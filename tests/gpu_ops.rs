@@ -441,6 +441,7 @@ fn gpu_global_norm_and_adamw() {
                 grad_clip: 1.0,
                 t: 3,
                 skip: SkipAbove::NON_FINITE,
+                seed: 0,
             };
             // m and v must stay >= 0 for v: make them squares of the random inputs.
             p.map(v, |x| x * x);

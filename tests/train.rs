@@ -2,6 +2,8 @@
 
 mod common;
 
+use llmrs::config::Precision;
+use llmrs::files::Dtype;
 use llmrs::schedule::ScheduleKind;
 use llmrs::train::{run, TrainConfig};
 use std::path::Path;
@@ -35,11 +37,23 @@ fn small(dir: &Path, train: &str, val: &str) -> TrainConfig {
 fn stopped_and_resumed_run_is_bit_identical() {
     // GPT-2 (llm.c's model file) and Qwen3 (llmrs's own model file) checkpoints alike.
     for model in ["2x32:2:32", "qwen3:2x32:4:2:16:64:32"] {
-        stopped_and_resumed(model);
+        stopped_and_resumed(model, TrainConfig::default());
     }
 }
 
-fn stopped_and_resumed(model: &str) {
+/// bf16 runs resume bit-identically too: the model file holds the bf16 working copy (version
+/// 5), the state file the fp32 master weights (or, with -w 0, nothing more: the stochastic
+/// rounding's seed is the step's).
+#[test]
+fn stopped_and_resumed_bf16_run_is_bit_identical() {
+    for (model, master_weights) in [("2x32:2:32", true), ("llama:2x32:4:2:64:32", true), ("2x32:2:32", false)] {
+        let bf16 =
+            TrainConfig { precision: Precision::Bf16, master_weights, save_dtype: Dtype::BF16, ..Default::default() };
+        stopped_and_resumed(model, bf16);
+    }
+}
+
+fn stopped_and_resumed(model: &str, how: TrainConfig) {
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
     let out = dir.path().join("run");
@@ -47,6 +61,9 @@ fn stopped_and_resumed(model: &str) {
         model: model.into(),
         checkpoint_every: 5,
         schedule: ScheduleKind::Cosine,
+        precision: how.precision,
+        master_weights: how.master_weights,
+        save_dtype: how.save_dtype,
         ..small(&out, &train, &val)
     };
     let full = run(&cfg).unwrap();
@@ -586,4 +603,98 @@ fn lora_settings_that_cannot_work_are_refused_clearly() {
     std::fs::write(dora.join("adapter_config.json"), j).unwrap();
     let e = err(TrainConfig { lora: 0, lora_from: Some(dora), ..base });
     assert!(e.contains("use_dora"), "{e}");
+}
+
+/// A bf16 checkpoint resumes in an fp32 run (from its fp32 master weights) and an fp32 one in
+/// a bf16 run; both go on training, and the bf16 run stays near the fp32 one.
+#[test]
+fn checkpoints_cross_precisions() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    let out = |n: &str| dir.path().join(n);
+    let base = |o: &str, precision: Precision| TrainConfig {
+        checkpoint_every: 6,
+        precision,
+        save_dtype: if precision == Precision::Bf16 { Dtype::BF16 } else { Dtype::F32 },
+        ..small(&out(o), &train, &val)
+    };
+    let fp32 = run(&base("a", Precision::Fp32)).unwrap();
+    let bf16 = run(&base("b", Precision::Bf16)).unwrap();
+    for ((s, a), (_, b)) in fp32.train_losses.iter().zip(&bf16.train_losses) {
+        assert!((a - b).abs() < 0.02, "step {s}: bf16 {b} vs fp32 {a}");
+    }
+    // Resume each run's step-6 checkpoint in the other precision.
+    for (from, to, precision) in [("a", "a2", Precision::Bf16), ("b", "b2", Precision::Fp32)] {
+        let _ = std::fs::create_dir_all(out(to));
+        for f in ["model_00000006.bin", "state_00000006_00000.bin", "DONE_00000006"] {
+            std::fs::copy(out(from).join(f), out(to).join(f)).unwrap();
+        }
+        let r = run(&TrainConfig { resume: true, ..base(to, precision) }).unwrap();
+        assert_eq!(r.train_losses.len(), 6, "steps 6..11");
+        let first = if from == "a" { &fp32 } else { &bf16 };
+        for ((s, a), (_, b)) in first.train_losses[6..].iter().zip(&r.train_losses) {
+            assert!(b.is_finite() && (a - b).abs() < 0.02, "{from} resumed in {precision}, step {s}: {b} vs {a}");
+        }
+    }
+    // The bf16 checkpoint: a version-5 model file and master weights in its state file.
+    let m = std::fs::read(out("b").join("model_00000006.bin")).unwrap();
+    assert_eq!(i32::from_le_bytes(m[4..8].try_into().unwrap()), 5);
+    let st = std::fs::read(out("b").join("state_00000006_00000.bin")).unwrap();
+    assert_eq!(i32::from_le_bytes(st[16..20].try_into().unwrap()), 1, "use_master_weights");
+}
+
+/// What bf16 does not do yet is refused before anything runs.
+#[test]
+fn bf16_settings_that_cannot_work_are_refused_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    let cfg = TrainConfig { precision: Precision::Bf16, zero_stage: 3, ..small(&dir.path().join("z3"), &train, &val) };
+    let ranks: Vec<_> = llmrs::backend::comm::local_group(2)
+        .into_iter()
+        .map(|comm| {
+            let cfg = cfg.clone();
+            std::thread::spawn(move || llmrs::train::run_with(&cfg, Box::new(comm)).err().map(|e| format!("{e:#}")))
+        })
+        .collect();
+    for r in ranks {
+        let e = r.join().unwrap().expect("ZeRO-3 in bf16 is refused");
+        assert!(e.contains("ZeRO-3") && e.contains("-z 0, 1 or 2"), "{e}");
+    }
+}
+
+/// Two ranks in bf16 at ZeRO 0, 1 and 2: the same losses as each other up to the order of the
+/// gradient norm's sum (1e-4; the fp32 test holds them to 1e-5), and as one process with the
+/// whole batch up to bf16's rounding of the gradients (5e-3: each rank's half-batch gradient
+/// is rounded to bf16 before the ranks average them).
+#[test]
+fn bf16_ranks_train_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    let base = TrainConfig {
+        batch_size: 2,
+        total_batch_size: Some(128),
+        max_steps: Some(12),
+        precision: Precision::Bf16,
+        ..small(dir.path(), &train, &val)
+    };
+    let run_ranks = |world: usize, stage: usize, b: usize| {
+        let out = dir.path().join(format!("w{world}z{stage}"));
+        let cfg = TrainConfig { output_dir: Some(out), zero_stage: stage, batch_size: b, ..base.clone() };
+        ranks_on_threads(&cfg, world)
+    };
+    let one = run_ranks(1, 0, 4).remove(0);
+    assert!(one.train_losses[11].1 < one.train_losses[0].1 - 0.5, "{:?}", one.train_losses);
+    let z0 = run_ranks(2, 0, 2);
+    for stage in 0..=2 {
+        let runs = if stage == 0 { z0.clone() } else { run_ranks(2, stage, 2) };
+        for r in &runs {
+            assert_eq!(r.train_losses.len(), 12);
+            for ((s, a), (_, b)) in r.train_losses.iter().zip(&z0[0].train_losses) {
+                assert!((a - b).abs() <= 1e-4 * b.abs(), "ZeRO-{stage}, step {s}: {a} vs {b} at ZeRO-0");
+            }
+            for ((s, a), (_, b)) in r.train_losses.iter().zip(&one.train_losses) {
+                assert!((a - b).abs() <= 5e-3 * b.abs(), "ZeRO-{stage}, step {s}: {a} vs {b} on one process");
+            }
+        }
+    }
 }

@@ -27,8 +27,8 @@ use crate::profile::Kind;
 use anyhow::{bail, Result};
 use std::ops::Range;
 
-/// Element type of a buffer. Parameters and activations are f32 today; bf16 comes with the GPU
-/// backend (fp32 master weights beside bf16 parameters); token ids are u32.
+/// Element type of a buffer: f32, bf16 (`--precision bf16`: parameters, gradients and
+/// activations, see [`crate::config::Precision`]) or u32 (token ids).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
     F32,
@@ -162,6 +162,8 @@ pub struct AdamWParams {
     pub t: i32,
     /// When the step is skipped instead of applied.
     pub skip: SkipAbove,
+    /// The seed of the stochastic rounding of bf16 parameters (without master weights).
+    pub seed: u32,
 }
 
 /// The limits above which a step is skipped (llm.c's `-sl`/`-sg` outlier skipping, turned into
@@ -198,6 +200,17 @@ pub trait Backend {
     /// where the backend does not measure one.
     fn measure_peak(&self) -> Option<(f64, String)> {
         None
+    }
+
+    /// Whether the backend has bf16 buffers (`--precision bf16`).
+    fn supports_bf16(&self) -> bool {
+        false
+    }
+
+    /// Bytes of workspace the backend keeps between ops besides its allocations (the CPU's
+    /// f32 copies of bf16 buffers), for the memory report.
+    fn workspace_bytes(&self) -> usize {
+        0
     }
 
     // ---- memory -------------------------------------------------------------------------
@@ -476,6 +489,10 @@ pub trait Backend {
     /// when `h.skip` skips the step ([`SkipAbove::skips`]: a value not finite or above its
     /// limit), so a diverged or outlier step leaves the model as it was.
     fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams);
+    /// dst (N) (out) = src (N) converted to dst's dtype: into bf16 rounded to nearest even, or
+    /// stochastically with `seed` (llm.c's bf16 parameters written from the fp32 master
+    /// weights; deterministic for the seed and each element's place in its allocation).
+    fn convert(&mut self, dst: Buf, src: Buf, seed: Option<u32>);
 }
 
 #[cfg(test)]

@@ -524,6 +524,12 @@ impl<'a> Ops<'a> {
             be.adamw_update(params, grads, m, v, stats, h)
         });
     }
+
+    /// dst (N) = src (N) in dst's dtype (see [`Backend::convert`]).
+    pub fn convert(&mut self, dst: Buf, src: Buf, seed: Option<u32>) {
+        lens!("convert"; dst => src.len);
+        self.run("convert", Kind::Optimizer, &[W(dst)], &[src], |be| be.convert(dst, src, seed));
+    }
 }
 
 /// A zero-length handle that overlaps nothing, for an absent optional buffer.

@@ -87,6 +87,20 @@ pub fn sum_of_squares(grads: &[f32], partials: &mut [f64]) -> f64 {
     partials.iter().sum::<f64>()
 }
 
+/// [`sum_of_squares`] of bf16 gradients (bits), widened a chunk at a time: the same chunks
+/// and the same order, so the same bits as on the widened values.
+pub fn sum_of_squares_bf16(grads: &[u16], partials: &mut [f64]) -> f64 {
+    let nchunks = grads.len().div_ceil(CHUNK);
+    let partials = &mut partials[..nchunks];
+    team::chunks_mut(partials, 1, |i, s| {
+        let g = &grads[i * CHUNK..((i + 1) * CHUNK).min(grads.len())];
+        let mut w = vec![0f32; g.len()];
+        super::bf16::widen(&mut w, g);
+        s[0] = sum_of_squares_chunk(&w);
+    });
+    partials.iter().sum::<f64>()
+}
+
 /// How many partial sums [`global_norm`] needs for `n` gradients.
 pub fn global_norm_partials(n: usize) -> usize {
     n.div_ceil(CHUNK)

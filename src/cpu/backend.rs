@@ -14,21 +14,37 @@
 //! checks. Gradient and loss buffers are op outputs, so a NaN that reaches a loss or a gradient
 //! from unwritten memory is caught at the op that put it there.
 
-use super::{adamw, attention, classifier, encoder, gelu, layernorm, lora, matmul, residual, rmsnorm, rope, swiglu};
+use super::{
+    adamw, attention, bf16, classifier, encoder, gelu, layernorm, lora, matmul, residual, rmsnorm, rope, swiglu,
+};
 use crate::backend::{lens, AdamWParams, Backend, Buf, DType, LoraShape};
 use crate::profile::{Kind, WallTimer};
 use anyhow::{bail, Context, Result};
 
 /// The marker NaN (quiet, payload 0xDEAD); its sign may flip in a computation.
 const POISON_BITS: u32 = 0x7FC0_DEAD;
+/// The marker of bf16 memory (quiet, payload 0x2D): widened to f32 it is 0x7FED_0000, which
+/// arithmetic carries through and [`bf16::from_f32`] narrows back to the same bits.
+const POISON_BF16: u16 = 0x7FED;
 
 fn is_poison(x: f32) -> bool {
-    x.to_bits() & 0x7FFF_FFFF == POISON_BITS
+    x.to_bits() & 0x7FFF_FFFF == POISON_BITS || x.to_bits() & 0x7FFF_0000 == (POISON_BF16 as u32) << 16
 }
 
 enum Storage {
     F32(Vec<f32>),
+    /// bf16 values as their bits; ops see them widened to f32 ([`CpuBackend::run`]).
+    BF16(Vec<u16>),
     U32(Vec<u32>),
+}
+
+/// How a bf16 output is rounded from the f32 values an op computed.
+#[derive(Clone, Copy)]
+enum Rounding {
+    Nearest,
+    /// Stochastic rounding with this seed; element i of the output draws the noise of index
+    /// (its offset in its allocation + i), so pieces round as the whole.
+    Stochastic(u32),
 }
 
 /// How an op uses an output buffer.
@@ -58,6 +74,8 @@ pub struct CpuBackend {
     timer: WallTimer,
     /// Partial sums of the global norm, one per chunk (grown on first use).
     norm_partials: Vec<f64>,
+    /// f32 copies of an op's bf16 buffers, kept from op to op (grown on first use).
+    widened: Vec<Vec<f32>>,
 }
 
 /// QKV: the width of a fused q, k, v row with `nkv` key/value heads (checked to divide).
@@ -74,7 +92,7 @@ const NONE: Buf = Buf { alloc: u32::MAX, off: 0, len: 0, dtype: DType::F32 };
 
 impl CpuBackend {
     pub fn new(nan_check: bool) -> Self {
-        CpuBackend { allocs: vec![], nan_check, timer: WallTimer::default(), norm_partials: vec![] }
+        CpuBackend { allocs: vec![], nan_check, timer: WallTimer::default(), norm_partials: vec![], widened: vec![] }
     }
 
     fn storage(&mut self, b: Buf) -> &mut Storage {
@@ -98,6 +116,28 @@ impl CpuBackend {
         }
     }
 
+    /// Pointer to the first element of a bf16 buffer (bounds checked).
+    fn ptr_bf16(&mut self, b: Buf) -> *mut u16 {
+        if b.len == 0 {
+            return std::ptr::NonNull::dangling().as_ptr();
+        }
+        match self.storage(b) {
+            Storage::BF16(v) if b.dtype == DType::BF16 && b.off + b.len <= v.len() => {
+                // SAFETY: off + len <= v.len(), so the offset stays inside the vector.
+                unsafe { v.as_mut_ptr().add(b.off) }
+            }
+            _ => panic!("buffer {b:?} is not a bf16 range of its allocation"),
+        }
+    }
+
+    /// The bits of a bf16 buffer (bounds checked). `&mut self` is held while the slice lives.
+    fn bf16_slice(&mut self, b: Buf) -> &mut [u16] {
+        let p = self.ptr_bf16(b);
+        // SAFETY: p addresses b.len u16s of a live allocation (bounds checked by ptr_bf16); the
+        // slice borrows `self` mutably, so nothing else reaches them meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(p, b.len) }
+    }
+
     fn ptr_u32(&mut self, b: Buf) -> *mut u32 {
         if b.len == 0 {
             return std::ptr::NonNull::dangling().as_ptr();
@@ -111,14 +151,31 @@ impl CpuBackend {
         }
     }
 
-    /// Run one op: check that no output overlaps any other buffer of the call, poison outputs
-    /// in the NaN-checking mode, hand `f` slices of every buffer, then check the outputs.
+    /// Run one op: check that no output overlaps any other buffer of the call, hand `f` f32
+    /// slices of every buffer, and write its bf16 outputs back rounded to nearest even.
     fn run<const O: usize, const I: usize, const K: usize>(
         &mut self,
         op: &'static str,
         outs: [Out; O],
         ins: [Buf; I],
         toks: [Buf; K],
+        f: impl FnOnce([&mut [f32]; O], [&[f32]; I], [&[u32]; K]),
+    ) {
+        self.run_rounded(op, outs, ins, toks, Rounding::Nearest, f)
+    }
+
+    /// [`CpuBackend::run`] with the rounding of bf16 outputs given. A bf16 buffer reaches `f` as
+    /// an f32 copy: inputs and read outputs widened (exact), outputs rounded back after, so
+    /// every kernel computes in f32 and its results are stored as llm.c's bf16 build stores
+    /// them. Overwritten outputs are not widened (the op writes them whole) but in the
+    /// NaN-checking mode, where the copy carries the poison marker to the check.
+    fn run_rounded<const O: usize, const I: usize, const K: usize>(
+        &mut self,
+        op: &'static str,
+        outs: [Out; O],
+        ins: [Buf; I],
+        toks: [Buf; K],
+        rounding: Rounding,
         f: impl FnOnce([&mut [f32]; O], [&[f32]; I], [&[u32]; K]),
     ) {
         for (i, o) in outs.iter().enumerate() {
@@ -128,15 +185,54 @@ impl CpuBackend {
                 panic!("{op}: output {o:?} overlaps {x:?}");
             }
         }
-        let out_ptrs = outs.map(|o| (self.ptr_f32(o.buf()), o.buf().len));
-        let in_ptrs = ins.map(|b| (self.ptr_f32(b) as *const f32, b.len));
+        // f32 copies of the bf16 buffers: slot k for output k, slot O + i for input i, each the
+        // best fit from the copies kept from earlier ops (so what is kept is about the largest
+        // op's bf16 buffers, not the largest buffer of every slot).
+        let mut pool = std::mem::take(&mut self.widened);
+        let mut wide: Vec<Vec<f32>> = vec![];
+        let is_bf16 = |b: Buf| b.dtype == DType::BF16 && b.len > 0;
+        let all: Vec<Buf> = outs.iter().map(|o| o.buf()).chain(ins).collect();
+        for &b in &all {
+            let len = if is_bf16(b) { b.len } else { 0 };
+            let fit = pool.iter().enumerate().filter(|(_, v)| v.len() >= len).min_by_key(|(_, v)| v.len()).map(|x| x.0);
+            let largest = pool.iter().enumerate().max_by_key(|(_, v)| v.len()).map(|x| x.0);
+            let mut w = match (len, fit.or(largest)) {
+                (0, _) | (_, None) => vec![],
+                (_, Some(i)) => pool.swap_remove(i),
+            };
+            if w.len() < len {
+                w.resize(len, 0.0);
+            }
+            wide.push(w);
+        }
+        for (k, o) in outs.iter().enumerate() {
+            let b = o.buf();
+            if is_bf16(b) && (matches!(o, Rw(_)) || (matches!(o, W(_)) && self.nan_check)) {
+                bf16::widen(&mut wide[k][..b.len], self.bf16_slice(b));
+            }
+        }
+        for (i, &b) in ins.iter().enumerate() {
+            if is_bf16(b) {
+                bf16::widen(&mut wide[O + i][..b.len], self.bf16_slice(b));
+            }
+        }
+        let mut out_ptrs = [(std::ptr::NonNull::<f32>::dangling().as_ptr(), 0); O];
+        for (k, o) in outs.iter().enumerate() {
+            let b = o.buf();
+            out_ptrs[k] = (if is_bf16(b) { wide[k].as_mut_ptr() } else { self.ptr_f32(b) }, b.len);
+        }
+        let mut in_ptrs = [(std::ptr::NonNull::<f32>::dangling().as_ptr() as *const f32, 0); I];
+        for (i, &b) in ins.iter().enumerate() {
+            in_ptrs[i] = (if is_bf16(b) { wide[O + i].as_ptr() } else { self.ptr_f32(b) as *const f32 }, b.len);
+        }
         let tok_ptrs = toks.map(|b| (self.ptr_u32(b) as *const u32, b.len));
         // SAFETY: every pointer addresses `len` elements inside a live allocation (bounds
-        // checked by ptr_f32 / ptr_u32). No output overlaps another output or an input (checked
+        // checked by ptr_f32 / ptr_u32) or inside its own f32 copy (each copy at least `len`
+        // long, one copy per buffer). No output overlaps another output or an input (checked
         // above), so each `&mut` slice is the only reference to its elements; inputs may
         // overlap each other, which shared slices allow. `&mut self` is held for the whole
-        // call, so no other code reaches the allocations meanwhile, and no allocation is resized
-        // or freed while the slices live.
+        // call and the copies are not resized while the slices live, so no other code reaches
+        // the allocations meanwhile and no allocation is resized or freed.
         let (o, i, k) = unsafe {
             (
                 out_ptrs.map(|(p, n)| std::slice::from_raw_parts_mut(p, n)),
@@ -145,6 +241,51 @@ impl CpuBackend {
             )
         };
         f(o, i, k);
+        for (k, o) in outs.iter().enumerate() {
+            let b = o.buf();
+            if is_bf16(b) && !matches!(o, Scratch(_)) {
+                let (src, dst) = (&wide[k][..b.len], self.bf16_slice(b));
+                match rounding {
+                    Rounding::Nearest => bf16::narrow(dst, src),
+                    Rounding::Stochastic(seed) => bf16::narrow_stochastic(dst, src, seed, b.off as u64),
+                }
+            }
+        }
+        pool.extend(wide.into_iter().filter(|w| !w.is_empty()));
+        self.widened = pool;
+    }
+
+    /// encoder_backward into bf16 gradients: only the rows the batch's tokens touch are
+    /// widened (the f32 path would widen and round the whole (Vp, C) table).
+    #[allow(clippy::too_many_arguments)]
+    fn encoder_backward_bf16(
+        &mut self,
+        dwte: Buf,
+        dwpe: Option<Buf>,
+        dout: Buf,
+        inp: Buf,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        for (o, x) in [(dwte, dout), (dwte, inp), (dwpe.unwrap_or(NONE), dout), (dwpe.unwrap_or(NONE), dwte)] {
+            assert!(!o.overlaps(x), "encoder_backward: output {o:?} overlaps {x:?}");
+        }
+        let mut d = vec![0f32; dout.len];
+        self.download(dout, &mut d).expect("the CPU's download does not fail");
+        let p = self.ptr_u32(inp);
+        // SAFETY: p addresses inp.len u32s of a live allocation; copied out at once.
+        let ids = unsafe { std::slice::from_raw_parts(p, inp.len) }.to_vec();
+        let mut wpe = dwpe.map(|p| self.bf16_slice(p).to_vec());
+        encoder::encoder_backward_bf16(self.bf16_slice(dwte), wpe.as_deref_mut(), &d, &ids, b, t, c);
+        if let (Some(p), Some(w)) = (dwpe, wpe) {
+            self.bf16_slice(p).copy_from_slice(&w);
+        }
+    }
+
+    /// Bytes of the f32 copies of bf16 buffers kept between ops.
+    pub fn widened_bytes(&self) -> usize {
+        self.widened.iter().map(|w| 4 * w.capacity()).sum()
     }
 }
 
@@ -160,12 +301,22 @@ impl Backend for CpuBackend {
         format!("cpu: fp32, {isa} kernels, {gemm}, {} threads{check}", super::team::threads())
     }
 
+    fn supports_bf16(&self) -> bool {
+        true
+    }
+
+    fn workspace_bytes(&self) -> usize {
+        self.widened_bytes()
+    }
+
     fn measure_peak(&self) -> Option<(f64, String)> {
         Some(super::peak::measure())
     }
 
     fn poison(&mut self, b: Buf) {
-        if self.nan_check && b.len > 0 {
+        if self.nan_check && b.len > 0 && b.dtype == DType::BF16 {
+            self.bf16_slice(b).fill(POISON_BF16);
+        } else if self.nan_check && b.len > 0 {
             let p = self.ptr_f32(b);
             // SAFETY: p addresses b.len floats of a live allocation (bounds checked by ptr_f32),
             // and no other reference to them lives during this call (&mut self).
@@ -177,10 +328,15 @@ impl Backend for CpuBackend {
         if !self.nan_check || b.len == 0 {
             return;
         }
-        let p = self.ptr_f32(b);
-        // SAFETY: as in poison; read only.
-        let s = unsafe { std::slice::from_raw_parts(p, b.len) };
-        if let Some(at) = s.iter().position(|x| is_poison(*x)) {
+        let at = if b.dtype == DType::BF16 {
+            self.bf16_slice(b).iter().position(|x| x & 0x7FFF == POISON_BF16)
+        } else {
+            let p = self.ptr_f32(b);
+            // SAFETY: as in poison; read only.
+            let s = unsafe { std::slice::from_raw_parts(p, b.len) };
+            s.iter().position(|x| is_poison(*x))
+        };
+        if let Some(at) = at {
             panic!(
                 "NaN check: {op} left element {at} of its output #{k} ({} elements) unwritten, or computed it from \
                  memory that no op wrote",
@@ -190,7 +346,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&mut self, len: usize, dtype: DType) -> Result<Buf> {
-        let bytes = len.checked_mul(4).context("a buffer of more than usize::MAX bytes")?;
+        let bytes = len.checked_mul(dtype.bytes()).context("a buffer of more than usize::MAX bytes")?;
         crate::mem::check_available(bytes, &format!("a buffer of {len} values"))?;
         let storage = match dtype {
             DType::F32 => {
@@ -201,7 +357,13 @@ impl Backend for CpuBackend {
                 Storage::F32(v)
             }
             DType::U32 => Storage::U32(vec![0; len]),
-            DType::BF16 => bail!("the CPU backend computes in fp32; bf16 buffers come with the GPU backend"),
+            DType::BF16 => {
+                let mut v = crate::mem::zeroed::<u16>(len);
+                if self.nan_check {
+                    v.fill(POISON_BF16);
+                }
+                Storage::BF16(v)
+            }
         };
         let id = u32::try_from(self.allocs.len()).ok().filter(|&i| i != u32::MAX);
         let Some(alloc) = id else { bail!("too many allocations") };
@@ -240,6 +402,10 @@ impl Backend for CpuBackend {
 
     fn download(&mut self, src: Buf, dst: &mut [f32]) -> Result<()> {
         lens!("download"; src => dst.len());
+        if src.dtype == DType::BF16 {
+            bf16::widen(dst, self.bf16_slice(src));
+            return Ok(());
+        }
         let p = self.ptr_f32(src);
         // SAFETY: p addresses src.len floats of a live allocation; `&mut self` excludes others.
         dst.copy_from_slice(unsafe { std::slice::from_raw_parts(p, src.len) });
@@ -247,6 +413,9 @@ impl Backend for CpuBackend {
     }
 
     fn fill(&mut self, dst: Buf, value: f32) {
+        if dst.dtype == DType::BF16 {
+            return self.bf16_slice(dst).fill(bf16::from_f32(value));
+        }
         self.run("fill", [W(dst)], [], [], |[d], [], []| d.fill(value));
     }
 
@@ -255,6 +424,9 @@ impl Backend for CpuBackend {
     }
 
     fn host_f32(&mut self, buf: Buf) -> Option<&mut [f32]> {
+        if buf.dtype != DType::F32 {
+            return None; // the caller goes through download and upload, which convert
+        }
         let p = self.ptr_f32(buf);
         // SAFETY: p addresses buf.len floats of a live allocation (bounds checked by ptr_f32);
         // the slice borrows `self` mutably, so no op, free or other slice reaches them meanwhile.
@@ -285,6 +457,9 @@ impl Backend for CpuBackend {
     fn encoder_backward(&mut self, dwte: Buf, dwpe: Option<Buf>, dout: Buf, inp: Buf, b: usize, t: usize, c: usize) {
         assert!(dwte.len.is_multiple_of(c), "encoder_backward: embedding shapes");
         let has_wpe = dwpe.is_some();
+        if dwte.dtype == DType::BF16 && dwpe.is_none_or(|p| p.dtype == DType::BF16) {
+            return self.encoder_backward_bf16(dwte, dwpe, dout, inp, b, t, c);
+        }
         let outs = [Rw(dwte), dwpe.map_or(W(NONE), Rw)];
         self.run("encoder_backward", outs, [dout], [inp], |[dwte, dwpe], [dout], [inp]| {
             encoder::encoder_backward(dwte, has_wpe.then_some(dwpe), dout, inp, b, t, c)
@@ -618,6 +793,19 @@ impl Backend for CpuBackend {
         let mut partials = std::mem::take(&mut self.norm_partials);
         partials.resize(adamw::global_norm_partials(grads.len), 0.0);
         let o = if accumulate { Rw(out) } else { W(out) };
+        if grads.dtype == DType::BF16 && out.dtype == DType::F32 {
+            // Widened a chunk at a time inside, not as one f32 copy of every gradient.
+            assert!(!out.overlaps(grads), "global_norm_squared: output overlaps its input");
+            let p = self.ptr_bf16(grads);
+            // SAFETY: p addresses grads.len u16s of a live allocation (bounds checked); read
+            // only, and `&mut self` keeps every other reference out while the slice lives.
+            let g = unsafe { std::slice::from_raw_parts(p as *const u16, grads.len) };
+            let s = adamw::sum_of_squares_bf16(g, &mut partials) as f32;
+            let o = self.host_f32(out).expect("f32");
+            o[0] = if accumulate { o[0] + s } else { s };
+            self.norm_partials = partials;
+            return;
+        }
         self.run("global_norm_squared", [o], [grads], [], |[o], [g], []| {
             let s = adamw::sum_of_squares(g, &mut partials) as f32;
             o[0] = if accumulate { o[0] + s } else { s };
@@ -626,8 +814,24 @@ impl Backend for CpuBackend {
     }
 
     fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
+        // AdamW is element-wise: with bf16 buffers it runs on pieces, so that their f32 copies
+        // are a piece's, not the largest tensor's (the same bits: each element's arithmetic and
+        // its rounding noise, keyed by its place in the allocation, do not depend on the cut).
+        const PIECE: usize = 1 << 20;
+        if (params.dtype == DType::BF16 || grads.dtype == DType::BF16) && params.len > PIECE {
+            for at in (0..params.len).step_by(PIECE) {
+                let r = at..(at + PIECE).min(params.len);
+                let cut = |b: Buf| b.slice(r.clone());
+                self.adamw_update(cut(params), cut(grads), cut(m), cut(v), stats, h);
+            }
+            return;
+        }
         let h = *h;
-        self.run("adamw_update", [Rw(params), Rw(m), Rw(v)], [grads, stats], [], |[p, m, v], [g, stats], []| {
+        // bf16 parameters without master weights (llm.c's `-w 0`): rounded stochastically, so
+        // that updates smaller than a bf16 step still move them on average.
+        let r = Rounding::Stochastic(h.seed);
+        let (outs, ins) = ([Rw(params), Rw(m), Rw(v)], [grads, stats]);
+        self.run_rounded("adamw_update", outs, ins, [], r, |[p, m, v], [g, stats], []| {
             let (loss, norm_sq) = (stats[0], stats[1]);
             if h.skip.skips(loss, norm_sq) {
                 return; // a diverged or outlier step: leave the model as it was
@@ -645,6 +849,28 @@ impl Backend for CpuBackend {
             };
             adamw::adamw_update(p, g, m, v, &a, true)
         });
+    }
+
+    fn convert(&mut self, dst: Buf, src: Buf, seed: Option<u32>) {
+        if dst.dtype == DType::BF16 && src.dtype == DType::F32 {
+            // Straight from the f32 values: no f32 copy of the destination.
+            assert!(!dst.overlaps(src) && dst.len == src.len, "convert: {dst:?} from {src:?}");
+            let p = self.ptr_f32(src);
+            // SAFETY: p addresses src.len floats of a live allocation (bounds checked); the
+            // allocations differ (dtypes differ), so this shared slice and the bf16 slice below
+            // do not alias, and `&mut self` keeps every other reference out meanwhile.
+            let s = unsafe { std::slice::from_raw_parts(p, src.len) };
+            let d = self.ptr_bf16(dst);
+            // SAFETY: as above, for dst.len u16s of dst's allocation.
+            let d = unsafe { std::slice::from_raw_parts_mut(d, dst.len) };
+            match seed {
+                None => bf16::narrow(d, s),
+                Some(seed) => bf16::narrow_stochastic(d, s, seed, dst.off as u64),
+            }
+            return;
+        }
+        let r = seed.map_or(Rounding::Nearest, Rounding::Stochastic);
+        self.run_rounded("convert", [W(dst)], [src], [], r, |[d], [s], []| d.copy_from_slice(s));
     }
 }
 
@@ -683,7 +909,6 @@ mod tests {
         let t = be.alloc(4, DType::U32).unwrap();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.download(t, &mut out)));
         assert!(r.is_err(), "a u32 buffer read as f32");
-        assert!(be.alloc(4, DType::BF16).is_err());
     }
 
     /// The NaN-checking mode, as the checked front of every op ([`crate::backend::ops`]) uses
@@ -731,6 +956,7 @@ mod tests {
             grad_clip: 1.0,
             t: 1,
             skip: SkipAbove::NON_FINITE,
+            seed: 0,
         };
         let mut out = [0f32; 2];
         for bad in [[f32::NAN, 1.0], [1.0, f32::INFINITY]] {
@@ -752,5 +978,200 @@ mod tests {
         be.adamw_update(p, g, m, v, stats, &h);
         be.download(p, &mut out).unwrap();
         assert!((out[0] - 0.9).abs() < 1e-6 && (out[1] - 2.1).abs() < 1e-6, "{out:?}");
+    }
+
+    /// Every op on bf16 buffers gives its f32 result on the same (bf16-valued) inputs rounded
+    /// to nearest even, bit for bit: the ops compute in f32 and round each output once, as
+    /// llm.c's bf16 kernels do. Statistics (norm mean and rstd, attention's row statistics,
+    /// losses, log-sum-exps) stay f32 and equal. Odd shapes; with and without the NaN-checking
+    /// mode (which would stop on an output element left unwritten).
+    #[test]
+    fn bf16_ops_round_their_f32_results_once() {
+        use crate::backend::ops::{Heads, Mat, Ops, Rows, Seq};
+        use crate::cpu::bf16::{from_f32, to_f32};
+        let (b, t, nh, nkv, hs) = (2, 5, 4, 2, 3);
+        let (n, c) = (b * t, nh * hs); // C = 12
+        let (v, vp, oc) = (7, 9, 11);
+        let h = Heads { nh, nkv, hs };
+        let qkv = h.qkv();
+        let mut seed = 17u32;
+        let mut rand = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    to_f32(from_f32((seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0))
+                })
+                .collect()
+        };
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 5 + 1) % v as u32).collect();
+        let rope: Vec<f32> = (0..t * hs).map(|i| ((i as f32) * 0.3).cos()).collect();
+        // (name, input lengths, output (length, stat), the op on (inputs, outputs, token ids))
+        type Op = Box<dyn Fn(&mut Ops, &[Buf], &[Buf], Buf)>;
+        let s = Seq { b, t };
+        const SCRATCH: bool = false; // a workspace: not compared
+        type Case = (&'static str, Vec<usize>, Vec<(usize, bool)>, Op);
+        let cases: Vec<Case> = vec![
+            (
+                "matmul_forward",
+                vec![n * c, oc * c, oc],
+                vec![(n * oc, false)],
+                Box::new(move |o, i, x, _| o.matmul_forward(x[0], i[0], i[1], Some(i[2]), Mat { n, c, oc })),
+            ),
+            (
+                "matmul_backward",
+                vec![n * oc, n * c, oc * c],
+                vec![(n * c, false), (oc * c, false), (oc, false)],
+                Box::new(move |o, i, x, _| {
+                    o.matmul_backward(Some(x[0]), x[1], Some(x[2]), i[0], i[1], i[2], Mat { n, c, oc }, true)
+                }),
+            ),
+            (
+                "layernorm_forward",
+                vec![n * c, c, c],
+                vec![(n * c, false), (n, true), (n, true)],
+                Box::new(move |o, i, x, _| o.layernorm_forward(x[0], x[1], x[2], i[0], i[1], i[2], Rows { n, c })),
+            ),
+            (
+                "layernorm_backward",
+                vec![n * c, n * c, c, n, n],
+                vec![(n * c, false), (c, false), (c, false)],
+                Box::new(move |o, i, x, _| {
+                    o.layernorm_backward(x[0], x[1], x[2], i[0], i[1], i[2], i[3], i[4], Rows { n, c })
+                }),
+            ),
+            (
+                "rmsnorm_forward",
+                vec![n * c, c],
+                vec![(n * c, false), (n, true)],
+                Box::new(move |o, i, x, _| o.rmsnorm_forward(x[0], x[1], i[0], i[1], Rows { n, c }, 1e-5)),
+            ),
+            (
+                "rmsnorm_backward",
+                vec![n * c, n * c, c, n],
+                vec![(n * c, false), (c, false)],
+                Box::new(move |o, i, x, _| o.rmsnorm_backward(x[0], x[1], i[0], i[1], i[2], i[3], Rows { n, c })),
+            ),
+            ("gelu_forward", vec![n * c], vec![(n * c, false)], Box::new(|o, i, x, _| o.gelu_forward(x[0], i[0]))),
+            ("gelu_backward", vec![n * c], vec![(n * c, false)], Box::new(|o, i, x, _| o.gelu_backward(x[0], i[0]))),
+            (
+                "swiglu_forward",
+                vec![n * 2 * c],
+                vec![(n * c, false)],
+                Box::new(move |o, i, x, _| o.swiglu_forward(x[0], i[0], Rows { n, c })),
+            ),
+            (
+                "swiglu_backward",
+                vec![n * c, n * 2 * c],
+                vec![(n * 2 * c, false)],
+                Box::new(move |o, i, x, _| o.swiglu_backward(x[0], i[0], i[1], Rows { n, c })),
+            ),
+            (
+                "residual_forward",
+                vec![n * c, n * c],
+                vec![(n * c, false)],
+                Box::new(|o, i, x, _| o.residual_forward(x[0], i[0], i[1])),
+            ),
+            (
+                "rope_forward",
+                vec![t * hs],
+                vec![(n * qkv, false)],
+                Box::new(move |o, i, x, _| o.rope_forward(x[0], i[0], n, t, 0, h)),
+            ),
+            (
+                "attention_forward",
+                vec![n * qkv],
+                vec![(n * c, false), (b * nh * t * 2, true), (n * c, SCRATCH)],
+                Box::new(move |o, i, x, _| o.attention_forward(x[0], x[1], x[2], i[0], s, h)),
+            ),
+            (
+                "attention_backward",
+                vec![n * c, n * qkv, b * nh * t * 2],
+                vec![(n * qkv, false), (n * 3 * c, SCRATCH)],
+                Box::new(move |o, i, x, _| o.attention_backward(x[0], x[1], i[0], i[1], i[2], s, h)),
+            ),
+            (
+                "crossentropy_backward",
+                vec![n],
+                vec![(n * vp, false)],
+                Box::new(move |o, i, x, ids| o.crossentropy_backward(x[0], i[0], ids, 0.5, n, v, vp)),
+            ),
+            (
+                "encoder_forward",
+                vec![vp * c, t * c],
+                vec![(n * c, false)],
+                Box::new(move |o, i, x, ids| o.encoder_forward(x[0], ids, i[0], Some(i[1]), s, c)),
+            ),
+            (
+                "encoder_backward",
+                vec![n * c],
+                vec![(vp * c, false), (t * c, false)],
+                Box::new(move |o, i, x, ids| o.encoder_backward(x[0], Some(x[1]), i[0], ids, s, c)),
+            ),
+            (
+                "crossentropy_forward",
+                vec![n * vp],
+                vec![(n, true), (n, true)],
+                Box::new(move |o, i, x, ids| o.crossentropy_forward(x[0], x[1], i[0], ids, n, v, vp)),
+            ),
+        ];
+        for nan_check in [false, true] {
+            for (name, ins, outs, op) in &cases {
+                let host_in: Vec<Vec<f32>> = ins.iter().map(|&l| rand(l)).collect();
+                let host_out: Vec<Vec<f32>> = outs.iter().map(|&(l, _)| rand(l)).collect();
+                let run = |dtype: DType| -> Vec<Vec<f32>> {
+                    let mut be = CpuBackend::new(nan_check);
+                    let up = |be: &mut CpuBackend, x: &[f32], dt: DType| {
+                        let buf = be.alloc(x.len(), dt).unwrap();
+                        be.upload(buf, x);
+                        buf
+                    };
+                    // Statistics inputs (layernorm's mean and rstd, rmsnorm's rstd) are f32.
+                    let stat_in = |k: usize| {
+                        (name.ends_with("norm_backward") && k >= ins.len() - 2 + name.starts_with("rms") as usize)
+                            || (*name == "attention_backward" && k == 2)
+                            || *name == "crossentropy_backward"
+                    };
+                    let i: Vec<Buf> = host_in
+                        .iter()
+                        .enumerate()
+                        .map(|(k, x)| up(&mut be, x, if stat_in(k) { DType::F32 } else { dtype }))
+                        .collect();
+                    let o: Vec<Buf> = host_out
+                        .iter()
+                        .zip(outs)
+                        .map(|(x, &(_, stat))| up(&mut be, x, if stat { DType::F32 } else { dtype }))
+                        .collect();
+                    let tok = be.alloc(n, DType::U32).unwrap();
+                    be.upload_u32(tok, &ids);
+                    // Layer norms' statistics must be positive; the rope table is the rope's.
+                    let rope_in = be.alloc(t * hs, DType::F32).unwrap();
+                    be.upload(rope_in, &rope);
+                    let i = if *name == "rope_forward" { vec![rope_in] } else { i };
+                    op(&mut Ops::new(&mut be), &i, &o, tok);
+                    o.iter()
+                        .map(|&x| {
+                            let mut h = vec![0f32; x.len];
+                            be.download(x, &mut h).unwrap();
+                            h
+                        })
+                        .collect()
+                };
+                let (f, bf) = (run(DType::F32), run(DType::BF16));
+                for (k, (&(_, stat), (f, bf))) in outs.iter().zip(f.iter().zip(&bf)).enumerate() {
+                    if name.starts_with("attention") && k == outs.len() - 1 {
+                        continue; // the workspace
+                    }
+                    let finite = f.iter().filter(|x| x.is_finite() && **x != 0.0).count();
+                    assert!(2 * finite >= f.len(), "{name} output {k}: mostly zero or not finite, a vacuous check");
+                    for (j, (x, y)) in f.iter().zip(bf).enumerate() {
+                        let want = if stat { *x } else { to_f32(from_f32(*x)) };
+                        assert!(
+                            want.to_bits() == y.to_bits() || (want.is_nan() && y.is_nan()),
+                            "{name} output {k} element {j}: bf16 {y} vs f32 {x} rounded {want} (NaN check {nan_check})"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -51,6 +51,47 @@ pub fn encoder_backward(
     });
 }
 
+/// [`encoder_backward`] into bf16 gradients (bits): each row a token of the batch touches is
+/// widened, gets that token's positions added in order in f32, and is rounded once, so the
+/// result is the f32 pass's rounded to bf16, while the other rows of the (Vp, C) table are
+/// not read at all.
+pub fn encoder_backward_bf16(
+    dwte: &mut [u16],
+    dwpe: Option<&mut [u16]>,
+    dout: &[f32],
+    inp: &[u32],
+    b: usize,
+    t: usize,
+    c: usize,
+) {
+    use super::bf16;
+    let mut order: Vec<usize> = (0..b * t).collect();
+    order.sort_by_key(|&bt| inp[bt]); // stable: each token's positions stay in order
+    let mut row = vec![0f32; c];
+    for group in order.chunk_by(|&x, &y| inp[x] == inp[y]) {
+        let tok = inp[group[0]] as usize;
+        let w = &mut dwte[tok * c..(tok + 1) * c];
+        bf16::widen(&mut row, w);
+        for &bt in group {
+            for (r, g) in row.iter_mut().zip(&dout[bt * c..(bt + 1) * c]) {
+                *r += g;
+            }
+        }
+        bf16::narrow(w, &row);
+    }
+    let Some(dwpe) = dwpe else { return };
+    team::chunks_mut(&mut dwpe[..t * c], c, |pos, dp| {
+        let mut row = vec![0f32; c];
+        bf16::widen(&mut row, dp);
+        for bi in 0..b {
+            for (w, g) in row.iter_mut().zip(&dout[(bi * t + pos) * c..(bi * t + pos + 1) * c]) {
+                *w += g;
+            }
+        }
+        bf16::narrow(dp, &row);
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,6 +4,7 @@
 pub mod adamw;
 pub mod attention;
 pub mod backend;
+pub mod bf16;
 pub mod bgemm;
 pub mod classifier;
 pub mod encoder;

@@ -582,6 +582,11 @@ impl Backend for GpuBackend {
     fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
         self.adamw_update_(params, grads, m, v, stats, h)
     }
+    fn convert(&mut self, dst: Buf, src: Buf, _seed: Option<u32>) {
+        // Every GPU buffer is f32 or u32 (bf16 allocations are refused): a copy.
+        assert!(dst.dtype == DType::F32 && src.dtype == DType::F32, "convert: the GPU backend has f32 buffers only");
+        self.copy_rows(dst, dst.len, src, src.len, 1, src.len);
+    }
 }
 
 impl GpuBackend {

@@ -219,19 +219,20 @@ impl Arch for Gpt2 {
         let (c, f) = (cfg.channels, cfg.hidden);
         let k = ActSpec::kept;
         let r = ActSpec::recomputed;
+        let st = ActSpec::stat;
         let p = Width::Pos;
         ActPlan {
             fwd: vec![
                 r("ln1", p(c), 2),
-                k("ln1_mean", p(1)),
-                k("ln1_rstd", p(1)),
+                st("ln1_mean", p(1)),
+                st("ln1_rstd", p(1)),
                 k("qkv", p(3 * c)),
                 k("atty", p(c)),
-                k("att_stats", Width::Heads(2)),
+                st("att_stats", Width::Heads(2)),
                 k("residual2", p(c)),
                 r("ln2", p(c), 2),
-                k("ln2_mean", p(1)),
-                k("ln2_rstd", p(1)),
+                st("ln2_mean", p(1)),
+                st("ln2_rstd", p(1)),
                 k("fch", p(f)),
                 r("fch_gelu", p(f), 1),
                 ActSpec::shared("scratch", p(c)),

@@ -217,22 +217,23 @@ pub fn plan_of(cfg: &ModelConfig, head_norm: bool) -> ActPlan {
     let hn = |w: usize| if head_norm { w } else { 0 };
     let k = ActSpec::kept;
     let r = ActSpec::recomputed;
+    let st = ActSpec::stat;
     let p = Width::Pos;
     ActPlan {
         fwd: vec![
             r("ln1", p(c), 2),
-            k("ln1_rstd", p(1)),
+            st("ln1_rstd", p(1)),
             k("qkv", p(qkv)),
             k("atty", p(qd)),
-            k("att_stats", Width::Heads(2)),
+            st("att_stats", Width::Heads(2)),
             k("residual2", p(c)),
             r("ln2", p(c), 2),
-            k("ln2_rstd", p(1)),
+            st("ln2_rstd", p(1)),
             k("fch", p(2 * f)),
             r("fch_act", p(f), 1),
             ActSpec::shared("scratch", p(c.max(qd))),
             k("qkv_raw", p(hn(qkv))),
-            k("qk_rstd", p(hn(cfg.num_heads + cfg.num_kv_heads))),
+            st("qk_rstd", p(hn(cfg.num_heads + cfg.num_kv_heads))),
         ],
         back: vec![
             ActSpec::shared("dact", p(f)),

@@ -1,0 +1,188 @@
+//! bf16 storage: conversions between bf16 (the top 16 bits of an f32) and f32.
+//!
+//! bf16 -> f32 is exact (a 16-bit shift). f32 -> bf16 rounds to nearest even, as PyTorch's
+//! `.bfloat16()` and llm.c's `__float2bfloat16_rn`, or stochastically (llm.c's AdamW writes
+//! its bf16 parameters so): up with probability equal to the fraction of the last bf16 step
+//! that the dropped bits make, from a hash of (seed, element index) so the result does not
+//! depend on the thread count. A NaN stays a NaN (its payload's top bits kept), an infinity an
+//! infinity.
+
+use super::team;
+
+/// Elements per task of a parallel conversion; smaller conversions run on the calling thread.
+const CHUNK: usize = 1 << 16;
+
+/// bf16 bits to f32.
+#[inline(always)]
+pub fn to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// f32 to bf16 bits, rounded to nearest even.
+#[inline(always)]
+pub fn from_f32(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if x.is_nan() {
+        // Keep a quiet NaN with the top of its payload (the NaN-checking mode's marker).
+        return ((bits >> 16) | 0x0040) as u16;
+    }
+    let round = 0x7FFF + ((bits >> 16) & 1);
+    (bits.wrapping_add(round) >> 16) as u16
+}
+
+/// A well-mixed 32-bit hash of (seed, index) (murmur3's finalizer): the random bits of
+/// stochastic rounding. 32-bit arithmetic only, so a loop of it vectorises.
+#[inline(always)]
+fn noise(seed: u32, i: u64) -> u32 {
+    let mut h = (i as u32) ^ ((i >> 32) as u32).wrapping_mul(0x9E37_79B9) ^ seed.wrapping_mul(0x85EB_CA6B);
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85EB_CA6B);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xC2B2_AE35);
+    h ^ (h >> 16)
+}
+
+/// f32 to bf16 bits, rounded stochastically with the noise of (seed, index).
+#[inline(always)]
+pub fn from_f32_stochastic(x: f32, seed: u32, index: u64) -> u16 {
+    let bits = x.to_bits();
+    // Adding 16 random bits carries into the kept half with probability (dropped bits) / 2^16.
+    // A carry out of the largest finite magnitude gives an infinity, as rounding up would. An
+    // infinity or a NaN rounds to nearest (it stays what it is).
+    let r = noise(seed, index) & 0xFFFF;
+    let up = (bits.wrapping_add(r) >> 16) as u16;
+    if x.is_finite() {
+        up
+    } else {
+        from_f32(x)
+    }
+}
+
+crate::simd_fn! {
+    fn narrow_stochastic_chunk(dst: &mut [u16], src: &[f32], seed: u32, first: u64) {
+        for (j, (d, s)) in dst.iter_mut().zip(src).enumerate() {
+            *d = from_f32_stochastic(*s, seed, first + j as u64);
+        }
+    }
+}
+
+crate::simd_fn! {
+    fn widen_chunk(dst: &mut [f32], src: &[u16]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = to_f32(*s);
+        }
+    }
+}
+
+crate::simd_fn! {
+    fn narrow_chunk(dst: &mut [u16], src: &[f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = from_f32(*s);
+        }
+    }
+}
+
+/// dst = src widened to f32 (exact), across the team for large buffers.
+pub fn widen(dst: &mut [f32], src: &[u16]) {
+    assert_eq!(dst.len(), src.len(), "widen: lengths");
+    if dst.len() <= CHUNK {
+        return widen_chunk(dst, src);
+    }
+    team::chunks_mut(dst, CHUNK, |i, d| widen_chunk(d, &src[i * CHUNK..i * CHUNK + d.len()]));
+}
+
+/// dst = src rounded to nearest even, across the team for large buffers.
+pub fn narrow(dst: &mut [u16], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "narrow: lengths");
+    if dst.len() <= CHUNK {
+        return narrow_chunk(dst, src);
+    }
+    team::chunks_mut(dst, CHUNK, |i, d| narrow_chunk(d, &src[i * CHUNK..i * CHUNK + d.len()]));
+}
+
+/// dst = src rounded stochastically; element i's noise is that of (seed, `first` + i), so a
+/// buffer converted in pieces rounds as when converted whole.
+pub fn narrow_stochastic(dst: &mut [u16], src: &[f32], seed: u32, first: u64) {
+    assert_eq!(dst.len(), src.len(), "narrow_stochastic: lengths");
+    team::chunks_mut(dst, CHUNK, |i, d| {
+        let (at, n) = (i * CHUNK, d.len());
+        narrow_stochastic_chunk(d, &src[at..at + n], seed, first + at as u64)
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_even_matches_the_half_crate_on_edge_values() {
+        let mut vals = vec![
+            0.0,
+            -0.0,
+            1.0,
+            1.0 + 1.0 / 256.0, // a tie below: rounds to even (down)
+            1.0 + 3.0 / 256.0, // a tie above: rounds to even (up)
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40, // subnormal
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        let mut s = 0x1234_5678u32;
+        for _ in 0..10_000 {
+            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let x = f32::from_bits(s);
+            if !x.is_nan() {
+                vals.push(x);
+            }
+        }
+        for x in vals {
+            assert_eq!(from_f32(x), half::bf16::from_f32(x).to_bits(), "{x:e}");
+            assert_eq!(to_f32(from_f32(x)), half::bf16::from_f32(x).to_f32());
+        }
+        assert!(to_f32(from_f32(f32::NAN)).is_nan());
+        // The NaN-checking marker's payload top survives a round trip.
+        let marked = f32::from_bits(0x7FED_0000);
+        assert_eq!(from_f32(marked), 0x7FED);
+    }
+
+    #[test]
+    fn stochastic_rounding_is_unbiased_and_deterministic() {
+        // 1 + 1/4 of a bf16 step: up a quarter of the time.
+        let x = 1.0 + 0.25 / 128.0;
+        let n = 1 << 16;
+        let (src, mut a, mut b) = (vec![x; n], vec![0u16; n], vec![0u16; n]);
+        narrow_stochastic(&mut a, &src, 7, 0);
+        narrow_stochastic(&mut b, &src, 7, 0);
+        assert_eq!(a, b, "the same seed gives the same bits");
+        let up = a.iter().filter(|&&v| to_f32(v) > 1.0).count() as f64 / n as f64;
+        assert!((up - 0.25).abs() < 0.01, "rounded up {up} of the time");
+        assert!(a.iter().all(|&v| to_f32(v) == 1.0 || to_f32(v) == 1.0 + 1.0 / 128.0));
+        // In pieces as whole.
+        let mut c = vec![0u16; n];
+        narrow_stochastic(&mut c[..1000], &src[..1000], 7, 0);
+        narrow_stochastic(&mut c[1000..], &src[1000..], 7, 1000);
+        assert_eq!(a, c);
+        narrow_stochastic(&mut c, &src, 8, 0);
+        assert_ne!(a, c, "another seed, other bits");
+        // Exact values stay exact; infinities and NaNs stay what they are.
+        let exact = [1.5f32, -2.0, 0.0, f32::INFINITY];
+        let mut e = [0u16; 4];
+        narrow_stochastic(&mut e, &exact, 3, 0);
+        assert_eq!(e.map(to_f32), exact);
+        assert!(to_f32(from_f32_stochastic(f32::NAN, 1, 2)).is_nan());
+    }
+
+    #[test]
+    fn widen_and_narrow_round_trip_across_the_team() {
+        let n = 3 * CHUNK + 17; // not a multiple of a task
+        let src: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 100.0).collect();
+        let mut b = vec![0u16; n];
+        narrow(&mut b, &src);
+        let mut w = vec![0f32; n];
+        widen(&mut w, &b);
+        for (x, y) in src.iter().zip(&w) {
+            assert_eq!(*y, half::bf16::from_f32(*x).to_f32());
+        }
+    }
+}
