@@ -246,15 +246,10 @@ pub struct TrainState {
 /// The precision of the run that wrote a checkpoint: bf16 when its model file is (version 5)
 /// or its state file holds master weights.
 pub fn checkpoint_precision(model: &Path, state: &Path) -> Result<crate::config::Precision> {
-    let version = |p: &Path| -> Result<[i32; 5]> {
-        let b = read_file_prefix(p, 20)?;
-        if b.len() < 20 {
-            bail!("{}: truncated header", p.display());
-        }
-        let int = |i: usize| i32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
-        Ok([int(0), int(1), int(2), int(3), int(4)])
+    let header = |p: &Path, what: &str| -> Result<[i32; HEADER_INTS]> {
+        parse_header(&read_file_prefix(p, HEADER_BYTES)?, p, what)
     };
-    let bf16 = version(model)?[1] == 5 || version(state)?[4] == 1;
+    let bf16 = header(model, "model")?[1] == 5 || header(state, "training-state")?[4] == 1;
     Ok(if bf16 { crate::config::Precision::Bf16 } else { crate::config::Precision::Fp32 })
 }
 

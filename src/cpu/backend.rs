@@ -282,11 +282,6 @@ impl CpuBackend {
             self.bf16_slice(p).copy_from_slice(&w);
         }
     }
-
-    /// Bytes of the f32 copies of bf16 buffers kept between ops.
-    pub fn widened_bytes(&self) -> usize {
-        self.widened.iter().map(|w| 4 * w.capacity()).sum()
-    }
 }
 
 impl Backend for CpuBackend {
@@ -306,7 +301,7 @@ impl Backend for CpuBackend {
     }
 
     fn workspace_bytes(&self) -> usize {
-        self.widened_bytes()
+        self.widened.iter().map(|w| 4 * w.capacity()).sum()
     }
 
     fn measure_peak(&self) -> Option<(f64, String)> {
