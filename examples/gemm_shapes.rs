@@ -2,7 +2,9 @@
 //! the forward GEMMs on one thread, alone and two side by side (one per core): what the cores
 //! lose to each other through the shared cache and memory.
 //! `cargo run --release --example gemm_shapes` (`-- --json`: the first part only, as JSON, for
-//! `scripts/bench_compare.py --gemm`)
+//! `scripts/bench_compare.py --gemm`; `-- --bf16`: each shape with f32 buffers and with bf16
+//! ones, interleaved, as `--precision bf16` runs them)
+use llmrs::cpu::bf16::{Dest, Operand};
 use llmrs::cpu::matmul::{gemm_strided_serial, matmul_backward, matmul_forward};
 use std::time::Instant;
 
@@ -28,6 +30,9 @@ fn main() {
         (768, 50304, "classifier"),
     ];
     let json = std::env::args().any(|a| a == "--json");
+    if std::env::args().any(|a| a == "--bf16") {
+        return bf16_vs_f32(n, &shapes);
+    }
     let mut rows = vec![];
     if !json {
         println!("all threads ({}):", rayon::current_num_threads());
@@ -39,9 +44,20 @@ fn main() {
         let mut out = vec![0f32; n * oc];
         let (mut dinp, mut dw, mut db) = (vec![0f32; n * c], vec![0f32; oc * c], vec![0f32; oc]);
         let flops = 2.0 * (n * c * oc) as f64;
-        let fwd = best(&mut || matmul_forward(&mut out, &inp, &w, Some(&b), n, c, oc));
+        let fwd = best(&mut || matmul_forward((&mut out).into(), (&inp).into(), (&w).into(), Some(&b), n, c, oc));
         let bwd = best(&mut || {
-            matmul_backward(Some(&mut dinp), Some(&mut dw), Some(&mut db), &out, &inp, &w, n, c, oc, true)
+            matmul_backward(
+                Some((&mut dinp).into()),
+                Some((&mut dw).into()),
+                Some(&mut db),
+                (&out).into(),
+                (&inp).into(),
+                (&w).into(),
+                n,
+                c,
+                oc,
+                true,
+            )
         });
         let (f, b) = (flops / fwd / 1e9, 2.0 * flops / bwd / 1e9);
         if json {
@@ -72,6 +88,53 @@ fn main() {
             "{name:>10}: alone {:.1} GFLOP/s, side by side {:.1} GFLOP/s",
             flops / alone / 1e9,
             2.0 * flops / pair / 1e9
+        );
+    }
+}
+
+/// Each shape's forward and backward (dinp, dW overwritten as after a zero_grad, db) with every
+/// buffer f32, then bf16 (dbias f32, as the CPU backend keeps it), rounds interleaved; the
+/// best time of each, in GFLOP/s, and bf16's speed over f32's.
+fn bf16_vs_f32(n: usize, shapes: &[(usize, usize, &str)]) {
+    println!("all threads ({}), best of 3 rounds x 5 runs; GFLOP/s f32 -> bf16 (ratio):", rayon::current_num_threads());
+    for &(c, oc, name) in shapes {
+        let vals =
+            |len: usize, s: usize| (0..len).map(|i| ((i * s) % 1000) as f32 / 1000.0 - 0.5).collect::<Vec<f32>>();
+        let (inp, w, dout) = (vals(n * c, 7919), vals(oc * c, 104729), vals(n * oc, 31));
+        let to16 = |v: &[f32]| v.iter().map(|x| llmrs::cpu::bf16::from_f32(*x)).collect::<Vec<u16>>();
+        let (inp16, w16, dout16) = (to16(&inp), to16(&w), to16(&dout));
+        let b = vec![0.0f32; oc];
+        let (mut out, mut dinp, mut dw, mut db) =
+            (vec![0f32; n * oc], vec![0f32; n * c], vec![0f32; oc * c], vec![0f32; oc]);
+        let (mut out16, mut dinp16, mut dw16) = (vec![0u16; n * oc], vec![0u16; n * c], vec![0u16; oc * c]);
+        let flops = 2.0 * (n * c * oc) as f64;
+        let mut t = [f64::MAX; 4];
+        for _ in 0..3 {
+            t[0] = t[0]
+                .min(best(&mut || matmul_forward((&mut out).into(), (&inp).into(), (&w).into(), Some(&b), n, c, oc)));
+            t[1] = t[1].min(best(&mut || {
+                let (x, wt) = (Operand::Bf16(&inp16), Operand::Bf16(&w16));
+                matmul_forward(Dest::Bf16(&mut out16), x, wt, Some(&b), n, c, oc)
+            }));
+            t[2] = t[2].min(best(&mut || {
+                let (di, dwt) = (Some((&mut dinp).into()), Some((&mut dw).into()));
+                matmul_backward(di, dwt, Some(&mut db), (&dout).into(), (&inp).into(), (&w).into(), n, c, oc, false)
+            }));
+            t[3] = t[3].min(best(&mut || {
+                let (di, dwt) = (Some(Dest::Bf16(&mut dinp16)), Some(Dest::Bf16(&mut dw16)));
+                let (d, x, wt) = (Operand::Bf16(&dout16), Operand::Bf16(&inp16), Operand::Bf16(&w16));
+                matmul_backward(di, dwt, Some(&mut db), d, x, wt, n, c, oc, false)
+            }));
+        }
+        let g = |i: usize, f: f64| f / t[i] / 1e9;
+        println!(
+            "{name:>10}: forward {:.1} -> {:.1} ({:.2}x), backward {:.1} -> {:.1} ({:.2}x)",
+            g(0, flops),
+            g(1, flops),
+            t[0] / t[1],
+            g(2, 2.0 * flops),
+            g(3, 2.0 * flops),
+            t[2] / t[3]
         );
     }
 }

@@ -27,10 +27,10 @@ fn main() {
     let targets: Vec<u32> = (0..n).map(|i| (i * 31 % v) as u32).collect();
     let (mut losses, mut lse) = (vec![0f32; n], vec![0f32; n]);
     let mut d = logits.clone();
-    let fwd = best_ms(|| crossentropy_forward(&mut losses, &mut lse, &logits, &targets, n, v, vp));
+    let fwd = best_ms(|| crossentropy_forward(&mut losses, &mut lse, (&logits).into(), &targets, n, v, vp));
     let bwd = best_ms(|| {
         d.copy_from_slice(&logits);
-        crossentropy_softmax_backward_inplace(&mut d, &lse, &targets, 1.0 / n as f32, n, v, vp)
+        crossentropy_softmax_backward_inplace((&mut d).into(), &lse, &targets, 1.0 / n as f32, n, v, vp)
     });
     let copy = best_ms(|| d.copy_from_slice(&logits));
     println!("cross-entropy ({n} x {v}): forward {fwd:.1} ms, backward {:.1} ms", bwd - copy);

@@ -447,7 +447,8 @@ impl Model {
             }
             return Ok(());
         }
-        let bufs = crate::zero::StepBufs { params: self.params, grads: tr.grads, m: tr.m, v: tr.v, stats: self.stats };
+        let (params, grads, m, v, stats, work) = (self.params, tr.grads, tr.m, tr.v, self.stats, self.work);
+        let bufs = crate::zero::StepBufs { params, grads, m, v, stats, work };
         let layout = &self.layout;
         let hyper = |t: TensorId| AdamWParams {
             lr,
@@ -461,10 +462,10 @@ impl Model {
             seed: rounding_seed(step),
         };
         self.zero.update(&mut *self.be, &mut *self.comm, bufs, hyper)?;
-        if let Some(work) = self.work {
-            // The bf16 working copy from the updated master weights, rounded stochastically as
-            // llm.c's AdamW writes it; a skipped step leaves it as it was (the one host read
-            // of the statistics that bf16 adds to a step).
+        if let (Some(work), true) = (self.work, self.zero.stage > 0) {
+            // The bf16 working copy from the gathered master weights, rounded stochastically
+            // as llm.c's AdamW writes it (stage 0 writes it in AdamW's pass); a skipped step
+            // leaves it as it was (a host read of the statistics that these stages add).
             let s = self.step_stats()?;
             if !s.skipped {
                 Ops::new(&mut *self.be).convert(work, self.params, Some(rounding_seed(step)));

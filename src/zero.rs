@@ -55,6 +55,9 @@ pub struct StepBufs {
     pub v: Buf,
     /// [the step's loss, the squared gradient norm].
     pub stats: Buf, // (2)
+    /// The bf16 working copy of f32 params, which stage 0 writes in AdamW's pass (the other
+    /// stages leave it to the caller, after the gather).
+    pub work: Option<Buf>,
 }
 
 impl Sharding {
@@ -191,7 +194,11 @@ impl Sharding {
             for t in self.layout.ids().filter(|&t| self.layout.spec(t).numel_per_layer() > 0) {
                 let r = self.layout.range(t);
                 let slice = |x: Buf| x.slice(r.clone());
-                Ops::new(be).adamw_update(slice(b.params), slice(b.grads), slice(b.m), slice(b.v), b.stats, &hyper(t));
+                let (p, g, m, v, h) = (slice(b.params), slice(b.grads), slice(b.m), slice(b.v), hyper(t));
+                match b.work {
+                    Some(w) => Ops::new(be).adamw_update_and_copy(p, slice(w), g, m, v, b.stats, &h),
+                    None => Ops::new(be).adamw_update(p, g, m, v, b.stats, &h),
+                }
             }
             return Ok(());
         }

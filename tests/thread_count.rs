@@ -3,12 +3,13 @@
 //! `LLMRS_CPU_ISA`), so the test runs itself again as child processes with 1, 2, 3 and 4
 //! threads, and with each vector instruction set this CPU has (AVX-512, AVX2), and compares
 //! bit-exact digests of: GEMMs shaped to take each of the packed GEMM's parallel splits
-//! (column parts, shared A, shared B), and two training steps of a small model (every op of
-//! forward, backward and AdamW). The portable path computes its GEMMs with another library,
+//! (column parts, shared A, shared B), in f32 and in bf16, and two training steps of a small
+//! model in fp32 and in bf16 (every op of forward, backward and AdamW). The portable path computes its GEMMs with another library,
 //! so it is checked against the references instead (CI runs the suite with it).
 
 use llmrs::backend::Device;
-use llmrs::config::ModelConfig;
+use llmrs::config::{ModelConfig, Precision};
+use llmrs::cpu::bf16::{Dest, Operand};
 use llmrs::cpu::simd::Isa;
 use llmrs::model::optimizer_step;
 use llmrs::model::{Model, Slot};
@@ -46,7 +47,7 @@ fn digests() -> Vec<String> {
         // c = a @ w^T + bias (the forward's layout), then c += a @ w read as (k, n) row-major
         // (the input-gradient GEMMs' layout).
         let mut c = vec![0f32; m * n];
-        llmrs::cpu::matmul::matmul_forward(&mut c, &a, &w, Some(&bias), m, k, n);
+        llmrs::cpu::matmul::matmul_forward((&mut c).into(), (&a).into(), (&w).into(), Some(&bias), m, k, n);
         let (ki, ni) = (k as isize, n as isize);
         llmrs::cpu::matmul::gemm_strided(m, n, k, &mut c, (ni, 1), true, &a, (ki, 1), &w, (ni, 1));
         out.push(format!("gemm {m}x{n}x{k} {:016x}", digest(&c)));
@@ -55,8 +56,18 @@ fn digests() -> Vec<String> {
     for (i, &(c, oc)) in [(37, 101), (768, 2304)].iter().enumerate() {
         let (x, w, bias) = (values(c, 40 + i as u64), values(oc * c, 50 + i as u64), values(oc, 60 + i as u64));
         let mut y = vec![0f32; oc];
-        llmrs::cpu::matmul::matmul_forward(&mut y, &x, &w, Some(&bias), 1, c, oc);
+        llmrs::cpu::matmul::matmul_forward((&mut y).into(), (&x).into(), (&w).into(), Some(&bias), 1, c, oc);
         out.push(format!("gemv {c}x{oc} {:016x}", digest(&y)));
+    }
+    // bf16 operands and results (--precision bf16): one k block (rounded by the kernels as they
+    // store) and several (through f32 windows), wide and tall.
+    for (i, &(m, n, k)) in [(97, 301, 270), (40, 2100, 800), (5000, 300, 30)].iter().enumerate() {
+        let (a, w) = (bf16(&values(m * k, 70 + i as u64)), bf16(&values(n * k, 80 + i as u64)));
+        let mut c = bf16(&values(m * n, 90 + i as u64));
+        let (x, wt) = (Operand::Bf16(&a), Operand::Bf16(&w));
+        llmrs::cpu::matmul::matmul_backward(None, Some(Dest::Bf16(&mut c)), None, x, wt, x, k, n, m, true);
+        let c: Vec<f32> = c.iter().map(|x| f32::from_bits((*x as u32) << 16)).collect();
+        out.push(format!("bf16 gemm {m}x{n}x{k} {:016x}", digest(&c)));
     }
     let cfg =
         ModelConfig { vocab_size: 1000, padded_vocab_size: 1024, ..ModelConfig::from_descriptor("2x64:4:64").unwrap() };
@@ -75,7 +86,26 @@ fn digests() -> Vec<String> {
     for slot in [Slot::Params, Slot::Grads, Slot::AdamM, Slot::AdamV] {
         out.push(format!("{slot:?} {:016x}", digest(&model.read_all(slot).unwrap())));
     }
+    // The same steps in bf16 (fp32 master weights): bf16 GEMMs, element-wise ops, stochastic
+    // rounding of the working copy.
+    let mut model = Model::new(Weights::random(cfg, 7).unwrap(), Device::Cpu).unwrap();
+    model.set_precision(Precision::Bf16, true).unwrap();
+    model.alloc_training_state().unwrap();
+    for step in 0..2 {
+        let tokens: Vec<u32> = (0..b * t + 1).map(|i| ((i * 31 + step * 7) % 1000) as u32).collect();
+        model.zero_grad().unwrap();
+        model.forward(&tokens[..b * t], Some(&tokens[1..]), b, t).unwrap();
+        model.backward(1.0).unwrap();
+        let s = optimizer_step(&mut model, &opt, 1e-3, step).unwrap();
+        out.push(format!("bf16 step {step} loss {:08x} norm {:08x}", s.loss.to_bits(), s.grad_norm.to_bits()));
+    }
+    out.push(format!("bf16 working copy {:016x}", digest(&model.weights().unwrap().data)));
     out
+}
+
+/// Values rounded to bf16 (their bits).
+fn bf16(xs: &[f32]) -> Vec<u16> {
+    xs.iter().map(|x| llmrs::cpu::bf16::from_f32(*x)).collect()
 }
 
 #[test]
@@ -118,7 +148,7 @@ fn results_do_not_depend_on_the_thread_count() {
         let lines: Vec<String> =
             text.lines().filter_map(|l| l.find(&prefix).map(|i| l[i + prefix.len()..].to_string())).collect();
         // The child really ran with its thread count, and said something about every case.
-        assert_eq!(lines.len(), 1 + 5 + 2 + 2 + 4, "child with {threads} threads printed:\n{text}");
+        assert_eq!(lines.len(), 1 + 5 + 2 + 3 + 2 + 4 + 2 + 1, "child with {threads} threads printed:\n{text}");
         assert_eq!(lines[0], format!("isa {isa}"), "the child did not run the instruction set asked for");
         runs.push((format!("{threads} threads, {isa}"), lines[1..].to_vec()));
     }

@@ -489,6 +489,21 @@ pub trait Backend {
     /// when `h.skip` skips the step ([`SkipAbove::skips`]: a value not finite or above its
     /// limit), so a diverged or outlier step leaves the model as it was.
     fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams);
+    /// [`Backend::adamw_update`] of f32 params that also writes their bf16 working copy `work`
+    /// (N) in the same pass, rounded stochastically with `h.seed` as [`Backend::convert`]
+    /// rounds (llm.c's bf16 AdamW); a skipped step leaves `work` as it was. Only called where
+    /// [`Backend::supports_bf16`].
+    #[allow(clippy::too_many_arguments)]
+    fn adamw_update_and_copy(
+        &mut self,
+        params: Buf,
+        work: Buf,
+        grads: Buf,
+        m: Buf,
+        v: Buf,
+        stats: Buf,
+        h: &AdamWParams,
+    );
     /// dst (N) (out) = src (N) converted to dst's dtype: into bf16 rounded to nearest even, or
     /// stochastically with `seed` (llm.c's bf16 parameters written from the fp32 master
     /// weights; deterministic for the seed and each element's place in its allocation).

@@ -525,6 +525,26 @@ impl<'a> Ops<'a> {
         });
     }
 
+    /// One AdamW step on one tensor that also writes its bf16 working copy (see
+    /// [`Backend::adamw_update_and_copy`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw_update_and_copy(
+        &mut self,
+        params: Buf,
+        work: Buf,
+        grads: Buf,
+        m: Buf,
+        v: Buf,
+        stats: Buf,
+        h: &AdamWParams,
+    ) {
+        lens!("adamw_update_and_copy"; work => params.len, grads => params.len, m => params.len, v => params.len, stats => 2);
+        let outs = [Rw(params), Rw(m), Rw(v), Rw(work)];
+        self.run("adamw_update", Kind::Optimizer, &outs, &[grads, stats], |be| {
+            be.adamw_update_and_copy(params, work, grads, m, v, stats, h)
+        });
+    }
+
     /// dst (N) = src (N) in dst's dtype (see [`Backend::convert`]).
     pub fn convert(&mut self, dst: Buf, src: Buf, seed: Option<u32>) {
         lens!("convert"; dst => src.len);

@@ -1,5 +1,7 @@
 //! AdamW (decoupled weight decay) and the global gradient norm.
 
+use super::bf16::{self, Operand};
+use super::sgemm::Elem;
 use super::team::{self, Disjoint};
 
 /// Elements per task.
@@ -19,36 +21,79 @@ pub struct AdamW {
     pub t: i32,
 }
 
-/// One AdamW step over a tensor: params, grads, m and v all (N).
+/// The bf16 working copy that AdamW writes beside f32 parameters in the same pass (llm.c's
+/// bf16 build): element i is the updated parameter rounded stochastically with the noise of
+/// (seed, first + i), as [`bf16::narrow_stochastic`] rounds it.
+pub struct WorkCopy<'a> {
+    pub dst: &'a mut [u16],
+    pub seed: u32,
+    pub first: u64,
+}
+
+/// One AdamW step over a tensor: params, grads (f32 or bf16), m and v all (N), and the bf16
+/// working copy of the updated params when given.
 /// `param -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * param)`, as llm.c and PyTorch's AdamW.
-pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, decay: bool) {
+pub fn adamw_update(
+    params: &mut [f32],
+    grads: Operand,
+    m: &mut [f32],
+    v: &mut [f32],
+    h: &AdamW,
+    decay: bool,
+    work: Option<WorkCopy>,
+) {
     let wd = if decay { h.weight_decay } else { 0.0 };
     let bc1 = 1.0 - h.beta1.powi(h.t);
     let bc2 = 1.0 - h.beta2.powi(h.t);
     let n = params.len();
     let (m, v) = (Disjoint::new(&mut m[..n]), Disjoint::new(&mut v[..n]));
+    let (seed, first) = work.as_ref().map_or((0, 0), |w| (w.seed, w.first));
+    let work = work.map(|w| Disjoint::new(&mut w.dst[..n]));
     team::chunks_mut(params, CHUNK, |i, p| {
         let r = i * CHUNK..i * CHUNK + p.len();
-        // SAFETY: chunk i's moments are this task's alone.
+        // SAFETY: chunk i's moments and working copy are this task's alone.
         let (m, v) = unsafe { (m.part(r.clone()), v.part(r.clone())) };
-        adamw_chunk(p, &grads[r], m, v, *h, wd, bc1, bc2);
+        match grads {
+            Operand::F32(g) => adamw_chunk(p, &g[r.clone()], m, v, *h, wd, bc1, bc2),
+            Operand::Bf16(g) => adamw_chunk_bf16(p, &g[r.clone()], m, v, *h, wd, bc1, bc2),
+        }
+        if let Some(w) = &work {
+            // SAFETY: as above.
+            let w = unsafe { w.part(r.clone()) };
+            // While the chunk is in cache.
+            bf16::narrow_stochastic(w, p, seed, first + r.start as u64);
+        }
     });
 }
 
+/// One chunk of [`adamw_update`] (bf16 gradients widened element by element, exact).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn adamw_body<G: Elem>(p: &mut [f32], g: &[G], m: &mut [f32], v: &mut [f32], h: AdamW, wd: f32, bc1: f32, bc2: f32) {
+    // Zipped iterators carry no bounds checks, so this loop vectorises.
+    for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let grad = g.to_f32() * h.grad_scale;
+        let mi = h.beta1 * *m + (1.0 - h.beta1) * grad;
+        let vi = h.beta2 * *v + (1.0 - h.beta2) * grad * grad;
+        *m = mi;
+        *v = vi;
+        let m_hat = mi / bc1;
+        let v_hat = vi / bc2;
+        *p -= h.lr * (m_hat / (v_hat.sqrt() + h.eps) + wd * *p);
+    }
+}
+
 crate::simd_fn! {
-    /// One chunk of [`adamw_update`].
+    /// [`adamw_body`] on f32 gradients.
     fn adamw_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: AdamW, wd: f32, bc1: f32, bc2: f32) {
-        // Zipped iterators carry no bounds checks, so this loop vectorises.
-        for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            let grad = g * h.grad_scale;
-            let mi = h.beta1 * *m + (1.0 - h.beta1) * grad;
-            let vi = h.beta2 * *v + (1.0 - h.beta2) * grad * grad;
-            *m = mi;
-            *v = vi;
-            let m_hat = mi / bc1;
-            let v_hat = vi / bc2;
-            *p -= h.lr * (m_hat / (v_hat.sqrt() + h.eps) + wd * *p);
-        }
+        adamw_body(p, g, m, v, h, wd, bc1, bc2)
+    }
+}
+
+crate::simd_fn! {
+    /// [`adamw_body`] on bf16 gradients.
+    fn adamw_chunk_bf16(p: &mut [f32], g: &[u16], m: &mut [f32], v: &mut [f32], h: AdamW, wd: f32, bc1: f32, bc2: f32) {
+        adamw_body(p, g, m, v, h, wd, bc1, bc2)
     }
 }
 
@@ -117,7 +162,7 @@ mod tests {
         let g = vec![0.1f32, -0.3, 0.0];
         let (mut m, mut v) = (vec![0f32; 3], vec![0f32; 3]);
         let h = AdamW { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.5, grad_scale: 1.0, t: 1 };
-        adamw_update(&mut p, &g, &mut m, &mut v, &h, true);
+        adamw_update(&mut p, (&g).into(), &mut m, &mut v, &h, true, None);
         let want = [1.0 - 0.1 * (1.0 + 0.5), -2.0 - 0.1 * (-1.0 + 0.5 * -2.0), 0.5 - 0.1 * (0.0 + 0.5 * 0.5)];
         for (a, b) in p.iter().zip(want) {
             assert!((a - b).abs() < 1e-6, "{a} vs {b}");
@@ -125,7 +170,15 @@ mod tests {
         assert!((m[1] - -0.03).abs() < 1e-7 && (v[1] - 0.0045).abs() < 1e-7);
         // No decay on this tensor and grads scaled by 2: a 0-gradient parameter does not move.
         let mut q = vec![3.0f32];
-        adamw_update(&mut q, &[0.0], &mut [0.0], &mut [0.0], &AdamW { grad_scale: 2.0, ..h }, false);
+        adamw_update(
+            &mut q,
+            Operand::F32(&[0.0]),
+            &mut [0.0],
+            &mut [0.0],
+            &AdamW { grad_scale: 2.0, ..h },
+            false,
+            None,
+        );
         assert_eq!(q, [3.0]);
     }
 

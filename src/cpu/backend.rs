@@ -14,6 +14,7 @@
 //! checks. Gradient and loss buffers are op outputs, so a NaN that reaches a loss or a gradient
 //! from unwritten memory is caught at the op that put it there.
 
+use super::bf16::{Dest, Operand};
 use super::{
     adamw, attention, bf16, classifier, encoder, gelu, layernorm, lora, matmul, residual, rmsnorm, rope, swiglu,
 };
@@ -178,6 +179,35 @@ impl CpuBackend {
         rounding: Rounding,
         f: impl FnOnce([&mut [f32]; O], [&[f32]; I], [&[u32]; K]),
     ) {
+        self.run_native(op, outs, ins, toks, rounding, [false; O], [false; I], |o, i, k| {
+            let o = o.map(|d| match d {
+                Dest::F32(d) => d,
+                Dest::Bf16(_) => unreachable!("no output is handed over as bf16"),
+            });
+            let i = i.map(|x| match x {
+                Operand::F32(x) => x,
+                Operand::Bf16(_) => unreachable!("no input is handed over as bf16"),
+            });
+            f(o, i, k)
+        })
+    }
+
+    /// [`CpuBackend::run_rounded`] for an op that reads or writes some bf16 buffers itself:
+    /// those marked in `native_outs` / `native_ins` reach `f` as they are (bf16 or f32); the
+    /// others as f32 (bf16 ones through f32 copies). An op writing a bf16 output itself rounds
+    /// it as `rounding` says.
+    #[allow(clippy::too_many_arguments)]
+    fn run_native<const O: usize, const I: usize, const K: usize>(
+        &mut self,
+        op: &'static str,
+        outs: [Out; O],
+        ins: [Buf; I],
+        toks: [Buf; K],
+        rounding: Rounding,
+        native_outs: [bool; O],
+        native_ins: [bool; I],
+        f: impl FnOnce([Dest; O], [Operand; I], [&[u32]; K]),
+    ) {
         for (i, o) in outs.iter().enumerate() {
             let o = o.buf();
             let others = outs.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, x)| x.buf());
@@ -185,15 +215,18 @@ impl CpuBackend {
                 panic!("{op}: output {o:?} overlaps {x:?}");
             }
         }
+        let is_bf16 = |b: Buf| b.dtype == DType::BF16 && b.len > 0;
+        let out_native: [bool; O] = std::array::from_fn(|k| native_outs[k] && is_bf16(outs[k].buf()));
+        let in_native: [bool; I] = std::array::from_fn(|i| native_ins[i] && is_bf16(ins[i]));
+        let widened = |b: Buf, native: bool| is_bf16(b) && !native;
         // f32 copies of the bf16 buffers: slot k for output k, slot O + i for input i, each the
         // best fit from the copies kept from earlier ops (so what is kept is about the largest
         // op's bf16 buffers, not the largest buffer of every slot).
         let mut pool = std::mem::take(&mut self.widened);
         let mut wide: Vec<Vec<f32>> = vec![];
-        let is_bf16 = |b: Buf| b.dtype == DType::BF16 && b.len > 0;
-        let all: Vec<Buf> = outs.iter().map(|o| o.buf()).chain(ins).collect();
-        for &b in &all {
-            let len = if is_bf16(b) { b.len } else { 0 };
+        let all = outs.iter().zip(out_native).map(|(o, n)| (o.buf(), n)).chain(ins.into_iter().zip(in_native));
+        for (b, native) in all {
+            let len = if widened(b, native) { b.len } else { 0 };
             let fit = pool.iter().enumerate().filter(|(_, v)| v.len() >= len).min_by_key(|(_, v)| v.len()).map(|x| x.0);
             let largest = pool.iter().enumerate().max_by_key(|(_, v)| v.len()).map(|x| x.0);
             let mut w = match (len, fit.or(largest)) {
@@ -207,43 +240,57 @@ impl CpuBackend {
         }
         for (k, o) in outs.iter().enumerate() {
             let b = o.buf();
-            if is_bf16(b) && (matches!(o, Rw(_)) || (matches!(o, W(_)) && self.nan_check)) {
+            if widened(b, out_native[k]) && (matches!(o, Rw(_)) || (matches!(o, W(_)) && self.nan_check)) {
                 bf16::widen(&mut wide[k][..b.len], self.bf16_slice(b));
             }
         }
         for (i, &b) in ins.iter().enumerate() {
-            if is_bf16(b) {
+            if widened(b, in_native[i]) {
                 bf16::widen(&mut wide[O + i][..b.len], self.bf16_slice(b));
             }
         }
-        let mut out_ptrs = [(std::ptr::NonNull::<f32>::dangling().as_ptr(), 0); O];
-        for (k, o) in outs.iter().enumerate() {
-            let b = o.buf();
-            out_ptrs[k] = (if is_bf16(b) { wide[k].as_mut_ptr() } else { self.ptr_f32(b) }, b.len);
+        /// Where a buffer's elements are, and as what.
+        #[derive(Clone, Copy)]
+        enum Ptr {
+            F32(*mut f32, usize),
+            Bf16(*mut u16, usize),
         }
-        let mut in_ptrs = [(std::ptr::NonNull::<f32>::dangling().as_ptr() as *const f32, 0); I];
-        for (i, &b) in ins.iter().enumerate() {
-            in_ptrs[i] = (if is_bf16(b) { wide[O + i].as_ptr() } else { self.ptr_f32(b) as *const f32 }, b.len);
-        }
+        let mut ptr = |b: Buf, native: bool, copy: &mut Vec<f32>| {
+            if native {
+                Ptr::Bf16(self.ptr_bf16(b), b.len)
+            } else if is_bf16(b) {
+                Ptr::F32(copy.as_mut_ptr(), b.len)
+            } else {
+                Ptr::F32(self.ptr_f32(b), b.len)
+            }
+        };
+        let out_ptrs: [Ptr; O] = std::array::from_fn(|k| ptr(outs[k].buf(), out_native[k], &mut wide[k]));
+        let in_ptrs: [Ptr; I] = std::array::from_fn(|i| ptr(ins[i], in_native[i], &mut wide[O + i]));
         let tok_ptrs = toks.map(|b| (self.ptr_u32(b) as *const u32, b.len));
-        // SAFETY: every pointer addresses `len` elements inside a live allocation (bounds
-        // checked by ptr_f32 / ptr_u32) or inside its own f32 copy (each copy at least `len`
-        // long, one copy per buffer). No output overlaps another output or an input (checked
-        // above), so each `&mut` slice is the only reference to its elements; inputs may
-        // overlap each other, which shared slices allow. `&mut self` is held for the whole
-        // call and the copies are not resized while the slices live, so no other code reaches
-        // the allocations meanwhile and no allocation is resized or freed.
+        // SAFETY: every pointer addresses `len` elements of its type inside a live allocation
+        // (bounds checked by ptr_f32 / ptr_bf16 / ptr_u32) or inside its own f32 copy (each
+        // copy at least `len` long, one copy per buffer). No output overlaps another output or
+        // an input (checked above), so each `&mut` slice is the only reference to its
+        // elements; inputs may overlap each other, which shared slices allow. `&mut self` is
+        // held for the whole call and the copies are not resized while the slices live, so no
+        // other code reaches the allocations meanwhile and no allocation is resized or freed.
         let (o, i, k) = unsafe {
             (
-                out_ptrs.map(|(p, n)| std::slice::from_raw_parts_mut(p, n)),
-                in_ptrs.map(|(p, n)| std::slice::from_raw_parts(p, n)),
+                out_ptrs.map(|p| match p {
+                    Ptr::F32(p, n) => Dest::F32(std::slice::from_raw_parts_mut(p, n)),
+                    Ptr::Bf16(p, n) => Dest::Bf16(std::slice::from_raw_parts_mut(p, n)),
+                }),
+                in_ptrs.map(|p| match p {
+                    Ptr::F32(p, n) => Operand::F32(std::slice::from_raw_parts(p, n)),
+                    Ptr::Bf16(p, n) => Operand::Bf16(std::slice::from_raw_parts(p, n)),
+                }),
                 tok_ptrs.map(|(p, n)| std::slice::from_raw_parts(p, n)),
             )
         };
         f(o, i, k);
         for (k, o) in outs.iter().enumerate() {
             let b = o.buf();
-            if is_bf16(b) && !matches!(o, Scratch(_)) {
+            if widened(b, out_native[k]) && !matches!(o, Scratch(_)) {
                 let (src, dst) = (&wide[k][..b.len], self.bf16_slice(b));
                 match rounding {
                     Rounding::Nearest => bf16::narrow(dst, src),
@@ -253,6 +300,71 @@ impl CpuBackend {
         }
         pool.extend(wide.into_iter().filter(|w| !w.is_empty()));
         self.widened = pool;
+    }
+
+    /// AdamW on one tensor, and its bf16 working copy when given ([`Backend::adamw_update`],
+    /// [`Backend::adamw_update_and_copy`]). bf16 gradients are read as they are.
+    #[allow(clippy::too_many_arguments)]
+    fn adamw(&mut self, params: Buf, work: Option<Buf>, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
+        // With bf16 parameters (no master weights) AdamW runs on pieces, so that their f32
+        // copies are a piece's, not the largest tensor's (the same bits: each element's
+        // arithmetic and its rounding noise, keyed by its place in the allocation, do not
+        // depend on the cut).
+        const PIECE: usize = 1 << 20;
+        if params.dtype == DType::BF16 && params.len > PIECE {
+            for at in (0..params.len).step_by(PIECE) {
+                let r = at..(at + PIECE).min(params.len);
+                let cut = |b: Buf| b.slice(r.clone());
+                self.adamw(cut(params), work.map(cut), cut(grads), cut(m), cut(v), stats, h);
+            }
+            return;
+        }
+        let h = *h;
+        // bf16 parameters without master weights (llm.c's `-w 0`): rounded stochastically, so
+        // that updates smaller than a bf16 step still move them on average. The working copy
+        // is rounded so too, by the op itself (with the noise of its own offsets).
+        let r = Rounding::Stochastic(h.seed);
+        let work_off = work.map_or(0, |w| w.off as u64);
+        let (outs, ins) = ([Rw(params), Rw(m), Rw(v), Rw(work.unwrap_or(NONE))], [grads, stats]);
+        let native = ([false, false, false, true], [true, false]);
+        self.run_native("adamw_update", outs, ins, [], r, native.0, native.1, |[p, m, v, w], [g, stats], []| {
+            let (Dest::F32(p), Dest::F32(m), Dest::F32(v), Operand::F32(stats)) = (p, m, v, stats) else {
+                unreachable!("f32 buffers (or f32 copies) are handed over as f32")
+            };
+            let (loss, norm_sq) = (stats[0], stats[1]);
+            if h.skip.skips(loss, norm_sq) {
+                return; // a diverged or outlier step: leave the model as it was
+            }
+            let norm = norm_sq.sqrt();
+            let grad_scale = if h.grad_clip > 0.0 && norm > h.grad_clip { h.grad_clip / norm } else { 1.0 };
+            let a = adamw::AdamW {
+                lr: h.lr,
+                beta1: h.beta1,
+                beta2: h.beta2,
+                eps: h.eps,
+                weight_decay: h.weight_decay,
+                grad_scale,
+                t: h.t,
+            };
+            let copy = match w {
+                Dest::Bf16(dst) if work.is_some() => Some(adamw::WorkCopy { dst, seed: h.seed, first: work_off }),
+                _ => None,
+            };
+            adamw::adamw_update(p, g, m, v, &a, true, copy)
+        });
+    }
+
+    /// Whether the GEMMs read bf16 operands themselves (the packed path widens them as it
+    /// packs; the `gemm` crate's path would copy them whole, as the f32 copies do).
+    fn gemm_reads_bf16(&self) -> bool {
+        super::sgemm::fast_path_available()
+    }
+
+    /// Whether the GEMMs round bf16 results themselves, a window at a time. Not in the
+    /// NaN-checking mode, where an output goes through a whole f32 copy that carries the
+    /// poison marker to the check.
+    fn gemm_writes_bf16(&self) -> bool {
+        self.gemm_reads_bf16() && !self.nan_check
     }
 
     /// encoder_backward into bf16 gradients: only the rows the batch's tokens touch are
@@ -444,7 +556,10 @@ impl Backend for CpuBackend {
     fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize) {
         assert!(wte.len.is_multiple_of(c), "encoder_forward: embedding shapes");
         let has_wpe = wpe.is_some();
-        self.run("encoder_forward", [W(out)], [wte, wpe.unwrap_or(NONE)], [inp], |[o], [wte, wpe], [inp]| {
+        // bf16 tables are read as they are: only the rows of the batch's tokens are widened.
+        let (ins, r) = ([wte, wpe.unwrap_or(NONE)], Rounding::Nearest);
+        self.run_native("encoder_forward", [W(out)], ins, [inp], r, [false], [true; 2], |[o], [wte, wpe], [inp]| {
+            let Dest::F32(o) = o else { unreachable!("the output is handed over as f32") };
             encoder::encoder_forward(o, inp, wte, has_wpe.then_some(wpe), b, t, c)
         });
     }
@@ -613,9 +728,27 @@ impl Backend for CpuBackend {
 
     fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize) {
         let has_bias = bias.is_some();
-        self.run("matmul_forward", [W(out)], [inp, weight, bias.unwrap_or(NONE)], [], |[o], [x, w, b], []| {
-            matmul::matmul_forward(o, x, w, has_bias.then_some(b), n, c, oc)
-        });
+        // bf16 operands are widened as the GEMM packs them, and a bf16 result is rounded a
+        // window at a time ([`matmul::Dest`]); the bias (OC) goes in as f32.
+        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
+        let (outs, ins) = ([W(out)], [inp, weight, bias.unwrap_or(NONE)]);
+        let r = Rounding::Nearest;
+        self.run_native(
+            "matmul_forward",
+            outs,
+            ins,
+            [],
+            r,
+            [out_native],
+            [native, native, false],
+            |[o], [x, w, b], []| {
+                let b = has_bias.then(|| match b {
+                    Operand::F32(b) => b,
+                    Operand::Bf16(_) => unreachable!("the bias is handed over as f32"),
+                });
+                matmul::matmul_forward(o, x, w, b, n, c, oc)
+            },
+        );
     }
 
     fn matmul_backward(
@@ -634,10 +767,25 @@ impl Backend for CpuBackend {
         let grad = |b: Buf| if accumulate { Rw(b) } else { W(b) };
         let (has_dinp, has_dw, has_dbias) = (dinp.is_some(), dweight.is_some(), dbias.is_some());
         let outs = [dinp.map_or(W(NONE), W), dweight.map_or(W(NONE), grad), dbias.map_or(W(NONE), grad)];
-        self.run("matmul_backward", outs, [dout, inp, weight], [], |[di, dw, db], [d, x, w], []| {
-            let (di, dw, db) = (has_dinp.then_some(di), has_dw.then_some(dw), has_dbias.then_some(db));
-            matmul::matmul_backward(di, dw, db, d, x, w, n, c, oc, accumulate)
-        });
+        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
+        let (r, native_outs) = (Rounding::Nearest, [out_native, out_native, false]);
+        self.run_native(
+            "matmul_backward",
+            outs,
+            [dout, inp, weight],
+            [],
+            r,
+            native_outs,
+            [native; 3],
+            |[di, dw, db], [d, x, w], []| {
+                let db = match db {
+                    Dest::F32(db) => db,
+                    Dest::Bf16(_) => unreachable!("dbias is handed over as f32"),
+                };
+                let (di, dw, db) = (has_dinp.then_some(di), has_dw.then_some(dw), has_dbias.then_some(db));
+                matmul::matmul_backward(di, dw, db, d, x, w, n, c, oc, accumulate)
+            },
+        );
     }
 
     fn lora_forward(&mut self, out: Buf, h: Buf, inp: Buf, a: Buf, b: Buf, s: LoraShape) {
@@ -758,9 +906,21 @@ impl Backend for CpuBackend {
         v: usize,
         vp: usize,
     ) {
-        self.run("crossentropy_forward", [W(losses), W(lse)], [logits], [targets], |[l, s], [x], [y]| {
-            classifier::crossentropy_forward(l, s, x, y, n, v, vp)
-        });
+        // bf16 logits are widened a row at a time inside.
+        let (outs, r) = ([W(losses), W(lse)], Rounding::Nearest);
+        self.run_native(
+            "crossentropy_forward",
+            outs,
+            [logits],
+            [targets],
+            r,
+            [false; 2],
+            [true],
+            |[l, s], [x], [y]| {
+                let (Dest::F32(l), Dest::F32(s)) = (l, s) else { unreachable!("f32 outputs are handed over as f32") };
+                classifier::crossentropy_forward(l, s, x, y, n, v, vp)
+            },
+        );
     }
 
     fn crossentropy_backward(
@@ -773,9 +933,23 @@ impl Backend for CpuBackend {
         v: usize,
         vp: usize,
     ) {
-        self.run("crossentropy_backward", [Rw(logits)], [lse], [targets], |[x], [s], [y]| {
-            classifier::crossentropy_softmax_backward_inplace(x, s, y, dloss, n, v, vp)
-        });
+        // bf16 logits are computed a row at a time inside (not in the NaN-checking mode: see
+        // gemm_writes_bf16).
+        let native = !self.nan_check;
+        let r = Rounding::Nearest;
+        self.run_native(
+            "crossentropy_backward",
+            [Rw(logits)],
+            [lse],
+            [targets],
+            r,
+            [native],
+            [false],
+            |[x], [s], [y]| {
+                let Operand::F32(s) = s else { unreachable!("f32 inputs are handed over as f32") };
+                classifier::crossentropy_softmax_backward_inplace(x, s, y, dloss, n, v, vp)
+            },
+        );
     }
 
     fn accumulate_mean(&mut self, acc: Buf, x: Buf, weight: f32) {
@@ -809,41 +983,20 @@ impl Backend for CpuBackend {
     }
 
     fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
-        // AdamW is element-wise: with bf16 buffers it runs on pieces, so that their f32 copies
-        // are a piece's, not the largest tensor's (the same bits: each element's arithmetic and
-        // its rounding noise, keyed by its place in the allocation, do not depend on the cut).
-        const PIECE: usize = 1 << 20;
-        if (params.dtype == DType::BF16 || grads.dtype == DType::BF16) && params.len > PIECE {
-            for at in (0..params.len).step_by(PIECE) {
-                let r = at..(at + PIECE).min(params.len);
-                let cut = |b: Buf| b.slice(r.clone());
-                self.adamw_update(cut(params), cut(grads), cut(m), cut(v), stats, h);
-            }
-            return;
-        }
-        let h = *h;
-        // bf16 parameters without master weights (llm.c's `-w 0`): rounded stochastically, so
-        // that updates smaller than a bf16 step still move them on average.
-        let r = Rounding::Stochastic(h.seed);
-        let (outs, ins) = ([Rw(params), Rw(m), Rw(v)], [grads, stats]);
-        self.run_rounded("adamw_update", outs, ins, [], r, |[p, m, v], [g, stats], []| {
-            let (loss, norm_sq) = (stats[0], stats[1]);
-            if h.skip.skips(loss, norm_sq) {
-                return; // a diverged or outlier step: leave the model as it was
-            }
-            let norm = norm_sq.sqrt();
-            let grad_scale = if h.grad_clip > 0.0 && norm > h.grad_clip { h.grad_clip / norm } else { 1.0 };
-            let a = adamw::AdamW {
-                lr: h.lr,
-                beta1: h.beta1,
-                beta2: h.beta2,
-                eps: h.eps,
-                weight_decay: h.weight_decay,
-                grad_scale,
-                t: h.t,
-            };
-            adamw::adamw_update(p, g, m, v, &a, true)
-        });
+        self.adamw(params, None, grads, m, v, stats, h)
+    }
+
+    fn adamw_update_and_copy(
+        &mut self,
+        params: Buf,
+        work: Buf,
+        grads: Buf,
+        m: Buf,
+        v: Buf,
+        stats: Buf,
+        h: &AdamWParams,
+    ) {
+        self.adamw(params, Some(work), grads, m, v, stats, h)
     }
 
     fn convert(&mut self, dst: Buf, src: Buf, seed: Option<u32>) {

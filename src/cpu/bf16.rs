@@ -9,6 +9,56 @@
 
 use super::team;
 
+/// An input as an op that reads bf16 itself receives it: f32, or bf16 (as bits). (The GEMM
+/// widens a bf16 operand as it packs it, so a bf16 weight is never copied whole into f32.)
+#[derive(Clone, Copy)]
+pub enum Operand<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl<'a> From<&'a [f32]> for Operand<'a> {
+    fn from(x: &'a [f32]) -> Self {
+        Operand::F32(x)
+    }
+}
+
+impl<'a> From<&'a Vec<f32>> for Operand<'a> {
+    fn from(x: &'a Vec<f32>) -> Self {
+        Operand::F32(x)
+    }
+}
+
+impl Operand<'_> {
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
+        match self {
+            Operand::F32(x) => x.len(),
+            Operand::Bf16(x) => x.len(),
+        }
+    }
+}
+
+/// An output as an op that writes bf16 itself receives it: f32, or bf16 (as bits) that the op
+/// rounds to nearest even from its f32 results, once per element, as the f32 copy of the
+/// output would be rounded.
+pub enum Dest<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [u16]),
+}
+
+impl<'a> From<&'a mut [f32]> for Dest<'a> {
+    fn from(x: &'a mut [f32]) -> Self {
+        Dest::F32(x)
+    }
+}
+
+impl<'a> From<&'a mut Vec<f32>> for Dest<'a> {
+    fn from(x: &'a mut Vec<f32>) -> Self {
+        Dest::F32(x)
+    }
+}
+
 /// Elements per task of a parallel conversion; smaller conversions run on the calling thread.
 const CHUNK: usize = 1 << 16;
 

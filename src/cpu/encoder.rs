@@ -1,10 +1,26 @@
 //! Token embedding, plus GPT-2's learned position embedding (Llama has none: its positions
 //! are rotary, inside attention).
 
+use super::bf16::Operand;
+use super::sgemm::Elem;
 use super::team;
 
 /// out (B, T, C) = wte (Vp, C)[inp (B, T)] [+ wpe (T, C)[t]]. Token ids must already be < V.
-pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: &[f32], wpe: Option<&[f32]>, b: usize, t: usize, c: usize) {
+/// The tables f32 or bf16: only the rows the batch reads are widened (exact).
+pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: Operand, wpe: Option<Operand>, b: usize, t: usize, c: usize) {
+    use Operand::{Bf16, F32};
+    match (wte, wpe) {
+        (F32(w), None) => forward::<f32, f32>(out, inp, w, None, b, t, c),
+        (Bf16(w), None) => forward::<u16, f32>(out, inp, w, None, b, t, c),
+        (F32(w), Some(F32(p))) => forward(out, inp, w, Some(p), b, t, c),
+        (F32(w), Some(Bf16(p))) => forward(out, inp, w, Some(p), b, t, c),
+        (Bf16(w), Some(F32(p))) => forward(out, inp, w, Some(p), b, t, c),
+        (Bf16(w), Some(Bf16(p))) => forward(out, inp, w, Some(p), b, t, c),
+    }
+}
+
+/// [`encoder_forward`] for one pair of table types.
+fn forward<W: Elem, P: Elem>(out: &mut [f32], inp: &[u32], wte: &[W], wpe: Option<&[P]>, b: usize, t: usize, c: usize) {
     team::chunks_mut(&mut out[..b * t * c], c, |bt, o| {
         let tok = inp[bt] as usize;
         let we = &wte[tok * c..(tok + 1) * c];
@@ -13,10 +29,10 @@ pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: &[f32], wpe: Option<&[
                 let pos = bt % t;
                 let pe = &wpe[pos * c..(pos + 1) * c];
                 for i in 0..c {
-                    o[i] = we[i] + pe[i];
+                    o[i] = we[i].to_f32() + pe[i].to_f32();
                 }
             }
-            None => o.copy_from_slice(we),
+            None => o.iter_mut().zip(we).for_each(|(o, w)| *o = w.to_f32()),
         }
     });
 }
@@ -107,7 +123,7 @@ mod tests {
         let proj = r.vec(b * t * c);
         let fwd = |wte: &[f32], wpe: &[f32]| {
             let mut o = vec![0f32; b * t * c];
-            encoder_forward(&mut o, &inp, wte, Some(wpe), b, t, c);
+            encoder_forward(&mut o, &inp, wte.into(), Some(wpe.into()), b, t, c);
             dot(&o, &proj)
         };
         let (mut dwte, mut dwpe) = (vec![0f32; v * c], vec![0f32; t * c]);
@@ -116,7 +132,7 @@ mod tests {
         check_grad(&wpe, &dwpe, |x| fwd(&wte, x), "dwpe");
         // Without positions: the token rows alone.
         let mut o = vec![0f32; b * t * c];
-        encoder_forward(&mut o, &inp, &wte, None, b, t, c);
+        encoder_forward(&mut o, &inp, (&wte).into(), None, b, t, c);
         assert_eq!(o[2 * c..3 * c], wte[inp[2] as usize * c..][..c]);
         let mut dwte2 = vec![0f32; v * c];
         encoder_backward(&mut dwte2, None, &proj, &inp, b, t, c);

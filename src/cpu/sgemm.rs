@@ -85,7 +85,7 @@ const A_SLACK: usize = 8;
 /// Most depth of one packed block: `MC x KC_MAX` of A is 396 KiB of a 512 KiB L2 and a B panel
 /// 24 or 48 KiB (see [`Tile`]). See [`depth`] for the depth actually used. The same for every
 /// tile, so that every tile sums the same k blocks.
-const KC_MAX: usize = 384;
+pub(crate) const KC_MAX: usize = 384;
 /// Rows of A per packed block (a multiple of every MR).
 const MC: usize = 264;
 /// Columns of B per packed block (a multiple of every NR): `KC_MAX x NC` is 6 MiB, a share of L3.
@@ -100,21 +100,121 @@ pub fn fast_path_available() -> bool {
     cfg!(target_arch = "x86_64") && super::simd::isa() != super::simd::Isa::Portable
 }
 
+/// An element type the packers read: f32, or bf16 held as its bits (`u16`), widened to f32
+/// as it is packed (exact: a bf16 is the top half of an f32). The kernels see f32 panels
+/// either way, so a GEMM of bf16 operands gives the bits of the same GEMM on their f32
+/// widenings, with half the bytes read from the operands.
+pub trait Elem: Copy + Send + Sync + 'static {
+    /// The value as f32.
+    fn to_f32(self) -> f32;
+
+    /// Eight consecutive elements from `p`, as f32.
+    ///
+    /// # Safety
+    /// `p` addresses 8 readable elements; the caller runs with AVX2 enabled.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> __m256;
+
+    /// f32 rounded to this type (to nearest even for bf16).
+    fn from_f32(x: f32) -> Self;
+
+    /// The slice itself when it is f32.
+    fn f32s(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+
+    /// The pointer itself when it points at f32 (a result the kernels may write directly).
+    fn f32_ptr(_: *mut Self) -> Option<*mut f32> {
+        None
+    }
+
+    /// `dst[i] = src[i]` as f32 for i < n.
+    ///
+    /// # Safety
+    /// `src` has n readable elements, `dst` room for n floats; they do not overlap.
+    #[inline(always)]
+    unsafe fn widen_to(src: *const Self, dst: *mut f32, n: usize) {
+        // SAFETY: as the caller guarantees.
+        unsafe { (0..n).for_each(|i| *dst.add(i) = (*src.add(i)).to_f32()) }
+    }
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[inline(always)]
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+
+    fn f32s(x: &[f32]) -> Option<&[f32]> {
+        Some(x)
+    }
+
+    #[inline(always)]
+    fn f32_ptr(p: *mut f32) -> Option<*mut f32> {
+        Some(p)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: as the caller guarantees.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+
+    #[inline(always)]
+    unsafe fn widen_to(src: *const f32, dst: *mut f32, n: usize) {
+        // SAFETY: as the caller guarantees.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, n) }
+    }
+}
+
+/// bf16, as its bit pattern.
+impl Elem for u16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        super::bf16::to_f32(self)
+    }
+
+    #[inline(always)]
+    fn from_f32(x: f32) -> u16 {
+        super::bf16::from_f32(x)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const u16) -> __m256 {
+        // SAFETY: as the caller guarantees: 16 readable bytes at p; AVX2 enabled.
+        unsafe {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
+        }
+    }
+}
+
 /// A raw matrix view: element (i, j) is at `ptr + i*rs + j*cs`.
-#[derive(Clone, Copy)]
-struct View {
-    ptr: *mut f32,
+struct View<T> {
+    ptr: *mut T,
     rs: isize,
     cs: isize,
 }
+impl<T> Clone for View<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for View<T> {}
 // SAFETY: a View is only shared between threads that touch disjoint parts of C (the split below)
 // or only read (A and B); the caller of `sgemm` guarantees the memory outlives the call.
-unsafe impl Send for View {}
-unsafe impl Sync for View {}
+unsafe impl<T> Send for View<T> {}
+unsafe impl<T> Sync for View<T> {}
 
-impl View {
+impl<T> View<T> {
     #[inline(always)]
-    unsafe fn at(self, i: usize, j: usize) -> *mut f32 {
+    unsafe fn at(self, i: usize, j: usize) -> *mut T {
         // SAFETY: the caller keeps (i, j) inside the matrix the view was made for.
         unsafe { self.ptr.offset(i as isize * self.rs + j as isize * self.cs) }
     }
@@ -132,27 +232,31 @@ impl View {
 /// `dst` must not overlap `lhs` or `rhs`. Requires [`fast_path_available`] and `dst_cs == 1`;
 /// `Tile::Avx512` also needs AVX-512F.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn sgemm(
+pub unsafe fn sgemm<TA: Elem, TB: Elem, TC: Elem>(
     t: Tile,
     m: usize,
     n: usize,
     k: usize,
-    dst: *mut f32,
+    dst: *mut TC,
     (dst_rs, dst_cs): (isize, isize),
     accumulate: bool,
     bias: *const f32,
-    lhs: *const f32,
+    lhs: *const TA,
     (lhs_rs, lhs_cs): (isize, isize),
-    rhs: *const f32,
+    rhs: *const TB,
     (rhs_rs, rhs_cs): (isize, isize),
     threads: usize,
 ) {
     let bias = if accumulate { std::ptr::null() } else { bias };
+    assert!(
+        TC::f32_ptr(dst).is_some() || k <= KC_MAX,
+        "sgemm: a bf16 result needs k <= {KC_MAX} (one k block), not {k}"
+    );
     debug_assert!(dst_cs == 1 && super::simd::Isa::Avx2.supported());
     debug_assert!(t != Tile::Avx512 || super::simd::Isa::Avx512.supported());
     let c = View { ptr: dst, rs: dst_rs, cs: dst_cs };
-    let a = View { ptr: lhs as *mut f32, rs: lhs_rs, cs: lhs_cs };
-    let b = View { ptr: rhs as *mut f32, rs: rhs_rs, cs: rhs_cs };
+    let a = View { ptr: lhs as *mut TA, rs: lhs_rs, cs: lhs_cs };
+    let b = View { ptr: rhs as *mut TB, rs: rhs_rs, cs: rhs_cs };
     if m == 0 || n == 0 {
         return;
     }
@@ -192,16 +296,16 @@ const WIDE: usize = 2048;
 /// Every element of C still sums its k blocks in order, as [`serial`] does, so the result does
 /// not depend on the split or the thread count.
 #[allow(clippy::too_many_arguments)]
-unsafe fn parallel(
+unsafe fn parallel<TA: Elem, TB: Elem, TC: Elem>(
     t: Tile,
     m: usize,
     n: usize,
     k: usize,
-    c: View,
+    c: View<TC>,
     accumulate: bool,
     bias: *const f32,
-    a: View,
-    b: View,
+    a: View<TA>,
+    b: View<TB>,
     threads: usize,
 ) {
     debug_assert!(k > 0, "sgemm sends k = 0 to serial");
@@ -309,7 +413,24 @@ unsafe fn parallel(
                                 // SAFETY: the shared B block is packed (the loop above has
                                 // ended), panel jr - jc at sb + (jr - jc)*kc; the tiles lie
                                 // inside C.
-                                unsafe { sweep(t, ic, mc, jc, jc + nc, kc, pc, ap, mr * kc, sb, None, c, acc, bias) };
+                                unsafe {
+                                    sweep(
+                                        t,
+                                        ic,
+                                        mc,
+                                        jc,
+                                        jc + nc,
+                                        kc,
+                                        pc,
+                                        ap,
+                                        mr * kc,
+                                        sb,
+                                        None::<View<TB>>,
+                                        c,
+                                        acc,
+                                        bias,
+                                    )
+                                };
                             }
                         })
                     });
@@ -319,22 +440,24 @@ unsafe fn parallel(
     }
 }
 
-/// One `(mr, nr)` tile of C from an A panel and a B panel: full tiles straight into C, partial
-/// ones through a local tile of which only the valid part is written back.
+/// One `(mr, nr)` tile of C from an A panel and a B panel: full f32 tiles straight into C,
+/// partial ones and bf16 ones through a local f32 tile of which only the valid part is written
+/// back (a bf16 element rounded once from the f32 the kernel would have stored: C + sum, or
+/// sum + bias).
 ///
 /// # Safety
-/// `c` addresses `mr` rows of `nr` writable floats at stride `ldc`; the panels hold `kc` steps;
+/// `c` addresses `mr` rows of `nr` writable elements at stride `ldc`; the panels hold `kc` steps;
 /// a non-null `bias` has `nr` floats.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn tile(
+unsafe fn tile<TC: Elem>(
     t: Tile,
     mr: usize,
     nr: usize,
     kc: usize,
     ap: *const f32,
     bp: *const f32,
-    c: *mut f32,
+    c: *mut TC,
     ldc: isize,
     acc: bool,
     bias: *const f32,
@@ -342,25 +465,26 @@ unsafe fn tile(
     // SAFETY: as the caller guarantees.
     unsafe {
         let full = t.nr();
-        if mr == t.mr() && nr == full {
-            return kernel(t, kc, ap, bp, c, ldc, acc, bias);
+        if let Some(c) = TC::f32_ptr(c) {
+            if mr == t.mr() && nr == full {
+                return kernel(t, kc, ap, bp, c, ldc, acc, bias);
+            }
         }
         // Not cleared first: the kernel writes the whole MR x NR tile (no accumulate, no bias),
         // and only its first mr rows and nr columns are read.
         let mut local = std::mem::MaybeUninit::<[f32; MAX_TILE]>::uninit();
         let local = local.as_mut_ptr() as *mut f32;
         kernel(t, kc, ap, bp, local, full as isize, false, std::ptr::null());
+        // One plain loop per case, so that each is vectorised.
         for i in 0..mr {
             let row = c.offset(i as isize * ldc);
-            for j in 0..nr {
-                let x = *local.add(i * full + j);
-                *row.add(j) = if acc {
-                    *row.add(j) + x
-                } else if bias.is_null() {
-                    x
-                } else {
-                    x + *bias.add(j)
-                };
+            let x = local.add(i * full);
+            if acc {
+                (0..nr).for_each(|j| *row.add(j) = TC::from_f32((*row.add(j)).to_f32() + *x.add(j)));
+            } else if bias.is_null() {
+                (0..nr).for_each(|j| *row.add(j) = TC::from_f32(*x.add(j)));
+            } else {
+                (0..nr).for_each(|j| *row.add(j) = TC::from_f32(*x.add(j) + *bias.add(j)));
             }
         }
     }
@@ -380,7 +504,7 @@ unsafe fn tile(
 /// columns `j0..j1` and rows `pc..pc+kc` inside B.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn sweep(
+unsafe fn sweep<TB: Elem, TC: Elem>(
     t: Tile,
     ic: usize,
     mc: usize,
@@ -391,8 +515,8 @@ unsafe fn sweep(
     a: *const f32,
     a_stride: usize,
     bp: *mut f32,
-    pack: Option<View>,
-    c: View,
+    pack: Option<View<TB>>,
+    c: View<TC>,
     acc: bool,
     bias: *const f32,
 ) {
@@ -455,16 +579,24 @@ fn depth(k: usize) -> usize {
 /// The single-threaded blocked GEMM (the loops of Goto's algorithm).
 #[allow(clippy::too_many_arguments)]
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn serial(t: Tile, m: usize, n: usize, k: usize, c: View, accumulate: bool, bias: *const f32, a: View, b: View) {
+unsafe fn serial<TA: Elem, TB: Elem, TC: Elem>(
+    t: Tile,
+    m: usize,
+    n: usize,
+    k: usize,
+    c: View<TC>,
+    accumulate: bool,
+    bias: *const f32,
+    a: View<TA>,
+    b: View<TB>,
+) {
     if k == 0 {
         if !accumulate {
             for i in 0..m {
                 // SAFETY: row i of C has n contiguous elements (dst_cs == 1); bias has n.
                 unsafe {
-                    if bias.is_null() {
-                        std::ptr::write_bytes(c.at(i, 0), 0, n)
-                    } else {
-                        std::ptr::copy_nonoverlapping(bias, c.at(i, 0), n)
+                    for j in 0..n {
+                        *c.at(i, j) = TC::from_f32(if bias.is_null() { 0.0 } else { *bias.add(j) });
                     }
                 }
             }
@@ -505,7 +637,7 @@ unsafe fn serial(t: Tile, m: usize, n: usize, k: usize, c: View, accumulate: boo
 /// Pack `A (mc, kc)` into MR-row panels: panel r holds `A[r*MR + i][p]` at `p*MR + i`,
 /// zero-padded to whole panels.
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn pack_a(t: Tile, mc: usize, kc: usize, a: View, dst: *mut f32) {
+unsafe fn pack_a<T: Elem>(t: Tile, mc: usize, kc: usize, a: View<T>, dst: *mut f32) {
     let mr = t.mr();
     for (r, i0) in (0..mc).step_by(mr).enumerate() {
         let rows = mr.min(mc - i0);
@@ -516,8 +648,8 @@ unsafe fn pack_a(t: Tile, mc: usize, kc: usize, a: View, dst: *mut f32) {
                 #[cfg(target_arch = "x86_64")]
                 {
                     match t {
-                        Tile::Avx2 => pack_transposed::<6>(kc, |i| a.at(i0 + i, 0), d),
-                        Tile::Avx512 => pack_transposed::<12>(kc, |i| a.at(i0 + i, 0), d),
+                        Tile::Avx2 => pack_transposed::<6, T>(kc, |i| a.at(i0 + i, 0), d),
+                        Tile::Avx512 => pack_transposed::<12, T>(kc, |i| a.at(i0 + i, 0), d),
                     }
                     continue;
                 }
@@ -526,8 +658,8 @@ unsafe fn pack_a(t: Tile, mc: usize, kc: usize, a: View, dst: *mut f32) {
                 // A^T is row-major: each k gives MR contiguous floats (a fixed-size copy, which
                 // compiles to a few moves).
                 match t {
-                    Tile::Avx2 => (0..kc).for_each(|p| std::ptr::copy_nonoverlapping(a.at(i0, p), d.add(p * 6), 6)),
-                    Tile::Avx512 => (0..kc).for_each(|p| std::ptr::copy_nonoverlapping(a.at(i0, p), d.add(p * 12), 12)),
+                    Tile::Avx2 => (0..kc).for_each(|p| T::widen_to(a.at(i0, p), d.add(p * 6), 6)),
+                    Tile::Avx512 => (0..kc).for_each(|p| T::widen_to(a.at(i0, p), d.add(p * 12), 12)),
                 }
                 continue;
             }
@@ -535,13 +667,13 @@ unsafe fn pack_a(t: Tile, mc: usize, kc: usize, a: View, dst: *mut f32) {
                 for p in 0..kc {
                     let src = a.at(i0, p);
                     for i in 0..mr {
-                        *d.add(p * mr + i) = if i < rows { *src.add(i) } else { 0.0 };
+                        *d.add(p * mr + i) = if i < rows { (*src.add(i)).to_f32() } else { 0.0 };
                     }
                 }
             } else {
                 for p in 0..kc {
                     for i in 0..mr {
-                        *d.add(p * mr + i) = if i < rows { *a.at(i0 + i, p) } else { 0.0 };
+                        *d.add(p * mr + i) = if i < rows { (*a.at(i0 + i, p)).to_f32() } else { 0.0 };
                     }
                 }
             }
@@ -552,7 +684,7 @@ unsafe fn pack_a(t: Tile, mc: usize, kc: usize, a: View, dst: *mut f32) {
 /// Prefetch share `share` of `shares` of the lines that packing the `(kc, cols)` panel of B at
 /// (p0, j0) will read. Prefetches never fault, so addresses are formed with wrapping arithmetic.
 #[inline(always)]
-fn prefetch_b_share(kc: usize, cols: usize, b: View, p0: usize, j0: usize, share: usize, shares: usize) {
+fn prefetch_b_share<T>(kc: usize, cols: usize, b: View<T>, p0: usize, j0: usize, share: usize, shares: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         let addr = |p: usize, j: usize| {
@@ -568,15 +700,16 @@ fn prefetch_b_share(kc: usize, cols: usize, b: View, p0: usize, j0: usize, share
                 }
             }
         } else if b.rs == 1 {
-            // `cols` columns of kc contiguous floats, 16 floats a line.
-            let lines = kc.div_ceil(16);
+            // `cols` columns of kc contiguous elements, `per` elements a line.
+            let per = 64 / std::mem::size_of::<T>();
+            let lines = kc.div_ceil(per);
             // Walk (column, line) pairs from this share's first to its last without a division
             // per line: in perf, the integer divides were most of this function's time, more
             // than the prefetches themselves.
             let (start, end) = (cols * lines * share / shares, cols * lines * (share + 1) / shares);
             let (mut j, mut l) = (start / lines, start % lines);
             for _ in start..end {
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(addr(l * 16, j)) };
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(addr(l * per, j)) };
                 l += 1;
                 if l == lines {
                     (j, l) = (j + 1, 0);
@@ -591,7 +724,7 @@ fn prefetch_b_share(kc: usize, cols: usize, b: View, p0: usize, j0: usize, share
 /// Pack one `B (kc, cols)` panel (cols <= NR): `B[p][j]` goes to `p*NR + j`, zero-padded to
 /// NR columns.
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
-unsafe fn pack_b_panel(t: Tile, kc: usize, cols: usize, b: View, d: *mut f32) {
+unsafe fn pack_b_panel<T: Elem>(t: Tile, kc: usize, cols: usize, b: View<T>, d: *mut f32) {
     let nr = t.nr();
     // SAFETY: rows 0..kc and columns 0..cols of `b` are inside B; d has NR*kc floats.
     unsafe {
@@ -599,15 +732,15 @@ unsafe fn pack_b_panel(t: Tile, kc: usize, cols: usize, b: View, d: *mut f32) {
             #[cfg(target_arch = "x86_64")]
             if cols == nr {
                 match t {
-                    Tile::Avx2 => pack_b_rows::<16>(kc, b, d),
-                    Tile::Avx512 => pack_b_rows::<32>(kc, b, d),
+                    Tile::Avx2 => pack_b_rows::<16, T>(kc, b, d),
+                    Tile::Avx512 => pack_b_rows::<32, T>(kc, b, d),
                 }
                 return;
             }
             // Rows of B are contiguous: copy `cols` floats per k.
             for p in 0..kc {
                 let dp = d.add(p * nr);
-                std::ptr::copy_nonoverlapping(b.at(p, 0), dp, cols);
+                T::widen_to(b.at(p, 0), dp, cols);
                 std::ptr::write_bytes(dp.add(cols), 0, nr - cols);
             }
             return;
@@ -616,15 +749,15 @@ unsafe fn pack_b_panel(t: Tile, kc: usize, cols: usize, b: View, d: *mut f32) {
             #[cfg(target_arch = "x86_64")]
             {
                 match t {
-                    Tile::Avx2 => pack_transposed::<16>(kc, |j| b.at(0, j), d),
-                    Tile::Avx512 => pack_transposed::<32>(kc, |j| b.at(0, j), d),
+                    Tile::Avx2 => pack_transposed::<16, T>(kc, |j| b.at(0, j), d),
+                    Tile::Avx512 => pack_transposed::<32, T>(kc, |j| b.at(0, j), d),
                 }
                 return;
             }
         }
         for p in 0..kc {
             for j in 0..nr {
-                *d.add(p * nr + j) = if j < cols { *b.at(p, j) } else { 0.0 };
+                *d.add(p * nr + j) = if j < cols { (*b.at(p, j)).to_f32() } else { 0.0 };
             }
         }
     }
@@ -677,7 +810,7 @@ unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
 /// the next panel or the buffer's slack ([`A_SLACK`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pack_transposed<const W: usize>(kc: usize, row: impl Fn(usize) -> *const f32, d: *mut f32) {
+unsafe fn pack_transposed<const W: usize, T: Elem>(kc: usize, row: impl Fn(usize) -> *const T, d: *mut f32) {
     const { assert!(W.is_multiple_of(8) || 8 - W % 8 <= A_SLACK) };
     // SAFETY: rows 0..W hold kc floats each; d has W*kc floats plus the slack when W % 8 != 0.
     unsafe {
@@ -685,7 +818,7 @@ unsafe fn pack_transposed<const W: usize>(kc: usize, row: impl Fn(usize) -> *con
         let mut p = 0;
         while p + 8 <= kc {
             for g in (0..W).step_by(8).rev() {
-                let r = std::array::from_fn(|i| _mm256_loadu_ps(row(g + i).add(p)));
+                let r = std::array::from_fn(|i| T::load8(row(g + i).add(p)));
                 for (j, v) in transpose8(r).iter().enumerate() {
                     _mm256_storeu_ps(d.add((p + j) * W + g), *v);
                 }
@@ -694,7 +827,7 @@ unsafe fn pack_transposed<const W: usize>(kc: usize, row: impl Fn(usize) -> *con
         }
         while p < kc {
             for i in 0..W {
-                *d.add(p * W + i) = *row(i).add(p);
+                *d.add(p * W + i) = (*row(i).add(p)).to_f32();
             }
             p += 1;
         }
@@ -705,14 +838,14 @@ unsafe fn pack_transposed<const W: usize>(kc: usize, row: impl Fn(usize) -> *con
 /// per 64 bytes cost as much as a tenth of the GEMM).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pack_b_rows<const W: usize>(kc: usize, b: View, d: *mut f32) {
+unsafe fn pack_b_rows<const W: usize, T: Elem>(kc: usize, b: View<T>, d: *mut f32) {
     // SAFETY: rows 0..kc hold W contiguous floats each inside B; d has W*kc aligned floats
     // (W a multiple of 8, so every store is 32-byte aligned).
     unsafe {
         for p in 0..kc {
             let src = b.at(p, 0);
             for j in (0..W).step_by(8) {
-                _mm256_store_ps(d.add(p * W + j), _mm256_loadu_ps(src.add(j)));
+                _mm256_store_ps(d.add(p * W + j), T::load8(src.add(j)));
             }
         }
     }
@@ -1026,6 +1159,95 @@ mod tests {
         // Big enough to be split across threads (columns, then rows).
         check(40, 200, 40, 2);
         check(200, 40, 40, 3);
+    }
+
+    /// bf16 operands (as bits), in every layout and on edge shapes, serial and split over
+    /// threads: the bits of the same GEMM on their f32 widenings, with and without the bias.
+    #[test]
+    fn bf16_operands_give_the_bits_of_their_f32_widening() {
+        if !crate::cpu::simd::Isa::Avx2.supported() {
+            crate::testdata::skipped("sgemm", "this CPU has no AVX2+FMA, so the packed path never runs here");
+            return;
+        }
+        let to16 = |v: Vec<f32>| v.iter().map(|x| crate::cpu::bf16::from_f32(*x)).collect::<Vec<u16>>();
+        let wide = |v: &[u16]| v.iter().map(|x| crate::cpu::bf16::to_f32(*x)).collect::<Vec<f32>>();
+        let shapes =
+            [(1, 1, 1), (5, 17, 3), (13, 47, 300), (12, 32, 513), (25, 97, 385), (97, 301, 270), (700, 50, 40)];
+        for (si, &(m, n, k)) in shapes.iter().enumerate() {
+            let mut rng = TestRng(90 + si as u64);
+            for a_kind in 0..3 {
+                for b_kind in 0..3 {
+                    let (ars, acs, alen) = layout(m, k, a_kind);
+                    let (brs, bcs, blen) = layout(k, n, b_kind);
+                    let (a, b) = (to16(rng.vec(alen)), to16(rng.vec(blen)));
+                    let (af, bf) = (wide(&a), wide(&b));
+                    let (c0, bias) = (rng.vec(m * n), rng.vec(n));
+                    for (accumulate, with_bias) in [(false, true), (true, false)] {
+                        let bias = if with_bias { bias.as_ptr() } else { std::ptr::null() };
+                        for tile in tiles() {
+                            for threads in [1, 2] {
+                                let (mut want, mut got, mut mixed) = (c0.clone(), c0.clone(), c0.clone());
+                                // SAFETY: the buffers are sized for the shapes and strides (layout).
+                                unsafe {
+                                    let (a_s, b_s, c_s) = ((ars, acs), (brs, bcs), (n as isize, 1));
+                                    let (wp, gp, xp) = (want.as_mut_ptr(), got.as_mut_ptr(), mixed.as_mut_ptr());
+                                    sgemm(
+                                        tile,
+                                        m,
+                                        n,
+                                        k,
+                                        wp,
+                                        c_s,
+                                        accumulate,
+                                        bias,
+                                        af.as_ptr(),
+                                        a_s,
+                                        bf.as_ptr(),
+                                        b_s,
+                                        threads,
+                                    );
+                                    sgemm(
+                                        tile,
+                                        m,
+                                        n,
+                                        k,
+                                        gp,
+                                        c_s,
+                                        accumulate,
+                                        bias,
+                                        a.as_ptr(),
+                                        a_s,
+                                        b.as_ptr(),
+                                        b_s,
+                                        threads,
+                                    );
+                                    sgemm(
+                                        tile,
+                                        m,
+                                        n,
+                                        k,
+                                        xp,
+                                        c_s,
+                                        accumulate,
+                                        bias,
+                                        af.as_ptr(),
+                                        a_s,
+                                        b.as_ptr(),
+                                        b_s,
+                                        threads,
+                                    );
+                                }
+                                let what = format!(
+                                    "({m},{n},{k}) layouts {a_kind}/{b_kind} acc={accumulate} {tile:?} t={threads}"
+                                );
+                                assert!(bits(&want) == bits(&got), "{what}: bf16 operands differ from their widening");
+                                assert!(bits(&want) == bits(&mixed), "{what}: f32 A with bf16 B differs");
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -582,6 +582,10 @@ impl Backend for GpuBackend {
     fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
         self.adamw_update_(params, grads, m, v, stats, h)
     }
+    fn adamw_update_and_copy(&mut self, _: Buf, _: Buf, _: Buf, _: Buf, _: Buf, _: Buf, _: &AdamWParams) {
+        unreachable!("the GPU keeps no bf16 working copy (supports_bf16 is false)")
+    }
+
     fn convert(&mut self, dst: Buf, src: Buf, _seed: Option<u32>) {
         // Every GPU buffer is f32 or u32 (bf16 allocations are refused): a copy.
         assert!(dst.dtype == DType::F32 && src.dtype == DType::F32, "convert: the GPU backend has f32 buffers only");
