@@ -72,7 +72,7 @@ fn sigkills_of_a_lora_run_resume_to_the_uninterrupted_run() {
 /// The same in bf16 (a version-5 model file, fp32 master weights in the state file), 8 kills.
 #[test]
 fn sigkills_of_a_bf16_run_resume_to_the_uninterrupted_run() {
-    sigkills_resume_to_the_uninterrupted_run(8, &["--precision", "bf16"]);
+    sigkills_resume_to_the_uninterrupted_run(8, &["--precision", "bf16", "-e", "2x32:2:32"]);
 }
 
 fn sigkills_resume_to_the_uninterrupted_run(total_kills: usize, extra: &[&str]) {

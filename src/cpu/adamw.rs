@@ -97,22 +97,37 @@ crate::simd_fn! {
     }
 }
 
+/// The sum of squares of one chunk, in f64 over 8 lanes: one f64 sum is a chain of dependent
+/// adds (~4 cycles each) and made this pass compute-bound; eight vectorise and leave it
+/// memory-bound. bf16 gradients are widened element by element (exact): the same bits.
+#[inline(always)]
+fn sum_of_squares_body<G: Elem>(g: &[G]) -> f64 {
+    let mut acc = [0f64; 8];
+    let mut it = g.chunks_exact(8);
+    for x in &mut it {
+        for (a, x) in acc.iter_mut().zip(x) {
+            let x = x.to_f32() as f64;
+            *a += x * x;
+        }
+    }
+    for (a, x) in acc.iter_mut().zip(it.remainder()) {
+        let x = x.to_f32() as f64;
+        *a += x * x;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
 crate::simd_fn! {
-    /// The sum of squares of one chunk, in f64 over 8 lanes: one f64 sum is a chain of
-    /// dependent adds (~4 cycles each) and made this pass compute-bound; eight vectorise and
-    /// leave it memory-bound.
+    /// [`sum_of_squares_body`] of f32 gradients.
     fn sum_of_squares_chunk(g: &[f32]) -> f64 {
-        let mut acc = [0f64; 8];
-        let mut it = g.chunks_exact(8);
-        for x in &mut it {
-            for (a, x) in acc.iter_mut().zip(x) {
-                *a += (*x as f64) * (*x as f64);
-            }
-        }
-        for (a, x) in acc.iter_mut().zip(it.remainder()) {
-            *a += (*x as f64) * (*x as f64);
-        }
-        ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+        sum_of_squares_body(g)
+    }
+}
+
+crate::simd_fn! {
+    /// [`sum_of_squares_body`] of bf16 gradients.
+    fn sum_of_squares_chunk_bf16(g: &[u16]) -> f64 {
+        sum_of_squares_body(g)
     }
 }
 
@@ -132,16 +147,13 @@ pub fn sum_of_squares(grads: &[f32], partials: &mut [f64]) -> f64 {
     partials.iter().sum::<f64>()
 }
 
-/// [`sum_of_squares`] of bf16 gradients (bits), widened a chunk at a time: the same chunks
-/// and the same order, so the same bits as on the widened values.
+/// [`sum_of_squares`] of bf16 gradients (bits): the same chunks and the same order, so the
+/// same bits as on the widened values.
 pub fn sum_of_squares_bf16(grads: &[u16], partials: &mut [f64]) -> f64 {
     let nchunks = grads.len().div_ceil(CHUNK);
     let partials = &mut partials[..nchunks];
     team::chunks_mut(partials, 1, |i, s| {
-        let g = &grads[i * CHUNK..((i + 1) * CHUNK).min(grads.len())];
-        let mut w = vec![0f32; g.len()];
-        super::bf16::widen(&mut w, g);
-        s[0] = sum_of_squares_chunk(&w);
+        s[0] = sum_of_squares_chunk_bf16(&grads[i * CHUNK..((i + 1) * CHUNK).min(grads.len())]);
     });
     partials.iter().sum::<f64>()
 }

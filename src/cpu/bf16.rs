@@ -84,7 +84,18 @@ pub fn from_f32(x: f32) -> u16 {
 /// stochastic rounding. 32-bit arithmetic only, so a loop of it vectorises.
 #[inline(always)]
 fn noise(seed: u32, i: u64) -> u32 {
-    let mut h = (i as u32) ^ ((i >> 32) as u32).wrapping_mul(0x9E37_79B9) ^ seed.wrapping_mul(0x85EB_CA6B);
+    mix((i as u32) ^ key(seed, (i >> 32) as u32))
+}
+
+/// The part of [`noise`]'s input that the seed and the index's high half make.
+#[inline(always)]
+fn key(seed: u32, hi: u32) -> u32 {
+    hi.wrapping_mul(0x9E37_79B9) ^ seed.wrapping_mul(0x85EB_CA6B)
+}
+
+/// murmur3's 32-bit finalizer.
+#[inline(always)]
+fn mix(mut h: u32) -> u32 {
     h ^= h >> 16;
     h = h.wrapping_mul(0x85EB_CA6B);
     h ^= h >> 13;
@@ -95,12 +106,17 @@ fn noise(seed: u32, i: u64) -> u32 {
 /// f32 to bf16 bits, rounded stochastically with the noise of (seed, index).
 #[inline(always)]
 pub fn from_f32_stochastic(x: f32, seed: u32, index: u64) -> u16 {
+    round_up_by(x, noise(seed, index))
+}
+
+/// f32 to bf16 bits, rounded stochastically with the random bits `noise`.
+#[inline(always)]
+fn round_up_by(x: f32, noise: u32) -> u16 {
     let bits = x.to_bits();
     // Adding 16 random bits carries into the kept half with probability (dropped bits) / 2^16.
     // A carry out of the largest finite magnitude gives an infinity, as rounding up would. An
     // infinity or a NaN rounds to nearest (it stays what it is).
-    let r = noise(seed, index) & 0xFFFF;
-    let up = (bits.wrapping_add(r) >> 16) as u16;
+    let up = (bits.wrapping_add(noise & 0xFFFF) >> 16) as u16;
     if x.is_finite() {
         up
     } else {
@@ -109,9 +125,20 @@ pub fn from_f32_stochastic(x: f32, seed: u32, index: u64) -> u16 {
 }
 
 crate::simd_fn! {
+    /// [`from_f32_stochastic`] of src[j] with index first + j, in runs whose indices share
+    /// their high half, so the hash's input is 32-bit arithmetic (8 lanes of AVX2, where a
+    /// 64-bit index gave 4).
     fn narrow_stochastic_chunk(dst: &mut [u16], src: &[f32], seed: u32, first: u64) {
-        for (j, (d, s)) in dst.iter_mut().zip(src).enumerate() {
-            *d = from_f32_stochastic(*s, seed, first + j as u64);
+        let mut j0 = 0;
+        while j0 < dst.len() {
+            let i = first + j0 as u64;
+            let (lo, k) = (i as u32, key(seed, (i >> 32) as u32));
+            let run = ((1u64 << 32) - lo as u64).min((dst.len() - j0) as u64) as usize;
+            let (d, s) = (&mut dst[j0..j0 + run], &src[j0..j0 + run]);
+            for (j, (d, s)) in d.iter_mut().zip(s).enumerate() {
+                *d = round_up_by(*s, mix(lo.wrapping_add(j as u32) ^ k));
+            }
+            j0 += run;
         }
     }
 }
@@ -221,6 +248,16 @@ mod tests {
         narrow_stochastic(&mut e, &exact, 3, 0);
         assert_eq!(e.map(to_f32), exact);
         assert!(to_f32(from_f32_stochastic(f32::NAN, 1, 2)).is_nan());
+        // The vector loop is the element function, also across an index whose high half
+        // changes (a run split at 2^32).
+        let vals: Vec<f32> = (0..3000).map(|i| (i as f32 * 0.731).sin() * 3.0).collect();
+        for first in [0u64, (1 << 32) - 1000, 5 << 32] {
+            let mut d = vec![0u16; vals.len()];
+            narrow_stochastic(&mut d, &vals, 11, first);
+            for (j, (d, x)) in d.iter().zip(&vals).enumerate() {
+                assert_eq!(*d, from_f32_stochastic(*x, 11, first + j as u64), "index {first} + {j}");
+            }
+        }
     }
 
     #[test]

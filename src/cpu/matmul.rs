@@ -439,13 +439,7 @@ fn gemv(out: &mut [f32], x: &[f32], w: Operand, oc: usize, bias: Option<&[f32]>)
 type GemvRows<T> = fn(&mut [f32], &[f32], &[T], Option<&[f32]>);
 
 /// [`gemv`] for one weight type, with its row kernel.
-fn gemv_t<T: Elem>(
-    out: &mut [f32],
-    x: &[f32],
-    w: &[T],
-    bias: Option<&[f32]>,
-    rows: GemvRows<T>,
-) {
+fn gemv_t<T: Elem>(out: &mut [f32], x: &[f32], w: &[T], bias: Option<&[f32]>, rows: GemvRows<T>) {
     let c = x.len();
     let go = |j0: usize, o: &mut [f32]| rows(o, x, &w[j0 * c..(j0 + o.len()) * c], bias.map(|b| &b[j0..]));
     if out.len() * c < 1 << 16 {
