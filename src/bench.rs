@@ -2,6 +2,7 @@
 //! and put them against the machine's own measured peak.
 
 use crate::backend::Device;
+use crate::config::Precision;
 use crate::model::Model;
 use crate::optim::OptimConfig;
 use anyhow::Result;
@@ -74,6 +75,10 @@ pub struct BenchReport {
     pub peak_gflops: Option<f64>,
     pub peak_method: String,
     pub mfu: Option<f64>,
+    /// With `--precision bf16`: the machine's bf16 peak (a `vdpbf16ps` loop, this rank's
+    /// share) and the MFU against it, where the CPU has AVX512_BF16.
+    pub bf16_peak_gflops: Option<f64>,
+    pub bf16_mfu: Option<f64>,
     pub peak_rss_mib: f64,
     /// Share of step time in forward, backward and the optimizer.
     pub phases: Vec<(String, f64)>,
@@ -213,6 +218,9 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         Some((after, method)) => (Some(after.max(peak_before)), method),
         None => (None, "not measured on a GPU".to_string()),
     };
+    // bf16 runs only on the CPU (set_precision refuses other backends).
+    let bf16_peak = if cfg.precision == Precision::Bf16 { crate::cpu::peak::measure_bf16() } else { None };
+    let bf16_peak = bf16_peak.map(|(p, _)| p / world as f64);
     model.barrier()?;
     Ok(BenchReport {
         model: cfg.model.clone(),
@@ -242,6 +250,8 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         peak_gflops: peak,
         peak_method: method,
         mfu: peak.map(|p| achieved / p),
+        bf16_peak_gflops: bf16_peak,
+        bf16_mfu: bf16_peak.map(|p| achieved / p),
         peak_rss_mib: peak_rss_mib(),
         phases: if cfg.ce_rows > 0 {
             vec![("forward+backward", phase[0] + phase[1]), ("optimizer", phase[2])]
@@ -295,6 +305,14 @@ impl std::fmt::Display for BenchReport {
                 writeln!(f, "MFU         {:.1}%", 100.0 * mfu)?;
             }
             _ => writeln!(f, "peak, MFU   {}", self.peak_method)?,
+        }
+        if self.precision == Precision::Bf16 {
+            match (self.bf16_peak_gflops, self.bf16_mfu) {
+                (Some(peak), Some(mfu)) => {
+                    writeln!(f, "peak bf16   {peak:.1} GFLOP/s (AVX512_BF16 vdpbf16ps loop); MFU {:.1}%", 100.0 * mfu)?
+                }
+                _ => writeln!(f, "peak bf16   none: this CPU has no AVX512_BF16 (the MFU above is against fp32's)")?,
+            }
         }
         let m = &self.memory_per_rank;
         let mb = |x: usize| x as f64 / 1e6;
@@ -365,5 +383,38 @@ mod tests {
         let n = 50304 * 16 + 16 * 16 + 12 * 256 + 13 * 16 + 32;
         assert_eq!(r.num_parameters, n);
         assert_eq!(r.flops_per_token, 6.0 * n as f64 + 6.0 * 16.0 * 8.0);
+        assert!(r.bf16_peak_gflops.is_none() && !r.to_string().contains("peak bf16"), "an fp32 run has no bf16 line");
+    }
+
+    /// In bf16: half the activations' bytes, and the bf16 peak line, with the measured
+    /// `vdpbf16ps` peak where the CPU has AVX512_BF16 and saying so where it has not.
+    #[test]
+    fn bf16_bench_reports_its_memory_and_its_peak() {
+        let cfg = |precision| BenchConfig {
+            model: "1x16:2:16".into(),
+            batch_size: 2,
+            seq_len: 8,
+            steps: 2,
+            warmup: 1,
+            device: Device::Cpu,
+            zero_stage: 0,
+            recompute: 1,
+            ce_rows: 5,
+            lora: 0,
+            lora_targets: vec![],
+            precision,
+            master_weights: true,
+        };
+        let (r32, r16) = (run(&cfg(Precision::Fp32)).unwrap(), run(&cfg(Precision::Bf16)).unwrap());
+        assert_eq!(2 * r16.memory_per_rank.activations_logits, r32.memory_per_rank.activations_logits);
+        let text = r16.to_string();
+        if crate::cpu::peak::measure_bf16().is_some() {
+            let (peak, mfu) = (r16.bf16_peak_gflops.unwrap(), r16.bf16_mfu.unwrap());
+            assert!(peak > r16.peak_gflops.unwrap() && mfu > 0.0 && mfu < 1.0, "{text}");
+            assert!(text.contains("vdpbf16ps loop; MFU"), "{text}");
+        } else {
+            crate::testdata::skipped("the bf16 peak's measurement", "this CPU has no AVX512_BF16");
+            assert!(r16.bf16_peak_gflops.is_none() && text.contains("peak bf16   none"), "{text}");
+        }
     }
 }
