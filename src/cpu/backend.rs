@@ -723,7 +723,16 @@ impl Backend for CpuBackend {
     }
 
     fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf) {
-        self.run("residual_forward", [W(out)], [a, b], [], |[o], [a, b], []| residual::residual_forward(o, a, b));
+        // All bf16 (a bf16 run's residual stream): converted in the loop, no f32 copies.
+        let native = [out, a, b].iter().all(|x| x.dtype == DType::BF16);
+        let r = Rounding::Nearest;
+        self.run_native("residual_forward", [W(out)], [a, b], [], r, [native], [native; 2], |[o], [a, b], []| {
+            match (o, a, b) {
+                (Dest::F32(o), Operand::F32(a), Operand::F32(b)) => residual::residual_forward(o, a, b),
+                (Dest::Bf16(o), Operand::Bf16(a), Operand::Bf16(b)) => residual::residual_forward_bf16(o, a, b),
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
     }
 
     fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize) {
@@ -815,11 +824,24 @@ impl Backend for CpuBackend {
     }
 
     fn gelu_forward(&mut self, out: Buf, inp: Buf) {
-        self.run("gelu_forward", [W(out)], [inp], [], |[o], [x], []| gelu::gelu_forward(o, x));
+        // Both bf16: converted in the loop, no f32 copies.
+        let native = out.dtype == DType::BF16 && inp.dtype == DType::BF16;
+        let r = Rounding::Nearest;
+        self.run_native("gelu_forward", [W(out)], [inp], [], r, [native], [native], |[o], [x], []| match (o, x) {
+            (Dest::F32(o), Operand::F32(x)) => gelu::gelu_forward(o, x),
+            (Dest::Bf16(o), Operand::Bf16(x)) => gelu::gelu_forward_bf16(o, x),
+            _ => unreachable!("both bf16 or both handed over as f32"),
+        });
     }
 
     fn gelu_backward(&mut self, d: Buf, inp: Buf) {
-        self.run("gelu_backward", [Rw(d)], [inp], [], |[d], [x], []| gelu::gelu_backward_inplace(d, x));
+        let native = d.dtype == DType::BF16 && inp.dtype == DType::BF16;
+        let r = Rounding::Nearest;
+        self.run_native("gelu_backward", [Rw(d)], [inp], [], r, [native], [native], |[d], [x], []| match (d, x) {
+            (Dest::F32(d), Operand::F32(x)) => gelu::gelu_backward_inplace(d, x),
+            (Dest::Bf16(d), Operand::Bf16(x)) => gelu::gelu_backward_inplace_bf16(d, x),
+            _ => unreachable!("both bf16 or both handed over as f32"),
+        });
     }
 
     fn attention_forward(

@@ -1,5 +1,6 @@
 //! GELU, tanh approximation (`nn.GELU(approximate='tanh')`, as GPT-2 and llm.c).
 
+use super::bf16;
 use super::team;
 
 const SCALE: f32 = 0.797_884_6; // sqrt(2 / pi)
@@ -36,6 +37,37 @@ crate::simd_fn! {
             *d *= gelu_grad(*x);
         }
     }
+}
+
+crate::simd_fn! {
+    /// [`gelu_chunk`] on bf16 (bits): widened as read, rounded to nearest even as stored, so
+    /// the bits of the f32 pass on the widened input, rounded.
+    fn gelu_chunk_bf16(out: &mut [u16], inp: &[u16]) {
+        for (o, x) in out.iter_mut().zip(inp) {
+            *o = bf16::from_f32(gelu(bf16::to_f32(*x)));
+        }
+    }
+}
+
+crate::simd_fn! {
+    /// [`gelu_grad_chunk`] on bf16 (bits), as [`gelu_chunk_bf16`].
+    fn gelu_grad_chunk_bf16(d: &mut [u16], inp: &[u16]) {
+        for (d, x) in d.iter_mut().zip(inp) {
+            *d = bf16::from_f32(bf16::to_f32(*d) * gelu_grad(bf16::to_f32(*x)));
+        }
+    }
+}
+
+/// [`gelu_forward`] on bf16 buffers (bits).
+pub fn gelu_forward_bf16(out: &mut [u16], inp: &[u16]) {
+    assert_eq!(out.len(), inp.len(), "gelu_forward: out and inp differ in length");
+    team::chunks_mut(out, CHUNK, |i, o| gelu_chunk_bf16(o, &inp[i * CHUNK..]));
+}
+
+/// [`gelu_backward_inplace`] on bf16 buffers (bits).
+pub fn gelu_backward_inplace_bf16(d: &mut [u16], inp: &[u16]) {
+    assert_eq!(d.len(), inp.len(), "gelu_backward: d and inp differ in length");
+    team::chunks_mut(d, CHUNK, |i, d| gelu_grad_chunk_bf16(d, &inp[i * CHUNK..]));
 }
 
 /// out (N) = gelu(inp (N)).

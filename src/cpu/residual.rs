@@ -16,6 +16,20 @@ pub fn residual_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
     });
 }
 
+/// [`residual_forward`] on bf16 buffers (bits): the f32 sum of the widened inputs, rounded once.
+pub fn residual_forward_bf16(out: &mut [u16], a: &[u16], b: &[u16]) {
+    assert!(a.len() == out.len() && b.len() == out.len(), "residual_forward: lengths differ");
+    team::chunks_mut(out, CHUNK, |i, o| residual_chunk_bf16(o, &a[i * CHUNK..], &b[i * CHUNK..]));
+}
+
+crate::simd_fn! {
+    fn residual_chunk_bf16(out: &mut [u16], a: &[u16], b: &[u16]) {
+        for ((o, a), b) in out.iter_mut().zip(a).zip(b) {
+            *o = super::bf16::from_f32(super::bf16::to_f32(*a) + super::bf16::to_f32(*b));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
