@@ -218,8 +218,9 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         Some((after, method)) => (Some(after.max(peak_before)), method),
         None => (None, "not measured on a GPU".to_string()),
     };
-    // bf16 runs only on the CPU (set_precision refuses other backends).
-    let bf16_peak = if cfg.precision == Precision::Bf16 { crate::cpu::peak::measure_bf16() } else { None };
+    // The CPU's bf16 peak, where the run is on the CPU (a GPU's peak is not measured).
+    let on_cpu = peak.is_some();
+    let bf16_peak = if cfg.precision == Precision::Bf16 && on_cpu { crate::cpu::peak::measure_bf16() } else { None };
     let bf16_peak = bf16_peak.map(|(p, _)| p / world as f64);
     model.barrier()?;
     Ok(BenchReport {
@@ -311,6 +312,7 @@ impl std::fmt::Display for BenchReport {
                 (Some(peak), Some(mfu)) => {
                     writeln!(f, "peak bf16   {peak:.1} GFLOP/s (AVX512_BF16 vdpbf16ps loop); MFU {:.1}%", 100.0 * mfu)?
                 }
+                _ if self.peak_gflops.is_none() => writeln!(f, "peak bf16   not measured on a GPU")?,
                 _ => writeln!(f, "peak bf16   none: this CPU has no AVX512_BF16 (the MFU above is against fp32's)")?,
             }
         }

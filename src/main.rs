@@ -403,7 +403,7 @@ struct TrainArgs {
     #[arg(long = "save-dtype")]
     save_dtype: Option<String>,
     /// Precision (llm.c's build setting): fp32, or bf16 (parameters, gradients and activations
-    /// in bf16, every op computing in fp32; README: Precision). bf16 runs on the CPU so far.
+    /// in bf16, every op computing in fp32; README: Precision), on the CPU and the GPU.
     #[arg(long, default_value_t = D.with(|d| d.precision))]
     precision: llmrs::config::Precision,
     /// With bf16: 1 = keep fp32 master weights that AdamW updates (llm.c -w), 0 = AdamW rounds

@@ -709,7 +709,7 @@ impl Model {
         }
         if !self.be.supports_bf16() {
             bail!(
-                "--precision bf16 runs on the CPU so far ({}); use --device cpu or --precision fp32",
+                "--precision bf16 needs bf16 buffers, which this backend lacks ({}): use --precision fp32",
                 self.be.describe()
             );
         }

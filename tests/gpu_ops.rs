@@ -15,8 +15,8 @@
 
 mod common;
 
-use common::gpu::{backend, Pair};
-use llmrs::backend::{AdamWParams, Backend, SkipAbove};
+use common::gpu::{backend, Pair, Two};
+use llmrs::backend::{AdamWParams, Backend, DType, SkipAbove};
 use llmrs::gpu::Options;
 
 /// Tiny limits: 512-byte chunks and 2 KiB bindings (rows of up to 512 floats fit), GEMM sums
@@ -33,12 +33,17 @@ fn tiny() -> Options {
     }
 }
 
-/// Run `f` on a pair with the adapter's sizes and on one with tiny ones.
+/// Run `f` on a pair with the adapter's sizes and on one with tiny ones, with f32 tensors and
+/// with bf16 ones (`--precision bf16`: two to a 32-bit word on the GPU, each op computing on
+/// f32 copies; the CPU rounds as the GPU does, so an op's results agree within the fp32
+/// tolerance plus one bf16 rounding step: see `Pair::check`).
 fn both(name: &str, f: impl Fn(&mut Pair)) {
-    for (what, opts) in [("default sizes", Options::default()), ("tiny chunks", tiny())] {
-        let Some(gpu) = backend(name, opts) else { return };
-        let mut p = Pair::new(gpu, what);
-        f(&mut p);
+    for dtype in [DType::F32, DType::BF16] {
+        for (what, opts) in [("default sizes", Options::default()), ("tiny chunks", tiny())] {
+            let Some(gpu) = backend(name, opts) else { return };
+            let mut p = Pair::with_dtype(gpu, what, dtype);
+            f(&mut p);
+        }
     }
 }
 
@@ -479,5 +484,143 @@ fn gpu_uploads_and_downloads_span_chunks() {
         g.fill(b.slice(290..400), 1.5);
         g.download(b, &mut out).unwrap();
         assert!(out[290..400].iter().all(|&x| x == 1.5) && out[289] == data[289] && out[400] == data[400]);
+    }
+}
+
+/// bf16 storage on the GPU: uploads, downloads, fills and conversions of bf16 tensors that
+/// start and end in the middle of 32-bit words and across chunks, each the CPU's bits
+/// (rounding to nearest even, stochastic rounding keyed by the seed and the element's place);
+/// the neighbours sharing a word keep their halves.
+#[test]
+fn gpu_bf16_storage() {
+    for opts in [Options::default(), tiny()] {
+        let Some(gpu) = backend("gpu_bf16_storage", opts) else { return };
+        let mut p =
+            Pair::with_dtype(gpu, if opts.chunk_bytes.is_some() { "tiny chunks" } else { "default" }, DType::BF16);
+        let parts = [1, 3, 300, 77, 1000, 3];
+        let n: usize = parts.iter().sum();
+        // Values that round (up and down, ties to even), signed zeros, tiny and huge ones.
+        let mut data: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 - 91.0) * 1.001f32.powi(i as i32)).collect();
+        data[..6].copy_from_slice(&[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, -0.0, 1e-40, 3.0e38, -2.5]);
+        let both = |p: &mut Pair| {
+            let c = p.cpu.alloc_parts(&parts, DType::BF16).unwrap();
+            let g = p.gpu.alloc_parts(&parts, DType::BF16).unwrap();
+            (c, g)
+        };
+        let x = both(&mut p);
+        p.cpu.upload(x.0, &data);
+        p.gpu.upload(x.1, &data);
+        p.check(x, 0.0, "upload");
+        // Windows at odd places: download, upload and fill, with the neighbours kept.
+        let mut part = vec![0f32; 499];
+        p.gpu.download(x.1.slice(251..750), &mut part).unwrap();
+        let mut want = vec![0f32; 499];
+        p.cpu.download(x.0.slice(251..750), &mut want).unwrap();
+        assert_eq!(
+            part.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        p.both(|be, [x]| be.upload(x.slice(3..10), &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]), [x]);
+        p.both(|be, [x]| be.fill(x.slice(289..400), 1.0 / 3.0), [x]);
+        p.both(|be, [x]| be.fill(x.slice(1000..1001), -7.0), [x]);
+        p.check(x, 0.0, "uploads and fills at odd offsets");
+        // Conversions: f32 into bf16 (nearest, stochastic), bf16 into f32 and into bf16, into
+        // views that start at odd elements.
+        let fc = p.cpu.alloc_parts(&parts, DType::F32).unwrap();
+        let fg = p.gpu.alloc_parts(&parts, DType::F32).unwrap();
+        let f = (fc, fg);
+        let wide: Vec<f32> = data.iter().map(|v| v * 1.000_37 + 1e-3).collect();
+        p.both(|be, [f]| be.upload(f, &wide), [f]);
+        for seed in [None, Some(7), Some(0xDEAD_BEEF)] {
+            let y = both(&mut p);
+            p.both(|be, [y, f]| be.convert(y.slice(5..n), f.slice(4..n - 1), seed), [y, f]);
+            p.both(|be, [y, f]| be.convert(y.prefix(5), f.slice(n - 5..n), seed), [y, f]);
+            p.check(y, 0.0, &format!("convert f32 -> bf16, seed {seed:?}"));
+            p.both(|be, [x, y]| be.convert(x.slice(1..n), y.slice(0..n - 1), seed), [x, y]);
+            p.check(x, 0.0, &format!("convert bf16 -> bf16, seed {seed:?}"));
+            p.both(|be, [f, y]| be.convert(f.slice(3..n), y.slice(0..n - 3), None), [f, y]);
+            let (mut c, mut g) = (vec![0f32; n], vec![0f32; n]);
+            p.cpu.download(f.0, &mut c).unwrap();
+            p.gpu.download(f.1, &mut g).unwrap();
+            assert!(c.iter().zip(&g).all(|(a, b)| a.to_bits() == b.to_bits()), "convert bf16 -> f32");
+            p.cpu.free(y.0);
+            p.gpu.free(y.1);
+        }
+    }
+}
+
+/// AdamW on fp32 master weights that also writes their bf16 working copy (llm.c's bf16 AdamW,
+/// `-w 1`) against the CPU, with bf16 gradients; a skipped step leaves both as they were.
+#[test]
+fn gpu_adamw_writes_the_bf16_working_copy() {
+    for opts in [Options::default(), tiny()] {
+        let Some(gpu) = backend("gpu_adamw_writes_the_bf16_working_copy", opts) else { return };
+        let mut f = Pair::new(gpu, "master weights");
+        for n in [1, 7, 4097] {
+            let [params, m, v, stats] = f.parts([n, n, n, 2]);
+            f.map(v, |x| x * x);
+            f.map(stats, |_| 0.5);
+            // The working copy and the gradients in bf16, at odd offsets of their allocations.
+            let alloc = |f: &mut Pair| {
+                let c = f.cpu.alloc_parts(&[1, n], DType::BF16).unwrap().slice(1..n + 1);
+                let g = f.gpu.alloc_parts(&[1, n], DType::BF16).unwrap().slice(1..n + 1);
+                (c, g)
+            };
+            let (work, grads) = (alloc(&mut f), alloc(&mut f));
+            let g: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01).collect();
+            f.both(|be, [x]| be.upload(x, &g), [grads]);
+            f.both(|be, [w, pa]| be.convert(w, pa, None), [work, params]);
+            let mut h = AdamWParams {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                grad_clip: 1.0,
+                t: 3,
+                skip: SkipAbove::NON_FINITE,
+                seed: 12345,
+            };
+            let step = |f: &mut Pair, h: &AdamWParams| {
+                f.both(
+                    |be, [pa, w, g, m, v, s]| be.adamw_update_and_copy(pa, w, g, m, v, s, h),
+                    [params, work, grads, m, v, stats],
+                )
+            };
+            let read = |f: &mut Pair, x: Two| {
+                let (mut c, mut g) = (vec![0f32; x.0.len], vec![0f32; x.1.len]);
+                f.cpu.download(x.0, &mut c).unwrap();
+                f.gpu.download(x.1, &mut g).unwrap();
+                (c, g)
+            };
+            let what = format!("adamw with a working copy n={n}");
+            // lr = 0 leaves the master weights exactly as they are on both backends, so the
+            // copy, their stochastic rounding, must have the CPU's bits (and differ from the
+            // nearest rounding it replaced somewhere).
+            let nearest = read(&mut f, work).1;
+            h.lr = 0.0;
+            step(&mut f, &h);
+            f.check(params, 0.0, &what);
+            f.check(work, 0.0, &format!("{what}: the working copy"));
+            if n > 1000 {
+                assert_ne!(read(&mut f, work).1, nearest, "{what}: the copy was not rounded stochastically");
+            }
+            // A real step: the master weights within fp32 rounding, the copy within one bf16
+            // step of the CPU's (their master weights differ by rounding).
+            h.lr = 1e-2;
+            step(&mut f, &h);
+            f.check(params, 1e-5, &what);
+            f.check(m, 1e-5, &what);
+            f.check(v, 1e-5, &what);
+            let (c, g) = read(&mut f, work);
+            for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+                assert!((a - b).abs() <= a.abs().max(b.abs()) / 128.0, "{what}: copy element {i}: gpu {a} vs cpu {b}");
+            }
+            let before = (read(&mut f, params).1, read(&mut f, work).1);
+            h.skip = SkipAbove { loss: 0.25, norm_sq: f32::INFINITY };
+            h.seed = 99;
+            step(&mut f, &h);
+            assert_eq!(before, (read(&mut f, params).1, read(&mut f, work).1), "{what}: a skipped step moved them");
+        }
     }
 }

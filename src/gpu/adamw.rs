@@ -1,5 +1,6 @@
 //! AdamW and the global gradient norm on the GPU (kernels/adamw.wgsl).
 
+use super::bf16::limit;
 use super::{u, GpuBackend, Groups, Threads, K};
 use crate::backend::{AdamWParams, Buf, DType};
 
@@ -35,11 +36,9 @@ impl GpuBackend {
     /// One AdamW step on one tensor, skipped on the device when the step's stats say so.
     pub(super) fn adamw_update_(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
         Self::disjoint("adamw_update", &[params, m, v], &[grads, stats]);
-        // The bias corrections as the CPU computes them; limits a kernel compares without
-        // infinities (a limit of +inf skips nothing finite, a NaN limit skips everything).
+        // The bias corrections as the CPU computes them.
         let bc1 = 1.0 - h.beta1.powi(h.t);
         let bc2 = 1.0 - h.beta2.powi(h.t);
-        let limit = |x: f32| if x.is_nan() { f32::MIN } else { x.min(f32::MAX) };
         let s = self.win(stats);
         for r in self.mem.pieces(&[params, grads, m, v], params.len) {
             let n = r.end - r.start;

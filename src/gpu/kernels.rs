@@ -14,8 +14,9 @@ pub const IMMEDIATE_BYTES: u32 = 128;
 pub const COMMON: &str = include_str!("kernels/common.wgsl");
 
 /// Every kernel module, by file name.
-const FILES: [(&str, &str); 13] = [
+const FILES: [(&str, &str); 14] = [
     ("memory", include_str!("kernels/memory.wgsl")),
+    ("bf16", include_str!("kernels/bf16.wgsl")),
     ("encoder", include_str!("kernels/encoder.wgsl")),
     ("layernorm", include_str!("kernels/layernorm.wgsl")),
     ("rmsnorm", include_str!("kernels/rmsnorm.wgsl")),
@@ -41,6 +42,9 @@ pub fn wgsl_modules() -> Vec<(&'static str, String)> {
 pub enum K {
     Fill,
     CopyRows,
+    Widen,
+    Narrow,
+    FillBf16,
     ColumnSums,
     EncoderForward,
     EncoderBackwardWte,
@@ -75,41 +79,44 @@ pub enum K {
 }
 
 /// (kernel, module, entry point, storage buffers bound at 0..n, which of them hold u32 (a bit
-/// per binding; the others f32)).
-const TABLE: [(K, &str, &str, usize, u8); 33] = [
-    (K::Fill, "memory", "fill", 1, 0),
-    (K::CopyRows, "memory", "copy_rows", 2, 0),
-    (K::ColumnSums, "memory", "column_sums", 2, 0),
-    (K::EncoderForward, "encoder", "encoder_forward", 4, 0b10),
-    (K::EncoderBackwardWte, "encoder", "encoder_backward_wte", 3, 0b10),
-    (K::EncoderBackwardWpe, "encoder", "encoder_backward_wpe", 3, 0b10),
-    (K::LayernormForward, "layernorm", "layernorm_forward", 6, 0),
-    (K::LayernormBackwardInput, "layernorm", "layernorm_backward_input", 6, 0),
-    (K::LayernormBackwardParams, "layernorm", "layernorm_backward_params", 6, 0),
-    (K::RmsnormForward, "rmsnorm", "rmsnorm_forward", 4, 0),
-    (K::RmsnormBackwardInput, "rmsnorm", "rmsnorm_backward_input", 5, 0),
-    (K::RmsnormBackwardParams, "rmsnorm", "rmsnorm_backward_params", 4, 0),
-    (K::HeadNormForward, "rmsnorm", "head_norm_forward", 5, 0),
-    (K::HeadNormBackwardInput, "rmsnorm", "head_norm_backward_input", 6, 0),
-    (K::HeadNormBackwardParams, "rmsnorm", "head_norm_backward_params", 4, 0),
-    (K::Rope, "rope", "rope", 2, 0),
-    (K::SwigluForward, "swiglu", "swiglu_forward", 2, 0),
-    (K::SwigluBackward, "swiglu", "swiglu_backward", 3, 0),
-    (K::ResidualForward, "residual", "residual_forward", 3, 0),
-    (K::GeluForward, "gelu", "gelu_forward", 2, 0),
-    (K::GeluBackward, "gelu", "gelu_backward", 2, 0),
-    (K::Matmul, "matmul", "matmul", 4, 0),
-    (K::BiasBackward, "matmul", "bias_backward", 2, 0),
-    (K::SoftmaxForward, "attention", "softmax_forward", 2, 0),
-    (K::SoftmaxProbs, "attention", "softmax_probs", 2, 0),
-    (K::SoftmaxBackward, "attention", "softmax_backward", 2, 0),
-    (K::CrossentropyForward, "classifier", "crossentropy_forward", 4, 0b1000),
-    (K::CrossentropyBackward, "classifier", "crossentropy_backward", 4, 0b1000),
-    (K::AccumulateMean, "classifier", "accumulate_mean", 2, 0),
-    (K::Adamw, "adamw", "adamw", 5, 0),
-    (K::SumSquares, "adamw", "sum_squares", 2, 0),
-    (K::ReducePartials, "adamw", "reduce_partials", 2, 0),
-    (K::LoraScale, "lora", "lora_scale", 1, 0),
+/// per binding), which bf16 (two a word; the others f32)).
+const TABLE: [(K, &str, &str, usize, u8, u8); 36] = [
+    (K::Fill, "memory", "fill", 1, 0, 0),
+    (K::CopyRows, "memory", "copy_rows", 2, 0, 0),
+    (K::Widen, "bf16", "widen", 2, 0, 0b1),
+    (K::Narrow, "bf16", "narrow", 3, 0, 0b1),
+    (K::FillBf16, "bf16", "fill_bf16", 1, 0, 0b1),
+    (K::ColumnSums, "memory", "column_sums", 2, 0, 0),
+    (K::EncoderForward, "encoder", "encoder_forward", 4, 0b10, 0),
+    (K::EncoderBackwardWte, "encoder", "encoder_backward_wte", 3, 0b10, 0),
+    (K::EncoderBackwardWpe, "encoder", "encoder_backward_wpe", 3, 0b10, 0),
+    (K::LayernormForward, "layernorm", "layernorm_forward", 6, 0, 0),
+    (K::LayernormBackwardInput, "layernorm", "layernorm_backward_input", 6, 0, 0),
+    (K::LayernormBackwardParams, "layernorm", "layernorm_backward_params", 6, 0, 0),
+    (K::RmsnormForward, "rmsnorm", "rmsnorm_forward", 4, 0, 0),
+    (K::RmsnormBackwardInput, "rmsnorm", "rmsnorm_backward_input", 5, 0, 0),
+    (K::RmsnormBackwardParams, "rmsnorm", "rmsnorm_backward_params", 4, 0, 0),
+    (K::HeadNormForward, "rmsnorm", "head_norm_forward", 5, 0, 0),
+    (K::HeadNormBackwardInput, "rmsnorm", "head_norm_backward_input", 6, 0, 0),
+    (K::HeadNormBackwardParams, "rmsnorm", "head_norm_backward_params", 4, 0, 0),
+    (K::Rope, "rope", "rope", 2, 0, 0),
+    (K::SwigluForward, "swiglu", "swiglu_forward", 2, 0, 0),
+    (K::SwigluBackward, "swiglu", "swiglu_backward", 3, 0, 0),
+    (K::ResidualForward, "residual", "residual_forward", 3, 0, 0),
+    (K::GeluForward, "gelu", "gelu_forward", 2, 0, 0),
+    (K::GeluBackward, "gelu", "gelu_backward", 2, 0, 0),
+    (K::Matmul, "matmul", "matmul", 4, 0, 0),
+    (K::BiasBackward, "matmul", "bias_backward", 2, 0, 0),
+    (K::SoftmaxForward, "attention", "softmax_forward", 2, 0, 0),
+    (K::SoftmaxProbs, "attention", "softmax_probs", 2, 0, 0),
+    (K::SoftmaxBackward, "attention", "softmax_backward", 2, 0, 0),
+    (K::CrossentropyForward, "classifier", "crossentropy_forward", 4, 0b1000, 0),
+    (K::CrossentropyBackward, "classifier", "crossentropy_backward", 4, 0b1000, 0),
+    (K::AccumulateMean, "classifier", "accumulate_mean", 2, 0, 0),
+    (K::Adamw, "adamw", "adamw", 5, 0, 0),
+    (K::SumSquares, "adamw", "sum_squares", 2, 0, 0),
+    (K::ReducePartials, "adamw", "reduce_partials", 2, 0, 0),
+    (K::LoraScale, "lora", "lora_scale", 1, 0, 0),
 ];
 
 /// Most buffers any kernel binds.
@@ -184,6 +191,8 @@ impl Kernels {
     pub fn binding_dtype(k: K, i: usize) -> crate::backend::DType {
         if TABLE[index(k)].4 & (1 << i) != 0 {
             crate::backend::DType::U32
+        } else if TABLE[index(k)].5 & (1 << i) != 0 {
+            crate::backend::DType::BF16
         } else {
             crate::backend::DType::F32
         }

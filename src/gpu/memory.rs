@@ -69,7 +69,11 @@ pub struct Memory {
     pub dummy: Win,
 }
 
-const ELEM: u64 = 4; // f32 and u32
+/// Bytes per element: f32 and u32 take 4, bf16 2 (two to a 32-bit word, the first in the low
+/// half: WGSL has no 16-bit storage type, so kernels read bf16 as `array<u32>`).
+fn elem(dtype: DType) -> u64 {
+    dtype.bytes() as u64
+}
 
 impl Memory {
     pub fn new(device: &wgpu::Device, sizes: Sizes, limit: Option<u64>) -> Self {
@@ -85,13 +89,10 @@ impl Memory {
 
     /// A new allocation of the given parts, each of which stays in one chunk.
     pub fn alloc(&mut self, ctx: &super::context::Context, parts: &[usize], dtype: DType) -> Result<Buf> {
-        if dtype == DType::BF16 {
-            bail!("the GPU backend computes in fp32 (bf16 storage comes later)");
-        }
         let len = parts.iter().try_fold(0usize, |a, &p| a.checked_add(p));
         let Some(len) = len else { bail!("an allocation of more than usize::MAX elements") };
-        let groups = self.group(ctx, parts)?;
-        let total: u64 = groups.iter().map(|g| chunk_bytes(g.len())).sum();
+        let groups = self.group(ctx, parts, dtype)?;
+        let total: u64 = groups.iter().map(|g| chunk_bytes(g.len(), dtype)).sum();
         if self.limit.is_some_and(|limit| self.held + total > limit) {
             bail!(out_of_memory(&ctx.name(), total, self.held, "the limit set for this run"));
         }
@@ -103,7 +104,7 @@ impl Memory {
                 self.next_chunk += 1;
                 let buf = ctx.device.create_buffer(&wgpu::BufferDescriptor {
                     label: None,
-                    size: chunk_bytes(g.len()),
+                    size: chunk_bytes(g.len(), dtype),
                     usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
                     mapped_at_creation: false,
                 });
@@ -122,12 +123,13 @@ impl Memory {
 
     /// The element ranges of an allocation's chunks: consecutive parts together up to the
     /// chunk size, a larger part alone.
-    fn group(&self, ctx: &super::context::Context, parts: &[usize]) -> Result<Vec<Range<usize>>> {
+    fn group(&self, ctx: &super::context::Context, parts: &[usize], dtype: DType) -> Result<Vec<Range<usize>>> {
         let s = self.sizes;
+        let eb = elem(dtype);
         let mut groups = vec![];
         let (mut start, mut cur) = (0usize, 0usize);
         for &p in parts {
-            let bytes = p as u64 * ELEM;
+            let bytes = p as u64 * eb;
             if bytes > s.max_buffer {
                 bail!(
                     "a tensor of {:.1} MB does not fit in one buffer of {} (at most {:.1} MB): lower the batch \
@@ -137,7 +139,7 @@ impl Memory {
                     s.max_buffer as f64 / 1e6
                 );
             }
-            if cur > 0 && (cur + p) as u64 * ELEM > s.chunk_bytes {
+            if cur > 0 && (cur + p) as u64 * eb > s.chunk_bytes {
                 groups.push(start..start + cur);
                 start += cur;
                 cur = 0;
@@ -153,7 +155,7 @@ impl Memory {
     pub fn free(&mut self, b: Buf) {
         if let Some(slot) = self.allocs.get_mut(b.alloc as usize) {
             if let Some(a) = slot.take() {
-                self.held -= a.chunks.iter().map(|c| chunk_bytes(c.len)).sum::<u64>();
+                self.held -= a.chunks.iter().map(|c| chunk_bytes(c.len, a.dtype)).sum::<u64>();
             }
         }
     }
@@ -179,16 +181,19 @@ impl Memory {
     fn window_at(&self, b: Buf, at: usize) -> (Win, usize) {
         let c = self.chunk_at(b, at);
         let s = self.sizes;
-        let bytes = chunk_bytes(c.len);
+        let eb = elem(b.dtype);
+        let bytes = chunk_bytes(c.len, b.dtype);
+        // Windows start at a multiple of the alignment (a whole number of 32-bit words, so a
+        // bf16 element keeps its half of a word) and end at a whole word.
         let (byte_off, byte_len) = if bytes <= s.max_binding {
             (0, bytes)
         } else {
-            let rel = (at - c.start) as u64 * ELEM;
+            let rel = (at - c.start) as u64 * eb;
             let off = rel / s.align * s.align;
-            (off, (bytes - off).min(s.max_binding / ELEM * ELEM))
+            (off, (bytes - off).min(s.max_binding / 4 * 4))
         };
-        let first = c.start + (byte_off / ELEM) as usize; // the window's first element
-        let end = first + (byte_len / ELEM) as usize; // one past its last
+        let first = c.start + (byte_off / eb) as usize; // the window's first element
+        let end = first + (byte_len / eb) as usize; // one past its last
         let win = Win { chunk: c.id, buf: c.buf.clone(), byte_off, byte_len, off: (at - first) as u32, dtype: b.dtype };
         (win, end.min(c.start + c.len))
     }
@@ -279,7 +284,7 @@ impl Memory {
         while at < b.off + b.len {
             let c = self.chunk_at(b, at);
             let end = (c.start + c.len).min(b.off + b.len);
-            out.push((c.buf.clone(), (at - c.start) as u64 * ELEM, at - b.off..end - b.off));
+            out.push((c.buf.clone(), (at - c.start) as u64 * elem(b.dtype), at - b.off..end - b.off));
             at = end;
         }
         out
@@ -297,6 +302,6 @@ pub fn out_of_memory(adapter: &str, needed: u64, held: u64, detail: &str) -> Str
 }
 
 /// Bytes of a chunk of `len` elements (wgpu buffers are multiples of 4 bytes and not empty).
-fn chunk_bytes(len: usize) -> u64 {
-    (len as u64 * ELEM).max(ELEM)
+fn chunk_bytes(len: usize, dtype: DType) -> u64 {
+    (len as u64 * elem(dtype)).div_ceil(4).max(1) * 4
 }

@@ -1,6 +1,8 @@
 //! The GPU backend: llm.c's layers as WGSL compute kernels run through wgpu, so one binary
 //! trains on Metal (macOS), Vulkan (Linux, Windows: NVIDIA, AMD, Intel) and DX12 (Windows).
-//! fp32 throughout; checked against the CPU backend op by op and step by step (tests/gpu.rs).
+//! The kernels compute in fp32; bf16 buffers (`--precision bf16`) are stored two values to a
+//! 32-bit word and reach the kernels as f32 copies ([`bf16`]). Checked against the CPU backend
+//! op by op and step by step, in both precisions (tests/gpu_ops.rs, tests/gpu.rs).
 //!
 //! One file per layer kind, named as the CPU's (`gpu/layernorm.rs` computes the dispatches of
 //! `gpu/kernels/layernorm.wgsl`); the device, memory and command recording are in
@@ -10,6 +12,7 @@
 
 mod adamw;
 mod attention;
+mod bf16;
 mod classifier;
 mod context;
 mod encoder;
@@ -28,6 +31,8 @@ mod swiglu;
 use crate::backend::{AdamWParams, Backend, Buf, DType, LoraShape};
 use crate::profile::Kind;
 use anyhow::Result;
+use bf16::Role::{In, InOut, Out, Scratch};
+use bf16::Rounding::{Nearest, Stochastic};
 use context::Context;
 use kernels::{Kernels, K};
 use memory::{Memory, Sizes, Win};
@@ -133,6 +138,8 @@ pub struct GpuBackend {
     /// An op that could not record its work (its workspace did not fit in memory): reported at
     /// the next host read, as a device fault is.
     fault: Option<String>,
+    /// The f32 copies of bf16 buffers that ops compute on (gpu/bf16.rs), kept between ops.
+    wide: Vec<Buf>,
     cuts: Cuts,
 }
 
@@ -168,6 +175,7 @@ impl GpuBackend {
             att_tiles: [None, None],
             buckets: None,
             fault: None,
+            wide: vec![],
             cuts,
         })
     }
@@ -300,9 +308,17 @@ impl Backend for GpuBackend {
     fn describe(&self) -> String {
         let i = &self.ctx.info;
         format!(
-            "gpu: fp32 WGSL kernels on {} ({:?} {:?}; {} {})",
+            "gpu: fp32 WGSL kernels (bf16 storage through f32 copies) on {} ({:?} {:?}; {} {})",
             i.name, i.device_type, i.backend, i.driver, i.driver_info
         )
+    }
+
+    fn supports_bf16(&self) -> bool {
+        true
+    }
+
+    fn workspace_bytes(&self) -> usize {
+        self.wide.iter().map(|b| b.len * 4).sum()
     }
 
     fn alloc(&mut self, len: usize, dtype: DType) -> Result<Buf> {
@@ -326,6 +342,9 @@ impl Backend for GpuBackend {
 
     fn upload(&mut self, dst: Buf, src: &[f32]) {
         lens!("upload"; dst => src.len());
+        if dst.dtype == DType::BF16 {
+            return self.upload_bf16(dst, src);
+        }
         assert_eq!(dst.dtype, DType::F32, "upload: {dst:?} is not an f32 buffer");
         self.write(dst, bytemuck::cast_slice(src));
     }
@@ -340,6 +359,9 @@ impl Backend for GpuBackend {
 
     fn download(&mut self, src: Buf, dst: &mut [f32]) -> Result<()> {
         lens!("download"; src => dst.len());
+        if src.dtype == DType::BF16 {
+            return self.download_bf16(src, dst);
+        }
         assert_eq!(src.dtype, DType::F32, "download: {src:?} is not an f32 buffer");
         let spans: Vec<_> =
             self.mem.spans(src).into_iter().map(|(b, off, r)| (b, off, (r.end - r.start) as u64 * 4)).collect();
@@ -349,6 +371,9 @@ impl Backend for GpuBackend {
     }
 
     fn fill(&mut self, dst: Buf, value: f32) {
+        if dst.dtype == DType::BF16 {
+            return self.fill_bf16(dst, value);
+        }
         for r in self.mem.pieces(&[dst], dst.len) {
             let w = self.win(dst.slice(r.clone()));
             let n = r.end - r.start;
@@ -383,14 +408,26 @@ impl Backend for GpuBackend {
         self.rec.profile_totals(&self.ctx)
     }
 
+    // Every op runs through `in_f32` (gpu/bf16.rs): its bf16 buffers reach the fp32 kernels as
+    // f32 copies, with each buffer's role as ops.rs gives it (In, Out, InOut, Scratch).
+
     fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize) {
-        self.encoder_forward_(out, inp, wte, wpe, b, t, c)
+        let bufs = [(out, Out), (inp, In), (wte, In), (opt(wpe), In)];
+        self.in_f32("encoder_forward", bufs, Nearest, |s, [out, inp, wte, p]| {
+            s.encoder_forward_(out, inp, wte, back(wpe, p), b, t, c)
+        })
     }
     fn encoder_backward(&mut self, dwte: Buf, dwpe: Option<Buf>, dout: Buf, inp: Buf, b: usize, t: usize, c: usize) {
-        self.encoder_backward_(dwte, dwpe, dout, inp, b, t, c)
+        let bufs = [(dwte, InOut), (opt(dwpe), InOut), (dout, In), (inp, In)];
+        self.in_f32("encoder_backward", bufs, Nearest, |s, [dwte, p, dout, inp]| {
+            s.encoder_backward_(dwte, back(dwpe, p), dout, inp, b, t, c)
+        })
     }
     fn layernorm_forward(&mut self, out: Buf, mean: Buf, rstd: Buf, inp: Buf, w: Buf, bias: Buf, n: usize, c: usize) {
-        self.layernorm_forward_(out, mean, rstd, inp, w, bias, n, c)
+        let bufs = [(out, Out), (mean, Out), (rstd, Out), (inp, In), (w, In), (bias, In)];
+        self.in_f32("layernorm_forward", bufs, Nearest, |s, [out, mean, rstd, inp, w, bias]| {
+            s.layernorm_forward_(out, mean, rstd, inp, w, bias, n, c)
+        })
     }
     fn layernorm_backward(
         &mut self,
@@ -405,10 +442,20 @@ impl Backend for GpuBackend {
         n: usize,
         c: usize,
     ) {
-        self.layernorm_backward_(dinp, dweight, dbias, dout, inp, weight, mean, rstd, n, c)
+        #[rustfmt::skip]
+        let bufs = [
+            (dinp, InOut), (dweight, InOut), (dbias, InOut),
+            (dout, In), (inp, In), (weight, In), (mean, In), (rstd, In),
+        ];
+        self.in_f32("layernorm_backward", bufs, Nearest, |s, [dx, dw, db, dout, inp, w, mean, rstd]| {
+            s.layernorm_backward_(dx, dw, db, dout, inp, w, mean, rstd, n, c)
+        })
     }
     fn rmsnorm_forward(&mut self, out: Buf, rstd: Buf, inp: Buf, weight: Buf, n: usize, c: usize, eps: f32) {
-        self.rmsnorm_forward_(out, rstd, inp, weight, n, c, eps)
+        let bufs = [(out, Out), (rstd, Out), (inp, In), (weight, In)];
+        self.in_f32("rmsnorm_forward", bufs, Nearest, |s, [out, rstd, inp, w]| {
+            s.rmsnorm_forward_(out, rstd, inp, w, n, c, eps)
+        })
     }
     fn rmsnorm_backward(
         &mut self,
@@ -421,7 +468,10 @@ impl Backend for GpuBackend {
         n: usize,
         c: usize,
     ) {
-        self.rmsnorm_backward_(dinp, dweight, dout, inp, weight, rstd, n, c)
+        let bufs = [(dinp, InOut), (dweight, InOut), (dout, In), (inp, In), (weight, In), (rstd, In)];
+        self.in_f32("rmsnorm_backward", bufs, Nearest, |s, [dx, dw, dout, inp, w, rstd]| {
+            s.rmsnorm_backward_(dx, dw, dout, inp, w, rstd, n, c)
+        })
     }
     fn head_norm_forward(
         &mut self,
@@ -436,7 +486,10 @@ impl Backend for GpuBackend {
         hs: usize,
         eps: f32,
     ) {
-        self.head_norm_forward_(out, rstd, inp, wq, wk, n, (nh, nkv, hs), eps)
+        let bufs = [(out, Out), (rstd, Out), (inp, In), (wq, In), (wk, In)];
+        self.in_f32("head_norm_forward", bufs, Nearest, |s, [out, rstd, inp, wq, wk]| {
+            s.head_norm_forward_(out, rstd, inp, wq, wk, n, (nh, nkv, hs), eps)
+        })
     }
     fn head_norm_backward(
         &mut self,
@@ -453,10 +506,19 @@ impl Backend for GpuBackend {
         nkv: usize,
         hs: usize,
     ) {
-        self.head_norm_backward_(dinp, dwq, dwk, dout, inp, (wq, wk, rstd), n, (nh, nkv, hs))
+        #[rustfmt::skip]
+        let bufs = [
+            (dinp, Out), (dwq, InOut), (dwk, InOut),
+            (dout, In), (inp, In), (wq, In), (wk, In), (rstd, In),
+        ];
+        self.in_f32("head_norm_backward", bufs, Nearest, |s, [dx, dwq, dwk, dout, inp, wq, wk, rstd]| {
+            s.head_norm_backward_(dx, dwq, dwk, dout, inp, (wq, wk, rstd), n, (nh, nkv, hs))
+        })
     }
     fn rope_forward(&mut self, qkv: Buf, rope: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize) {
-        self.rope_(qkv, rope, n, t, pos, nh, nkv, hs, 1.0)
+        self.in_f32("rope_forward", [(qkv, InOut), (rope, In)], Nearest, |s, [qkv, rope]| {
+            s.rope_(qkv, rope, n, t, pos, nh, nkv, hs, 1.0)
+        })
     }
     fn rope_backward(
         &mut self,
@@ -469,19 +531,28 @@ impl Backend for GpuBackend {
         nkv: usize,
         hs: usize,
     ) {
-        self.rope_(dqkv, rope, n, t, pos, nh, nkv, hs, -1.0)
+        self.in_f32("rope_backward", [(dqkv, InOut), (rope, In)], Nearest, |s, [dqkv, rope]| {
+            s.rope_(dqkv, rope, n, t, pos, nh, nkv, hs, -1.0)
+        })
     }
     fn swiglu_forward(&mut self, out: Buf, inp: Buf, n: usize, f: usize) {
-        self.swiglu_forward_(out, inp, n, f)
+        self.in_f32("swiglu_forward", [(out, Out), (inp, In)], Nearest, |s, [out, inp]| {
+            s.swiglu_forward_(out, inp, n, f)
+        })
     }
     fn swiglu_backward(&mut self, dinp: Buf, dout: Buf, inp: Buf, n: usize, f: usize) {
-        self.swiglu_backward_(dinp, dout, inp, n, f)
+        let bufs = [(dinp, Out), (dout, In), (inp, In)];
+        self.in_f32("swiglu_backward", bufs, Nearest, |s, [dx, dout, inp]| s.swiglu_backward_(dx, dout, inp, n, f))
     }
     fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf) {
-        self.residual_forward_(out, a, b)
+        let bufs = [(out, Out), (a, In), (b, In)];
+        self.in_f32("residual_forward", bufs, Nearest, |s, [out, a, b]| s.residual_forward_(out, a, b))
     }
     fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize) {
-        self.matmul_forward_(out, inp, weight, bias, n, c, oc)
+        let bufs = [(out, Out), (inp, In), (weight, In), (opt(bias), In)];
+        self.in_f32("matmul_forward", bufs, Nearest, |s, [out, inp, w, b]| {
+            s.matmul_forward_(out, inp, w, back(bias, b), n, c, oc)
+        })
     }
     fn matmul_backward(
         &mut self,
@@ -496,10 +567,20 @@ impl Backend for GpuBackend {
         oc: usize,
         accumulate: bool,
     ) {
-        self.matmul_backward_(dinp, dweight, dbias, dout, inp, weight, n, c, oc, accumulate)
+        let grad = if accumulate { InOut } else { Out };
+        #[rustfmt::skip]
+        let bufs = [
+            (opt(dinp), Out), (opt(dweight), grad), (opt(dbias), grad),
+            (dout, In), (inp, In), (weight, In),
+        ];
+        self.in_f32("matmul_backward", bufs, Nearest, |s, [dx, dw, db, dout, inp, w]| {
+            s.matmul_backward_(back(dinp, dx), back(dweight, dw), back(dbias, db), dout, inp, w, n, c, oc, accumulate)
+        })
     }
-    fn lora_forward(&mut self, out: Buf, h: Buf, inp: Buf, a: Buf, b: Buf, s: LoraShape) {
-        self.lora_forward_(out, h, inp, a, b, s)
+    fn lora_forward(&mut self, out: Buf, h: Buf, inp: Buf, a: Buf, b: Buf, sh: LoraShape) {
+        // h is written whole (and rounded back, as on the CPU, which the tests compare).
+        let bufs = [(out, InOut), (h, Out), (inp, In), (a, In), (b, In)];
+        self.in_f32("lora_forward", bufs, Nearest, |s, [out, h, inp, a, b]| s.lora_forward_(out, h, inp, a, b, sh))
     }
     fn lora_backward(
         &mut self,
@@ -512,15 +593,22 @@ impl Backend for GpuBackend {
         inp: Buf,
         a: Buf,
         b: Buf,
-        s: LoraShape,
+        sh: LoraShape,
     ) {
-        self.lora_backward_(dinp, da, db, h, dh, dout, inp, a, b, s)
+        #[rustfmt::skip]
+        let bufs = [
+            (opt(dinp), InOut), (da, InOut), (db, InOut), (h, Out), (dh, Out),
+            (dout, In), (inp, In), (a, In), (b, In),
+        ];
+        self.in_f32("lora_backward", bufs, Nearest, |s, [dx, da, db, h, dh, dout, inp, a, b]| {
+            s.lora_backward_(back(dinp, dx), da, db, h, dh, dout, inp, a, b, sh)
+        })
     }
     fn gelu_forward(&mut self, out: Buf, inp: Buf) {
-        self.gelu_forward_(out, inp)
+        self.in_f32("gelu_forward", [(out, Out), (inp, In)], Nearest, |s, [out, inp]| s.gelu_forward_(out, inp))
     }
     fn gelu_backward(&mut self, d: Buf, inp: Buf) {
-        self.gelu_backward_(d, inp)
+        self.in_f32("gelu_backward", [(d, InOut), (inp, In)], Nearest, |s, [d, inp]| s.gelu_backward_(d, inp))
     }
     fn attention_forward(
         &mut self,
@@ -534,7 +622,10 @@ impl Backend for GpuBackend {
         nh: usize,
         nkv: usize,
     ) {
-        self.attention_forward_(out, stats, ws, qkv, b, t, c, nh, nkv)
+        let bufs = [(out, Out), (stats, Out), (ws, Scratch), (qkv, In)];
+        self.in_f32("attention_forward", bufs, Nearest, |s, [out, stats, ws, qkv]| {
+            s.attention_forward_(out, stats, ws, qkv, b, t, c, nh, nkv)
+        })
     }
     fn attention_backward(
         &mut self,
@@ -549,7 +640,10 @@ impl Backend for GpuBackend {
         nh: usize,
         nkv: usize,
     ) {
-        self.attention_backward_(dqkv, workspace, dout, qkv, stats, b, t, c, nh, nkv)
+        let bufs = [(dqkv, Out), (workspace, Scratch), (dout, In), (qkv, In), (stats, In)];
+        self.in_f32("attention_backward", bufs, Nearest, |s, [dqkv, ws, dout, qkv, stats]| {
+            s.attention_backward_(dqkv, ws, dout, qkv, stats, b, t, c, nh, nkv)
+        })
     }
     fn attention_forward_cached(
         &mut self,
@@ -565,32 +659,81 @@ impl Backend for GpuBackend {
         nkv: usize,
         max_t: usize,
     ) {
-        self.attention_forward_cached_(out, workspace, qkv, k_cache, v_cache, pos, tn, c, nh, nkv, max_t)
+        // Only the rows the cache holds, with the new ones, reach the op (in a bf16 run, only
+        // they are widened and rounded back; the kernels read no further).
+        let kv = c.checked_div(nh).unwrap_or(0) * nkv;
+        let held = ((pos + tn) * kv).min(k_cache.len).min(v_cache.len);
+        #[rustfmt::skip]
+        let bufs = [
+            (out, Out), (workspace, Scratch), (qkv, In),
+            (k_cache.prefix(held), InOut), (v_cache.prefix(held), InOut),
+        ];
+        self.in_f32("attention_forward_cached", bufs, Nearest, |s, [out, ws, qkv, k, v]| {
+            s.attention_forward_cached_(out, ws, qkv, k, v, pos, tn, c, nh, nkv, max_t)
+        })
     }
     fn crossentropy_forward(&mut self, losses: Buf, lse: Buf, logits: Buf, tg: Buf, n: usize, v: usize, vp: usize) {
-        self.crossentropy_forward_(losses, lse, logits, tg, n, v, vp)
+        let bufs = [(losses, Out), (lse, Out), (logits, In), (tg, In)];
+        self.in_f32("crossentropy_forward", bufs, Nearest, |s, [losses, lse, logits, tg]| {
+            s.crossentropy_forward_(losses, lse, logits, tg, n, v, vp)
+        })
     }
     fn crossentropy_backward(&mut self, logits: Buf, lse: Buf, tg: Buf, dloss: f32, n: usize, v: usize, vp: usize) {
-        self.crossentropy_backward_(logits, lse, tg, dloss, n, v, vp)
+        let bufs = [(logits, InOut), (lse, In), (tg, In)];
+        self.in_f32("crossentropy_backward", bufs, Nearest, |s, [logits, lse, tg]| {
+            s.crossentropy_backward_(logits, lse, tg, dloss, n, v, vp)
+        })
     }
     fn accumulate_mean(&mut self, acc: Buf, x: Buf, weight: f32) {
-        self.accumulate_mean_(acc, x, weight)
+        self.in_f32("accumulate_mean", [(acc, InOut), (x, In)], Nearest, |s, [acc, x]| {
+            s.accumulate_mean_(acc, x, weight)
+        })
     }
     fn global_norm_squared(&mut self, out: Buf, grads: Buf, accumulate: bool) {
-        self.global_norm_squared_(out, grads, accumulate)
+        let o = if accumulate { InOut } else { Out };
+        self.in_f32("global_norm_squared", [(out, o), (grads, In)], Nearest, |s, [out, grads]| {
+            s.global_norm_squared_(out, grads, accumulate)
+        })
     }
     fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
-        self.adamw_update_(params, grads, m, v, stats, h)
+        // bf16 parameters (no master weights) are rounded back stochastically; a skipped step
+        // rounds their exact f32 copies, which leaves them as they were.
+        let bufs = [(params, InOut), (grads, In), (m, InOut), (v, InOut), (stats, In)];
+        self.in_f32("adamw_update", bufs, Stochastic(h.seed), |s, [p, g, m, v, stats]| {
+            s.adamw_update_(p, g, m, v, stats, h)
+        })
     }
-    fn adamw_update_and_copy(&mut self, _: Buf, _: Buf, _: Buf, _: Buf, _: Buf, _: Buf, _: &AdamWParams) {
-        unreachable!("the GPU keeps no bf16 working copy (supports_bf16 is false)")
+    fn adamw_update_and_copy(
+        &mut self,
+        params: Buf,
+        work: Buf,
+        grads: Buf,
+        m: Buf,
+        v: Buf,
+        stats: Buf,
+        h: &AdamWParams,
+    ) {
+        assert!(params.dtype == DType::F32 && work.dtype == DType::BF16, "adamw_update_and_copy: {params:?}, {work:?}");
+        Self::disjoint("adamw_update", &[params, work, m, v], &[grads, stats]);
+        self.adamw_update(params, grads, m, v, stats, h);
+        // The working copy from the updated master weights, as the CPU rounds it (noise keyed
+        // by its own places); left as it was when the step is skipped.
+        self.narrow(work, params, Stochastic(h.seed), Some((stats, h.skip)));
     }
 
-    fn convert(&mut self, dst: Buf, src: Buf, _seed: Option<u32>) {
-        // Every GPU buffer is f32 or u32 (bf16 allocations are refused): a copy.
-        assert!(dst.dtype == DType::F32 && src.dtype == DType::F32, "convert: the GPU backend has f32 buffers only");
-        self.copy_rows(dst, dst.len, src, src.len, 1, src.len);
+    fn convert(&mut self, dst: Buf, src: Buf, seed: Option<u32>) {
+        self.convert_(dst, src, seed)
     }
+}
+
+/// An optional operand as a buffer ([`bf16::NONE`] when absent), for [`GpuBackend::in_f32`].
+fn opt(b: Option<Buf>) -> Buf {
+    b.unwrap_or(bf16::NONE)
+}
+
+/// The buffer an op gets for the optional operand `orig` (its f32 copy, or itself).
+fn back(orig: Option<Buf>, b: Buf) -> Option<Buf> {
+    orig.map(|_| b)
 }
 
 impl GpuBackend {
