@@ -9,7 +9,7 @@
 use crate::acts::{ActPlan, Acts, KvCache, NormActs};
 use crate::backend::comm::{read_host, Collectives, Reduce, SingleProcess};
 use crate::backend::ops::{Adapter, BlockLora, Mat, Ops, Seq, FROZEN};
-use crate::backend::{self, AdamWParams, Backend, Buf, DType, Device, SkipAbove};
+use crate::backend::{self, AdamWParams, Backend, Buf, DType, Device, Noise, SkipAbove};
 use crate::config::{ModelConfig, Precision};
 use crate::models::family::{Arch, Attn, Consts};
 use crate::optim::OptimConfig;
@@ -83,6 +83,17 @@ struct Gathered {
     embed_valid: bool,
     /// `block` holds this block's current weights.
     block_held: Option<usize>,
+}
+
+impl Gathered {
+    /// The buffers of the tensors outside the blocks and of one block, in `dtype` (that of
+    /// the parameters the passes read), holding nothing yet.
+    fn alloc(be: &mut dyn Backend, zero: &Sharding, dtype: DType) -> Result<Self> {
+        let (e, b) = (zero.outer_bucket().1, zero.block_bucket().1);
+        let whole = be.alloc_parts(&zero.bucket_parts(), dtype)?;
+        let (embed, block) = (whole.prefix(e), whole.slice(e..e + b));
+        Ok(Gathered { whole, embed, block, embed_valid: false, block_held: None })
+    }
 }
 
 /// Bytes of the model's state on this rank, by role (`llmrs bench`, the log).
@@ -190,10 +201,7 @@ impl Model {
             for p in &pieces {
                 be.upload(params.slice(p.shard.clone()), &data[p.owned.clone()]);
             }
-            let (e, b) = (zero.outer_bucket().1, zero.block_bucket().1);
-            let whole = be.alloc_parts(&zero.bucket_parts(), DType::F32)?;
-            let (embed, block) = (whole.prefix(e), whole.slice(e..e + b));
-            gathered = Some(Gathered { whole, embed, block, embed_valid: false, block_held: None });
+            gathered = Some(Gathered::alloc(&mut *be, &zero, DType::F32)?);
         }
         drop(data); // the host copy goes before anything else is allocated
         let stats = be.alloc(2, DType::F32)?;
@@ -440,6 +448,7 @@ impl Model {
                 t: step as i32 + 1,
                 skip,
                 seed: rounding_seed(step),
+                place: None,
             };
             Ops::new(be).adamw_update(params, grads, tr.m, tr.v, self.stats, &h);
             if self.zero.stage > 0 {
@@ -460,15 +469,17 @@ impl Model {
             t: step as i32 + 1,
             skip,
             seed: rounding_seed(step),
+            place: None,
         };
         self.zero.update(&mut *self.be, &mut *self.comm, bufs, hyper)?;
-        if let (Some(work), true) = (self.work, self.zero.stage > 0) {
+        if let (Some(work), 1 | 2) = (self.work, self.zero.stage) {
             // The bf16 working copy from the gathered master weights, rounded stochastically
-            // as llm.c's AdamW writes it (stage 0 writes it in AdamW's pass); a skipped step
-            // leaves it as it was (a host read of the statistics that these stages add).
+            // as llm.c's AdamW writes it (stages 0 and 3 write it in AdamW's pass); a skipped
+            // step leaves it as it was (a host read of the statistics that these stages add).
             let s = self.step_stats()?;
             if !s.skipped {
-                Ops::new(&mut *self.be).convert(work, self.params, Some(rounding_seed(step)));
+                let noise = Noise::at(rounding_seed(step), work);
+                Ops::new(&mut *self.be).convert(work, self.params, Some(noise));
             }
         }
         self.forget_gathered();
@@ -485,7 +496,7 @@ impl Model {
         let views = self.zero.outer_bucket().0.map(|r| g.embed.slice(r.clone()));
         if !g.embed_valid {
             for t in self.layout.outer_ids().into_iter().filter(|&t| views[t].len > 0) {
-                let src = self.params.slice(self.zero.piece(t, 0).shard);
+                let src = p.slice(self.zero.piece(t, 0).shard);
                 self.comm.all_gather(&mut *self.be, src, views[t])?;
             }
             g.embed_valid = true;
@@ -502,7 +513,7 @@ impl Model {
         let views = self.zero.block_bucket().0.map(|r| g.block.slice(r.clone()));
         if g.block_held != Some(l) {
             for t in self.layout.block_ids().into_iter().filter(|&t| views[t].len > 0) {
-                let src = self.params.slice(self.zero.piece(t, l).shard);
+                let src = p.slice(self.zero.piece(t, l).shard);
                 self.comm.all_gather(&mut *self.be, src, views[t])?;
             }
             g.block_held = Some(l);
@@ -713,11 +724,13 @@ impl Model {
                 self.be.describe()
             );
         }
-        if self.zero.stage == 3 {
-            bail!("--precision bf16 with ZeRO-3 is not supported yet: use -z 0, 1 or 2, or --precision fp32");
-        }
         let bf = self.be.alloc_parts(&self.zero.parts_at(3), DType::BF16)?;
         Ops::new(&mut *self.be).convert(bf, self.params, None);
+        if let Some(g) = self.gathered.take() {
+            // ZeRO-3 gathers the bf16 shards the passes read: a bf16 gathering buffer.
+            self.be.free(g.whole);
+            self.gathered = Some(Gathered::alloc(&mut *self.be, &self.zero, DType::BF16)?);
+        }
         if master_weights && self.lora.is_none() {
             self.work = Some(bf);
         } else {
@@ -1027,7 +1040,7 @@ impl Model {
     /// gathered, a collective that every rank must call.
     pub fn read_all(&mut self, slot: Slot) -> Result<Vec<f32>> {
         if slot == Slot::Params && self.zero.stage == 3 {
-            return Ok(self.gather_params(true)?.expect("kept"));
+            return Ok(self.gather_params(self.params, true)?.expect("kept"));
         }
         let b = self.slot(slot)?;
         let mut out = crate::mem::zeroed(b.len);
@@ -1035,20 +1048,31 @@ impl Model {
         Ok(out)
     }
 
-    /// ZeRO-3: every piece gathered from the ranks' shards (a collective), into host memory
-    /// when `keep`.
-    fn gather_params(&mut self, keep: bool) -> Result<Option<Vec<f32>>> {
+    /// ZeRO-3: every piece of `shards` (the parameters, or a bf16 run's working copy, in the
+    /// shard layout) gathered from the ranks (a collective), into host memory when `keep`.
+    fn gather_params(&mut self, shards: Buf, keep: bool) -> Result<Option<Vec<f32>>> {
         let g = self.gathered.context("the parameters are not sharded")?;
         let mut out = if keep { Some(crate::mem::zeroed::<f32>(self.layout.num_parameters)) } else { None };
         self.forget_gathered(); // the gathering buffer is overwritten
-        for p in &self.pieces {
-            let dst = g.whole.prefix(p.full.len());
-            self.comm.all_gather(&mut *self.be, self.params.slice(p.shard.clone()), dst)?;
-            if let Some(o) = &mut out {
-                self.be.download(dst, &mut o[p.full.clone()])?;
+                                // Through the gathering buffer where it has the shards' dtype; else (a bf16 run's f32
+                                // master weights) through a buffer of the largest piece for the while.
+        let largest = self.pieces.iter().map(|p| p.full.len()).max().unwrap_or(0);
+        let staging = if g.whole.dtype == shards.dtype { None } else { Some(self.be.alloc(largest, shards.dtype)?) };
+        let mut gather = || -> Result<()> {
+            for p in &self.pieces {
+                let dst = staging.unwrap_or(g.whole).prefix(p.full.len());
+                self.comm.all_gather(&mut *self.be, shards.slice(p.shard.clone()), dst)?;
+                if let Some(o) = &mut out {
+                    self.be.download(dst, &mut o[p.full.clone()])?;
+                }
             }
+            Ok(())
+        };
+        let r = gather();
+        if let Some(b) = staging {
+            self.be.free(b);
         }
-        Ok(out)
+        r.map(|()| out)
     }
 
     /// Overwrite a whole slot from the host, in the layout [`Model::read_all`] gives. Under
@@ -1117,6 +1141,7 @@ impl Model {
     /// (a bf16 run's working copy, not its master weights); under ZeRO-3 a collective.
     pub fn weights(&mut self) -> Result<Weights> {
         let data = match self.work {
+            Some(w) if self.zero.stage == 3 => self.gather_params(w, true)?.expect("kept"),
             Some(w) => {
                 let mut out = crate::mem::zeroed(w.len);
                 self.be.download(w, &mut out)?;
@@ -1132,7 +1157,7 @@ impl Model {
     pub fn weights_on_rank0(&mut self) -> Result<Option<Weights>> {
         let rank0 = self.comm.rank() == 0;
         if self.zero.stage == 3 {
-            let data = self.gather_params(rank0)?;
+            let data = self.gather_params(self.work.unwrap_or(self.params), rank0)?;
             return Ok(data.map(|data| Weights { config: self.config, layout: self.layout.clone(), data }));
         }
         if rank0 {

@@ -55,8 +55,8 @@ pub struct StepBufs {
     pub v: Buf,
     /// [the step's loss, the squared gradient norm].
     pub stats: Buf, // (2)
-    /// The bf16 working copy of f32 params, which stage 0 writes in AdamW's pass (the other
-    /// stages leave it to the caller, after the gather).
+    /// The bf16 working copy of f32 params, which stages 0 and 3 write in AdamW's pass
+    /// (stages 1 and 2 leave it to the caller, after the gather).
     pub work: Option<Buf>,
 }
 
@@ -206,7 +206,18 @@ impl Sharding {
             let p = b.params.slice(if stage == 3 { pc.shard.clone() } else { pc.owned.clone() });
             let g = b.grads.slice(if stage >= 2 { pc.shard.clone() } else { pc.owned.clone() });
             let (m, v) = (b.m.slice(pc.shard.clone()), b.v.slice(pc.shard.clone()));
-            Ops::new(be).adamw_update(p, g, m, v, b.stats, &hyper(pc.tensor));
+            let mut h = hyper(pc.tensor);
+            if stage == 3 {
+                // A shard rounds (bf16 parameters, the working copy) with the noise of its
+                // place in the whole parameters: the bits of one process.
+                h.place = Some(pc.owned.start as u64);
+            }
+            match b.work {
+                Some(w) if stage == 3 => {
+                    Ops::new(be).adamw_update_and_copy(p, w.slice(pc.shard.clone()), g, m, v, b.stats, &h)
+                }
+                _ => Ops::new(be).adamw_update(p, g, m, v, b.stats, &h),
+            }
         }
         if stage < 3 {
             for pc in &pieces {

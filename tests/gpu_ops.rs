@@ -16,7 +16,7 @@
 mod common;
 
 use common::gpu::{backend, Pair, Two};
-use llmrs::backend::{AdamWParams, Backend, DType, SkipAbove};
+use llmrs::backend::{AdamWParams, Backend, Buf, DType, Noise, SkipAbove};
 use llmrs::gpu::Options;
 
 /// Tiny limits: 512-byte chunks and 2 KiB bindings (rows of up to 512 floats fit), GEMM sums
@@ -447,6 +447,7 @@ fn gpu_global_norm_and_adamw() {
                 t: 3,
                 skip: SkipAbove::NON_FINITE,
                 seed: 0,
+                place: None,
             };
             // m and v must stay >= 0 for v: make them squares of the random inputs.
             p.map(v, |x| x * x);
@@ -531,12 +532,16 @@ fn gpu_bf16_storage() {
         let f = (fc, fg);
         let wide: Vec<f32> = data.iter().map(|v| v * 1.000_37 + 1e-3).collect();
         p.both(|be, [f]| be.upload(f, &wide), [f]);
-        for seed in [None, Some(7), Some(0xDEAD_BEEF)] {
+        // Noise keyed by each element's place in its allocation, and by a place given (ZeRO-3's
+        // place of a shard in the whole parameters).
+        for seed in [None, Some((7, None)), Some((0xDEAD_BEEF, None)), Some((3, Some(123_457)))] {
+            let noise =
+                |dst: Buf| seed.map(|(s, first)| first.map_or(Noise::at(s, dst), |first| Noise { seed: s, first }));
             let y = both(&mut p);
-            p.both(|be, [y, f]| be.convert(y.slice(5..n), f.slice(4..n - 1), seed), [y, f]);
-            p.both(|be, [y, f]| be.convert(y.prefix(5), f.slice(n - 5..n), seed), [y, f]);
+            p.both(|be, [y, f]| be.convert(y.slice(5..n), f.slice(4..n - 1), noise(y.slice(5..n))), [y, f]);
+            p.both(|be, [y, f]| be.convert(y.prefix(5), f.slice(n - 5..n), noise(y.prefix(5))), [y, f]);
             p.check(y, 0.0, &format!("convert f32 -> bf16, seed {seed:?}"));
-            p.both(|be, [x, y]| be.convert(x.slice(1..n), y.slice(0..n - 1), seed), [x, y]);
+            p.both(|be, [x, y]| be.convert(x.slice(1..n), y.slice(0..n - 1), noise(x.slice(1..n))), [x, y]);
             p.check(x, 0.0, &format!("convert bf16 -> bf16, seed {seed:?}"));
             p.both(|be, [f, y]| be.convert(f.slice(3..n), y.slice(0..n - 3), None), [f, y]);
             let (mut c, mut g) = (vec![0f32; n], vec![0f32; n]);
@@ -580,6 +585,7 @@ fn gpu_adamw_writes_the_bf16_working_copy() {
                 t: 3,
                 skip: SkipAbove::NON_FINITE,
                 seed: 12345,
+                place: None,
             };
             let step = |f: &mut Pair, h: &AdamWParams| {
                 f.both(
@@ -605,6 +611,11 @@ fn gpu_adamw_writes_the_bf16_working_copy() {
             if n > 1000 {
                 assert_ne!(read(&mut f, work).1, nearest, "{what}: the copy was not rounded stochastically");
             }
+            // With the noise of a place given (a ZeRO-3 shard's): the CPU's bits still.
+            h.place = Some(4321);
+            step(&mut f, &h);
+            f.check(work, 0.0, &format!("{what}: the working copy rounded at a given place"));
+            h.place = None;
             // A real step: the master weights within fp32 rounding, the copy within one bf16
             // step of the CPU's (their master weights differ by rounding).
             h.lr = 1e-2;

@@ -643,57 +643,70 @@ fn checkpoints_cross_precisions() {
     assert_eq!(i32::from_le_bytes(st[16..20].try_into().unwrap()), 1, "use_master_weights");
 }
 
-/// What bf16 does not do yet is refused before anything runs.
-#[test]
-fn bf16_settings_that_cannot_work_are_refused_clearly() {
-    let dir = tempfile::tempdir().unwrap();
-    let (train, val) = make_data(dir.path());
-    let cfg = TrainConfig { precision: Precision::Bf16, zero_stage: 3, ..small(&dir.path().join("z3"), &train, &val) };
-    let ranks: Vec<_> = llmrs::backend::comm::local_group(2)
-        .into_iter()
-        .map(|comm| {
-            let cfg = cfg.clone();
-            std::thread::spawn(move || llmrs::train::run_with(&cfg, Box::new(comm)).err().map(|e| format!("{e:#}")))
-        })
-        .collect();
-    for r in ranks {
-        let e = r.join().unwrap().expect("ZeRO-3 in bf16 is refused");
-        assert!(e.contains("ZeRO-3") && e.contains("-z 0, 1 or 2"), "{e}");
-    }
-}
-
-/// Two ranks in bf16 at ZeRO 0, 1 and 2: the same losses as each other up to the order of the
-/// gradient norm's sum (1e-4; the fp32 test holds them to 1e-5), and as one process with the
-/// whole batch up to bf16's rounding of the gradients (5e-3: each rank's half-batch gradient
-/// is rounded to bf16 before the ranks average them).
+/// Two ranks in bf16 at ZeRO 0-3, with master weights and without (`-w 0`): the same losses
+/// as each other up to the order of the gradient norm's sum (1e-4; the fp32 test holds them to
+/// 1e-5), and as one process with the whole batch up to bf16's rounding of the gradients (5e-3:
+/// each rank's half-batch gradient is rounded to bf16 before the ranks average them). ZeRO-3
+/// rounds each shard with the noise of its place in the whole parameters, so it takes ZeRO-2's
+/// steps to the bit (the same reduced gradients, the same AdamW and roundings).
 #[test]
 fn bf16_ranks_train_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
-    let base = TrainConfig {
-        batch_size: 2,
-        total_batch_size: Some(128),
-        max_steps: Some(12),
-        precision: Precision::Bf16,
-        ..small(dir.path(), &train, &val)
-    };
-    let run_ranks = |world: usize, stage: usize, b: usize| {
-        let out = dir.path().join(format!("w{world}z{stage}"));
-        let cfg = TrainConfig { output_dir: Some(out), zero_stage: stage, batch_size: b, ..base.clone() };
-        ranks_on_threads(&cfg, world)
-    };
-    let one = run_ranks(1, 0, 4).remove(0);
-    assert!(one.train_losses[11].1 < one.train_losses[0].1 - 0.5, "{:?}", one.train_losses);
-    let z0 = run_ranks(2, 0, 2);
-    for stage in 0..=2 {
-        let runs = if stage == 0 { z0.clone() } else { run_ranks(2, stage, 2) };
-        for r in &runs {
-            assert_eq!(r.train_losses.len(), 12);
-            for ((s, a), (_, b)) in r.train_losses.iter().zip(&z0[0].train_losses) {
-                assert!((a - b).abs() <= 1e-4 * b.abs(), "ZeRO-{stage}, step {s}: {a} vs {b} at ZeRO-0");
+    for master_weights in [true, false] {
+        let base = TrainConfig {
+            batch_size: 2,
+            total_batch_size: Some(128),
+            max_steps: Some(12),
+            precision: Precision::Bf16,
+            master_weights,
+            checkpoint_every: 6,
+            save_dtype: Dtype::BF16,
+            ..small(dir.path(), &train, &val)
+        };
+        let w = format!("-w {}", master_weights as u8);
+        let run_ranks = |world: usize, stage: usize, b: usize| {
+            let out = dir.path().join(format!("w{world}z{stage}{w}"));
+            let cfg = TrainConfig { output_dir: Some(out), zero_stage: stage, batch_size: b, ..base.clone() };
+            ranks_on_threads(&cfg, world)
+        };
+        let one = run_ranks(1, 0, 4).remove(0);
+        assert!(one.train_losses[11].1 < one.train_losses[0].1 - 0.5, "{w}: {:?}", one.train_losses);
+        let z0 = run_ranks(2, 0, 2);
+        let mut z2 = vec![];
+        for stage in 0..=3 {
+            let runs = if stage == 0 { z0.clone() } else { run_ranks(2, stage, 2) };
+            for r in &runs {
+                assert_eq!(r.train_losses.len(), 12);
+                for ((s, a), (_, b)) in r.train_losses.iter().zip(&z0[0].train_losses) {
+                    assert!((a - b).abs() <= 1e-4 * b.abs(), "{w} ZeRO-{stage}, step {s}: {a} vs {b} at ZeRO-0");
+                }
+                for ((s, a), (_, b)) in r.train_losses.iter().zip(&one.train_losses) {
+                    assert!((a - b).abs() <= 5e-3 * b.abs(), "{w} ZeRO-{stage}, step {s}: {a} vs {b} on one process");
+                }
             }
-            for ((s, a), (_, b)) in r.train_losses.iter().zip(&one.train_losses) {
-                assert!((a - b).abs() <= 5e-3 * b.abs(), "ZeRO-{stage}, step {s}: {a} vs {b} on one process");
+            let bits = |r: &llmrs::train::RunSummary| r.train_losses.iter().map(|x| x.1.to_bits()).collect::<Vec<_>>();
+            if stage == 2 {
+                z2 = runs.iter().map(bits).collect();
+            }
+            if stage == 3 {
+                assert_eq!(runs.iter().map(bits).collect::<Vec<_>>(), z2, "{w}: ZeRO-3 takes ZeRO-2's steps");
+                // Its model file (the working copy gathered from the shards) is ZeRO-2's, and
+                // the run resumes from its step-6 checkpoint to the same bits.
+                let out = |n: &str| dir.path().join(n);
+                let read = |p: std::path::PathBuf| std::fs::read(p).unwrap();
+                let f = "model_00000012.bin";
+                assert!(read(out(&format!("w2z3{w}")).join(f)) == read(out(&format!("w2z2{w}")).join(f)), "{w}: {f}");
+                let again = out(&format!("w2z3{w}resumed"));
+                std::fs::create_dir(&again).unwrap();
+                for f in ["DONE_00000006", "model_00000006.bin", "state_00000006_00000.bin", "state_00000006_00001.bin"]
+                {
+                    std::fs::copy(out(&format!("w2z3{w}")).join(f), again.join(f)).unwrap();
+                }
+                let cfg = TrainConfig { output_dir: Some(again), zero_stage: 3, resume: true, ..base.clone() };
+                for r in ranks_on_threads(&cfg, 2) {
+                    assert_eq!(bits(&r), z2[0][6..], "{w}: ZeRO-3 resumed");
+                }
             }
         }
     }

@@ -162,8 +162,28 @@ pub struct AdamWParams {
     pub t: i32,
     /// When the step is skipped instead of applied.
     pub skip: SkipAbove,
-    /// The seed of the stochastic rounding of bf16 parameters (without master weights).
+    /// The seed of the stochastic rounding of bf16 parameters (without master weights) and
+    /// of the working copy.
     pub seed: u32,
+    /// The place of the tensor's first element that the rounding noise is keyed by (element i
+    /// draws index `place + i`); None: its offset in its allocation. ZeRO-3 gives a shard its
+    /// place in the whole parameters, so that the ranks round as one process does.
+    pub place: Option<u64>,
+}
+
+/// Stochastic rounding into bf16 (llm.c's, for parameters written from fp32 master weights):
+/// deterministic for the seed and each element's index, `first` + its place in the operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Noise {
+    pub seed: u32,
+    pub first: u64,
+}
+
+impl Noise {
+    /// The noise of `seed` keyed by each element's place in dst's allocation.
+    pub fn at(seed: u32, dst: Buf) -> Self {
+        Noise { seed, first: dst.off as u64 }
+    }
 }
 
 /// The limits above which a step is skipped (llm.c's `-sl`/`-sg` outlier skipping, turned into
@@ -505,9 +525,9 @@ pub trait Backend {
         h: &AdamWParams,
     );
     /// dst (N) (out) = src (N) converted to dst's dtype: into bf16 rounded to nearest even, or
-    /// stochastically with `seed` (llm.c's bf16 parameters written from the fp32 master
-    /// weights; deterministic for the seed and each element's place in its allocation).
-    fn convert(&mut self, dst: Buf, src: Buf, seed: Option<u32>);
+    /// stochastically with `noise` (llm.c's bf16 parameters written from the fp32 master
+    /// weights).
+    fn convert(&mut self, dst: Buf, src: Buf, noise: Option<Noise>);
 }
 
 #[cfg(test)]

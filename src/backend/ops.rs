@@ -11,7 +11,7 @@
 //! projection whose weight it adapts, in that projection's own matmul_forward and
 //! matmul_backward, so every family's block runs LoRA unchanged.
 
-use super::{AdamWParams, Backend, Buf, LoraShape};
+use super::{AdamWParams, Backend, Buf, LoraShape, Noise};
 use crate::profile::Kind;
 
 /// N rows of C values.
@@ -546,9 +546,9 @@ impl<'a> Ops<'a> {
     }
 
     /// dst (N) = src (N) in dst's dtype (see [`Backend::convert`]).
-    pub fn convert(&mut self, dst: Buf, src: Buf, seed: Option<u32>) {
+    pub fn convert(&mut self, dst: Buf, src: Buf, noise: Option<Noise>) {
         lens!("convert"; dst => src.len);
-        self.run("convert", Kind::Optimizer, &[W(dst)], &[src], |be| be.convert(dst, src, seed));
+        self.run("convert", Kind::Optimizer, &[W(dst)], &[src], |be| be.convert(dst, src, noise));
     }
 }
 

@@ -18,7 +18,7 @@ use super::bf16::{Dest, Operand};
 use super::{
     adamw, attention, bf16, classifier, encoder, gelu, layernorm, lora, matmul, residual, rmsnorm, rope, swiglu,
 };
-use crate::backend::{lens, AdamWParams, Backend, Buf, DType, LoraShape};
+use crate::backend::{lens, AdamWParams, Backend, Buf, DType, LoraShape, Noise};
 use crate::profile::{Kind, WallTimer};
 use anyhow::{bail, Context, Result};
 
@@ -44,8 +44,9 @@ enum Storage {
 enum Rounding {
     Nearest,
     /// Stochastic rounding with this seed; element i of the output draws the noise of index
-    /// (its offset in its allocation + i), so pieces round as the whole.
-    Stochastic(u32),
+    /// first + i, where first is the given place of its first element or else its offset in
+    /// its allocation (so pieces round as the whole).
+    Stochastic(u32, Option<u64>),
 }
 
 /// How an op uses an output buffer.
@@ -294,7 +295,9 @@ impl CpuBackend {
                 let (src, dst) = (&wide[k][..b.len], self.bf16_slice(b));
                 match rounding {
                     Rounding::Nearest => bf16::narrow(dst, src),
-                    Rounding::Stochastic(seed) => bf16::narrow_stochastic(dst, src, seed, b.off as u64),
+                    Rounding::Stochastic(seed, first) => {
+                        bf16::narrow_stochastic(dst, src, seed, first.unwrap_or(b.off as u64))
+                    }
                 }
             }
         }
@@ -315,7 +318,8 @@ impl CpuBackend {
             for at in (0..params.len).step_by(PIECE) {
                 let r = at..(at + PIECE).min(params.len);
                 let cut = |b: Buf| b.slice(r.clone());
-                self.adamw(cut(params), work.map(cut), cut(grads), cut(m), cut(v), stats, h);
+                let h = AdamWParams { place: h.place.map(|p| p + at as u64), ..*h };
+                self.adamw(cut(params), work.map(cut), cut(grads), cut(m), cut(v), stats, &h);
             }
             return;
         }
@@ -323,8 +327,8 @@ impl CpuBackend {
         // bf16 parameters without master weights (llm.c's `-w 0`): rounded stochastically, so
         // that updates smaller than a bf16 step still move them on average. The working copy
         // is rounded so too, by the op itself (with the noise of its own offsets).
-        let r = Rounding::Stochastic(h.seed);
-        let work_off = work.map_or(0, |w| w.off as u64);
+        let r = Rounding::Stochastic(h.seed, h.place);
+        let work_off = h.place.unwrap_or(work.map_or(0, |w| w.off as u64));
         let (outs, ins) = ([Rw(params), Rw(m), Rw(v), Rw(work.unwrap_or(NONE))], [grads, stats]);
         let native = ([false, false, false, true], [true, false]);
         self.run_native("adamw_update", outs, ins, [], r, native.0, native.1, |[p, m, v, w], [g, stats], []| {
@@ -1021,7 +1025,7 @@ impl Backend for CpuBackend {
         self.adamw(params, Some(work), grads, m, v, stats, h)
     }
 
-    fn convert(&mut self, dst: Buf, src: Buf, seed: Option<u32>) {
+    fn convert(&mut self, dst: Buf, src: Buf, noise: Option<Noise>) {
         if dst.dtype == DType::BF16 && src.dtype == DType::F32 {
             // Straight from the f32 values: no f32 copy of the destination.
             assert!(!dst.overlaps(src) && dst.len == src.len, "convert: {dst:?} from {src:?}");
@@ -1033,13 +1037,13 @@ impl Backend for CpuBackend {
             let d = self.ptr_bf16(dst);
             // SAFETY: as above, for dst.len u16s of dst's allocation.
             let d = unsafe { std::slice::from_raw_parts_mut(d, dst.len) };
-            match seed {
+            match noise {
                 None => bf16::narrow(d, s),
-                Some(seed) => bf16::narrow_stochastic(d, s, seed, dst.off as u64),
+                Some(n) => bf16::narrow_stochastic(d, s, n.seed, n.first),
             }
             return;
         }
-        let r = seed.map_or(Rounding::Nearest, Rounding::Stochastic);
+        let r = noise.map_or(Rounding::Nearest, |n| Rounding::Stochastic(n.seed, Some(n.first)));
         self.run_rounded("convert", [W(dst)], [src], [], r, |[d], [s], []| d.copy_from_slice(s));
     }
 }
@@ -1127,6 +1131,7 @@ mod tests {
             t: 1,
             skip: SkipAbove::NON_FINITE,
             seed: 0,
+            place: None,
         };
         let mut out = [0f32; 2];
         for bad in [[f32::NAN, 1.0], [1.0, f32::INFINITY]] {

@@ -10,7 +10,7 @@
 //! largest op's bf16 buffers; kernels that read bf16 themselves would drop them.
 
 use super::{f, u, GpuBackend, Threads, K};
-use crate::backend::{Backend, Buf, DType, SkipAbove};
+use crate::backend::{Backend, Buf, DType, Noise, SkipAbove};
 
 /// How an op uses one of its buffers (the roles of [`Backend`]'s docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,8 +30,10 @@ use Role::{InOut, Out, Scratch};
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Rounding {
     Nearest,
-    /// Stochastically, with this seed and the noise of each element's place in its allocation.
-    Stochastic(u32),
+    /// Stochastically, with this seed; element i of the output draws the noise of index
+    /// first + i, where first is the given place of its first element or else its offset in
+    /// its allocation (cpu/backend.rs: Rounding).
+    Stochastic(u32, Option<u64>),
 }
 
 /// "No buffer", for an op's optional operand (binds nothing, overlaps nothing).
@@ -76,9 +78,9 @@ impl GpuBackend {
     /// step's stats (2) do not skip the step ([`SkipAbove::skips`]).
     pub(super) fn narrow(&mut self, dst: Buf, src: Buf, rounding: Rounding, skip: Option<(Buf, SkipAbove)>) {
         assert!(dst.dtype == DType::BF16 && src.dtype == DType::F32 && dst.len == src.len, "narrow {src:?} to {dst:?}");
-        let (seed, mut flags) = match rounding {
-            Rounding::Nearest => (0, 0),
-            Rounding::Stochastic(seed) => (seed, 1),
+        let (seed, base, mut flags) = match rounding {
+            Rounding::Nearest => (0, dst.off as u64, 0),
+            Rounding::Stochastic(seed, first) => (seed, first.unwrap_or(dst.off as u64), 1),
         };
         let (st, limits) = match skip {
             Some((stats, limits)) => {
@@ -90,9 +92,9 @@ impl GpuBackend {
         };
         for r in self.mem.pieces(&[dst, src], dst.len) {
             let n = r.end - r.start;
-            // The noise of stochastic rounding is keyed by the element's place in its
-            // allocation, as on the CPU; GPU allocations stay below 2^32 elements.
-            let first = u(dst.off + r.start);
+            // The noise of stochastic rounding is keyed by the element's place, as on the
+            // CPU; the GPU's indices stay below 2^32 (its allocations, the parameters).
+            let first = u32::try_from(base + r.start as u64).expect("stochastic rounding's index fits 32 bits");
             let (h, x) = (self.win(dst.slice(r.clone())), self.win(src.slice(r)));
             #[rustfmt::skip]
             let imm = [
@@ -207,9 +209,9 @@ impl GpuBackend {
     }
 
     /// dst = src converted ([`Backend::convert`]).
-    pub(super) fn convert_(&mut self, dst: Buf, src: Buf, seed: Option<u32>) {
+    pub(super) fn convert_(&mut self, dst: Buf, src: Buf, noise: Option<Noise>) {
         assert!(!dst.overlaps(src), "convert: output {dst:?} overlaps {src:?}");
-        let rounding = seed.map_or(Rounding::Nearest, Rounding::Stochastic);
+        let rounding = noise.map_or(Rounding::Nearest, |n| Rounding::Stochastic(n.seed, Some(n.first)));
         match (dst.dtype, src.dtype) {
             (DType::F32, DType::F32) => self.copy_rows(dst, dst.len, src, src.len, 1, src.len),
             (DType::BF16, DType::F32) => self.narrow(dst, src, rounding, None),

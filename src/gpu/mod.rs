@@ -28,7 +28,7 @@ mod rmsnorm;
 mod rope;
 mod swiglu;
 
-use crate::backend::{AdamWParams, Backend, Buf, DType, LoraShape};
+use crate::backend::{AdamWParams, Backend, Buf, DType, LoraShape, Noise};
 use crate::profile::Kind;
 use anyhow::Result;
 use bf16::Role::{In, InOut, Out, Scratch};
@@ -699,7 +699,7 @@ impl Backend for GpuBackend {
         // bf16 parameters (no master weights) are rounded back stochastically; a skipped step
         // rounds their exact f32 copies, which leaves them as they were.
         let bufs = [(params, InOut), (grads, In), (m, InOut), (v, InOut), (stats, In)];
-        self.in_f32("adamw_update", bufs, Stochastic(h.seed), |s, [p, g, m, v, stats]| {
+        self.in_f32("adamw_update", bufs, Stochastic(h.seed, h.place), |s, [p, g, m, v, stats]| {
             s.adamw_update_(p, g, m, v, stats, h)
         })
     }
@@ -718,11 +718,11 @@ impl Backend for GpuBackend {
         self.adamw_update(params, grads, m, v, stats, h);
         // The working copy from the updated master weights, as the CPU rounds it (noise keyed
         // by its own places); left as it was when the step is skipped.
-        self.narrow(work, params, Stochastic(h.seed), Some((stats, h.skip)));
+        self.narrow(work, params, Stochastic(h.seed, h.place), Some((stats, h.skip)));
     }
 
-    fn convert(&mut self, dst: Buf, src: Buf, seed: Option<u32>) {
-        self.convert_(dst, src, seed)
+    fn convert(&mut self, dst: Buf, src: Buf, noise: Option<Noise>) {
+        self.convert_(dst, src, noise)
     }
 }
 
