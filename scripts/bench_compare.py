@@ -8,6 +8,7 @@ thread count, same model (GPT-2, llm.c's init), batch and optimizer, interleaved
     python scripts/bench_compare.py -t 1024 --extra "-r 2 --ce-rows 1024"  # llmrs's memory flags
     cargo build --release --example gemm_shapes
     python scripts/bench_compare.py --threads 2 --gemm          # the step's GEMM shapes instead
+    python scripts/bench_compare.py --precision bf16            # llmrs bf16 vs PyTorch's bf16 autocast
 
 --gemm: GFLOP/s of the GEMMs of a GPT-2 124M step at B=4, T=64 (256 rows), llmrs's matmul
 (examples/gemm_shapes) against PyTorch's at the same shapes and thread count: forward
@@ -15,7 +16,10 @@ thread count, same model (GPT-2, llm.c's init), batch and optimizer, interleaved
 timed runs of each, per round, interleaved.
 
 PyTorch runs at its best on the CPU: nn.Linear, fused scaled_dot_product_attention, tanh GELU,
-torch.optim.AdamW (foreach), no autocast, fp32. Each side runs `--steps` steps after `--warmup`
+torch.optim.AdamW (foreach), fp32; with `--precision bf16`, `llmrs bench --precision bf16`
+(llm.c's bf16 numerics, fp32 master weights) against the same PyTorch step with its forward
+and loss under `torch.autocast("cpu", dtype=torch.bfloat16)` (PyTorch's CPU mixed precision:
+bf16 matmuls on oneDNN, fp32 weights). Each side runs `--steps` steps after `--warmup`
 per round; the ratio of median step times is taken per round, and the median over rounds is
 reported.
 
@@ -47,6 +51,7 @@ ap.add_argument("--llmc", default=None)
 ap.add_argument("--extra", default="", help="more flags for `llmrs bench`, e.g. \"-r 2 --ce-rows 1024\"")
 ap.add_argument("--gemm", action="store_true", help="compare the step's GEMM shapes instead of whole steps")
 ap.add_argument("--gemm-bin", default="target/release/examples/gemm_shapes")
+ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
 args = ap.parse_args()
 
 os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -113,7 +118,8 @@ def torch_round():
     for s in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -124,7 +130,7 @@ def torch_round():
 
 def llmrs_round():
     cmd = [args.llmrs, "--threads", str(args.threads), "bench", "-e", args.model, "-b", str(args.b), "-t", str(args.t),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--json"] + args.extra.split()
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--precision", args.precision, "--json"] + args.extra.split()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out)
 
@@ -192,7 +198,11 @@ if args.gemm:
     gemm_compare()
     raise SystemExit(0)
 
-print(f"model {args.model} (L={L} C={C}), B={args.b} T={args.t}, {args.threads} threads, torch {torch.__version__}")
+print(f"model {args.model} (L={L} C={C}), B={args.b} T={args.t}, {args.threads} threads, {args.precision}, torch {torch.__version__}")
+cpu = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")][:1]
+flags = open("/proc/cpuinfo").read().split()
+isa = "AVX-512" + (" AVX512_BF16" if "avx512_bf16" in flags else "") if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+print(f"CPU: {cpu[0] if cpu else '?'} ({isa})")
 ratios, llmc_ratios = [], []
 for r in range(args.rounds):
     rep = llmrs_round()

@@ -10,6 +10,8 @@ V=49152, tied head), random weights (speed does not depend on them).
 
 Training: one step at B=4, T=64 (forward, backward, global-norm clipping, AdamW), PyTorch at
 its best on the CPU: SDPA attention, fp32, torch.optim.AdamW (foreach). llmrs: `llmrs bench`.
+`--precision bf16`: `llmrs bench --precision bf16` against the same PyTorch step with its forward
+and loss under `torch.autocast("cpu", dtype=torch.bfloat16)` (training only).
 
 Generation: for each prompt length of --prompt-tokens (default 64, the training shape's T, and
 512), a prompt of that many tokens (Tiny Shakespeare, tokenized by the small byte-level tokenizer
@@ -37,6 +39,7 @@ ap.add_argument("--prompt-tokens", default="64,512", help="prompt lengths, comma
 ap.add_argument("--new", type=int, default=64)
 ap.add_argument("--skip-train", action="store_true")
 ap.add_argument("--skip-generate", action="store_true")
+ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
 args = ap.parse_args()
 
 os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -62,7 +65,7 @@ print(f"SmolLM2-135M shape, {sum(p.numel() for p in model.parameters())} paramet
       f"torch {torch.__version__}, transformers {transformers.__version__}")
 cpu = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")][:1]
 flags = open("/proc/cpuinfo").read()
-isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+isa = "AVX-512" + (" AVX512_BF16" if "avx512_bf16" in flags else "") if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
 print(f"CPU: {cpu[0] if cpu else '?'} ({isa})")
 
 
@@ -81,8 +84,9 @@ def train_compare():
         for s in range(args.warmup + args.steps):
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            logits = model(input_ids=x).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), y.reshape(-1))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                logits = model(input_ids=x).logits
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), y.reshape(-1))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -92,7 +96,8 @@ def train_compare():
 
     def llmrs_round():
         cmd = [args.llmrs, "--threads", str(args.threads), "bench", "-e", "llama:smollm2-135m", "-b", str(args.b),
-               "-t", str(args.t), "--steps", str(args.steps), "--warmup", str(args.warmup), "--json"]
+               "-t", str(args.t), "--steps", str(args.steps), "--warmup", str(args.warmup), "--precision", args.precision,
+               "--json"]
         return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
 
     ratios = []
@@ -102,7 +107,8 @@ def train_compare():
         b = torch_round()
         ratios.append(b / ms)
         print(f"round {r}: llmrs {ms:.1f} ms/step | PyTorch {b:.1f} ms/step | speed-up {ratios[-1]:.2f}x")
-    print(f"training step B={args.b} T={args.t}: median speed-up llmrs over PyTorch {statistics.median(ratios):.2f}x")
+    print(f"training step B={args.b} T={args.t} {args.precision}: median speed-up llmrs over PyTorch "
+          f"{statistics.median(ratios):.2f}x")
 
 
 def generate_compare(prompt_tokens):
