@@ -1,8 +1,10 @@
-//! The bf16 GEMM (`vdpbf16ps`, src/cpu/bgemm.rs) against the fp32 GEMM (src/cpu/sgemm.rs) on
-//! the training step's GEMM shapes, interleaved, on hosts with AVX512_BF16; with both peaks
-//! (an FMA loop and a `vdpbf16ps` loop) measured the same way.
+//! The bf16 GEMM's engines (src/cpu/bgemm.rs: AMX's `tdpbf16ps`, AVX512_BF16's `vdpbf16ps`)
+//! against the fp32 GEMM (src/cpu/sgemm.rs) on GPT-2 124M's training-step GEMM shapes at B=4,
+//! T=64 (forward, and the backward's two layouts), interleaved, with the peaks (an FMA loop and
+//! a `vdpbf16ps` loop) measured the same way. Engines the host cannot run are named and skipped.
 //! `cargo run --release --example bf16_gemm -- [ROUNDS] [THREADS]`
-use llmrs::cpu::{bgemm, peak, sgemm};
+use llmrs::cpu::bgemm::{self, Engine};
+use llmrs::cpu::{peak, sgemm};
 use std::time::Instant;
 
 fn main() -> anyhow::Result<()> {
@@ -11,37 +13,58 @@ fn main() -> anyhow::Result<()> {
     let threads: usize = args.get(2).map_or(Ok(2), |s| s.parse())?;
     llmrs::backend::factory::init_host()?;
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global()?;
-    if !bgemm::available() {
-        println!("SKIPPED: this CPU has no AVX512_BF16 (or LLMRS_CPU_ISA holds the kernels below AVX-512)");
-        return Ok(());
-    }
     let cpu = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpu.lines().find(|l| l.starts_with("model name")).unwrap_or("model name: ?");
     let family = cpu.lines().find(|l| l.starts_with("cpu family")).unwrap_or("cpu family: ?");
     println!("{model}; {family}; {threads} threads");
+    let engines: Vec<Engine> = [Engine::Amx, Engine::Dpbf16].into_iter().filter(|&e| bgemm::runs(e)).collect();
+    for e in [Engine::Amx, Engine::Dpbf16] {
+        if !bgemm::runs(e) {
+            println!("SKIPPED {}: this host cannot run it", e.name());
+        }
+    }
     let (fp32, how32) = peak::measure();
-    let (bf16, how16) = peak::measure_bf16().expect("AVX512_BF16 detected");
-    println!("peak fp32 {fp32:.1} GFLOP/s ({how32}); bf16 {bf16:.1} GFLOP/s ({how16}); ratio {:.2}", bf16 / fp32);
-    // GPT-2 124M at B=4, T=64 (N = 256): the forward's shapes (out = x @ W^T).
-    for &(name, m, n, k) in
-        &[("qkv", 256, 2304, 768), ("fc", 256, 3072, 768), ("fcproj", 256, 768, 3072), ("head", 256, 50304, 768)]
-    {
+    match peak::measure_bf16() {
+        Some((bf16, how16)) => {
+            println!(
+                "peak fp32 {fp32:.1} GFLOP/s ({how32}); bf16 {bf16:.1} GFLOP/s ({how16}); ratio {:.2}",
+                bf16 / fp32
+            )
+        }
+        None => println!("peak fp32 {fp32:.1} GFLOP/s ({how32}); no AVX512_BF16"),
+    }
+    // (name, m, n, k, A's strides, B's strides) as the matmuls call them: forward out = x @ W^T
+    // (B = W^T: row stride 1), dinp = dout @ W (B row-major), dW = dout^T @ x (A transposed).
+    let c = 768isize;
+    type Shape = (&'static str, usize, usize, usize, (isize, isize), (isize, isize));
+    let shapes: Vec<Shape> = vec![
+        ("qkv fwd", 256, 2304, 768, (c, 1), (1, c)),
+        ("fc fwd", 256, 3072, 768, (c, 1), (1, c)),
+        ("proj fwd", 256, 768, 3072, (4 * c, 1), (1, 4 * c)),
+        ("head fwd", 256, 50304, 768, (c, 1), (1, c)),
+        ("qkv dinp", 256, 768, 2304, (3 * c, 1), (c, 1)),
+        ("qkv dW", 2304, 768, 256, (1, 3 * c), (c, 1)),
+        ("head dW", 50304, 768, 256, (1, 50304), (c, 1)),
+    ];
+    for (name, m, n, k, a_st, b_st) in shapes {
         let a32: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
-        let w32: Vec<f32> = (0..n * k).map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5).collect();
-        let (a16, w16): (Vec<u16>, Vec<u16>) =
-            (a32.iter().map(|&x| bgemm::to_bf16(x)).collect(), w32.iter().map(|&x| bgemm::to_bf16(x)).collect());
+        let b32: Vec<f32> = (0..n * k).map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let (a16, b16): (Vec<u16>, Vec<u16>) =
+            (a32.iter().map(|&x| bgemm::to_bf16(x)).collect(), b32.iter().map(|&x| bgemm::to_bf16(x)).collect());
         let mut c = vec![0f32; m * n];
         let flops = 2.0 * (m * n * k) as f64;
         let tile = sgemm::Tile::for_rows(m);
-        let mut time = |bf: bool| -> f64 {
-            let reps = 5;
+        // None: fp32 on f32 operands; Some(e): engine e on bf16 operands.
+        let mut time = |e: Option<Engine>| -> f64 {
+            let reps = 3;
             let t0 = Instant::now();
             for _ in 0..reps {
-                // SAFETY: (m, k) and (n, k) row-major inputs read through W^T, (m, n) output; the
-                // CPU's features were checked above (and sgemm's by init_host).
+                // SAFETY: the strides address (m, k), (k, n) inside the operands and (m, n) row-major
+                // inside c; each engine runs on this host (checked above), sgemm's ISA by init_host.
                 unsafe {
-                    if bf {
-                        bgemm::bgemm(
+                    match e {
+                        Some(e) => bgemm::bgemm_on(
+                            e,
                             m,
                             n,
                             k,
@@ -50,13 +73,12 @@ fn main() -> anyhow::Result<()> {
                             false,
                             std::ptr::null(),
                             a16.as_ptr(),
-                            (k as isize, 1),
-                            w16.as_ptr(),
-                            (1, k as isize),
+                            a_st,
+                            b16.as_ptr(),
+                            b_st,
                             threads,
-                        )
-                    } else {
-                        sgemm::sgemm(
+                        ),
+                        None => sgemm::sgemm(
                             tile,
                             m,
                             n,
@@ -66,34 +88,34 @@ fn main() -> anyhow::Result<()> {
                             false,
                             std::ptr::null(),
                             a32.as_ptr(),
-                            (k as isize, 1),
-                            w32.as_ptr(),
-                            (1, k as isize),
+                            a_st,
+                            b32.as_ptr(),
+                            b_st,
                             threads,
-                        )
+                        ),
                     }
                 }
             }
             flops * reps as f64 / t0.elapsed().as_secs_f64() / 1e9
         };
-        time(true);
-        time(false);
-        let (mut r16, mut r32) = (vec![], vec![]);
-        for _ in 0..rounds {
-            r16.push(time(true));
-            r32.push(time(false));
+        let runs: Vec<Option<Engine>> = std::iter::once(None).chain(engines.iter().map(|&e| Some(e))).collect();
+        for &r in &runs {
+            time(r);
         }
-        let mut ratios: Vec<f64> = r16.iter().zip(&r32).map(|(a, b)| a / b).collect();
-        ratios.sort_by(f64::total_cmp);
+        let mut got = vec![vec![]; runs.len()];
+        for _ in 0..rounds {
+            for (i, &r) in runs.iter().enumerate() {
+                got[i].push(time(r));
+            }
+        }
         let fmt = |v: &[f64]| v.iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(", ");
-        println!(
-            "{name:7} ({m}x{n}x{k}): bf16 {} GFLOP/s; fp32 {} GFLOP/s; bf16/fp32 median {:.2} ({:.2}-{:.2})",
-            fmt(&r16),
-            fmt(&r32),
-            ratios[ratios.len() / 2],
-            ratios[0],
-            ratios[ratios.len() - 1]
-        );
+        let mut line = format!("{name:9} ({m}x{n}x{k}): fp32 {} GFLOP/s", fmt(&got[0]));
+        for (i, e) in engines.iter().enumerate() {
+            let mut ratios: Vec<f64> = got[i + 1].iter().zip(&got[0]).map(|(a, b)| a / b).collect();
+            ratios.sort_by(f64::total_cmp);
+            line += &format!("; {} {} (x{:.2} median)", e.name(), fmt(&got[i + 1]), ratios[ratios.len() / 2]);
+        }
+        println!("{line}");
     }
     Ok(())
 }

@@ -16,6 +16,10 @@ pub const CACHE_DIR: &str = "LLMRS_CACHE_DIR";
 pub const NAN_CHECK: &str = "LLMRS_NAN_CHECK";
 /// `avx512`, `avx2` or `portable`: the CPU kernels' instruction set (default: the best this CPU has).
 pub const CPU_ISA: &str = "LLMRS_CPU_ISA";
+/// `amx`, `avx512bf16` or `widen`: the tiles of the CPU's bf16 x bf16 GEMMs (default: AMX where
+/// the host runs it, else `vdpbf16ps` on AMD, else bf16 widened into the fp32 GEMM; see
+/// [`crate::cpu::bgemm::model_engine`]).
+pub const BF16_GEMM: &str = "LLMRS_BF16_GEMM";
 /// Test hook: `lose-device-after=N` or `memory-limit=BYTES` makes the GPU backend fail on cue.
 pub const GPU_TEST_FAULT: &str = "LLMRS_GPU_TEST_FAULT";
 /// The Hugging Face Hub's address (default https://huggingface.co), as `huggingface_hub` reads it.

@@ -6,6 +6,10 @@
 //! (column parts, shared A, shared B), in f32 and in bf16, and two training steps of a small
 //! model in fp32 and in bf16 (every op of forward, backward and AdamW). The portable path computes its GEMMs with another library,
 //! so it is checked against the references instead (CI runs the suite with it).
+//! bf16 x bf16 products run on the host's bf16 tiles where it has them (AMX, or `vdpbf16ps`:
+//! `LLMRS_BF16_GEMM`), which sum in another order: the bf16 digests are compared between runs
+//! on the same tiles, and a child widening bf16 on the widest instruction set (where the default
+//! is a tile engine) ties those to the AVX2 child's.
 
 use llmrs::backend::Device;
 use llmrs::config::{ModelConfig, Precision};
@@ -113,6 +117,9 @@ fn results_do_not_depend_on_the_thread_count() {
     if std::env::var_os(CHILD_ENV).is_some() {
         let threads = llmrs::cpu::team::threads();
         println!("DIGEST threads={threads} isa {}", llmrs::cpu::simd::init().unwrap().name());
+        llmrs::backend::factory::init_host().unwrap();
+        let engine = llmrs::cpu::bgemm::model_engine().map_or("widen", |e| e.name());
+        println!("DIGEST threads={threads} bf16 tiles {engine}");
         for d in digests() {
             println!("DIGEST threads={threads} {d}");
         }
@@ -128,15 +135,24 @@ fn results_do_not_depend_on_the_thread_count() {
         );
     }
     let default = isas.first().map_or("portable", |i| i.name());
-    let cases = [1, 2, 3, 4].map(|t| (t, default)).into_iter().chain(isas.iter().skip(1).map(|i| (2, i.name())));
-    for (threads, isa) in cases {
-        let out = Command::new(&exe)
-            .args(["results_do_not_depend_on_the_thread_count", "--exact", "--nocapture", "--test-threads=1"])
+    // (threads, instruction set, LLMRS_BF16_GEMM): the default tiles on 1-4 threads, the other
+    // instruction set, and bf16 widened on the default one.
+    let cases = [1, 2, 3, 4]
+        .map(|t| (t, default, None))
+        .into_iter()
+        .chain(isas.iter().skip(1).map(|i| (2, i.name(), None)))
+        .chain(std::iter::once((2, default, Some("widen"))));
+    for (threads, isa, tiles) in cases {
+        let mut cmd = Command::new(&exe);
+        cmd.args(["results_do_not_depend_on_the_thread_count", "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, "1")
             .env("RAYON_NUM_THREADS", threads.to_string())
             .env(llmrs::env::CPU_ISA, isa)
-            .output()
-            .unwrap();
+            .env_remove(llmrs::env::BF16_GEMM);
+        if let Some(t) = tiles {
+            cmd.env(llmrs::env::BF16_GEMM, t);
+        }
+        let out = cmd.output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -148,14 +164,21 @@ fn results_do_not_depend_on_the_thread_count() {
         let lines: Vec<String> =
             text.lines().filter_map(|l| l.find(&prefix).map(|i| l[i + prefix.len()..].to_string())).collect();
         // The child really ran with its thread count, and said something about every case.
-        assert_eq!(lines.len(), 1 + 5 + 2 + 3 + 2 + 4 + 2 + 1, "child with {threads} threads printed:\n{text}");
+        assert_eq!(lines.len(), 2 + 5 + 2 + 3 + 2 + 4 + 2 + 1, "child with {threads} threads printed:\n{text}");
         assert_eq!(lines[0], format!("isa {isa}"), "the child did not run the instruction set asked for");
-        runs.push((format!("{threads} threads, {isa}"), lines[1..].to_vec()));
+        if let Some(t) = tiles {
+            assert_eq!(lines[1], format!("bf16 tiles {t}"), "the child did not run the bf16 tiles asked for");
+        }
+        runs.push((format!("{threads} threads, {isa}, {}", lines[1]), lines[1..].to_vec()));
     }
-    let (first_name, first) = &runs[0];
+    // Every run against the first run on the same bf16 tiles (bf16 lines) or the first (the rest).
     for (name, lines) in &runs[1..] {
-        for (a, b) in first.iter().zip(lines) {
-            assert_eq!(a, b, "{first_name} vs {name}");
+        let same_tiles = runs.iter().find(|(_, l)| l[0] == lines[0]).unwrap();
+        for (i, b) in lines.iter().enumerate().skip(1) {
+            let (first_name, first) = if b.starts_with("bf16") { same_tiles } else { &runs[0] };
+            assert_eq!(&first[i], b, "{first_name} vs {name}");
         }
     }
+    let engines: std::collections::BTreeSet<&str> = runs.iter().map(|(_, l)| l[0].as_str()).collect();
+    eprintln!("thread_count: bf16 digests compared within each of {engines:?}");
 }

@@ -409,7 +409,12 @@ impl Backend for CpuBackend {
         };
         let check = if self.nan_check { ", NaN-checking mode" } else { "" };
         let isa = super::simd::isa().name();
-        format!("cpu: fp32, {isa} kernels, {gemm}, {} threads{check}", super::team::threads())
+        // The tiles bf16 x bf16 products run on (a bf16 run's GEMMs; fp32 runs never use them).
+        let bf16 = match super::bgemm::model_engine() {
+            Some(e) => format!("bf16 GEMMs on {}", e.name()),
+            None => "bf16 GEMMs widened to fp32".into(),
+        };
+        format!("cpu: fp32, {isa} kernels, {gemm}, {bf16}, {} threads{check}", super::team::threads())
     }
 
     fn supports_bf16(&self) -> bool {

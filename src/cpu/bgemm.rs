@@ -45,6 +45,133 @@ pub fn available() -> bool {
     false
 }
 
+/// The tiles a bf16 GEMM runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// AMX (`tdpbf16ps`, Sapphire Rapids and later): a 16x16 fp32 tile += a 16x32 bf16 tile
+    /// times a 32x16 one per instruction, on a unit beside the vector ones.
+    Amx,
+    /// AVX512_BF16's `vdpbf16ps`, 16 lanes of two multiply-adds.
+    Dpbf16,
+    /// `vdpbf16ps`'s bits in portable code (tests; slow).
+    Portable,
+}
+
+impl Engine {
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Amx => "amx",
+            Engine::Dpbf16 => "avx512bf16",
+            Engine::Portable => "portable",
+        }
+    }
+}
+
+/// Whether AMX-BF16 can run here: the CPU has AMX-TILE and AMX-BF16, the kernels may use
+/// AVX-512 (`LLMRS_CPU_ISA` holding them lower holds AMX off too), and the OS grants the
+/// process the tile data state (Linux's `arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once).
+pub fn amx_available() -> bool {
+    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OK.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            if super::simd::isa() != super::simd::Isa::Avx512 {
+                return false;
+            }
+            // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+            #[allow(unused_unsafe)]
+            // SAFETY: CPUID leaf 7 exists on every x86-64 CPU with AVX-512 (checked above).
+            let edx = unsafe { std::arch::x86_64::__cpuid_count(7, 0) }.edx;
+            if edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+                return false;
+            }
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: a syscall with integer arguments; it changes only whether this process
+            // may use the AMX tile state.
+            unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
+    })
+}
+
+/// Whether `engine` can run on this host (and under `LLMRS_CPU_ISA`).
+pub fn runs(engine: Engine) -> bool {
+    match engine {
+        Engine::Amx => amx_available(),
+        Engine::Dpbf16 => available(),
+        Engine::Portable => true,
+    }
+}
+
+/// The engine the model's bf16 x bf16 GEMMs use, or None where they widen bf16 to fp32 while
+/// packing and run the fp32 GEMM. `LLMRS_BF16_GEMM=amx|avx512bf16|widen` forces one the host
+/// runs; by default AMX where it runs, else `vdpbf16ps` on AMD CPUs (Zen 4 and later); else
+/// widening. Intel's `vdpbf16ps` is not chosen: on a Sapphire Rapids host its loop measured half
+/// the fp32 FMA loop's flops (README), so widening into the fp32 GEMM is faster there. Fixed for
+/// the process, since the engine decides the bits of every bf16 product.
+pub fn model_engine() -> Option<Engine> {
+    *MODEL_ENGINE.get_or_init(|| choose_engine().unwrap_or_else(|_| default_engine()))
+}
+
+static MODEL_ENGINE: std::sync::OnceLock<Option<Engine>> = std::sync::OnceLock::new();
+
+/// Settle [`model_engine`] at start-up, so that a bad `LLMRS_BF16_GEMM` is an error, not a
+/// surprise later.
+pub fn init() -> anyhow::Result<Option<Engine>> {
+    let want = choose_engine()?;
+    Ok(*MODEL_ENGINE.get_or_init(|| want))
+}
+
+fn default_engine() -> Option<Engine> {
+    if amx_available() {
+        Some(Engine::Amx)
+    } else if available() && is_amd() {
+        Some(Engine::Dpbf16)
+    } else {
+        None
+    }
+}
+
+fn is_amd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[allow(unused_unsafe)]
+        // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
+        let r = unsafe { std::arch::x86_64::__cpuid(0) };
+        let mut v = [0u8; 12];
+        v[..4].copy_from_slice(&r.ebx.to_le_bytes());
+        v[4..8].copy_from_slice(&r.edx.to_le_bytes());
+        v[8..].copy_from_slice(&r.ecx.to_le_bytes());
+        &v == b"AuthenticAMD"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+fn choose_engine() -> anyhow::Result<Option<Engine>> {
+    use crate::env::BF16_GEMM;
+    let Some(s) = crate::env::text(BF16_GEMM) else { return Ok(default_engine()) };
+    let engine = match s.as_str() {
+        "widen" => return Ok(None),
+        "amx" => Engine::Amx,
+        "avx512bf16" => Engine::Dpbf16,
+        _ => anyhow::bail!("{BF16_GEMM}={s}: use amx, avx512bf16 or widen"),
+    };
+    if !runs(engine) {
+        anyhow::bail!(
+            "{BF16_GEMM}={s}: this host cannot run it (it needs the CPU's {} and AVX-512 kernels{}); use widen",
+            if engine == Engine::Amx { "AMX-BF16 and the OS's permission" } else { "AVX512_BF16" },
+            match default_engine() {
+                Some(e) => format!("; this host runs {}", e.name()),
+                None => String::new(),
+            }
+        );
+    }
+    Ok(Some(engine))
+}
+
 /// A raw bf16 matrix view: element (i, j) at `ptr + i*rs + j*cs`.
 #[derive(Clone, Copy)]
 struct View {
@@ -92,18 +219,21 @@ pub unsafe fn bgemm(
     rhs_st: (isize, isize),
     threads: usize,
 ) {
-    let kern: Kernel = if available() { kernel } else { kernel_portable };
-    // SAFETY: as the caller guarantees; `kernel` only where the CPU has AVX512_BF16.
-    unsafe { bgemm_with(kern, m, n, k, dst, dst_rs, accumulate, bias, lhs, lhs_st, rhs, rhs_st, threads) }
+    let engine = if available() { Engine::Dpbf16 } else { Engine::Portable };
+    // SAFETY: as the caller guarantees; `vdpbf16ps` only where the CPU has AVX512_BF16.
+    unsafe { bgemm_on(engine, m, n, k, dst, dst_rs, accumulate, bias, lhs, lhs_st, rhs, rhs_st, threads) }
 }
 
 /// A register tile's function: `pairs` pairs of k from the packed panels into C's MR x NR tile.
 type Kernel = unsafe fn(usize, *const u32, *const u32, *mut f32, isize, bool, *const f32);
 
-/// [`bgemm`] with the tile function `kern`.
+/// [`bgemm`] on the tiles `engine`.
+///
+/// # Safety
+/// As [`bgemm`]'s, and the host runs `engine` ([`runs`]).
 #[allow(clippy::too_many_arguments)]
-unsafe fn bgemm_with(
-    kern: Kernel,
+pub unsafe fn bgemm_on(
+    engine: Engine,
     m: usize,
     n: usize,
     k: usize,
@@ -123,34 +253,44 @@ unsafe fn bgemm_with(
         return;
     }
     let (c_addr, bias_addr) = (dst as usize, bias as usize);
-    let part = |j0: usize, j1: usize| {
+    // A part is a block of rows i0..i1 and columns j0..j1 of C.
+    let part = |(i0, i1): (usize, usize), (j0, j1): (usize, usize)| {
         let (a, b) = (a, b); // the whole (Sync) views, not their raw pointer fields
         let bias = bias_addr as *const f32;
-        // SAFETY: columns j0..j1 of C are this part's alone; the views stay inside A and B.
+        let (c, bias, a, b) = (
+            (c_addr as *mut f32).wrapping_offset(i0 as isize * dst_rs).wrapping_add(j0),
+            if bias.is_null() { bias } else { bias.wrapping_add(j0) },
+            View { ptr: a.ptr.wrapping_offset(i0 as isize * a.rs), ..a },
+            View { ptr: b.ptr.wrapping_offset(j0 as isize * b.cs), ..b },
+        );
+        let (m, n) = (i1 - i0, j1 - j0);
+        // SAFETY: this block of C is this part's alone; the views stay inside A and B; the
+        // caller checked that the host runs the engine.
         unsafe {
-            serial(
-                kern,
-                m,
-                j1 - j0,
-                k,
-                (c_addr as *mut f32).add(j0),
-                dst_rs,
-                accumulate,
-                if bias.is_null() { bias } else { bias.add(j0) },
-                a,
-                View { ptr: b.ptr.offset(j0 as isize * b.cs), ..b },
-            )
+            match engine {
+                Engine::Amx => serial_amx(m, n, k, c, dst_rs, accumulate, bias, a, b),
+                Engine::Dpbf16 => serial(kernel, m, n, k, c, dst_rs, accumulate, bias, a, b),
+                Engine::Portable => serial(kernel_portable, m, n, k, c, dst_rs, accumulate, bias, a, b),
+            }
         }
     };
     if threads <= 1 || m * n * k < PARALLEL_MIN {
-        return part(0, n);
+        return part((0, m), (0, n));
     }
-    let tiles = n.div_ceil(NR);
-    let parts = (n / 256).clamp(threads, 4 * threads).min(tiles);
+    // Split the longer side of C, so that each part packs only its share of the larger
+    // operand (the smaller one is packed by every part). Every element sums its k blocks in
+    // the same order whatever the split, so the bits do not depend on it.
+    let (long, unit) = if m > n { (m, MC_AMX) } else { (n, NR) };
+    let tiles = long.div_ceil(unit);
+    let parts = (long / 256).clamp(threads, 4 * threads).min(tiles);
     team::for_ranges(parts, 1, 1, |range| {
         for p in range {
-            let (j0, j1) = (tiles * p / parts * NR, (tiles * (p + 1) / parts * NR).min(n));
-            part(j0, j1);
+            let (x0, x1) = (tiles * p / parts * unit, (tiles * (p + 1) / parts * unit).min(long));
+            if m > n {
+                part((x0, x1), (0, n))
+            } else {
+                part((0, m), (x0, x1))
+            }
         }
     });
 }
@@ -314,6 +454,340 @@ unsafe fn tile(
     }
 }
 
+/// Rows of an AMX A panel (two 16-row tiles) and of its packed block (a multiple of it).
+const MR_AMX: usize = 32;
+const MC_AMX: usize = 256;
+/// Pairs of k per AMX tile (16 rows of B's 64-byte tile rows; 32 bf16 of an A tile row).
+const TK: usize = 16;
+
+/// The single-threaded blocked GEMM on AMX: [`serial`]'s blocking (the same k blocks, so every
+/// element sums its k blocks in the same order whatever the split), with 32x32 C blocks of four
+/// 16x16 tiles. A is packed row-major (each row's pairs contiguous, as a tile row loads), B as
+/// [`pack_b`] packs it (a tile row is 16 columns' pairs), both padded with zero pairs to whole
+/// tiles of 16 pairs. Each block's products are summed from zero over the k block by the
+/// tiles, then added to C (or stored over it, plus the bias) as [`tile`] does.
+#[allow(clippy::too_many_arguments)]
+unsafe fn serial_amx(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: *mut f32,
+    ldc: isize,
+    accumulate: bool,
+    bias: *const f32,
+    a: View,
+    b: View,
+) {
+    if k == 0 {
+        // SAFETY: as the caller guarantees; with k = 0 no tile runs.
+        return unsafe { serial(kernel_portable, m, n, k, c, ldc, accumulate, bias, a, b) };
+    }
+    PACKS.with(|packs| {
+        let packs = &mut *packs.borrow_mut();
+        let ap = aligned(&mut packs.a, MC_AMX * KC / 2);
+        let bp = aligned(&mut packs.b, NC * KC / 2);
+        let mut local = [0f32; MR_AMX * NR];
+        // SAFETY: the caller checked that the host runs AMX (amx_available).
+        unsafe { amx_config() };
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            for pc in (0..k).step_by(KC) {
+                let (kc, kend) = (KC.min(k - pc), KC.min(k - pc) + pc);
+                let pairs = kc.div_ceil(2).next_multiple_of(TK);
+                let acc = accumulate || pc > 0;
+                let bias = if pc == 0 { bias } else { std::ptr::null() };
+                for (jr, j0) in (0..nc).step_by(NR).enumerate() {
+                    // SAFETY: panel jr lies inside bp (NC x KC/2 values; KC/2 is whole tiles).
+                    unsafe { pack_b_fast(pairs, pc, kend, jc + j0, n.min(jc + j0 + NR), b, bp.add(jr * NR * pairs)) };
+                }
+                for ic in (0..m).step_by(MC_AMX) {
+                    let mc = MC_AMX.min(m - ic);
+                    for (ir, i0) in (0..mc).step_by(MR_AMX).enumerate() {
+                        let d = ap.wrapping_add(ir * MR_AMX * pairs);
+                        // SAFETY: panel ir lies inside ap (MC_AMX x KC/2 values).
+                        unsafe { pack_a_rows(pairs, pc, kend, ic + i0, m.min(ic + i0 + MR_AMX), a, d) };
+                    }
+                    for (jr, j0) in (0..nc).step_by(NR).enumerate() {
+                        let cols = NR.min(nc - j0);
+                        let bias = if bias.is_null() { bias } else { bias.wrapping_add(jc + j0) };
+                        for (ir, i0) in (0..mc).step_by(MR_AMX).enumerate() {
+                            let rows = MR_AMX.min(mc - i0);
+                            // SAFETY: the panels are packed (whole tiles); the block lies inside C.
+                            unsafe {
+                                amx_block(
+                                    pairs,
+                                    ap.add(ir * MR_AMX * pairs),
+                                    bp.add(jr * NR * pairs),
+                                    local.as_mut_ptr(),
+                                );
+                                let ct = c.offset((ic + i0) as isize * ldc).add(jc + j0);
+                                put(rows, cols, &local, ct, ldc, acc, bias);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // SAFETY: tiles were configured above; release them (the OS then skips their state).
+        unsafe { amx_release() };
+    })
+}
+
+/// C's `rows` x `cols` block [+]= a local MR_AMX x NR block (as [`tile`]'s partial path).
+///
+/// # Safety
+/// The block lies inside C at row stride ldc; a non-null bias has `cols` floats.
+#[inline(always)]
+unsafe fn put(
+    rows: usize,
+    cols: usize,
+    local: &[f32; MR_AMX * NR],
+    c: *mut f32,
+    ldc: isize,
+    acc: bool,
+    bias: *const f32,
+) {
+    for i in 0..rows {
+        // SAFETY: as the caller guarantees.
+        let row = unsafe { std::slice::from_raw_parts_mut(c.offset(i as isize * ldc), cols) };
+        let l = &local[i * NR..i * NR + cols];
+        if acc {
+            row.iter_mut().zip(l).for_each(|(x, &v)| *x += v);
+        } else if bias.is_null() {
+            row.copy_from_slice(l);
+        } else {
+            // SAFETY: a non-null bias has `cols` floats.
+            let b = unsafe { std::slice::from_raw_parts(bias, cols) };
+            row.iter_mut().zip(l.iter().zip(b)).for_each(|(x, (&v, &bj))| *x = v + bj);
+        }
+    }
+}
+
+/// [`pack_b`] for AMX (pairs up to `kend`, zero past it), with straight loops where B's pairs
+/// are adjacent in memory (W^T of a forward: row stride 1) or B is row-major (column stride
+/// 1: two rows interleaved), for whole panels.
+unsafe fn pack_b_fast(pairs: usize, pc: usize, kend: usize, j0: usize, j1: usize, b: View, d: *mut u32) {
+    let (whole, odd) = ((kend - pc) / 2, (kend - pc) % 2 == 1);
+    // SAFETY (all blocks): reads stay inside B's rows pc..kend and columns j0..j1 (the caller's
+    // view covers them); d holds NR*pairs values.
+    unsafe {
+        if j1 - j0 == NR && b.rs == 1 {
+            for j in 0..NR {
+                let col = b.ptr.offset((j0 + j) as isize * b.cs + pc as isize);
+                for p in 0..whole {
+                    *d.add(p * NR + j) = (col.add(2 * p) as *const u32).read_unaligned();
+                }
+                if odd {
+                    *d.add(whole * NR + j) = *col.add(2 * whole) as u32;
+                }
+            }
+        } else if j1 - j0 == NR && b.cs == 1 {
+            for p in 0..whole {
+                let r0 = std::slice::from_raw_parts(b.ptr.offset((pc + 2 * p) as isize * b.rs + j0 as isize), NR);
+                let r1 = std::slice::from_raw_parts(b.ptr.offset((pc + 2 * p + 1) as isize * b.rs + j0 as isize), NR);
+                let dp = std::slice::from_raw_parts_mut(d.add(p * NR), NR);
+                for j in 0..NR {
+                    dp[j] = r0[j] as u32 | (r1[j] as u32) << 16;
+                }
+            }
+            if odd {
+                let r0 = std::slice::from_raw_parts(b.ptr.offset((pc + 2 * whole) as isize * b.rs + j0 as isize), NR);
+                for (j, &x) in r0.iter().enumerate() {
+                    *d.add(whole * NR + j) = x as u32;
+                }
+            }
+        } else {
+            return pack_b(pairs, pc, kend, j0, j1, b, d);
+        }
+        let done = whole + odd as usize;
+        std::ptr::write_bytes(d.add(done * NR), 0, (pairs - done) * NR);
+    }
+}
+
+/// Pack rows `i0..i1` (at most MR_AMX) of A's k values `pc..kend` for AMX: pair p of row i at
+/// `i*pairs + p`, `A[i][2p]` in the low half, zero past the rows or past kend; straight loops
+/// where A's pairs are adjacent (column stride 1) or A is read through a transpose (row
+/// stride 1: two rows interleaved), for whole panels.
+unsafe fn pack_a_rows(pairs: usize, pc: usize, kend: usize, i0: usize, i1: usize, a: View, d: *mut u32) {
+    let (whole, odd) = ((kend - pc) / 2, (kend - pc) % 2 == 1);
+    // SAFETY (all blocks): reads stay inside A's rows i0..i1 and k values pc..kend (the
+    // caller's view covers them); d holds MR_AMX*pairs values.
+    unsafe {
+        if i1 - i0 == MR_AMX && a.cs == 1 {
+            for i in 0..MR_AMX {
+                let row = a.ptr.offset((i0 + i) as isize * a.rs + pc as isize);
+                let di = d.add(i * pairs);
+                for p in 0..whole {
+                    *di.add(p) = (row.add(2 * p) as *const u32).read_unaligned();
+                }
+                if odd {
+                    *di.add(whole) = *row.add(2 * whole) as u32;
+                }
+                let done = whole + odd as usize;
+                std::ptr::write_bytes(di.add(done), 0, pairs - done);
+            }
+        } else if i1 - i0 == MR_AMX && a.rs == 1 {
+            let mut pair = [0u32; MR_AMX];
+            for p in 0..pairs {
+                if p < whole {
+                    let r0 =
+                        std::slice::from_raw_parts(a.ptr.offset((pc + 2 * p) as isize * a.cs + i0 as isize), MR_AMX);
+                    let r1 = std::slice::from_raw_parts(
+                        a.ptr.offset((pc + 2 * p + 1) as isize * a.cs + i0 as isize),
+                        MR_AMX,
+                    );
+                    for i in 0..MR_AMX {
+                        pair[i] = r0[i] as u32 | (r1[i] as u32) << 16;
+                    }
+                } else if p == whole && odd {
+                    let r0 =
+                        std::slice::from_raw_parts(a.ptr.offset((pc + 2 * p) as isize * a.cs + i0 as isize), MR_AMX);
+                    for i in 0..MR_AMX {
+                        pair[i] = r0[i] as u32;
+                    }
+                } else {
+                    pair = [0; MR_AMX];
+                }
+                for (i, &v) in pair.iter().enumerate() {
+                    *d.add(i * pairs + p) = v;
+                }
+            }
+        } else {
+            for i in 0..MR_AMX {
+                for p in 0..pairs {
+                    let (kk, row) = (pc + 2 * p, i0 + i);
+                    *d.add(i * pairs + p) = a.get(row, kk, i1, kend) | (a.get(row, kk + 1, i1, kend) << 16);
+                }
+            }
+        }
+    }
+}
+
+/// Load the tile configuration: eight tiles of 16 rows of 64 bytes (palette 1).
+///
+/// # Safety
+/// The host runs AMX and the OS granted its state ([`amx_available`]).
+#[cfg(target_arch = "x86_64")]
+unsafe fn amx_config() {
+    let mut cfg = [0u8; 64];
+    cfg[0] = 1;
+    for t in 0..8 {
+        cfg[16 + 2 * t] = 64; // bytes per row
+        cfg[48 + t] = 16; // rows
+    }
+    // SAFETY: as the caller guarantees; ldtilecfg reads the 64 bytes of cfg.
+    unsafe { std::arch::asm!("ldtilecfg [{}]", in(reg) cfg.as_ptr(), options(nostack, readonly)) };
+}
+
+/// Release the tiles (back to their initial state).
+///
+/// # Safety
+/// As [`amx_config`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn amx_release() {
+    // SAFETY: as the caller guarantees.
+    unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// One 32x32 block: `out` (row-major, stride NR) = the A panel's 32 rows times the B panel's
+/// 32 columns over `pairs` pairs (a multiple of 16). Tiles 0-3 hold C's quarters, 4-5 A's
+/// two 16-row halves, 6-7 B's two 16-column halves, for each 16 pairs of k in order.
+///
+/// # Safety
+/// Tiles are configured ([`amx_config`]); the panels hold MR_AMX*pairs and NR*pairs values;
+/// `out` has room for MR_AMX*NR floats.
+#[cfg(target_arch = "x86_64")]
+unsafe fn amx_block(pairs: usize, ap: *const u32, bp: *const u32, out: *mut f32) {
+    use std::arch::asm;
+    let (sa, sb, so) = (pairs * 4, NR * 4, NR * 4); // bytes between tile rows
+                                                    // SAFETY: as the caller guarantees: every tile row loaded lies inside its panel; the
+                                                    // stores fill out's 32x32 floats.
+    unsafe {
+        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+        for q in 0..pairs / TK {
+            asm!(
+                "tileloadd tmm4, [{a0} + {sa}*1]",
+                "tileloadd tmm5, [{a1} + {sa}*1]",
+                "tileloadd tmm6, [{b0} + {sb}*1]",
+                "tileloadd tmm7, [{b1} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                a0 = in(reg) ap.add(q * TK),
+                a1 = in(reg) ap.add(16 * pairs + q * TK),
+                b0 = in(reg) bp.add(q * TK * NR),
+                b1 = in(reg) bp.add(q * TK * NR + 16),
+                sa = in(reg) sa,
+                sb = in(reg) sb,
+                options(nostack, readonly),
+            );
+        }
+        asm!(
+            "tilestored [{o0} + {so}*1], tmm0",
+            "tilestored [{o1} + {so}*1], tmm1",
+            "tilestored [{o2} + {so}*1], tmm2",
+            "tilestored [{o3} + {so}*1], tmm3",
+            o0 = in(reg) out,
+            o1 = in(reg) out.add(16),
+            o2 = in(reg) out.add(16 * NR),
+            o3 = in(reg) out.add(16 * NR + 16),
+            so = in(reg) so,
+            options(nostack),
+        );
+    }
+}
+
+/// `iters` rounds of four independent `tdpbf16ps` (16x16 fp32 += 16x32 by 32x16 bf16 each) on
+/// tiles held in registers, for the bf16 peak ([`super::peak`]); zeros in, zeros out.
+///
+/// # Safety
+/// As [`amx_config`].
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn amx_chains(iters: usize) {
+    use std::arch::asm;
+    // SAFETY: as the caller guarantees; register-only tile operations between configure and release.
+    unsafe {
+        amx_config();
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "tilezero tmm4",
+            "tilezero tmm5",
+            "tilezero tmm6",
+            "tilezero tmm7",
+            options(nostack, nomem)
+        );
+        for _ in 0..iters {
+            asm!(
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                options(nostack, nomem)
+            );
+        }
+        amx_release();
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) unsafe fn amx_chains(_: usize) {
+    unreachable!("AMX on a CPU without it")
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn amx_config() {
+    unreachable!("AMX on a CPU without it")
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn amx_release() {}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn amx_block(_: usize, _: *const u32, _: *const u32, _: *mut f32) {
+    unreachable!("AMX on a CPU without it")
+}
+
 /// The 12x32 register tile over `pairs` pairs of k.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
@@ -434,11 +908,13 @@ mod tests {
     /// one everywhere and `vdpbf16ps` where the CPU has it, and the two give the same bits.
     #[test]
     fn matches_f64_on_bf16_inputs_and_any_thread_count() {
-        let mut kernels: Vec<(&str, Kernel)> = vec![("portable", kernel_portable)];
-        if available() {
-            kernels.push(("avx512bf16", kernel));
-        } else {
-            eprintln!("SKIPPED bgemm's AVX512_BF16 tile: this CPU has no AVX512_BF16 (or the kernels are held below AVX-512); the portable tile is tested");
+        let mut engines = vec![Engine::Portable];
+        for (e, what) in [(Engine::Dpbf16, "AVX512_BF16"), (Engine::Amx, "AMX-BF16 (with the OS's permission)")] {
+            if runs(e) {
+                engines.push(e);
+            } else {
+                eprintln!("SKIPPED bgemm's {} tiles: this host has no {what} (or the kernels are held below AVX-512); the others are tested", e.name());
+            }
         }
         for &(m, n, k) in
             &[(1, 1, 1), (1, 33, 7), (13, 31, 2), (12, 32, 385), (25, 70, 131), (300, 65, 800), (7, 2100, 9)]
@@ -481,16 +957,17 @@ mod tests {
                         scale[i * n + j] = mag + base.abs();
                     }
                 }
-                let mut first: Option<Vec<f32>> = None;
-                for (threads, &(name, kern)) in [1, 2, 3].into_iter().flat_map(|t| kernels.iter().map(move |k| (t, k)))
-                {
+                // The first result of each engine; vdpbf16ps and the portable tiles share one.
+                let mut first: [Option<Vec<f32>>; 2] = [None, None];
+                for (threads, &engine) in [1, 2, 3].into_iter().flat_map(|t| engines.iter().map(move |e| (t, e))) {
+                    let name = engine.name();
                     let mut c = start.clone();
                     let bp = if with_bias { bias.as_ptr() } else { std::ptr::null() };
                     // SAFETY: the strides address (m, k), (k, n) and (m, n) inside the vectors;
-                    // the AVX512_BF16 tile is in the list only where the CPU has it.
+                    // an engine is in the list only where the host runs it.
                     unsafe {
-                        bgemm_with(
-                            kern,
+                        bgemm_on(
+                            engine,
                             m,
                             n,
                             k,
@@ -513,8 +990,9 @@ mod tests {
                         );
                     }
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    match &first {
-                        None => first = Some(c),
+                    let first = &mut first[(engine == Engine::Amx) as usize];
+                    match first {
+                        None => *first = Some(c),
                         Some(f) => {
                             assert!(
                                 bits(f) == bits(&c),
@@ -562,13 +1040,13 @@ mod tests {
         let b: Vec<u16> = r.vec(k * n).iter().map(|&x| to_bf16(x * 1e-20)).collect();
         cases.push(("denormal results", a, b));
         for (what, a, b) in cases {
-            let run = |kern: Kernel| {
+            let run = |engine: Engine| {
                 let mut c = vec![0f32; m * n];
                 // SAFETY: (m, k), (k, n), (m, n) row-major inside the vectors; `kernel` only here,
                 // where the CPU has AVX512_BF16.
                 unsafe {
-                    bgemm_with(
-                        kern,
+                    bgemm_on(
+                        engine,
                         m,
                         n,
                         k,
@@ -585,7 +1063,7 @@ mod tests {
                 };
                 c
             };
-            let (hw, port) = (run(kernel), run(kernel_portable));
+            let (hw, port) = (run(Engine::Dpbf16), run(Engine::Portable));
             for (i, (x, y)) in hw.iter().zip(&port).enumerate() {
                 assert!(
                     x.to_bits() == y.to_bits(),

@@ -5,6 +5,7 @@
 //! blocks of their operands internally, as every fast GEMM does).
 
 use super::bf16::{self, Dest, Operand};
+use super::bgemm;
 use super::sgemm::{self, Elem};
 use gemm::{gemm, Parallelism};
 use std::sync::Mutex;
@@ -150,8 +151,10 @@ fn gemm_dest(
     if m == 0 || n == 0 {
         return;
     }
-    if k <= sgemm::KC_MAX && sgemm::fast_path_available() {
+    let bf16_engine = matches!((lhs, rhs), (Operand::Bf16(_), Operand::Bf16(_))) && bgemm::model_engine().is_some();
+    if k <= sgemm::KC_MAX && sgemm::fast_path_available() && !bf16_engine {
         // One k block: the kernels round each element as they store it, no f32 window needed.
+        // (The bf16 engines store f32 only: their results go through the window below.)
         check_operands(
             (m, n, k),
             (dst.len(), dst_rs as isize, 1),
@@ -260,6 +263,33 @@ fn gemm_typed<TA: Elem, TB: Elem>(
     }
     check_operands((m, n, k), (dst.len(), dst_rs, dst_cs), (lhs.len(), lhs_rs, lhs_cs), (rhs.len(), rhs_rs, rhs_cs));
     let bias = if accumulate { None } else { bias.map(|b| &b[..n]) };
+    if let (1, Some(a), Some(b), Some(engine)) = (dst_cs, TA::bf16s(lhs), TB::bf16s(rhs), bgemm::model_engine()) {
+        // bf16 x bf16 on the host's bf16 tiles (AMX or vdpbf16ps), fp32 accumulation.
+        // SAFETY: check_operands showed every element the strides address lies inside its
+        // buffer (strides non-negative: it refuses others) and dst's elements distinct; dst is a
+        // unique borrow; model_engine only names an engine the host runs; a bias has n elements.
+        unsafe {
+            bgemm::bgemm_on(
+                engine,
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                dst_rs,
+                accumulate,
+                bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+                a.as_ptr(),
+                (lhs_rs, lhs_cs),
+                b.as_ptr(),
+                (rhs_rs, rhs_cs),
+                match par {
+                    Parallelism::Rayon(t) => t,
+                    _ => 1,
+                },
+            )
+        };
+        return;
+    }
     if dst_cs == 1 && sgemm::fast_path_available() {
         let threads = match par {
             Parallelism::Rayon(t) => t,
@@ -634,6 +664,9 @@ mod tests {
 
     /// bf16 buffers anywhere in the forward and backward (operands read as bf16, results
     /// rounded a window at a time): the bits of the f32 op on the widened buffers, rounded once.
+    /// Where the host's bf16 tiles run bf16 x bf16 products (AMX, vdpbf16ps: another summation
+    /// order), those products are held to the f32 op within fp32 accumulation's bound, and their
+    /// bf16 results to their own f32 results rounded once.
     /// Shapes whose results span several windows, cut by rows and by columns, windows that do
     /// not divide them, one position (the decode step's dot products) and k = 1.
     #[test]
@@ -650,10 +683,22 @@ mod tests {
             let mut want = vec![0f32; n * oc];
             matmul_forward((&mut want).into(), (&inp).into(), (&w).into(), Some(&b), n, c, oc);
             let want16 = to16(&want);
+            // bf16 x bf16 on the host's bf16 tiles (a decode step's single row never is).
+            let tiles = crate::cpu::bgemm::model_engine().is_some() && n > 1;
             for (x, wt) in [(Operand::Bf16(&inp16), Operand::Bf16(&w16)), (Operand::F32(&inp), Operand::Bf16(&w16))] {
+                let both = matches!(x, Operand::Bf16(_));
                 let mut got = vec![0f32; n * oc];
                 matmul_forward((&mut got).into(), x, wt, Some(&b), n, c, oc);
-                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "({n},{c},{oc}) fwd f32 out");
+                let want16 = if tiles && both {
+                    within_accumulation(&got, &want, &inp, &w, n, c, oc, "fwd");
+                    to16(&got)
+                } else {
+                    assert!(
+                        got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "({n},{c},{oc}) fwd f32 out"
+                    );
+                    want16.clone()
+                };
                 let mut got16 = vec![0x7FC0u16; n * oc];
                 matmul_forward(Dest::Bf16(&mut got16), x, wt, Some(&b), n, c, oc);
                 assert!(got16 == want16, "({n},{c},{oc}) fwd bf16 out");
@@ -675,14 +720,45 @@ mod tests {
                     oc,
                     accumulate,
                 );
-                let (mut di16, mut dw16, mut db2) = (vec![0u16; n * c], to16(&dw0), vec![0.5f32; oc]);
                 let (dout, x, wt) = (Operand::Bf16(&d16), Operand::Bf16(&inp16), Operand::Bf16(&w16));
+                if tiles {
+                    // The tiles' f32 results on the bf16 operands: near the f32 op's, and what
+                    // the bf16 results below must round.
+                    let (mut di2, mut dw2, mut db3) = (vec![0f32; n * c], dw0.clone(), vec![0.5f32; oc]);
+                    let (di_, dw_) = ((&mut di2).into(), (&mut dw2).into());
+                    matmul_backward(Some(di_), Some(dw_), Some(&mut db3), dout, x, wt, n, c, oc, accumulate);
+                    let dt = |v: &[f32], r: usize, k: usize| {
+                        (0..k * r).map(|i| v[(i % k) * r + i / k]).collect::<Vec<f32>>()
+                    };
+                    within_accumulation(&di2, &di, &d, &dt(&w, c, oc), n, oc, c, "dinp");
+                    let dw_base: Vec<f32> = if accumulate { dw0.clone() } else { vec![0.0; oc * c] };
+                    let dw_new: Vec<f32> = dw2.iter().zip(&dw_base).map(|(a, b)| a - b).collect();
+                    let dw_want: Vec<f32> = dw.iter().zip(&dw_base).map(|(a, b)| a - b).collect();
+                    within_accumulation(&dw_new, &dw_want, &dt(&d, oc, n), &dt(&inp, c, n), oc, n, c, "dweight");
+                    (di, dw) = (di2, dw2);
+                }
+                let (mut di16, mut dw16, mut db2) = (vec![0u16; n * c], to16(&dw0), vec![0.5f32; oc]);
                 let (di_, dw_) = (Dest::Bf16(&mut di16), Dest::Bf16(&mut dw16));
                 matmul_backward(Some(di_), Some(dw_), Some(&mut db2), dout, x, wt, n, c, oc, accumulate);
                 let what = format!("({n},{c},{oc}) acc={accumulate}");
                 assert!(di16 == to16(&di), "{what}: dinp");
                 assert!(dw16 == to16(&dw), "{what}: dweight");
                 assert!(db2.iter().zip(&db).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: dbias");
+            }
+        }
+    }
+
+    /// `got (n, oc)` against `want` for `x (n, c) @ w (oc, c)^T`: apart by at most fp32
+    /// accumulation's bound for two summation orders, 2 (c + 2) 2^-24 sum |x w| per element (the
+    /// products of bf16 are exact in fp32).
+    #[allow(clippy::too_many_arguments)]
+    fn within_accumulation(got: &[f32], want: &[f32], x: &[f32], w: &[f32], n: usize, c: usize, oc: usize, what: &str) {
+        for i in 0..n {
+            for j in 0..oc {
+                let mag: f64 = (0..c).map(|p| (x[i * c + p] as f64 * w[j * c + p] as f64).abs()).sum();
+                let (g, e) = (got[i * oc + j] as f64, want[i * oc + j] as f64);
+                let bound = 2.0 * (c + 2) as f64 * 6e-8 * (mag + e.abs()) + 1e-30;
+                assert!((g - e).abs() <= bound, "{what} ({n},{c},{oc}) [{i},{j}]: {g} vs {e} (bound {bound})");
             }
         }
     }

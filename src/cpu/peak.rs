@@ -60,10 +60,41 @@ pub(crate) unsafe fn dpbf16_chains(iters: usize) -> f32 {
     }
 }
 
-/// The machine's bf16 peak where it has AVX512_BF16: a `vdpbf16ps` loop on every thread of the
-/// team (32 multiply-adds per instruction), the best of several trials as [`measure`]. Returns
-/// (GFLOP/s, method), or None without the instruction.
+/// The machine's bf16 peak for the tiles the bf16 GEMMs run on ([`super::bgemm::model_engine`]):
+/// AMX's ([`measure_amx`]) or `vdpbf16ps`'s ([`measure_dpbf16`]). Returns (GFLOP/s, method), or
+/// None where the bf16 GEMMs widen to fp32 (their peak is fp32's).
 pub fn measure_bf16() -> Option<(f64, String)> {
+    use super::bgemm::Engine;
+    match super::bgemm::model_engine()? {
+        Engine::Amx => measure_amx(),
+        Engine::Dpbf16 => measure_dpbf16(),
+        Engine::Portable => None,
+    }
+}
+
+/// AMX's bf16 peak where the host runs AMX: four independent `tdpbf16ps` per round (16x16x32
+/// multiply-adds each) on every thread of the team, the best of several trials.
+pub fn measure_amx() -> Option<(f64, String)> {
+    if !super::bgemm::amx_available() {
+        return None;
+    }
+    let (threads, iters) = (super::team::threads(), 200_000);
+    let mut best = 0f64;
+    for _ in 0..8 {
+        let t0 = Instant::now();
+        super::team::broadcast(&|_| {
+            // SAFETY: amx_available() showed the host runs AMX.
+            unsafe { super::bgemm::amx_chains(iters) };
+        });
+        let flops = (threads * iters * 4 * 16 * 16 * 32 * 2) as f64;
+        best = best.max(flops / t0.elapsed().as_secs_f64());
+    }
+    Some((best / 1e9, format!("AMX tdpbf16ps loop on {threads} threads")))
+}
+
+/// The machine's `vdpbf16ps` peak where it has AVX512_BF16: a loop on every thread of the
+/// team (32 multiply-adds per instruction), the best of several trials as [`measure`].
+pub fn measure_dpbf16() -> Option<(f64, String)> {
     #[cfg(target_arch = "x86_64")]
     {
         if !(is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")) {

@@ -123,6 +123,11 @@ pub trait Elem: Copy + Send + Sync + 'static {
         None
     }
 
+    /// The slice itself when it is bf16.
+    fn bf16s(_: &[Self]) -> Option<&[u16]> {
+        None
+    }
+
     /// The pointer itself when it points at f32 (a result the kernels may write directly).
     fn f32_ptr(_: *mut Self) -> Option<*mut f32> {
         None
@@ -178,6 +183,10 @@ impl Elem for u16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         super::bf16::to_f32(self)
+    }
+
+    fn bf16s(x: &[u16]) -> Option<&[u16]> {
+        Some(x)
     }
 
     #[inline(always)]
