@@ -65,7 +65,7 @@ print(f"SmolLM2-135M shape, {sum(p.numel() for p in model.parameters())} paramet
       f"torch {torch.__version__}, transformers {transformers.__version__}")
 cpu = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")][:1]
 flags = open("/proc/cpuinfo").read()
-isa = "AVX-512" + (" AVX512_BF16" if "avx512_bf16" in flags else "") if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+isa = "AVX-512" + (" AVX512_BF16" if "avx512_bf16" in flags else "") + (" AMX-BF16" if "amx_bf16" in flags else "") if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
 print(f"CPU: {cpu[0] if cpu else '?'} ({isa})")
 
 

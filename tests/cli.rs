@@ -675,3 +675,41 @@ fn lora_train_convert_generate_and_eval() {
         &["not the one"],
     );
 }
+
+/// `LLMRS_BF16_GEMM` picks the tiles of the bf16 GEMMs, named on bench's backend line; a value
+/// it does not know, or tiles the host cannot run, is a one-line error at start-up.
+#[test]
+fn bf16_gemm_tiles_are_chosen_and_named() {
+    let bench =
+        ["bench", "-e", "1x16:2:16", "-b", "2", "-t", "8", "--steps", "1", "--warmup", "0", "--precision", "bf16"];
+    let run = |tiles: &str| llmrs().args(bench).env(llmrs::env::BF16_GEMM, tiles).output().unwrap();
+    let o = run("bogus");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.trim().lines().count() == 1 && err.contains("LLMRS_BF16_GEMM=bogus: use amx, avx512bf16 or widen"),
+        "{err}"
+    );
+    let o = run("widen");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("bf16 GEMMs widened to fp32"), "{out}");
+    assert!(out.contains("peak bf16   none: the bf16 GEMMs widen to fp32 here"), "{out}");
+    for (tiles, runs) in [("amx", llmrs::cpu::bgemm::amx_available()), ("avx512bf16", llmrs::cpu::bgemm::available())] {
+        let o = run(tiles);
+        let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        if runs {
+            assert!(o.status.success() && out.contains(&format!("bf16 GEMMs on {tiles}")), "{out}{err}");
+            assert!(out.contains("peak bf16") && out.contains("; MFU"), "{out}");
+        } else {
+            assert_eq!(o.status.code(), Some(1), "{err}");
+            assert!(
+                err.trim().lines().count() == 1 && err.contains("this host cannot run it") && err.contains("use widen"),
+                "{err}"
+            );
+            llmrs::testdata::skipped(
+                &format!("bf16 GEMMs on {tiles}"),
+                "this host cannot run them (the refusal was checked)",
+            );
+        }
+    }
+}
