@@ -12,9 +12,11 @@ scaling) or smollm2-135m. LoRA of rank --lora (alpha 2R) on every projection of 
 (q, k, v, o, gate, up, down), the base frozen; one training step is forward, cross-entropy,
 backward, global-norm clipping at 1 and AdamW over the adapters, on B x T random tokens.
 
-PyTorch + PEFT at its best on the CPU: fp32, SDPA attention, `get_peft_model` with
+PyTorch + PEFT at its best on the CPU: fp32 (or, with --precision bf16, the base made in bf16
+and the step under bf16 autocast, the adapters fp32 as PEFT keeps them), SDPA attention, `get_peft_model` with
 `LoraConfig(r, lora_alpha=2r, target_modules=[...], lora_dropout=0)`, torch.optim.AdamW
-(foreach). llmrs: `llmrs bench -e llama:<model> --lora R` with --extra flags (e.g. "-r 2").
+(foreach). llmrs: `llmrs bench -e llama:<model> --lora R --precision P` with --extra flags (e.g.
+"-r 2"); in bf16 its frozen base is bf16 too and its adapters fp32.
 Per round: each engine's median seconds per step over --steps after --warmup, and its peak RSS
 (VmHWM of its process); the speed-up and the RSS ratio are taken per round.
 """
@@ -38,6 +40,7 @@ ap.add_argument("-t", type=int, default=512)
 ap.add_argument("--steps", type=int, default=2)
 ap.add_argument("--warmup", type=int, default=1)
 ap.add_argument("--rounds", type=int, default=2)
+ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
 ap.add_argument("--extra", default="", help="more llmrs bench flags, e.g. \"-r 2\"")
 ap.add_argument("--peft-child", action="store_true", help=argparse.SUPPRESS)
 args = ap.parse_args()
@@ -66,7 +69,11 @@ def peft_child():
                              rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    base = LlamaForCausalLM(config).float()
+    bf16 = args.precision == "bf16"
+    # In bf16 the base is made in bf16 (never an fp32 copy: its peak RSS is its own).
+    torch.set_default_dtype(torch.bfloat16 if bf16 else torch.float32)
+    base = LlamaForCausalLM(config)
+    torch.set_default_dtype(torch.float32)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(base, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=targets,
                                             lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
@@ -80,15 +87,17 @@ def peft_child():
     for s in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), y.reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), y.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if s >= args.warmup:
             times.append(time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
-    print(json.dumps({"s_per_step": statistics.median(times), "peak_rss_mib": rss,
+    dtypes = sorted({str(p.dtype) for p in params})
+    print(json.dumps({"s_per_step": statistics.median(times), "peak_rss_mib": rss, "adapter_dtypes": dtypes,
                       "trainable": sum(p.numel() for p in params), "torch": torch.__version__,
                       "transformers": transformers.__version__}))
 
@@ -99,15 +108,16 @@ if args.peft_child:
 
 cpu = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")][:1]
 flags = open("/proc/cpuinfo").read()
-isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+isa = "AVX-512" + (" AVX512_BF16" if "avx512_bf16" in flags else "") + (" AMX-BF16" if "amx_bf16" in flags else "") \
+    if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
 print(f"CPU: {cpu[0] if cpu else '?'} ({isa}); {args.threads} threads; llama:{args.model}, LoRA r={args.lora}, "
-      f"B={args.b} T={args.t}")
+      f"B={args.b} T={args.t}, {args.precision}")
 
 
 def llmrs_round():
     cmd = [args.llmrs, "--threads", str(args.threads), "bench", "-e", f"llama:{args.model}", "--lora", str(args.lora),
            "-b", str(args.b), "-t", str(args.t), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--json"] + args.extra.split()
+           "--precision", args.precision, "--json"] + args.extra.split()
     r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     return r["ms_median"] / 1e3, r["peak_rss_mib"], r["trainable_parameters"]
 
@@ -116,7 +126,7 @@ def peft_round():
     cmd = [sys.executable, __file__, "--peft-child"] + [a for a in sys.argv[1:]]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
-    return r["s_per_step"], r["peak_rss_mib"], r["trainable"]
+    return r["s_per_step"], r["peak_rss_mib"], f'{r["trainable"]} trainable, {"/".join(r["adapter_dtypes"])}'
 
 
 speed, mem = [], []
@@ -126,7 +136,7 @@ for rnd in range(args.rounds):
     speed.append(b[0] / a[0])
     mem.append(a[1] / b[1])
     print(f"round {rnd}: llmrs {a[0]:.2f} s/step, peak RSS {a[1]:.0f} MiB ({a[2]} trainable) | PyTorch+PEFT "
-          f"{b[0]:.2f} s/step, peak RSS {b[1]:.0f} MiB ({b[2]} trainable) | speed-up {speed[-1]:.2f}x, "
+          f"{b[0]:.2f} s/step, peak RSS {b[1]:.0f} MiB ({b[2]}) | speed-up {speed[-1]:.2f}x, "
           f"RSS ratio {mem[-1]:.2f}")
 print(f"median: llmrs steps {statistics.median(speed):.2f}x PyTorch+PEFT's speed at {statistics.median(mem):.2f}x "
-      f"its peak RSS (llmrs flags: {args.extra or 'defaults'})")
+      f"its peak RSS ({args.precision}; llmrs flags: {args.extra or 'defaults'})")

@@ -724,14 +724,21 @@ impl Model {
                 self.be.describe()
             );
         }
+        let keep_f32 = master_weights && self.lora.is_none();
         let bf = self.be.alloc_parts(&self.zero.parts_at(3), DType::BF16)?;
-        Ops::new(&mut *self.be).convert(bf, self.params, None);
+        if keep_f32 {
+            Ops::new(&mut *self.be).convert(bf, self.params, None);
+        } else {
+            // The f32 copy goes: handed back as it is converted (a 1B model's frozen base then
+            // peaks at its 5 GB of f32, not at 7.5 GB).
+            Ops::new(&mut *self.be).convert_consuming(bf, self.params);
+        }
         if let Some(g) = self.gathered.take() {
             // ZeRO-3 gathers the bf16 shards the passes read: a bf16 gathering buffer.
             self.be.free(g.whole);
             self.gathered = Some(Gathered::alloc(&mut *self.be, &self.zero, DType::BF16)?);
         }
-        if master_weights && self.lora.is_none() {
+        if keep_f32 {
             self.work = Some(bf);
         } else {
             self.be.free(self.params);

@@ -528,6 +528,13 @@ pub trait Backend {
     /// stochastically with `noise` (llm.c's bf16 parameters written from the fp32 master
     /// weights).
     fn convert(&mut self, dst: Buf, src: Buf, noise: Option<Noise>);
+    /// dst (N) (out) = src (N) rounded to nearest as [`Backend::convert`], where src is about
+    /// to be freed (its elements are undefined afterwards): the backend may hand src's memory
+    /// back as it goes. The CPU does, piece by piece, so turning a model's f32 weights into
+    /// bf16 peaks at about the f32 copy, not at both.
+    fn convert_consuming(&mut self, dst: Buf, src: Buf) {
+        self.convert(dst, src, None)
+    }
 }
 
 #[cfg(test)]

@@ -550,6 +550,12 @@ impl<'a> Ops<'a> {
         lens!("convert"; dst => src.len);
         self.run("convert", Kind::Optimizer, &[W(dst)], &[src], |be| be.convert(dst, src, noise));
     }
+
+    /// [`Ops::convert`] to nearest of a src about to be freed (see [`Backend::convert_consuming`]).
+    pub fn convert_consuming(&mut self, dst: Buf, src: Buf) {
+        lens!("convert"; dst => src.len);
+        self.run("convert", Kind::Optimizer, &[W(dst)], &[src], |be| be.convert_consuming(dst, src));
+    }
 }
 
 /// A zero-length handle that overlaps nothing, for an absent optional buffer.
