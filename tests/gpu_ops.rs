@@ -635,3 +635,95 @@ fn gpu_adamw_writes_the_bf16_working_copy() {
         }
     }
 }
+
+/// The GEMMs of bf16 operands read them as they are (kernels/matmul.wgsl's bf16 variant):
+/// the same bits as the f32 GEMM of their widened copies, rounded once, forward and backward
+/// (accumulating too), with tensors starting in the middle of words and cut into pieces; and
+/// no f32 copy of an input is made, only of the output.
+#[test]
+fn gpu_bf16_gemms_read_bf16_operands_themselves() {
+    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    let mut random = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    };
+    for opts in [Options::default(), tiny()] {
+        let Some(mut g) = backend("gpu_bf16_gemms_read_bf16_operands_themselves", opts) else { return };
+        for &(n, c, oc) in &[(1, 1, 1), (3, 5, 7), (70, 33, 65), (2, 48, 200), (600, 3, 5)] {
+            let lens = [n * oc, n * c, oc * c, oc, n * oc, n * c, oc * c, oc];
+            // Parts of odd lengths before each tensor put bf16 ones across word boundaries.
+            let h = g.alloc_parts(&lens.iter().flat_map(|&l| [1, l]).collect::<Vec<_>>(), DType::BF16).unwrap();
+            let f = g.alloc_parts(&lens, DType::F32).unwrap();
+            let split = |x: Buf, pad: usize| -> Vec<Buf> {
+                let mut at = 0;
+                lens.iter()
+                    .map(|&l| {
+                        at += pad;
+                        at += l;
+                        x.slice(at - l..at)
+                    })
+                    .collect()
+            };
+            let (hs, fs) = (split(h, 1), split(f, 0));
+            for (&x, &l) in hs.iter().zip(&lens) {
+                let v = random(l);
+                g.upload(x, &v);
+            }
+            for (&y, &x) in fs.iter().zip(&hs) {
+                g.convert(y, x, None);
+            }
+            let bits = |g: &mut llmrs::gpu::GpuBackend, x: Buf| -> Vec<u32> {
+                let mut v = vec![0f32; x.len];
+                g.download(x, &mut v).unwrap();
+                v.iter().map(|x| x.to_bits()).collect()
+            };
+            // The f32 path's result rounded to bf16, in a scratch bf16 tensor.
+            let rounded = |g: &mut llmrs::gpu::GpuBackend, x: Buf| -> Vec<u32> {
+                let t = g.alloc(x.len, DType::BF16).unwrap();
+                g.convert(t, x, None);
+                let r = bits(g, t);
+                g.free(t);
+                r
+            };
+            let [out, inp, w, b, dout, dinp, dw, db] = std::array::from_fn(|i| (hs[i], fs[i]));
+            let what = format!("n={n} c={c} oc={oc}, {opts:?}");
+            g.matmul_forward(out.0, inp.0, w.0, Some(b.0), n, c, oc);
+            g.matmul_forward(out.1, inp.1, w.1, Some(b.1), n, c, oc);
+            assert_eq!(bits(&mut g, out.0), rounded(&mut g, out.1), "matmul_forward {what}");
+            for accumulate in [false, true] {
+                for x in [dw, db] {
+                    g.convert(x.1, x.0, None); // the same gradients to add to
+                }
+                g.matmul_backward(Some(dinp.0), Some(dw.0), Some(db.0), dout.0, inp.0, w.0, n, c, oc, accumulate);
+                g.matmul_backward(Some(dinp.1), Some(dw.1), Some(db.1), dout.1, inp.1, w.1, n, c, oc, accumulate);
+                for (x, name) in [(dinp, "dinp"), (dw, "dweight"), (db, "dbias")] {
+                    assert_eq!(
+                        bits(&mut g, x.0),
+                        rounded(&mut g, x.1),
+                        "matmul_backward {name} acc={accumulate} {what}"
+                    );
+                }
+            }
+            g.free(h);
+            g.free(f);
+        }
+    }
+    // A fresh backend's f32 copies after a bf16 GEMM: the output's, not the inputs'.
+    let Some(mut g) = backend("gpu_bf16_gemms_read_bf16_operands_themselves", Options::default()) else { return };
+    let (n, c, oc) = (64, 512, 8);
+    let [out, inp, w] = [n * oc, n * c, oc * c].map(|l| g.alloc(l, DType::BF16).unwrap());
+    g.fill(inp, 0.5);
+    g.fill(w, 0.25);
+    assert_eq!(g.workspace_bytes(), 0);
+    g.matmul_forward(out, inp, w, None, n, c, oc);
+    let mut v = vec![0f32; n * oc];
+    g.download(out, &mut v).unwrap();
+    assert!(v.iter().all(|&x| x == 64.0), "512 * 0.5 * 0.25");
+    assert_eq!(g.workspace_bytes(), 4 * n * oc, "f32 copies kept: only the output's");
+}

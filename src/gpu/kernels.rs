@@ -13,28 +13,55 @@ pub const IMMEDIATE_BYTES: u32 = 128;
 /// The helpers every module shares, prepended to each.
 pub const COMMON: &str = include_str!("kernels/common.wgsl");
 
-/// Every kernel module, by file name.
-const FILES: [(&str, &str); 14] = [
-    ("memory", include_str!("kernels/memory.wgsl")),
-    ("bf16", include_str!("kernels/bf16.wgsl")),
-    ("encoder", include_str!("kernels/encoder.wgsl")),
-    ("layernorm", include_str!("kernels/layernorm.wgsl")),
-    ("rmsnorm", include_str!("kernels/rmsnorm.wgsl")),
-    ("rope", include_str!("kernels/rope.wgsl")),
-    ("swiglu", include_str!("kernels/swiglu.wgsl")),
-    ("residual", include_str!("kernels/residual.wgsl")),
-    ("gelu", include_str!("kernels/gelu.wgsl")),
-    ("matmul", include_str!("kernels/matmul.wgsl")),
-    ("attention", include_str!("kernels/attention.wgsl")),
-    ("classifier", include_str!("kernels/classifier.wgsl")),
-    ("adamw", include_str!("kernels/adamw.wgsl")),
-    ("lora", include_str!("kernels/lora.wgsl")),
+/// The GEMM's operands A, B and bias (bindings 1-3 of kernels/matmul.wgsl) in f32.
+const MATMUL_F32: &str = "
+@group(0) @binding(1) var<storage, read_write> a: array<f32>;
+@group(0) @binding(2) var<storage, read_write> b: array<f32>;
+@group(0) @binding(3) var<storage, read_write> bias: array<f32>;
+fn a_at(e: u32) -> f32 { return a[e]; }
+fn b_at(e: u32) -> f32 { return b[e]; }
+fn bias_at(e: u32) -> f32 { return bias[e]; }
+";
+
+/// The same operands in bf16, two a word (kernels/bf16.wgsl's layout: element 2w in the low
+/// half of word w), widened as they are read: the GEMM then reads half the bytes of its f32
+/// copies, and needs none.
+const MATMUL_BF16: &str = "
+@group(0) @binding(1) var<storage, read_write> a: array<u32>;
+@group(0) @binding(2) var<storage, read_write> b: array<u32>;
+@group(0) @binding(3) var<storage, read_write> bias: array<u32>;
+fn half_at(w: u32, e: u32) -> f32 { return bitcast<f32>(select(w << 16u, w & 0xffff0000u, (e & 1u) == 1u)); }
+fn a_at(e: u32) -> f32 { return half_at(a[e >> 1u], e); }
+fn b_at(e: u32) -> f32 { return half_at(b[e >> 1u], e); }
+fn bias_at(e: u32) -> f32 { return half_at(bias[e >> 1u], e); }
+";
+
+const MATMUL: &str = include_str!("kernels/matmul.wgsl");
+
+/// Every kernel module, by name (its file's, and `_bf16` for a variant that reads bf16
+/// operands), as the parts it is made of, in order.
+const FILES: [(&str, &[&str]); 15] = [
+    ("memory", &[include_str!("kernels/memory.wgsl")]),
+    ("bf16", &[include_str!("kernels/bf16.wgsl")]),
+    ("encoder", &[include_str!("kernels/encoder.wgsl")]),
+    ("layernorm", &[include_str!("kernels/layernorm.wgsl")]),
+    ("rmsnorm", &[include_str!("kernels/rmsnorm.wgsl")]),
+    ("rope", &[include_str!("kernels/rope.wgsl")]),
+    ("swiglu", &[include_str!("kernels/swiglu.wgsl")]),
+    ("residual", &[include_str!("kernels/residual.wgsl")]),
+    ("gelu", &[include_str!("kernels/gelu.wgsl")]),
+    ("matmul", &[MATMUL_F32, MATMUL]),
+    ("matmul_bf16", &[MATMUL_BF16, MATMUL]),
+    ("attention", &[include_str!("kernels/attention.wgsl")]),
+    ("classifier", &[include_str!("kernels/classifier.wgsl")]),
+    ("adamw", &[include_str!("kernels/adamw.wgsl")]),
+    ("lora", &[include_str!("kernels/lora.wgsl")]),
 ];
 
-/// The complete WGSL of every module (common helpers included), by file name: what the
+/// The complete WGSL of every module (common helpers included), by name: what the
 /// pipelines are built from, and what the tests translate for Metal, Vulkan and DX12.
 pub fn wgsl_modules() -> Vec<(&'static str, String)> {
-    FILES.iter().map(|(name, src)| (*name, format!("{COMMON}\n{src}"))).collect()
+    FILES.iter().map(|(name, parts)| (*name, format!("{COMMON}\n{}", parts.join("\n")))).collect()
 }
 
 /// One compute kernel: an entry point of a module.
@@ -66,6 +93,9 @@ pub enum K {
     GeluBackward,
     Matmul,
     BiasBackward,
+    /// Matmul and BiasBackward reading bf16 A, B and bias (C stays f32).
+    MatmulBf16,
+    BiasBackwardBf16,
     SoftmaxForward,
     SoftmaxProbs,
     SoftmaxBackward,
@@ -80,7 +110,7 @@ pub enum K {
 
 /// (kernel, module, entry point, storage buffers bound at 0..n, which of them hold u32 (a bit
 /// per binding), which bf16 (two a word; the others f32)).
-const TABLE: [(K, &str, &str, usize, u8, u8); 36] = [
+const TABLE: [(K, &str, &str, usize, u8, u8); 38] = [
     (K::Fill, "memory", "fill", 1, 0, 0),
     (K::CopyRows, "memory", "copy_rows", 2, 0, 0),
     (K::Widen, "bf16", "widen", 2, 0, 0b1),
@@ -107,6 +137,8 @@ const TABLE: [(K, &str, &str, usize, u8, u8); 36] = [
     (K::GeluBackward, "gelu", "gelu_backward", 2, 0, 0),
     (K::Matmul, "matmul", "matmul", 4, 0, 0),
     (K::BiasBackward, "matmul", "bias_backward", 2, 0, 0),
+    (K::MatmulBf16, "matmul_bf16", "matmul", 4, 0, 0b1110),
+    (K::BiasBackwardBf16, "matmul_bf16", "bias_backward", 2, 0, 0b10),
     (K::SoftmaxForward, "attention", "softmax_forward", 2, 0, 0),
     (K::SoftmaxProbs, "attention", "softmax_probs", 2, 0, 0),
     (K::SoftmaxBackward, "attention", "softmax_backward", 2, 0, 0),

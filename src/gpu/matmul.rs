@@ -122,6 +122,14 @@ impl GpuBackend {
                 "GEMM operand {x:?} of ({rows}, {cols}) x {z:?}: past its buffer"
             );
         }
+        // A, B (and the bias) all f32 or all bf16: kernels/matmul.wgsl reads bf16 itself.
+        let bf16 = a.buf.dtype == DType::BF16;
+        let same = |x: Buf| x.dtype == a.buf.dtype || x.len == 0;
+        assert!(
+            (same(b.buf) && bias.is_none_or(same)) && c.buf.dtype == DType::F32 && (bf16 || a.buf.dtype == DType::F32),
+            "GEMM of A {a:?}, B {b:?}, bias {bias:?} into C {c:?}: A, B and the bias are all f32 or all bf16, C f32"
+        );
+        let kernel = if bf16 { K::MatmulBf16 } else { K::Matmul };
         let (wa, wb, wc) = (self.win(a.buf), self.win(b.buf), self.win(c.buf));
         let wbias = match bias {
             Some(x) => self.win(x),
@@ -145,7 +153,7 @@ impl GpuBackend {
                 u(z.z0), u(a.bz), u(b.bz), u(c.bz), u(kb),
             ];
             let wins = [wc.clone(), wa.clone(), wb.clone(), wbias.clone()];
-            self.dispatch(K::Matmul, &wins, &imm, groups);
+            self.dispatch(kernel, &wins, &imm, groups);
         }
     }
 
@@ -269,7 +277,8 @@ impl GpuBackend {
             let (pw, d) = (self.win(part), self.win(dout.slice(r.start * oc..r.end * oc)));
             // Params of bias_backward: m, n, k (unused), a, a_rs, a_cs (unused), ..., c.
             let imm = [u(r.len()), u(oc), 0, d.off, u(oc), 1, 0, 0, 0, pw.off];
-            self.dispatch(K::BiasBackward, &[pw, d], &imm, Threads(blocks * oc));
+            let kernel = if dout.dtype == DType::BF16 { K::BiasBackwardBf16 } else { K::BiasBackward };
+            self.dispatch(kernel, &[pw, d], &imm, Threads(blocks * oc));
             self.column_sums(dbias, part, blocks, oc, accumulate || i > 0);
         }
     }

@@ -308,7 +308,7 @@ impl Backend for GpuBackend {
     fn describe(&self) -> String {
         let i = &self.ctx.info;
         format!(
-            "gpu: fp32 WGSL kernels (bf16 storage through f32 copies) on {} ({:?} {:?}; {} {})",
+            "gpu: fp32 WGSL kernels (bf16 storage: GEMMs read it, other ops through f32 copies) on {} ({:?} {:?}; {} {})",
             i.name, i.device_type, i.backend, i.driver, i.driver_info
         )
     }
@@ -409,7 +409,8 @@ impl Backend for GpuBackend {
     }
 
     // Every op runs through `in_f32` (gpu/bf16.rs): its bf16 buffers reach the fp32 kernels as
-    // f32 copies, with each buffer's role as ops.rs gives it (In, Out, InOut, Scratch).
+    // f32 copies, with each buffer's role as ops.rs gives it (In, Out, InOut, Scratch). The
+    // GEMMs of bf16 operands read them themselves, and take copies of their outputs only.
 
     fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize) {
         let bufs = [(out, Out), (inp, In), (wte, In), (opt(wpe), In)];
@@ -549,6 +550,14 @@ impl Backend for GpuBackend {
         self.in_f32("residual_forward", bufs, Nearest, |s, [out, a, b]| s.residual_forward_(out, a, b))
     }
     fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize) {
+        if all_bf16(&[inp, weight, opt(bias)]) {
+            // The GEMM reads its bf16 operands itself; only its output goes through an f32 copy
+            // (it is summed in f32 across dispatches, and rounded once at the end).
+            Self::disjoint("matmul_forward", &[out], &[inp, weight, opt(bias)]);
+            return self.in_f32("matmul_forward", [(out, Out)], Nearest, |s, [out]| {
+                s.matmul_forward_(out, inp, weight, bias, n, c, oc)
+            });
+        }
         let bufs = [(out, Out), (inp, In), (weight, In), (opt(bias), In)];
         self.in_f32("matmul_forward", bufs, Nearest, |s, [out, inp, w, b]| {
             s.matmul_forward_(out, inp, w, back(bias, b), n, c, oc)
@@ -568,6 +577,26 @@ impl Backend for GpuBackend {
         accumulate: bool,
     ) {
         let grad = if accumulate { InOut } else { Out };
+        if all_bf16(&[dout, inp, weight]) {
+            // As matmul_forward: the bf16 operands read as they are, the outputs through copies.
+            let outs = [opt(dinp), opt(dweight), opt(dbias)];
+            Self::disjoint("matmul_backward", &outs, &[dout, inp, weight]);
+            let bufs = [(outs[0], Out), (outs[1], grad), (outs[2], grad)];
+            return self.in_f32("matmul_backward", bufs, Nearest, |s, [dx, dw, db]| {
+                s.matmul_backward_(
+                    back(dinp, dx),
+                    back(dweight, dw),
+                    back(dbias, db),
+                    dout,
+                    inp,
+                    weight,
+                    n,
+                    c,
+                    oc,
+                    accumulate,
+                )
+            });
+        }
         #[rustfmt::skip]
         let bufs = [
             (opt(dinp), Out), (opt(dweight), grad), (opt(dbias), grad),
@@ -729,6 +758,12 @@ impl Backend for GpuBackend {
 /// An optional operand as a buffer ([`bf16::NONE`] when absent), for [`GpuBackend::in_f32`].
 fn opt(b: Option<Buf>) -> Buf {
     b.unwrap_or(bf16::NONE)
+}
+
+/// Whether every operand is bf16 (an absent one aside): the GEMM's kernels then read them as
+/// they are (kernels/matmul.wgsl), with no f32 copies.
+fn all_bf16(bufs: &[Buf]) -> bool {
+    bufs.iter().all(|b| b.dtype == DType::BF16 || *b == bf16::NONE)
 }
 
 /// The buffer an op gets for the optional operand `orig` (its f32 copy, or itself).
