@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::gpu::{backend, Pair, Two};
+use common::gpu::{backend, random_values, Pair, Two};
 use llmrs::backend::{AdamWParams, Backend, Buf, DType, Noise, SkipAbove};
 use llmrs::gpu::Options;
 
@@ -643,16 +643,7 @@ fn gpu_adamw_writes_the_bf16_working_copy() {
 #[test]
 fn gpu_bf16_gemms_read_bf16_operands_themselves() {
     let mut seed = 0x2545_F491_4F6C_DD1Du64;
-    let mut random = |n: usize| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    };
+    let mut random = |n: usize| random_values(&mut seed, n);
     for opts in [Options::default(), tiny()] {
         let Some(mut g) = backend("gpu_bf16_gemms_read_bf16_operands_themselves", opts) else { return };
         for &(n, c, oc) in &[(1, 1, 1), (3, 5, 7), (70, 33, 65), (2, 48, 200), (600, 3, 5)] {

@@ -44,6 +44,18 @@ pub struct Pair {
     dtype: DType,
 }
 
+/// n values in [-1, 1) from an xorshift generator whose state is `state` (advanced).
+pub fn random_values(state: &mut u64, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *state ^= *state << 13;
+            *state ^= *state >> 7;
+            *state ^= *state << 17;
+            ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
 /// A buffer on both backends.
 pub type Two = (Buf, Buf);
 
@@ -63,14 +75,7 @@ impl Pair {
     }
 
     fn random(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                self.rng ^= self.rng << 13;
-                self.rng ^= self.rng >> 7;
-                self.rng ^= self.rng << 17;
-                ((self.rng >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+        random_values(&mut self.rng, n)
     }
 
     /// Tensors of these lengths in the pair's dtype, as the parts of one allocation on each
