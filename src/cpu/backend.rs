@@ -24,6 +24,23 @@ use anyhow::{bail, Context, Result};
 
 /// The marker NaN (quiet, payload 0xDEAD); its sign may flip in a computation.
 const POISON_BITS: u32 = 0x7FC0_DEAD;
+
+/// An output [`CpuBackend::run_native`] hands over as f32 (not marked native).
+fn f32_dest(d: Dest<'_>) -> &mut [f32] {
+    match d {
+        Dest::F32(d) => d,
+        Dest::Bf16(_) => unreachable!("an output not marked native is handed over as f32"),
+    }
+}
+
+/// An input [`CpuBackend::run_native`] hands over as f32 (not marked native).
+fn f32_operand(x: Operand<'_>) -> &[f32] {
+    match x {
+        Operand::F32(x) => x,
+        Operand::Bf16(_) => unreachable!("an input not marked native is handed over as f32"),
+    }
+}
+
 /// The marker of bf16 memory (quiet, payload 0x2D): widened to f32 it is 0x7FED_0000, which
 /// arithmetic carries through and [`bf16::from_f32`] narrows back to the same bits.
 const POISON_BF16: u16 = 0x7FED;
@@ -734,12 +751,25 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu_forward(&mut self, out: Buf, inp: Buf, n: usize, f: usize) {
-        self.run("swiglu_forward", [W(out)], [inp], [], |[o], [x], []| swiglu::swiglu_forward(o, x, n, f));
+        // Both bf16: converted in the loop, no f32 copies.
+        let native = out.dtype == DType::BF16 && inp.dtype == DType::BF16;
+        let r = Rounding::Nearest;
+        self.run_native("swiglu_forward", [W(out)], [inp], [], r, [native], [native], |[o], [x], []| match (o, x) {
+            (Dest::F32(o), Operand::F32(x)) => swiglu::swiglu_forward(o, x, n, f),
+            (Dest::Bf16(o), Operand::Bf16(x)) => swiglu::swiglu_forward_bf16(o, x, n, f),
+            _ => unreachable!("both bf16 or both handed over as f32"),
+        });
     }
 
     fn swiglu_backward(&mut self, dinp: Buf, dout: Buf, inp: Buf, n: usize, f: usize) {
-        self.run("swiglu_backward", [W(dinp)], [dout, inp], [], |[di], [d, x], []| {
-            swiglu::swiglu_backward(di, d, x, n, f)
+        let native = [dinp, dout, inp].iter().all(|x| x.dtype == DType::BF16);
+        let r = Rounding::Nearest;
+        self.run_native("swiglu_backward", [W(dinp)], [dout, inp], [], r, [native], [native; 2], |[di], [d, x], []| {
+            match (di, d, x) {
+                (Dest::F32(di), Operand::F32(d), Operand::F32(x)) => swiglu::swiglu_backward(di, d, x, n, f),
+                (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x)) => swiglu::swiglu_backward_bf16(di, d, x, n, f),
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
         });
     }
 
@@ -819,9 +849,21 @@ impl Backend for CpuBackend {
     }
 
     fn lora_forward(&mut self, out: Buf, h: Buf, inp: Buf, a: Buf, b: Buf, s: LoraShape) {
-        self.run("lora_forward", [Rw(out), W(h)], [inp, a, b], [], |[o, h], [x, a, b], []| {
-            lora::lora_forward(o, h, x, a, b, s)
-        });
+        // A bf16 projection's input and output are read and written by the adapter's GEMMs
+        // themselves (widened as packed, the adapted columns rounded as stored); the adapter is f32.
+        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
+        let r = Rounding::Nearest;
+        let (outs, ins) = ([Rw(out), W(h)], [inp, a, b]);
+        self.run_native(
+            "lora_forward",
+            outs,
+            ins,
+            [],
+            r,
+            [out_native, false],
+            [native, false, false],
+            |[o, h], [x, a, b], []| lora::lora_forward(o, f32_dest(h), x, f32_operand(a), f32_operand(b), s),
+        );
     }
 
     fn lora_backward(
@@ -838,10 +880,25 @@ impl Backend for CpuBackend {
         s: LoraShape,
     ) {
         let has_dinp = dinp.is_some();
+        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
+        let r = Rounding::Nearest;
         let outs = [dinp.map_or(W(NONE), Rw), Rw(da), Rw(db), W(h), W(dh)];
-        self.run("lora_backward", outs, [dout, inp, a, b], [], |[di, da, db, h, dh], [d, x, a, b], []| {
-            lora::lora_backward(has_dinp.then_some(di), da, db, h, dh, d, x, a, b, s)
-        });
+        let native_outs = [out_native, false, false, false, false];
+        let native_ins = [native, native, false, false];
+        self.run_native(
+            "lora_backward",
+            outs,
+            [dout, inp, a, b],
+            [],
+            r,
+            native_outs,
+            native_ins,
+            |[di, da, db, h, dh], [d, x, a, b], []| {
+                let (da, db, h, dh) = (f32_dest(da), f32_dest(db), f32_dest(h), f32_dest(dh));
+                let (a, b) = (f32_operand(a), f32_operand(b));
+                lora::lora_backward(has_dinp.then_some(di), da, db, h, dh, d, x, a, b, s)
+            },
+        );
     }
 
     fn gelu_forward(&mut self, out: Buf, inp: Buf) {

@@ -1,19 +1,24 @@
 //! A LoRA adapter on one linear projection, forward and backward ([`crate::lora`]): four skinny
-//! GEMMs through [`gemm_strided`], which reaches the adapted rows of a fused projection's
-//! output (Llama's q, k and v in one (N, QKV) buffer) in place, by its row stride.
+//! GEMMs through [`gemm_strided_any`], which reaches the adapted rows of a fused projection's
+//! output (Llama's q, k and v in one (N, QKV) buffer) in place, by its row stride. The
+//! projection's input, output and their gradients may be bf16 (a bf16 run's activations): the
+//! GEMMs widen them as they pack them and round the adapted columns once as they store them, so
+//! no f32 copy of the whole (N, OC) output is made per adapter. The adapter itself (a, b, their
+//! gradients, h, dh) is f32, as PEFT keeps it under autocast.
 
-use super::matmul::gemm_strided;
+use super::bf16::{Dest, Operand};
+use super::matmul::gemm_strided_any;
 use crate::backend::LoraShape;
 
 /// h (N, R) = scale * inp (N, C) @ a (R, C)^T, and out[:, row0..row0+ROWS] (N, OC) += h @ b (ROWS, R)^T.
-pub fn lora_forward(out: &mut [f32], h: &mut [f32], inp: &[f32], a: &[f32], b: &[f32], s: LoraShape) {
+pub fn lora_forward(out: Dest, h: &mut [f32], inp: Operand, a: &[f32], b: &[f32], s: LoraShape) {
     let LoraShape { n, oc, r, row0, rows, .. } = s;
     if n == 0 {
         return;
     }
     down(h, inp, a, s);
-    let (oc_, r_) = (oc as isize, r as isize);
-    gemm_strided(n, rows, r, &mut out[row0..], (oc_, 1), true, h, (r_, 1), b, (1, r_));
+    let (h, b) = (Operand::F32(h), Operand::F32(b));
+    gemm_strided_any(n, rows, r, shift(out, row0), oc, true, h, (r as isize, 1), b, (1, r as isize));
 }
 
 /// Backward of [`lora_forward`]: h is recomputed; with g = dout[:, row0..row0+ROWS],
@@ -21,13 +26,13 @@ pub fn lora_forward(out: &mut [f32], h: &mut [f32], inp: &[f32], a: &[f32], b: &
 /// dinp (N, C) += dh @ a. The adapter's gradients always add (they are zeroed per step).
 #[allow(clippy::too_many_arguments)]
 pub fn lora_backward(
-    dinp: Option<&mut [f32]>,
+    dinp: Option<Dest>,
     da: &mut [f32],
     db: &mut [f32],
     h: &mut [f32],
     dh: &mut [f32],
-    dout: &[f32],
-    inp: &[f32],
+    dout: Operand,
+    inp: Operand,
     a: &[f32],
     b: &[f32],
     s: LoraShape,
@@ -38,27 +43,41 @@ pub fn lora_backward(
     }
     down(h, inp, a, s);
     let (c_, oc_, r_) = (c as isize, oc as isize, r as isize);
-    let g = &dout[row0..];
+    let g = match dout {
+        Operand::F32(d) => Operand::F32(&d[row0..]),
+        Operand::Bf16(d) => Operand::Bf16(&d[row0..]),
+    };
+    let h = Operand::F32(&h[..n * r]);
     // db (ROWS, R) += g^T (ROWS, N) @ h (N, R)
-    gemm_strided(rows, r, n, &mut db[..rows * r], (r_, 1), true, g, (1, oc_), h, (r_, 1));
+    gemm_strided_any(rows, r, n, Dest::F32(&mut db[..rows * r]), r, true, g, (1, oc_), h, (r_, 1));
     // dh (N, R) = scale * g (N, ROWS) @ b (ROWS, R)
     let dh = &mut dh[..n * r];
-    gemm_strided(n, r, rows, dh, (r_, 1), false, g, (oc_, 1), b, (r_, 1));
+    gemm_strided_any(n, r, rows, Dest::F32(dh), r, false, g, (oc_, 1), Operand::F32(b), (r_, 1));
     dh.iter_mut().for_each(|x| *x *= scale);
+    let dh = Operand::F32(dh);
     // da (R, C) += dh^T (R, N) @ inp (N, C)
-    gemm_strided(r, c, n, &mut da[..r * c], (c_, 1), true, dh, (1, r_), inp, (c_, 1));
+    gemm_strided_any(r, c, n, Dest::F32(&mut da[..r * c]), c, true, dh, (1, r_), inp, (c_, 1));
     if let Some(dinp) = dinp {
         // dinp (N, C) += dh (N, R) @ a (R, C)
-        gemm_strided(n, c, r, &mut dinp[..n * c], (c_, 1), true, dh, (r_, 1), a, (c_, 1));
+        gemm_strided_any(n, c, r, dinp, c, true, dh, (r_, 1), Operand::F32(a), (c_, 1));
     }
 }
 
 /// h (N, R) = scale * inp (N, C) @ a (R, C)^T.
-fn down(h: &mut [f32], inp: &[f32], a: &[f32], s: LoraShape) {
+fn down(h: &mut [f32], inp: Operand, a: &[f32], s: LoraShape) {
     let LoraShape { n, c, r, scale, .. } = s;
     let h = &mut h[..n * r];
-    gemm_strided(n, r, c, h, (r as isize, 1), false, inp, (c as isize, 1), a, (1, c as isize));
+    let (c_, a) = (c as isize, Operand::F32(a));
+    gemm_strided_any(n, r, c, Dest::F32(h), r, false, inp, (c_, 1), a, (1, c_));
     h.iter_mut().for_each(|x| *x *= scale);
+}
+
+/// `out` from its element `off` on.
+fn shift(out: Dest, off: usize) -> Dest {
+    match out {
+        Dest::F32(o) => Dest::F32(&mut o[off..]),
+        Dest::Bf16(o) => Dest::Bf16(&mut o[off..]),
+    }
 }
 
 #[cfg(test)]
@@ -76,7 +95,7 @@ mod tests {
             let s = LoraShape { n, c, oc, r, row0, rows, scale };
             let (x, a, b, dout, base) = (rand(n * c), rand(r * c), rand(rows * r), rand(n * oc), rand(n * oc));
             let (mut out, mut h, mut dh) = (base.clone(), vec![0f32; n * r], vec![0f32; n * r]);
-            lora_forward(&mut out, &mut h, &x, &a, &b, s);
+            lora_forward(Dest::F32(&mut out), &mut h, Operand::F32(&x), &a, &b, s);
             // f64 reference
             let hf: Vec<f64> = (0..n * r)
                 .map(|i| (0..c).map(|k| x[i / r * c + k] as f64 * a[i % r * c + k] as f64).sum::<f64>() * scale as f64)
@@ -92,7 +111,18 @@ mod tests {
             }
             let (da0, db0, dx0) = (rand(r * c), rand(rows * r), rand(n * c));
             let (mut da, mut db, mut dx) = (da0.clone(), db0.clone(), dx0.clone());
-            lora_backward(Some(&mut dx), &mut da, &mut db, &mut h, &mut dh, &dout, &x, &a, &b, s);
+            lora_backward(
+                Some(Dest::F32(&mut dx)),
+                &mut da,
+                &mut db,
+                &mut h,
+                &mut dh,
+                Operand::F32(&dout),
+                Operand::F32(&x),
+                &a,
+                &b,
+                s,
+            );
             let g = |i: usize, o: usize| dout[i * oc + row0 + o] as f64;
             let dhf: Vec<f64> = (0..n * r)
                 .map(|i| (0..rows).map(|o| g(i / r, o) * b[o * r + i % r] as f64).sum::<f64>() * scale as f64)
@@ -117,6 +147,52 @@ mod tests {
                     assert!((dx[i * c + k] as f64 - want).abs() < 1e-4, "dx");
                 }
             }
+        }
+    }
+
+    /// With a bf16 projection (input, output and their gradients bf16), the adapter gives the
+    /// bits of the f32 adapter on widened copies whose results are rounded once: the GEMMs
+    /// widen as they pack and round as they store. Odd sizes, N = 1, and N past a k block.
+    #[test]
+    fn bf16_projection_gives_the_bits_of_widened_copies() {
+        use crate::cpu::bf16::{from_f32, to_f32};
+        let mut rng = crate::cpu::testutil::TestRng(11);
+        let mut rand = |k: usize| rng.vec(k);
+        let to16 = |v: Vec<f32>| v.iter().map(|&x| from_f32(x)).collect::<Vec<u16>>();
+        let wide = |v: &[u16]| v.iter().map(|&x| to_f32(x)).collect::<Vec<f32>>();
+        let narrow = |v: &[f32]| v.iter().map(|&x| from_f32(x)).collect::<Vec<u16>>();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        for (n, c, oc, r, row0, rows) in [(5, 7, 13, 3, 4, 6), (1, 9, 5, 1, 0, 5), (401, 33, 70, 8, 31, 39)] {
+            let s = LoraShape { n, c, oc, r, row0, rows, scale: 1.75 };
+            let (x, out0, dout, dx0) = (to16(rand(n * c)), to16(rand(n * oc)), to16(rand(n * oc)), to16(rand(n * c)));
+            let (a, b) = (rand(r * c), rand(rows * r));
+            let (mut h, mut h16) = (vec![0f32; n * r], vec![0f32; n * r]);
+            let mut out = wide(&out0);
+            lora_forward(Dest::F32(&mut out), &mut h, Operand::F32(&wide(&x)), &a, &b, s);
+            let mut out16 = out0.clone();
+            lora_forward(Dest::Bf16(&mut out16), &mut h16, Operand::Bf16(&x), &a, &b, s);
+            assert_eq!(narrow(&out), out16, "forward {s:?}");
+            let (da0, db0) = (rand(r * c), rand(rows * r));
+            let (mut da, mut db, mut dh, mut dx) = (da0.clone(), db0.clone(), vec![0f32; n * r], wide(&dx0));
+            let (d, xw) = (wide(&dout), wide(&x));
+            lora_backward(
+                Some(Dest::F32(&mut dx)),
+                &mut da,
+                &mut db,
+                &mut h,
+                &mut dh,
+                Operand::F32(&d),
+                Operand::F32(&xw),
+                &a,
+                &b,
+                s,
+            );
+            let (mut da16, mut db16, mut dh16, mut dx16) = (da0.clone(), db0.clone(), vec![0f32; n * r], dx0.clone());
+            let (g, xb) = (Operand::Bf16(&dout), Operand::Bf16(&x));
+            lora_backward(Some(Dest::Bf16(&mut dx16)), &mut da16, &mut db16, &mut h16, &mut dh16, g, xb, &a, &b, s);
+            assert_eq!(narrow(&dx), dx16, "dinp {s:?}");
+            assert_eq!(bits(&da), bits(&da16), "da {s:?}");
+            assert_eq!(bits(&db), bits(&db16), "db {s:?}");
         }
     }
 }

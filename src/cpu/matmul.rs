@@ -37,6 +37,25 @@ pub fn gemm_strided(
     gemm_impl(m, n, k, dst, dst_s, accumulate, None, lhs, lhs_s, rhs, rhs_s, parallelism(m, n, k))
 }
 
+/// [`gemm_strided`] on operands and a result of either type: bf16 operands widened as they are
+/// packed, a bf16 result rounded to nearest even once per element from its f32 value (the
+/// same bits as widening everything, [`gemm_strided`], and rounding). dst's column stride is 1.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_strided_any(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Dest,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Operand,
+    lhs_s: (isize, isize),
+    rhs: Operand,
+    rhs_s: (isize, isize),
+) {
+    gemm_dest(m, n, k, dst, dst_rs, accumulate, None, lhs, lhs_s, rhs, rhs_s, parallelism(m, n, k))
+}
+
 /// [`gemm_strided`] on the calling thread only, for use inside an already parallel loop.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_strided_serial(
