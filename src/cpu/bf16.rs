@@ -159,6 +159,36 @@ crate::simd_fn! {
     }
 }
 
+crate::simd_fn! {
+    /// A GEMM tile's row into bf16: dst[j] = [dst[j] +] x[j] [+ bias[j]], the sum in f32 and
+    /// rounded once to nearest even (the bias only when not accumulating).
+    pub fn store_row(dst: &mut [u16], x: &[f32], acc: bool, bias: Option<&[f32]>) {
+        let x = &x[..dst.len()];
+        if acc {
+            dst.iter_mut().zip(x).for_each(|(d, &v)| *d = from_f32(to_f32(*d) + v));
+        } else if let Some(b) = bias {
+            dst.iter_mut().zip(x.iter().zip(&b[..x.len()])).for_each(|(d, (&v, &bj))| *d = from_f32(v + bj));
+        } else {
+            dst.iter_mut().zip(x).for_each(|(d, &v)| *d = from_f32(v));
+        }
+    }
+}
+
+crate::simd_fn! {
+    /// A GEMM tile's row into f32: dst[j] = [dst[j] +] x[j] [+ bias[j]] (the bias only when
+    /// not accumulating).
+    pub fn store_row_f32(dst: &mut [f32], x: &[f32], acc: bool, bias: Option<&[f32]>) {
+        let x = &x[..dst.len()];
+        if acc {
+            dst.iter_mut().zip(x).for_each(|(d, &v)| *d += v);
+        } else if let Some(b) = bias {
+            dst.iter_mut().zip(x.iter().zip(&b[..x.len()])).for_each(|(d, (&v, &bj))| *d = v + bj);
+        } else {
+            dst.copy_from_slice(x);
+        }
+    }
+}
+
 /// dst = src widened to f32 (exact), across the team for large buffers.
 pub fn widen(dst: &mut [f32], src: &[u16]) {
     assert_eq!(dst.len(), src.len(), "widen: lengths");

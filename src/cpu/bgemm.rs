@@ -282,7 +282,10 @@ pub unsafe fn bgemm_on(
     // the same order whatever the split, so the bits do not depend on it.
     let (long, unit) = if m > n { (m, MC_AMX) } else { (n, NR) };
     let tiles = long.div_ceil(unit);
-    let parts = (long / 256).clamp(threads, 4 * threads).min(tiles);
+    // AMX's tiles outrun the packing of the operand every part packs again, so AMX takes one
+    // part per thread; the vdpbf16ps tiles take up to four, for balance.
+    let most = if engine == Engine::Amx { threads } else { 4 * threads };
+    let parts = (long / 256).clamp(threads, most).min(tiles);
     team::for_ranges(parts, 1, 1, |range| {
         for p in range {
             let (x0, x1) = (tiles * p / parts * unit, (tiles * (p + 1) / parts * unit).min(long));
@@ -464,8 +467,10 @@ const TK: usize = 16;
 /// element sums its k blocks in the same order whatever the split), with 32x32 C blocks of four
 /// 16x16 tiles. A is packed row-major (each row's pairs contiguous, as a tile row loads), B as
 /// [`pack_b`] packs it (a tile row is 16 columns' pairs), both padded with zero pairs to whole
-/// tiles of 16 pairs. Each block's products are summed from zero over the k block by the
-/// tiles, then added to C (or stored over it, plus the bias) as [`tile`] does.
+/// tiles of 16 pairs. A whole 32x32 block of C is loaded into the tiles (or they start from
+/// zero, for the first k block when not accumulating) and the k block's products are added to
+/// it there, then stored back; a partial block, or one taking the bias, is summed from zero
+/// into a local block and then added to C (or stored over it, plus the bias) as [`tile`] does.
 #[allow(clippy::too_many_arguments)]
 unsafe fn serial_amx(
     m: usize,
@@ -512,16 +517,16 @@ unsafe fn serial_amx(
                         let bias = if bias.is_null() { bias } else { bias.wrapping_add(jc + j0) };
                         for (ir, i0) in (0..mc).step_by(MR_AMX).enumerate() {
                             let rows = MR_AMX.min(mc - i0);
+                            let (a, b) = (ap.add(ir * MR_AMX * pairs), bp.add(jr * NR * pairs));
                             // SAFETY: the panels are packed (whole tiles); the block lies inside C.
                             unsafe {
-                                amx_block(
-                                    pairs,
-                                    ap.add(ir * MR_AMX * pairs),
-                                    bp.add(jr * NR * pairs),
-                                    local.as_mut_ptr(),
-                                );
                                 let ct = c.offset((ic + i0) as isize * ldc).add(jc + j0);
-                                put(rows, cols, &local, ct, ldc, acc, bias);
+                                if rows == MR_AMX && cols == NR && bias.is_null() {
+                                    amx_block(pairs, a, b, ct, ldc as usize * 4, acc);
+                                } else {
+                                    amx_block(pairs, a, b, local.as_mut_ptr(), NR * 4, false);
+                                    put(rows, cols, &local, ct, ldc, acc, bias);
+                                }
                             }
                         }
                     }
@@ -547,34 +552,35 @@ unsafe fn put(
     acc: bool,
     bias: *const f32,
 ) {
+    // SAFETY: a non-null bias has `cols` floats.
+    let bias = (!bias.is_null()).then(|| unsafe { std::slice::from_raw_parts(bias, cols) });
     for i in 0..rows {
         // SAFETY: as the caller guarantees.
         let row = unsafe { std::slice::from_raw_parts_mut(c.offset(i as isize * ldc), cols) };
-        let l = &local[i * NR..i * NR + cols];
-        if acc {
-            row.iter_mut().zip(l).for_each(|(x, &v)| *x += v);
-        } else if bias.is_null() {
-            row.copy_from_slice(l);
-        } else {
-            // SAFETY: a non-null bias has `cols` floats.
-            let b = unsafe { std::slice::from_raw_parts(bias, cols) };
-            row.iter_mut().zip(l.iter().zip(b)).for_each(|(x, (&v, &bj))| *x = v + bj);
-        }
+        super::bf16::store_row_f32(row, &local[i * NR..i * NR + cols], acc, bias);
     }
 }
 
 /// [`pack_b`] for AMX (pairs up to `kend`, zero past it), with straight loops where B's pairs
 /// are adjacent in memory (W^T of a forward: row stride 1) or B is row-major (column stride
-/// 1: two rows interleaved), for whole panels.
+/// 1: two rows interleaved), for whole panels; those run on AVX-512 ([`vpack`]).
+///
+/// # Safety
+/// The view covers B's rows pc..kend and columns j0..j1; d holds NR*pairs values; the host
+/// has AVX-512 (AMX runs only where the kernels may use it, [`amx_available`]).
 unsafe fn pack_b_fast(pairs: usize, pc: usize, kend: usize, j0: usize, j1: usize, b: View, d: *mut u32) {
     let (whole, odd) = ((kend - pc) / 2, (kend - pc) % 2 == 1);
     // SAFETY (all blocks): reads stay inside B's rows pc..kend and columns j0..j1 (the caller's
     // view covers them); d holds NR*pairs values.
     unsafe {
         if j1 - j0 == NR && b.rs == 1 {
+            #[cfg(target_arch = "x86_64")]
+            let first = vpack::b_transposed(whole, b.ptr.offset(j0 as isize * b.cs + pc as isize), b.cs, d);
+            #[cfg(not(target_arch = "x86_64"))]
+            let first = 0;
             for j in 0..NR {
                 let col = b.ptr.offset((j0 + j) as isize * b.cs + pc as isize);
-                for p in 0..whole {
+                for p in first..whole {
                     *d.add(p * NR + j) = (col.add(2 * p) as *const u32).read_unaligned();
                 }
                 if odd {
@@ -582,7 +588,12 @@ unsafe fn pack_b_fast(pairs: usize, pc: usize, kend: usize, j0: usize, j1: usize
                 }
             }
         } else if j1 - j0 == NR && b.cs == 1 {
-            for p in 0..whole {
+            #[cfg(target_arch = "x86_64")]
+            let first =
+                vpack::rows_interleaved::<NR>(whole, b.ptr.offset(pc as isize * b.rs + j0 as isize), b.rs, d, NR);
+            #[cfg(not(target_arch = "x86_64"))]
+            let first = 0;
+            for p in first..whole {
                 let r0 = std::slice::from_raw_parts(b.ptr.offset((pc + 2 * p) as isize * b.rs + j0 as isize), NR);
                 let r1 = std::slice::from_raw_parts(b.ptr.offset((pc + 2 * p + 1) as isize * b.rs + j0 as isize), NR);
                 let dp = std::slice::from_raw_parts_mut(d.add(p * NR), NR);
@@ -607,7 +618,10 @@ unsafe fn pack_b_fast(pairs: usize, pc: usize, kend: usize, j0: usize, j1: usize
 /// Pack rows `i0..i1` (at most MR_AMX) of A's k values `pc..kend` for AMX: pair p of row i at
 /// `i*pairs + p`, `A[i][2p]` in the low half, zero past the rows or past kend; straight loops
 /// where A's pairs are adjacent (column stride 1) or A is read through a transpose (row
-/// stride 1: two rows interleaved), for whole panels.
+/// stride 1: two rows interleaved), for whole panels; the latter on AVX-512 ([`vpack`]).
+///
+/// # Safety
+/// As [`pack_b_fast`]'s, for A's rows i0..i1 and d of MR_AMX*pairs values.
 unsafe fn pack_a_rows(pairs: usize, pc: usize, kend: usize, i0: usize, i1: usize, a: View, d: *mut u32) {
     let (whole, odd) = ((kend - pc) / 2, (kend - pc) % 2 == 1);
     // SAFETY (all blocks): reads stay inside A's rows i0..i1 and k values pc..kend (the
@@ -617,9 +631,8 @@ unsafe fn pack_a_rows(pairs: usize, pc: usize, kend: usize, i0: usize, i1: usize
             for i in 0..MR_AMX {
                 let row = a.ptr.offset((i0 + i) as isize * a.rs + pc as isize);
                 let di = d.add(i * pairs);
-                for p in 0..whole {
-                    *di.add(p) = (row.add(2 * p) as *const u32).read_unaligned();
-                }
+                // A row's pairs are its values as they lie: a straight copy.
+                std::ptr::copy_nonoverlapping(row as *const u8, di as *mut u8, 4 * whole);
                 if odd {
                     *di.add(whole) = *row.add(2 * whole) as u32;
                 }
@@ -627,8 +640,12 @@ unsafe fn pack_a_rows(pairs: usize, pc: usize, kend: usize, i0: usize, i1: usize
                 std::ptr::write_bytes(di.add(done), 0, pairs - done);
             }
         } else if i1 - i0 == MR_AMX && a.rs == 1 {
+            #[cfg(target_arch = "x86_64")]
+            let first = vpack::a_transposed(whole, a.ptr.offset(pc as isize * a.cs + i0 as isize), a.cs, d, pairs);
+            #[cfg(not(target_arch = "x86_64"))]
+            let first = 0;
             let mut pair = [0u32; MR_AMX];
-            for p in 0..pairs {
+            for p in first..pairs {
                 if p < whole {
                     let r0 =
                         std::slice::from_raw_parts(a.ptr.offset((pc + 2 * p) as isize * a.cs + i0 as isize), MR_AMX);
@@ -663,6 +680,141 @@ unsafe fn pack_a_rows(pairs: usize, pc: usize, kend: usize, i0: usize, i1: usize
     }
 }
 
+/// The AMX packers' straight cases on AVX-512: each moves whole 16 x 16 blocks of 32-bit pairs
+/// through a register transpose, or interleaves two rows of bf16 16 columns at a time, and
+/// returns how many pairs it did (the callers finish the rest as before). Pure data movement:
+/// the packed panels hold the same values whichever path made them.
+#[cfg(target_arch = "x86_64")]
+mod vpack {
+    use std::arch::x86_64::*;
+
+    /// Transpose a 16 x 16 block of 32-bit values held as 16 rows.
+    #[inline(always)]
+    unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        // SAFETY: register-only AVX-512F operations; callers are compiled with it enabled.
+        unsafe {
+            // t[2i], t[2i+1]: rows 2i and 2i+1 interleaved by 32 bits, within each 128-bit lane.
+            let t: [__m512i; 16] = std::array::from_fn(|q| {
+                let (x, y) = (r[q & !1], r[q | 1]);
+                if q % 2 == 0 {
+                    _mm512_unpacklo_epi32(x, y)
+                } else {
+                    _mm512_unpackhi_epi32(x, y)
+                }
+            });
+            // u[4i + c], lane L: rows 4i..4i+4 of column 4L + c.
+            let u: [__m512i; 16] = std::array::from_fn(|q| {
+                let (i, c) = (q / 4, q % 4);
+                let (x, y) = (t[4 * i + c / 2], t[4 * i + 2 + c / 2]);
+                if c % 2 == 0 {
+                    _mm512_unpacklo_epi64(x, y)
+                } else {
+                    _mm512_unpackhi_epi64(x, y)
+                }
+            });
+            // Column 4L + c gathers lane L of u[c], u[4 + c], u[8 + c], u[12 + c].
+            let mut out = [_mm512_setzero_si512(); 16];
+            for c in 0..4 {
+                let x0 = _mm512_shuffle_i32x4::<0x44>(u[c], u[4 + c]);
+                let x1 = _mm512_shuffle_i32x4::<0xEE>(u[c], u[4 + c]);
+                let y0 = _mm512_shuffle_i32x4::<0x44>(u[8 + c], u[12 + c]);
+                let y1 = _mm512_shuffle_i32x4::<0xEE>(u[8 + c], u[12 + c]);
+                out[c] = _mm512_shuffle_i32x4::<0x88>(x0, y0);
+                out[4 + c] = _mm512_shuffle_i32x4::<0xDD>(x0, y0);
+                out[8 + c] = _mm512_shuffle_i32x4::<0x88>(x1, y1);
+                out[12 + c] = _mm512_shuffle_i32x4::<0xDD>(x1, y1);
+            }
+            out
+        }
+    }
+
+    /// B read through a transpose (its pairs adjacent: column j's pairs at `col0 + j*cs`):
+    /// `d[p*NR + j]` = column j's pair p, for the first `whole / 16 * 16` pairs of NR columns.
+    ///
+    /// # Safety
+    /// Columns 0..NR at `col0 + j*cs` hold `2*whole` readable bf16 each; d holds NR*whole
+    /// values; the host has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn b_transposed(whole: usize, col0: *const u16, cs: isize, d: *mut u32) -> usize {
+        const NR: usize = super::NR;
+        let done = whole / 16 * 16;
+        // SAFETY: as the caller guarantees: 16 pairs (64 bytes) of a column from pair p0 < done.
+        unsafe {
+            for p0 in (0..done).step_by(16) {
+                for half in 0..NR / 16 {
+                    let r: [__m512i; 16] = std::array::from_fn(|j| {
+                        let col = col0.offset((16 * half + j) as isize * cs).add(2 * p0);
+                        _mm512_loadu_si512(col as *const _)
+                    });
+                    for (q, v) in transpose16(r).into_iter().enumerate() {
+                        _mm512_storeu_si512(d.add((p0 + q) * NR + 16 * half) as *mut _, v);
+                    }
+                }
+            }
+        }
+        done
+    }
+
+    /// Two rows of bf16 interleaved into pairs, `W` columns: `d[p*ld + j]` = row 2p's value j in
+    /// the low half, row 2p+1's in the high half, for p < whole (row r at `row0 + r*rs`).
+    ///
+    /// # Safety
+    /// Rows 0..2*whole at `row0 + r*rs` hold W readable bf16 each; d holds ld*whole values
+    /// (ld >= W); W is a multiple of 16; the host has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn rows_interleaved<const W: usize>(
+        whole: usize,
+        row0: *const u16,
+        rs: isize,
+        d: *mut u32,
+        ld: usize,
+    ) -> usize {
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            for p in 0..whole {
+                let (r0, r1) = (row0.offset(2 * p as isize * rs), row0.offset((2 * p + 1) as isize * rs));
+                for j in (0..W).step_by(16) {
+                    let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r0.add(j) as *const _));
+                    let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r1.add(j) as *const _));
+                    _mm512_storeu_si512(d.add(p * ld + j) as *mut _, _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi)));
+                }
+            }
+        }
+        whole
+    }
+
+    /// A read through a transpose (rows of A are columns in memory: k value kk of row i at
+    /// `base + kk*cs + i`), packed row-major for AMX: `d[i*pairs + p]` = row i's pair p, for
+    /// MR_AMX rows and the first `whole / 16 * 16` pairs.
+    ///
+    /// # Safety
+    /// k values 0..2*whole of rows 0..MR_AMX are readable; d holds MR_AMX*pairs values
+    /// (pairs >= whole); the host has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn a_transposed(whole: usize, base: *const u16, cs: isize, d: *mut u32, pairs: usize) -> usize {
+        const MR: usize = super::MR_AMX;
+        let done = whole / 16 * 16;
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            for p0 in (0..done).step_by(16) {
+                for half in 0..MR / 16 {
+                    // r[q]: pair p0 + q of rows 16*half..16*half + 16.
+                    let r: [__m512i; 16] = std::array::from_fn(|q| {
+                        let k0 = base.offset(2 * (p0 + q) as isize * cs).add(16 * half);
+                        let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(k0 as *const _));
+                        let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(k0.offset(cs) as *const _));
+                        _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi))
+                    });
+                    for (i, v) in transpose16(r).into_iter().enumerate() {
+                        _mm512_storeu_si512(d.add((16 * half + i) * pairs + p0) as *mut _, v);
+                    }
+                }
+            }
+        }
+        done
+    }
+}
+
 /// Load the tile configuration: eight tiles of 16 rows of 64 bytes (palette 1).
 ///
 /// # Safety
@@ -689,21 +841,39 @@ unsafe fn amx_release() {
     unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
 }
 
-/// One 32x32 block: `out` (row-major, stride NR) = the A panel's 32 rows times the B panel's
-/// 32 columns over `pairs` pairs (a multiple of 16). Tiles 0-3 hold C's quarters, 4-5 A's
-/// two 16-row halves, 6-7 B's two 16-column halves, for each 16 pairs of k in order.
+/// One 32x32 block: `out` (row-major, `so` bytes between rows) [+]= the A panel's 32 rows
+/// times the B panel's 32 columns over `pairs` pairs (a multiple of 16). Tiles 0-3 hold the
+/// block's quarters (loaded from `out` when accumulating, else zero), 4-5 A's two 16-row
+/// halves, 6-7 B's two 16-column halves, for each 16 pairs of k in order.
 ///
 /// # Safety
 /// Tiles are configured ([`amx_config`]); the panels hold MR_AMX*pairs and NR*pairs values;
-/// `out` has room for MR_AMX*NR floats.
+/// `out` holds 32 rows of 32 floats, `so` bytes apart.
 #[cfg(target_arch = "x86_64")]
-unsafe fn amx_block(pairs: usize, ap: *const u32, bp: *const u32, out: *mut f32) {
+unsafe fn amx_block(pairs: usize, ap: *const u32, bp: *const u32, out: *mut f32, so: usize, acc: bool) {
     use std::arch::asm;
-    let (sa, sb, so) = (pairs * 4, NR * 4, NR * 4); // bytes between tile rows
-                                                    // SAFETY: as the caller guarantees: every tile row loaded lies inside its panel; the
-                                                    // stores fill out's 32x32 floats.
+    let (sa, sb) = (pairs * 4, NR * 4); // bytes between tile rows
+    let (o0, o1, o2, o3) =
+        (out, out.wrapping_add(16), out.wrapping_byte_add(16 * so), out.wrapping_byte_add(16 * so).wrapping_add(16));
+    // SAFETY: as the caller guarantees: every tile row loaded lies inside its panel or `out`;
+    // the stores fill out's 32x32 floats.
     unsafe {
-        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+        if acc {
+            asm!(
+                "tileloadd tmm0, [{o0} + {so}*1]",
+                "tileloadd tmm1, [{o1} + {so}*1]",
+                "tileloadd tmm2, [{o2} + {so}*1]",
+                "tileloadd tmm3, [{o3} + {so}*1]",
+                o0 = in(reg) o0,
+                o1 = in(reg) o1,
+                o2 = in(reg) o2,
+                o3 = in(reg) o3,
+                so = in(reg) so,
+                options(nostack, readonly),
+            );
+        } else {
+            asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+        }
         for q in 0..pairs / TK {
             asm!(
                 "tileloadd tmm4, [{a0} + {sa}*1]",
@@ -728,10 +898,10 @@ unsafe fn amx_block(pairs: usize, ap: *const u32, bp: *const u32, out: *mut f32)
             "tilestored [{o1} + {so}*1], tmm1",
             "tilestored [{o2} + {so}*1], tmm2",
             "tilestored [{o3} + {so}*1], tmm3",
-            o0 = in(reg) out,
-            o1 = in(reg) out.add(16),
-            o2 = in(reg) out.add(16 * NR),
-            o3 = in(reg) out.add(16 * NR + 16),
+            o0 = in(reg) o0,
+            o1 = in(reg) o1,
+            o2 = in(reg) o2,
+            o3 = in(reg) o3,
             so = in(reg) so,
             options(nostack),
         );
@@ -784,7 +954,7 @@ unsafe fn amx_config() {
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn amx_release() {}
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn amx_block(_: usize, _: *const u32, _: *const u32, _: *mut f32) {
+unsafe fn amx_block(_: usize, _: *const u32, _: *const u32, _: *mut f32, _: usize, _: bool) {
     unreachable!("AMX on a CPU without it")
 }
 
@@ -899,6 +1069,64 @@ pub fn from_bf16(x: u16) -> f32 {
 mod tests {
     use super::*;
     use crate::cpu::testutil::TestRng;
+
+    /// The AMX packers (whose whole panels take the AVX-512 paths) fill their panels exactly as
+    /// element-by-element packing does: B read through a transpose and row-major, A row-major
+    /// and through a transpose; k blocks with and without an odd value, shorter and longer than
+    /// the 16-pair vector blocks, at odd offsets.
+    #[test]
+    fn amx_packers_match_element_by_element_packing() {
+        if super::super::simd::isa() != super::super::simd::Isa::Avx512 {
+            eprintln!("SKIPPED amx_packers_match_element_by_element_packing: the kernels are not AVX-512 here");
+            return;
+        }
+        let (rows, cols) = (70, 69); // the stored matrix; panels start at odd offsets in it
+        let mut r = TestRng(5);
+        let m: Vec<u16> = r.vec(rows * cols).iter().map(|&x| to_bf16(x)).collect();
+        for (pc, kend) in [(1usize, 2usize), (3, 36), (5, 38), (0, 64), (1, 66), (2, 69)] {
+            let pairs = (kend - pc).div_ceil(2).next_multiple_of(TK);
+            // B (k, n): k indexes the stored rows (row-major, cs = 1) or the stored columns
+            // (read through a transpose, rs = 1); a panel of NR columns from j0.
+            for (b, j0) in [
+                (View { ptr: m.as_ptr(), rs: cols as isize, cs: 1 }, 7),
+                (View { ptr: m.as_ptr(), rs: 1, cs: cols as isize }, 3),
+            ] {
+                let (mut got, mut want) = (vec![u32::MAX; NR * pairs], vec![u32::MAX; NR * pairs]);
+                // SAFETY: the panel's k values pc..kend and columns j0..j0+NR lie inside m;
+                // both buffers hold NR*pairs values; the kernels are AVX-512 (checked above).
+                unsafe {
+                    pack_b_fast(pairs, pc, kend, j0, j0 + NR, b, got.as_mut_ptr());
+                    pack_b(pairs, pc, kend, j0, j0 + NR, b, want.as_mut_ptr());
+                }
+                assert!(got == want, "pack_b_fast: k {pc}..{kend}, strides ({}, {})", b.rs, b.cs);
+            }
+            // A (m, k): row-major (cs = 1) or read through a transpose (rs = 1); MR_AMX rows from i0.
+            for (a, i0) in [
+                (View { ptr: m.as_ptr(), rs: cols as isize, cs: 1 }, 5),
+                (View { ptr: m.as_ptr(), rs: 1, cs: cols as isize }, 9),
+            ] {
+                let mut got = vec![u32::MAX; MR_AMX * pairs];
+                // SAFETY: as above, for rows i0..i0+MR_AMX.
+                unsafe { pack_a_rows(pairs, pc, kend, i0, i0 + MR_AMX, a, got.as_mut_ptr()) };
+                for i in 0..MR_AMX {
+                    for p in 0..pairs {
+                        let (kk, row) = (pc + 2 * p, i0 + i);
+                        // SAFETY: get() reads only inside rows ..i0+MR_AMX and k values ..kend.
+                        let want = unsafe {
+                            a.get(row, kk, i0 + MR_AMX, kend) | (a.get(row, kk + 1, i0 + MR_AMX, kend) << 16)
+                        };
+                        assert_eq!(
+                            got[i * pairs + p],
+                            want,
+                            "pack_a_rows: k {pc}..{kend}, strides ({}, {}), row {i} pair {p}",
+                            a.rs,
+                            a.cs
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     /// Against f64 sums of the same bf16-rounded inputs, on edge shapes (1, odd, not a multiple
     /// of the tile, past a k block, a column block), every layout of A and B, with and without

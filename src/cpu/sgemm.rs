@@ -133,6 +133,13 @@ pub trait Elem: Copy + Send + Sync + 'static {
         None
     }
 
+    /// A tile's row stored into C: `dst[j] = [dst[j] +] x[j] [+ bias[j]]` for j < n, summed in
+    /// f32 and rounded once to this type (the bias, null for none, only when not accumulating).
+    ///
+    /// # Safety
+    /// `dst` has n writable elements, `x` n floats, a non-null bias n floats; none overlap dst.
+    unsafe fn store_row(dst: *mut Self, x: *const f32, n: usize, acc: bool, bias: *const f32);
+
     /// `dst[i] = src[i]` as f32 for i < n.
     ///
     /// # Safety
@@ -176,6 +183,16 @@ impl Elem for f32 {
         // SAFETY: as the caller guarantees.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, n) }
     }
+
+    #[inline(always)]
+    unsafe fn store_row(dst: *mut f32, x: *const f32, n: usize, acc: bool, bias: *const f32) {
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            let (d, x) = (std::slice::from_raw_parts_mut(dst, n), std::slice::from_raw_parts(x, n));
+            let bias = (!bias.is_null()).then(|| std::slice::from_raw_parts(bias, n));
+            super::bf16::store_row_f32(d, x, acc, bias)
+        }
+    }
 }
 
 /// bf16, as its bit pattern.
@@ -192,6 +209,16 @@ impl Elem for u16 {
     #[inline(always)]
     fn from_f32(x: f32) -> u16 {
         super::bf16::from_f32(x)
+    }
+
+    #[inline(always)]
+    unsafe fn store_row(dst: *mut u16, x: *const f32, n: usize, acc: bool, bias: *const f32) {
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            let (d, x) = (std::slice::from_raw_parts_mut(dst, n), std::slice::from_raw_parts(x, n));
+            let bias = (!bias.is_null()).then(|| std::slice::from_raw_parts(bias, n));
+            super::bf16::store_row(d, x, acc, bias)
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -484,17 +511,8 @@ unsafe fn tile<TC: Elem>(
         let mut local = std::mem::MaybeUninit::<[f32; MAX_TILE]>::uninit();
         let local = local.as_mut_ptr() as *mut f32;
         kernel(t, kc, ap, bp, local, full as isize, false, std::ptr::null());
-        // One plain loop per case, so that each is vectorised.
         for i in 0..mr {
-            let row = c.offset(i as isize * ldc);
-            let x = local.add(i * full);
-            if acc {
-                (0..nr).for_each(|j| *row.add(j) = TC::from_f32((*row.add(j)).to_f32() + *x.add(j)));
-            } else if bias.is_null() {
-                (0..nr).for_each(|j| *row.add(j) = TC::from_f32(*x.add(j)));
-            } else {
-                (0..nr).for_each(|j| *row.add(j) = TC::from_f32(*x.add(j) + *bias.add(j)));
-            }
+            TC::store_row(c.offset(i as isize * ldc), local.add(i * full), nr, acc, bias);
         }
     }
 }
