@@ -748,6 +748,46 @@ impl Model {
         self.remake_acts()
     }
 
+    /// Draw the family's random init (as [`Weights::random`] with `seed`) straight into the
+    /// parameters, in their precision, a piece at a time: for a model built from
+    /// [`Weights::zeros`], whose zero pages were never touched, so that a bf16 model's random
+    /// fp32 values never exist whole (a 1B model's frozen bf16 base then peaks at its 2.5 GB,
+    /// not at the 5 GB of its fp32 values). The same values as building from
+    /// `Weights::random(config, seed)`, rounded as [`Model::set_precision`] rounds them. Not
+    /// under ZeRO-3, whose ranks hold shards: there, build from `Weights::random`.
+    pub fn init_random(&mut self, seed: u32) -> Result<()> {
+        if self.zero.stage == 3 {
+            bail!("a random init in place needs the whole parameters on each rank (ZeRO 0-2)");
+        }
+        struct Sink<'a> {
+            be: &'a mut dyn Backend,
+            params: Buf,
+            layout: &'a ParamLayout,
+            config: &'a ModelConfig,
+        }
+        impl crate::params::InitSink for Sink<'_> {
+            fn config(&self) -> &ModelConfig {
+                self.config
+            }
+            fn layout(&self) -> &ParamLayout {
+                self.layout
+            }
+            fn fill(&mut self, r: std::ops::Range<usize>, value: f32) {
+                self.be.fill(self.params.slice(r), value)
+            }
+            fn write(&mut self, at: usize, x: &[f32]) {
+                self.be.upload(self.params.slice(at..at + x.len()), x)
+            }
+        }
+        let mut sink = Sink { be: &mut *self.be, params: self.params, layout: &self.layout, config: &self.config };
+        self.arch.init(&mut sink, &mut crate::rng::Mt19937::new(seed));
+        if let Some(work) = self.work {
+            // Master weights: the bf16 working copy is theirs, rounded to nearest.
+            Ops::new(&mut *self.be).convert(work, self.params, None);
+        }
+        Ok(())
+    }
+
     /// The precision ([`Model::set_precision`]) and whether there are master weights.
     pub fn precision(&self) -> (Precision, bool) {
         (self.precision, self.work.is_some())
@@ -1350,6 +1390,32 @@ mod tests {
 
     fn model(desc: &str, seed: u32) -> Model {
         Model::new(Weights::random(ModelConfig::from_descriptor(desc).unwrap(), seed).unwrap(), Device::Cpu).unwrap()
+    }
+
+    /// A random init drawn in place (Model::init_random on zero weights) gives every family the
+    /// parameters of Weights::random with the same seed: in fp32, and in bf16 with and without
+    /// master weights (then rounded to nearest, as set_precision rounds them).
+    #[test]
+    fn random_init_in_place_equals_random_weights() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let round =
+            |v: &[f32]| v.iter().map(|&x| crate::cpu::bf16::to_f32(crate::cpu::bf16::from_f32(x))).collect::<Vec<_>>();
+        for desc in ["2x32:2:16", "llama:2x32:4:2", "qwen2:3x24:4:2:40:16", "qwen3:3x24:4:2:8:40:16"] {
+            let cfg = ModelConfig::from_descriptor(desc).unwrap();
+            let want = Weights::random(cfg, 5).unwrap();
+            assert!(want.data.iter().any(|&x| x != 0.0 && x != 1.0), "{desc}: the init draws values");
+            for (precision, master) in [(Precision::Fp32, true), (Precision::Bf16, true), (Precision::Bf16, false)] {
+                let mut m = Model::new(Weights::zeros(cfg).unwrap(), Device::Cpu).unwrap();
+                m.set_precision(precision, master).unwrap();
+                m.init_random(5).unwrap();
+                let w = if precision == Precision::Fp32 { want.data.clone() } else { round(&want.data) };
+                assert!(bits(&m.weights().unwrap().data) == bits(&w), "{desc} {precision} -w {master}");
+                if precision == Precision::Bf16 && master {
+                    let p = m.read_all(Slot::Params).unwrap();
+                    assert!(bits(&p) == bits(&want.data), "{desc}: the fp32 master weights");
+                }
+            }
+        }
     }
 
     /// zero_grad leaves stale values in the tensors the next backward overwrites; the gradients

@@ -10,6 +10,7 @@
 //! nowhere else.
 
 use crate::config::ModelConfig;
+use crate::rng::Mt19937;
 use anyhow::Result;
 use std::ops::Range;
 
@@ -192,6 +193,42 @@ impl ParamLayout {
     /// The tensors outside the blocks, in file order.
     pub fn outer_ids(&self) -> Vec<TensorId> {
         self.ids().filter(|&t| !self.spec(t).per_layer).collect()
+    }
+}
+
+/// Where a family's random init ([`crate::models::family::Arch::init`]) writes: host
+/// [`Weights`], or a model's parameters in place, in their own precision and a piece at a time
+/// (so that a bf16 model's fp32 values never exist whole). Ranges index the whole parameter
+/// vector in [`InitSink::layout`]'s order.
+pub trait InitSink {
+    fn config(&self) -> &ModelConfig;
+    fn layout(&self) -> &ParamLayout;
+    /// Elements `r` set to `value`.
+    fn fill(&mut self, r: Range<usize>, value: f32);
+    /// Elements `at..at + x.len()` set to `x`.
+    fn write(&mut self, at: usize, x: &[f32]);
+    /// Elements `r` drawn from N(mean, std) by `rng`, as [`Mt19937::normal`] on that slice.
+    fn normal(&mut self, r: Range<usize>, rng: &mut Mt19937, mean: f32, std: f32) {
+        // Pieces of 4 MiB of f32.
+        rng.normal_pieces(r.len(), mean, std, 1 << 20, |at, x| self.write(r.start + at, x));
+    }
+}
+
+impl InitSink for Weights {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+    fn fill(&mut self, r: Range<usize>, value: f32) {
+        self.data[r].fill(value)
+    }
+    fn write(&mut self, at: usize, x: &[f32]) {
+        self.data[at..at + x.len()].copy_from_slice(x)
+    }
+    fn normal(&mut self, r: Range<usize>, rng: &mut Mt19937, mean: f32, std: f32) {
+        rng.normal(&mut self.data[r], mean, std)
     }
 }
 

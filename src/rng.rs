@@ -29,6 +29,19 @@ impl std::fmt::Debug for Mt19937 {
 /// Size of llm.c's `mt19937_state` struct in bytes (u64, i32, u32, u32[624], u32[2]).
 pub const MT_STATE_BYTES: usize = 8 + 4 + 4 + 4 * N + 8;
 
+/// 16 uniforms in `d` to 16 N(mean, std) samples, as PyTorch's `normal_fill_16`.
+fn box_muller16(d: &mut [f32], mean: f32, std: f32) {
+    const EPS: f32 = 1e-12;
+    for t in 0..8 {
+        let u1 = 1.0 - d[t];
+        let u2 = d[t + 8];
+        let radius = (-2.0 * (u1 + EPS).ln()).sqrt();
+        let theta = (2.0 * std::f64::consts::PI * u2 as f64) as f32;
+        d[t] = radius * theta.cos() * std + mean;
+        d[t + 8] = radius * theta.sin() * std + mean;
+    }
+}
+
 impl Mt19937 {
     /// `manual_seed` in llm.c / `torch.manual_seed` on the CPU generator.
     pub fn new(seed: u32) -> Self {
@@ -93,16 +106,7 @@ impl Mt19937 {
     pub fn normal(&mut self, out: &mut [f32], mean: f32, std: f32) {
         const EPS: f32 = 1e-12;
         let n = out.len();
-        let fill16 = |d: &mut [f32]| {
-            for t in 0..8 {
-                let u1 = 1.0 - d[t];
-                let u2 = d[t + 8];
-                let radius = (-2.0 * (u1 + EPS).ln()).sqrt();
-                let theta = (2.0 * std::f64::consts::PI * u2 as f64) as f32;
-                d[t] = radius * theta.cos() * std + mean;
-                d[t + 8] = radius * theta.sin() * std + mean;
-            }
-        };
+        let fill16 = |d: &mut [f32]| box_muller16(d, mean, std);
         if n >= 16 {
             for x in out.iter_mut() {
                 *x = self.next_f32();
@@ -134,6 +138,37 @@ impl Mt19937 {
                 cached = Some((radius * theta.sin()) as f64);
                 *x = radius * theta.cos() * std + mean;
             }
+        }
+    }
+
+    /// [`Mt19937::normal`] of `n` values handed to `sink(offset, values)` in pieces of at most
+    /// `piece` values (rounded up to whole blocks of 16), so that a tensor too large to hold
+    /// twice can be drawn straight into its place: the same values, the same state after. A
+    /// value may be handed over twice (the tail block of a length not a multiple of 16 is
+    /// drawn again, as `normal_` draws it); the last one is the value.
+    pub fn normal_pieces(&mut self, n: usize, mean: f32, std: f32, piece: usize, mut sink: impl FnMut(usize, &[f32])) {
+        if n < 16 {
+            let mut v = vec![0f32; n];
+            self.normal(&mut v, mean, std);
+            return sink(0, &v);
+        }
+        let (full, piece) = (n / 16 * 16, piece.max(16).next_multiple_of(16));
+        let mut buf = vec![0f32; piece.min(full)];
+        for at in (0..full).step_by(piece) {
+            let d = &mut buf[..piece.min(full - at)];
+            d.iter_mut().for_each(|x| *x = self.next_f32());
+            d.chunks_exact_mut(16).for_each(|b| box_muller16(b, mean, std));
+            sink(at, d);
+        }
+        if full < n {
+            // The uniforms normal() draws for the last partial block and then overwrites.
+            (full..n).for_each(|_| {
+                self.next_f32();
+            });
+            let mut tail = [0f32; 16];
+            tail.iter_mut().for_each(|x| *x = self.next_f32());
+            box_muller16(&mut tail, mean, std);
+            sink(n - 16, &tail);
         }
     }
 
@@ -225,5 +260,22 @@ mod tests {
         let mut r2 = Mt19937::from_bytes(&b).unwrap();
         assert_eq!(r.next_u32(), r2.next_u32());
         assert!(Mt19937::from_bytes(&b[1..]).is_none());
+    }
+
+    /// Drawn in pieces, normal() gives the same values and leaves the same state, for lengths
+    /// below 16, multiples of 16 and not, and pieces not a multiple of 16.
+    #[test]
+    fn normal_in_pieces_is_normal() {
+        for n in [1, 5, 15, 16, 17, 31, 32, 33, 100, 1003, 4099] {
+            for piece in [1, 16, 40, 64, 5000] {
+                let (mut a, mut b) = (Mt19937::new(9), Mt19937::new(9));
+                let mut want = vec![0f32; n];
+                a.normal(&mut want, 0.5, 0.02);
+                let mut got = vec![f32::NAN; n];
+                b.normal_pieces(n, 0.5, 0.02, piece, |at, v| got[at..at + v.len()].copy_from_slice(v));
+                assert!(want.iter().zip(&got).all(|(x, y)| x.to_bits() == y.to_bits()), "n={n} piece={piece}");
+                assert_eq!(a.next_u32(), b.next_u32(), "state after n={n} piece={piece}");
+            }
+        }
     }
 }

@@ -34,6 +34,24 @@ pub fn load_any(spec: &str, seed: u32) -> Result<Weights> {
     Weights::random(ModelConfig::from_descriptor(spec)?, seed)
 }
 
+/// [`load_any`], except that a descriptor's random weights are not drawn: zero weights
+/// (pages not yet touched) and the seed to draw them with, into the model once its precision
+/// is set ([`crate::model::Model::init_random`]), so that they are made in that precision.
+pub fn load_any_deferred(spec: &str, seed: u32) -> Result<(Weights, Option<u32>)> {
+    match random_descriptor(spec) {
+        Some(cfg) => Ok((Weights::zeros(cfg?)?, Some(seed))),
+        None => Ok((load_any(spec, seed)?, None)),
+    }
+}
+
+/// The config of a descriptor that [`load_any`] makes random weights for, or None for what it
+/// reads (a Hub model, a directory, a file: the same tests in the same order).
+fn random_descriptor(spec: &str) -> Option<Result<ModelConfig>> {
+    let p = Path::new(spec);
+    let file = spec.starts_with("hf:") || p.is_dir() || spec.ends_with(".safetensors") || spec.ends_with(".bin");
+    (!file && !p.exists()).then(|| ModelConfig::from_descriptor(spec))
+}
+
 /// The shape `spec` declares, read without its weights (a file's header, a config.json, a
 /// descriptor) and without a download: None for a Hub model not in the cache yet.
 pub fn peek_config(spec: &str) -> Result<Option<ModelConfig>> {

@@ -7,7 +7,7 @@ use crate::backend::ops::{Ops, Seq};
 use crate::backend::Buf;
 use crate::config::ModelConfig;
 use crate::files::Dtype;
-use crate::params::{HfTensor, ParamLayout, TensorId, TensorSpec, View, Weights};
+use crate::params::{HfTensor, InitSink, ParamLayout, TensorId, TensorSpec, View, Weights};
 use crate::rng::Mt19937;
 use anyhow::{bail, Result};
 use std::path::Path;
@@ -61,7 +61,7 @@ pub trait Arch: Sync {
     /// Its tensors, in file order.
     fn tensors(&self, cfg: &ModelConfig) -> Vec<TensorSpec>;
     /// Its random init, drawn from `rng` in a fixed order.
-    fn init(&self, w: &mut Weights, rng: &mut Mt19937);
+    fn init(&self, w: &mut dyn InitSink, rng: &mut Mt19937);
     /// The tensor the LM head multiplies by (the token embedding when tied).
     fn head(&self, cfg: &ModelConfig) -> TensorId;
 

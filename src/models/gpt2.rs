@@ -8,7 +8,7 @@ use crate::backend::ops::{Heads, Mat, Ops, Rows, Seq};
 use crate::backend::Buf;
 use crate::config::{Family, ModelConfig, Rope, GPT2_PADDED_VOCAB, GPT2_VOCAB};
 use crate::files::{bf16s_from_le, f32s_from_le, parse_header, Dtype, HEADER_BYTES, HEADER_INTS};
-use crate::params::{HfTensor, ParamLayout, TensorId, TensorSpec, View, Weights};
+use crate::params::{HfTensor, InitSink, ParamLayout, TensorId, TensorSpec, View, Weights};
 use crate::rng::Mt19937;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -195,19 +195,21 @@ impl Arch for Gpt2 {
     /// llm.c's init (train_gpt2.py's `_init_weights`): N(0, 0.02) for the embeddings (the V
     /// real rows of wte) and the matrices, scaled by 1/sqrt(2L) for the two projections into
     /// the residual stream; LayerNorm weights 1, biases 0.
-    fn init(&self, w: &mut Weights, rng: &mut Mt19937) {
-        let (l_n, c, v) = (w.config.num_layers, w.config.channels, w.config.vocab_size);
+    fn init(&self, w: &mut dyn InitSink, rng: &mut Mt19937) {
+        let (cfg, lay) = (*w.config(), w.layout().clone());
+        let (l_n, c, v) = (cfg.num_layers, cfg.channels, cfg.vocab_size);
         let residual_scale = 1.0 / (2.0 * l_n as f32).sqrt();
         for t in [T::Ln1W, T::Ln2W, T::LnfW] {
-            w.tensor_mut(t).fill(1.0);
+            w.fill(lay.range(t), 1.0);
         }
-        rng.normal(&mut w.tensor_mut(T::Wte)[..v * c], 0.0, 0.02);
-        rng.normal(w.tensor_mut(T::Wpe), 0.0, 0.02);
+        let wte = lay.range(T::Wte).start;
+        w.normal(wte..wte + v * c, rng, 0.0, 0.02); // the V real rows
+        w.normal(lay.range(T::Wpe), rng, 0.0, 0.02);
         for l in 0..l_n {
-            rng.normal(w.layer_mut(T::QkvW, l), 0.0, 0.02);
-            rng.normal(w.layer_mut(T::AttProjW, l), 0.0, 0.02 * residual_scale);
-            rng.normal(w.layer_mut(T::FcW, l), 0.0, 0.02);
-            rng.normal(w.layer_mut(T::FcProjW, l), 0.0, 0.02 * residual_scale);
+            w.normal(lay.layer(T::QkvW, l), rng, 0.0, 0.02);
+            w.normal(lay.layer(T::AttProjW, l), rng, 0.0, 0.02 * residual_scale);
+            w.normal(lay.layer(T::FcW, l), rng, 0.0, 0.02);
+            w.normal(lay.layer(T::FcProjW, l), rng, 0.0, 0.02 * residual_scale);
         }
     }
 

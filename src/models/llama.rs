@@ -13,7 +13,7 @@ use crate::backend::ops::{Heads, Mat, Ops, Rows, Seq};
 use crate::backend::Buf;
 use crate::config::{Family, Llama3Scaling, ModelConfig, Rope, GPT2_VOCAB};
 use crate::files::{bf16s_from_le, f32s_from_le, Dtype, HEADER_BYTES};
-use crate::params::{HfTensor, ParamLayout, TensorId, TensorSpec, View, Weights};
+use crate::params::{HfTensor, InitSink, ParamLayout, TensorId, TensorSpec, View, Weights};
 use crate::rng::Mt19937;
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::Path;
@@ -194,18 +194,20 @@ pub fn tensors_of(cfg: &ModelConfig) -> Vec<TensorSpec> {
 /// transformers' `_init_weights` for Llama: N(0, 0.02) for the embedding (its V real rows),
 /// the untied head and every projection; biases 0; RMSNorm weights 1. `extra` runs after,
 /// for a family's own tensors.
-pub fn init_common(w: &mut Weights, rng: &mut Mt19937) {
-    let (l_n, c, v) = (w.config.num_layers, w.config.channels, w.config.vocab_size);
+pub fn init_common(w: &mut dyn InitSink, rng: &mut Mt19937) {
+    let (cfg, lay) = (*w.config(), w.layout().clone());
+    let (l_n, c, v) = (cfg.num_layers, cfg.channels, cfg.vocab_size);
     for t in [T::Ln1W, T::Ln2W, T::LnfW] {
-        w.tensor_mut(t).fill(1.0);
+        w.fill(lay.range(t), 1.0);
     }
-    rng.normal(&mut w.tensor_mut(T::Wte)[..v * c], 0.0, 0.02);
-    if !w.config.tied_head {
-        rng.normal(&mut w.tensor_mut(T::LmHead)[..v * c], 0.0, 0.02);
+    let rows = |t: T| lay.range(t).start..lay.range(t).start + v * c; // the V real rows
+    w.normal(rows(T::Wte), rng, 0.0, 0.02);
+    if !cfg.tied_head {
+        w.normal(rows(T::LmHead), rng, 0.0, 0.02);
     }
     for l in 0..l_n {
         for t in [T::QkvW, T::AttProjW, T::FcW, T::FcProjW] {
-            rng.normal(w.layer_mut(t, l), 0.0, 0.02);
+            w.normal(lay.layer(t, l), rng, 0.0, 0.02);
         }
     }
 }
@@ -437,7 +439,7 @@ impl Arch for Llama {
         tensors_of(cfg)
     }
 
-    fn init(&self, w: &mut Weights, rng: &mut Mt19937) {
+    fn init(&self, w: &mut dyn InitSink, rng: &mut Mt19937) {
         init_common(w, rng)
     }
 

@@ -9,7 +9,7 @@ use crate::acts::{ActPlan, BackActs, BlockActs, NormActs};
 use crate::backend::ops::{Ops, Seq};
 use crate::backend::Buf;
 use crate::config::{Family, ModelConfig, Rope, GPT2_VOCAB};
-use crate::params::{HfTensor, ParamLayout, TensorId, TensorSpec, View, Weights};
+use crate::params::{HfTensor, InitSink, ParamLayout, TensorId, TensorSpec, View};
 use crate::rng::Mt19937;
 use anyhow::{bail, Result};
 use std::path::Path;
@@ -108,7 +108,7 @@ impl Arch for Qwen2 {
         llama::tensors_of(cfg)
     }
 
-    fn init(&self, w: &mut Weights, rng: &mut Mt19937) {
+    fn init(&self, w: &mut dyn InitSink, rng: &mut Mt19937) {
         llama::init_common(w, rng)
     }
 

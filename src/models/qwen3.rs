@@ -10,7 +10,7 @@ use crate::acts::{ActPlan, BackActs, BlockActs, NormActs};
 use crate::backend::ops::{Ops, Seq};
 use crate::backend::Buf;
 use crate::config::{Family, ModelConfig, Rope, GPT2_VOCAB};
-use crate::params::{HfTensor, ParamLayout, TensorId, TensorSpec, View, Weights};
+use crate::params::{HfTensor, InitSink, ParamLayout, TensorId, TensorSpec, View};
 use crate::rng::Mt19937;
 use anyhow::{bail, Result};
 use std::path::Path;
@@ -126,10 +126,11 @@ impl Arch for Qwen3 {
     }
 
     /// Llama's init; the heads' norm weights 1.
-    fn init(&self, w: &mut Weights, rng: &mut Mt19937) {
+    fn init(&self, w: &mut dyn InitSink, rng: &mut Mt19937) {
         llama::init_common(w, rng);
-        w.tensor_mut(T::QNormW).fill(1.0);
-        w.tensor_mut(T::KNormW).fill(1.0);
+        let lay = w.layout().clone();
+        w.fill(lay.range(T::QNormW), 1.0);
+        w.fill(lay.range(T::KNormW), 1.0);
     }
 
     fn head(&self, cfg: &ModelConfig) -> TensorId {
