@@ -9,6 +9,11 @@ use llmrs::prepare::{prepare_tinyshakespeare, Source};
 use llmrs::train::{run, TrainConfig};
 use std::path::{Path, PathBuf};
 
+/// Large blocks page-aligned from the OS ([`llmrs::mem::PageAligned`]).
+#[cfg(target_os = "linux")]
+#[global_allocator]
+static ALLOCATOR: llmrs::mem::PageAligned = llmrs::mem::PageAligned;
+
 /// Where `prepare tinyshakespeare` writes by default, and where the default run's data lives.
 const TINYSHAKESPEARE_DIR: &str = "data/tinyshakespeare";
 

@@ -6,6 +6,101 @@
 //! almost every new row a GEMM packer visits. The advice is a hint: where it is refused the
 //! buffer is an ordinary one and nothing else changes.
 
+/// Allocations of at least this many bytes come straight from the OS, page-aligned
+/// ([`PageAligned`]).
+#[cfg(target_os = "linux")]
+const PAGE_ALLOC_MIN: usize = 1 << 20;
+
+/// The `llmrs` binary's allocator (`main.rs` installs it): large blocks (parameters, activations, packing buffers, windows)
+/// are whole pages mapped from the OS, so they start on a page, hence on a 64-byte cache line;
+/// the rest is the system allocator's. glibc hands out a large block 16 bytes past a page (its
+/// header), so that every 64-byte vector load or AMX tile row of a buffer's rows spans two
+/// cache lines: an f32 window that happened to be aligned or not moved a 1B model's bf16 step
+/// by 8%. Zeroed blocks stay untouched until written (fresh mappings read as zero), which
+/// [`zeroed`] and an in-place random init rely on.
+pub struct PageAligned;
+
+#[cfg(target_os = "linux")]
+unsafe impl std::alloc::GlobalAlloc for PageAligned {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        // SAFETY (all methods): as GlobalAlloc's contract; a block is mapped iff its layout's
+        // size is at least PAGE_ALLOC_MIN and its alignment at most a page, the same test at
+        // allocation and release, so each block goes back to whoever gave it.
+        unsafe {
+            if mapped(l) {
+                map(l.size())
+            } else {
+                std::alloc::System.alloc(l)
+            }
+        }
+    }
+
+    unsafe fn alloc_zeroed(&self, l: std::alloc::Layout) -> *mut u8 {
+        unsafe {
+            if mapped(l) {
+                map(l.size()) // fresh anonymous pages are zero
+            } else {
+                std::alloc::System.alloc_zeroed(l)
+            }
+        }
+    }
+
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        unsafe {
+            if mapped(l) {
+                libc::munmap(p as *mut libc::c_void, l.size());
+            } else {
+                std::alloc::System.dealloc(p, l)
+            }
+        }
+    }
+
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        unsafe {
+            let new = std::alloc::Layout::from_size_align_unchecked(new_size, l.align());
+            match (mapped(l), mapped(new)) {
+                (true, true) => {
+                    let q = libc::mremap(p as *mut libc::c_void, l.size(), new_size, libc::MREMAP_MAYMOVE);
+                    if q == libc::MAP_FAILED {
+                        std::ptr::null_mut()
+                    } else {
+                        q as *mut u8
+                    }
+                }
+                (false, false) => std::alloc::System.realloc(p, l, new_size),
+                _ => {
+                    let q = self.alloc(new);
+                    if !q.is_null() {
+                        std::ptr::copy_nonoverlapping(p, q, l.size().min(new_size));
+                        self.dealloc(p, l);
+                    }
+                    q
+                }
+            }
+        }
+    }
+}
+
+/// Whether a block of this layout is mapped from the OS.
+#[cfg(target_os = "linux")]
+fn mapped(l: std::alloc::Layout) -> bool {
+    l.size() >= PAGE_ALLOC_MIN && l.align() <= 4096
+}
+
+/// `bytes` of fresh anonymous memory (zero), or null.
+#[cfg(target_os = "linux")]
+unsafe fn map(bytes: usize) -> *mut u8 {
+    use libc::{MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE};
+    // SAFETY: an anonymous private mapping touches no existing memory.
+    let p =
+        unsafe { libc::mmap(std::ptr::null_mut(), bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) };
+    if p == MAP_FAILED {
+        std::ptr::null_mut()
+    } else {
+        p as *mut u8
+    }
+}
+
 /// Buffers smaller than this gain nothing from huge pages.
 const HUGE_MIN_BYTES: usize = 4 << 20;
 
@@ -90,6 +185,39 @@ fn advise_huge<T>(_: &[T]) {}
 
 #[cfg(test)]
 mod tests {
+    /// Large blocks start on a page and zeroed ones read zero; growing and shrinking across the
+    /// size at which blocks are mapped keeps the contents; small blocks are the system's.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn large_blocks_are_page_aligned_and_keep_their_contents() {
+        use std::alloc::{GlobalAlloc, Layout};
+        let a = super::PageAligned;
+        let big = super::PAGE_ALLOC_MIN + 12;
+        let lay = |n: usize| Layout::from_size_align(n, 4).unwrap();
+        // SAFETY: each block is used within its size and released with its layout.
+        unsafe {
+            let z = a.alloc_zeroed(lay(big));
+            assert_eq!(z as usize % 4096, 0, "a large block starts on a page");
+            assert!(std::slice::from_raw_parts(z, big).iter().all(|&x| x == 0));
+            a.dealloc(z, lay(big));
+            let mut p = a.alloc(lay(1000));
+            let mut len = 1000;
+            std::slice::from_raw_parts_mut(p, len).iter_mut().enumerate().for_each(|(i, x)| *x = i as u8);
+            for target in [big, 3 * big, 10, big / 2, 4 * big] {
+                p = a.realloc(p, lay(len), target);
+                assert!(!p.is_null());
+                let keep = len.min(target);
+                assert!(std::slice::from_raw_parts(p, keep).iter().enumerate().all(|(i, &x)| x == i as u8), "{target}");
+                if target >= super::PAGE_ALLOC_MIN {
+                    assert_eq!(p as usize % 4096, 0, "{target}");
+                }
+                len = target;
+                std::slice::from_raw_parts_mut(p, len).iter_mut().enumerate().for_each(|(i, x)| *x = i as u8);
+            }
+            a.dealloc(p, lay(len));
+        }
+    }
+
     #[test]
     fn impossible_allocations_are_refused_with_their_size() {
         super::check_available(1 << 20, "a small buffer").unwrap();
