@@ -502,14 +502,15 @@ unsafe fn serial_amx(
                 let acc = accumulate || pc > 0;
                 let bias = if pc == 0 { bias } else { std::ptr::null() };
                 for (jr, j0) in (0..nc).step_by(NR).enumerate() {
-                    // SAFETY: panel jr lies inside bp (NC x KC/2 values; KC/2 is whole tiles).
+                    // SAFETY: panel jr lies inside bp (NC x KC/2 values; KC/2 is whole tiles); AMX
+                    // runs only where the kernels may use AVX-512 (amx_available).
                     unsafe { pack_b_fast(pairs, pc, kend, jc + j0, n.min(jc + j0 + NR), b, bp.add(jr * NR * pairs)) };
                 }
                 for ic in (0..m).step_by(MC_AMX) {
                     let mc = MC_AMX.min(m - ic);
                     for (ir, i0) in (0..mc).step_by(MR_AMX).enumerate() {
                         let d = ap.wrapping_add(ir * MR_AMX * pairs);
-                        // SAFETY: panel ir lies inside ap (MC_AMX x KC/2 values).
+                        // SAFETY: panel ir lies inside ap (MC_AMX x KC/2 values); AVX-512 as above.
                         unsafe { pack_a_rows(pairs, pc, kend, ic + i0, m.min(ic + i0 + MR_AMX), a, d) };
                     }
                     for (jr, j0) in (0..nc).step_by(NR).enumerate() {
@@ -571,7 +572,8 @@ unsafe fn put(
 unsafe fn pack_b_fast(pairs: usize, pc: usize, kend: usize, j0: usize, j1: usize, b: View, d: *mut u32) {
     let (whole, odd) = ((kend - pc) / 2, (kend - pc) % 2 == 1);
     // SAFETY (all blocks): reads stay inside B's rows pc..kend and columns j0..j1 (the caller's
-    // view covers them); d holds NR*pairs values.
+    // view covers them); d holds NR*pairs values; the vpack functions need AVX-512F, which the
+    // caller guarantees.
     unsafe {
         if j1 - j0 == NR && b.rs == 1 {
             #[cfg(target_arch = "x86_64")]
@@ -625,7 +627,7 @@ unsafe fn pack_b_fast(pairs: usize, pc: usize, kend: usize, j0: usize, j1: usize
 unsafe fn pack_a_rows(pairs: usize, pc: usize, kend: usize, i0: usize, i1: usize, a: View, d: *mut u32) {
     let (whole, odd) = ((kend - pc) / 2, (kend - pc) % 2 == 1);
     // SAFETY (all blocks): reads stay inside A's rows i0..i1 and k values pc..kend (the
-    // caller's view covers them); d holds MR_AMX*pairs values.
+    // caller's view covers them); d holds MR_AMX*pairs values; AVX-512F as the caller guarantees.
     unsafe {
         if i1 - i0 == MR_AMX && a.cs == 1 {
             for i in 0..MR_AMX {
