@@ -361,9 +361,7 @@ impl CpuBackend {
         let (outs, ins) = ([Rw(params), Rw(m), Rw(v), Rw(work.unwrap_or(NONE))], [grads, stats]);
         let native = ([false, false, false, true], [true, false]);
         self.run_native("adamw_update", outs, ins, [], r, native.0, native.1, |[p, m, v, w], [g, stats], []| {
-            let (Dest::F32(p), Dest::F32(m), Dest::F32(v), Operand::F32(stats)) = (p, m, v, stats) else {
-                unreachable!("f32 buffers (or f32 copies) are handed over as f32")
-            };
+            let (p, m, v, stats) = (f32_dest(p), f32_dest(m), f32_dest(v), f32_operand(stats));
             let (loss, norm_sq) = (stats[0], stats[1]);
             if h.skip.skips(loss, norm_sq) {
                 return; // a diverged or outlier step: leave the model as it was
@@ -597,7 +595,7 @@ impl Backend for CpuBackend {
         // bf16 tables are read as they are: only the rows of the batch's tokens are widened.
         let (ins, r) = ([wte, wpe.unwrap_or(NONE)], Rounding::Nearest);
         self.run_native("encoder_forward", [W(out)], ins, [inp], r, [false], [true; 2], |[o], [wte, wpe], [inp]| {
-            let Dest::F32(o) = o else { unreachable!("the output is handed over as f32") };
+            let o = f32_dest(o);
             encoder::encoder_forward(o, inp, wte, has_wpe.then_some(wpe), b, t, c)
         });
     }
@@ -802,10 +800,7 @@ impl Backend for CpuBackend {
             [out_native],
             [native, native, false],
             |[o], [x, w, b], []| {
-                let b = has_bias.then(|| match b {
-                    Operand::F32(b) => b,
-                    Operand::Bf16(_) => unreachable!("the bias is handed over as f32"),
-                });
+                let b = has_bias.then(|| f32_operand(b));
                 matmul::matmul_forward(o, x, w, b, n, c, oc)
             },
         );
@@ -838,10 +833,7 @@ impl Backend for CpuBackend {
             native_outs,
             [native; 3],
             |[di, dw, db], [d, x, w], []| {
-                let db = match db {
-                    Dest::F32(db) => db,
-                    Dest::Bf16(_) => unreachable!("dbias is handed over as f32"),
-                };
+                let db = f32_dest(db);
                 let (di, dw, db) = (has_dinp.then_some(di), has_dw.then_some(dw), has_dbias.then_some(db));
                 matmul::matmul_backward(di, dw, db, d, x, w, n, c, oc, accumulate)
             },
@@ -1017,7 +1009,7 @@ impl Backend for CpuBackend {
             [false; 2],
             [true],
             |[l, s], [x], [y]| {
-                let (Dest::F32(l), Dest::F32(s)) = (l, s) else { unreachable!("f32 outputs are handed over as f32") };
+                let (l, s) = (f32_dest(l), f32_dest(s));
                 classifier::crossentropy_forward(l, s, x, y, n, v, vp)
             },
         );
