@@ -678,3 +678,26 @@ fn gpu_chunked_classifier_matches_the_whole_and_the_cpu() {
         compare(&part.2, &cpu.2, 1e-4, "gradients, GPU against CPU");
     }
 }
+
+/// A random init drawn in place on the GPU (Model::init_random into untouched zero weights)
+/// gives Weights::random's parameters: in fp32 to the bit, in bf16 with and without master
+/// weights rounded to nearest, as on the CPU (tensors starting mid-word included: the GPT-2
+/// shape's odd-length tensors).
+#[test]
+fn gpu_random_init_in_place_equals_random_weights() {
+    let Some(dev) = gpu("gpu_random_init_in_place_equals_random_weights") else { return };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    use llmrs::cpu::bf16::{from_f32, to_f32};
+    let round = |v: &[f32]| v.iter().map(|&x| to_f32(from_f32(x))).collect::<Vec<_>>();
+    for desc in ["2x16:2:16", "llama:2x32:4:2"] {
+        let cfg = ModelConfig { vocab_size: 61, padded_vocab_size: 64, ..ModelConfig::from_descriptor(desc).unwrap() };
+        let want = Weights::random(cfg, 5).unwrap();
+        for (precision, master) in [(Precision::Fp32, true), (Precision::Bf16, true), (Precision::Bf16, false)] {
+            let mut m = Model::new(Weights::zeros(cfg).unwrap(), dev).unwrap();
+            m.set_precision(precision, master).unwrap();
+            m.init_random(5).unwrap();
+            let w = if precision == Precision::Fp32 { want.data.clone() } else { round(&want.data) };
+            assert!(bits(&m.weights().unwrap().data) == bits(&w), "{desc} {precision} -w {master} on the GPU");
+        }
+    }
+}
