@@ -655,9 +655,28 @@ impl Backend for CpuBackend {
     }
 
     fn rmsnorm_forward(&mut self, out: Buf, rstd: Buf, inp: Buf, weight: Buf, n: usize, c: usize, eps: f32) {
-        self.run("rmsnorm_forward", [W(out), W(rstd)], [inp, weight], [], |[o, r], [x, w], []| {
-            rmsnorm::rmsnorm_forward(o, r, x, w, n, c, eps)
-        });
+        // out, inp and weight bf16: widened and rounded a row at a time, no f32 copies.
+        let native = [out, inp, weight].iter().all(|x| x.dtype == DType::BF16);
+        let (r, outs) = (Rounding::Nearest, [W(out), W(rstd)]);
+        self.run_native(
+            "rmsnorm_forward",
+            outs,
+            [inp, weight],
+            [],
+            r,
+            [native, false],
+            [native; 2],
+            |[o, s], [x, w], []| {
+                let s = f32_dest(s);
+                match (o, x, w) {
+                    (Dest::F32(o), Operand::F32(x), Operand::F32(w)) => rmsnorm::rmsnorm_forward(o, s, x, w, n, c, eps),
+                    (Dest::Bf16(o), Operand::Bf16(x), Operand::Bf16(w)) => {
+                        rmsnorm::rmsnorm_forward_bf16(o, s, x, w, n, c, eps)
+                    }
+                    _ => unreachable!("all bf16 or all handed over as f32"),
+                }
+            },
+        );
     }
 
     fn rmsnorm_backward(
@@ -671,13 +690,24 @@ impl Backend for CpuBackend {
         n: usize,
         c: usize,
     ) {
-        self.run(
-            "rmsnorm_backward",
-            [Rw(dinp), Rw(dweight)],
-            [dout, inp, weight, rstd],
-            [],
-            |[di, dw], [d, x, w, r], []| rmsnorm::rmsnorm_backward(di, dw, d, x, w, r, n, c),
-        );
+        // dinp, dout, inp and weight bf16: a row at a time, no f32 copies; the weight's
+        // gradient (C) accumulates in an f32 copy, rounded once, as before.
+        let native = [dinp, dout, inp, weight].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins) = ([Rw(dinp), Rw(dweight)], [dout, inp, weight, rstd]);
+        let (native_outs, native_ins) = ([native, false], [native, native, native, false]);
+        let r = Rounding::Nearest;
+        self.run_native("rmsnorm_backward", outs, ins, [], r, native_outs, native_ins, |[di, dw], [d, x, w, s], []| {
+            let (dw, s) = (f32_dest(dw), f32_operand(s));
+            match (di, d, x, w) {
+                (Dest::F32(di), Operand::F32(d), Operand::F32(x), Operand::F32(w)) => {
+                    rmsnorm::rmsnorm_backward(di, dw, d, x, w, s, n, c)
+                }
+                (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x), Operand::Bf16(w)) => {
+                    rmsnorm::rmsnorm_backward_bf16(di, dw, d, x, w, s, n, c)
+                }
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
     }
 
     fn head_norm_forward(

@@ -1,7 +1,9 @@
 //! RMSNorm over the channel dimension (Llama's; transformers' `LlamaRMSNorm`):
 //! out = inp * rstd * weight with rstd = 1 / sqrt(mean(inp^2) + eps).
 
+use super::bf16;
 use super::math::{add_lanes_of, combine_lanes};
+use super::sgemm::Elem;
 use super::team::{self, Disjoint};
 
 /// Rows per task; a row is C floats.
@@ -53,8 +55,12 @@ pub fn rmsnorm_backward(
         let (dout, inp) = (&dout[rows.start * c..rows.end * c], &inp[rows.start * c..rows.end * c]);
         backward_rows(dinp, dout, inp, weight, &rstd[rows], c);
     });
-    // The weight's gradient, column-parallel: each task sums over all rows in order, so the
-    // result does not depend on the thread schedule.
+    dweight_cols(dweight, dout, inp, rstd, n, c);
+}
+
+/// dweight (C) += sum over rows of dout * (inp * rstd), column-parallel: each task sums over
+/// all rows in order, so the result does not depend on the thread schedule.
+fn dweight_cols<T: Elem>(dweight: &mut [f32], dout: &[T], inp: &[T], rstd: &[f32], n: usize, c: usize) {
     const COLS: usize = 64;
     team::chunks_mut(&mut dweight[..c], COLS, |ci, dw| {
         let c0 = ci * COLS;
@@ -63,10 +69,70 @@ pub fn rmsnorm_backward(
             let x = &inp[row * c + c0..row * c + c0 + dw.len()];
             let d = &dout[row * c + c0..row * c + c0 + dw.len()];
             for ((dw, x), d) in dw.iter_mut().zip(x).zip(d) {
-                *dw += d * (x * r);
+                *dw += d.to_f32() * (x.to_f32() * r);
             }
         }
     });
+}
+
+/// [`rmsnorm_forward`] on bf16 out, inp and weight (bits), rstd f32: each row widened, then
+/// [`forward_rows`], then rounded once to nearest even (the f32 op's bits on widened inputs,
+/// rounded; the widening is per row, in cache, not a copy of the whole activation).
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_forward_bf16(
+    out: &mut [u16],
+    rstd: &mut [f32],
+    inp: &[u16],
+    weight: &[u16],
+    n: usize,
+    c: usize,
+    eps: f32,
+) {
+    let mut w = vec![0f32; c];
+    bf16::widen(&mut w, &weight[..c]);
+    let rstd = Disjoint::new(&mut rstd[..n]);
+    team::chunks_mut(&mut out[..n * c], ROWS * c, |i, out| {
+        let rows = i * ROWS..(i * ROWS + ROWS).min(n);
+        // SAFETY: chunk i owns rows i*ROWS.., which no other chunk touches.
+        let rstd = unsafe { rstd.part(rows.clone()) };
+        let (mut x, mut o) = (vec![0f32; c], vec![0f32; c]);
+        for (k, (out, r)) in out.chunks_exact_mut(c).zip(rstd.iter_mut()).enumerate() {
+            let row = rows.start + k;
+            bf16::widen(&mut x, &inp[row * c..(row + 1) * c]);
+            forward_rows(&mut o, std::slice::from_mut(r), &x, &w, c, eps);
+            bf16::narrow(out, &o);
+        }
+    });
+}
+
+/// [`rmsnorm_backward`] with dinp, dout, inp and weight bf16 (bits): dinp's rows widened, added
+/// to by [`backward_rows`] and rounded once; dweight (f32) as in the f32 op, reading bf16.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_backward_bf16(
+    dinp: &mut [u16],
+    dweight: &mut [f32],
+    dout: &[u16],
+    inp: &[u16],
+    weight: &[u16],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) {
+    let mut w = vec![0f32; c];
+    bf16::widen(&mut w, &weight[..c]);
+    team::chunks_mut(&mut dinp[..n * c], ROWS * c, |i, dinp| {
+        let row0 = i * ROWS;
+        let (mut di, mut d, mut x) = (vec![0f32; c], vec![0f32; c], vec![0f32; c]);
+        for (k, drow) in dinp.chunks_exact_mut(c).enumerate() {
+            let row = row0 + k;
+            bf16::widen(&mut di, drow);
+            bf16::widen(&mut d, &dout[row * c..(row + 1) * c]);
+            bf16::widen(&mut x, &inp[row * c..(row + 1) * c]);
+            backward_rows(&mut di, &d, &x, &w, &rstd[row..row + 1], c);
+            bf16::narrow(drow, &di);
+        }
+    });
+    dweight_cols(dweight, dout, inp, rstd, n, c);
 }
 
 crate::simd_fn! {
@@ -246,6 +312,34 @@ mod tests {
             check_grad(&inp, &dinp, |x| dot(&fwd(x, &wq, &wk).0, &proj), "dinp");
             check_grad(&wq, &dwq, |x| dot(&fwd(&inp, x, &wk).0, &proj), "dwq");
             check_grad(&wk, &dwk, |x| dot(&fwd(&inp, &wq, x).0, &proj), "dwk");
+        }
+    }
+
+    /// The bf16 versions give the bits of the f32 ones on widened inputs, outputs rounded once
+    /// (dinp accumulating onto bf16 values; dweight f32 either way).
+    #[test]
+    fn bf16_gives_the_f32_bits_rounded() {
+        use crate::cpu::bf16::{from_f32, to_f32};
+        let to16 = |v: Vec<f32>| v.iter().map(|&x| from_f32(x)).collect::<Vec<u16>>();
+        let wide = |v: &[u16]| v.iter().map(|&x| to_f32(x)).collect::<Vec<f32>>();
+        let narrow = |v: &[f32]| v.iter().map(|&x| from_f32(x)).collect::<Vec<u16>>();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        for &(n, c) in &[(1, 1), (3, 5), (17, 33), (2, 300)] {
+            let mut r = TestRng((n * 7 + c) as u64);
+            let (inp, w, dout, dinp0) = (to16(r.vec(n * c)), to16(r.vec(c)), to16(r.vec(n * c)), to16(r.vec(n * c)));
+            let dw0 = r.vec(c);
+            let (mut o, mut s) = (vec![0f32; n * c], vec![0f32; n]);
+            rmsnorm_forward(&mut o, &mut s, &wide(&inp), &wide(&w), n, c, 1e-5);
+            let (mut o16, mut s16) = (vec![0u16; n * c], vec![0f32; n]);
+            rmsnorm_forward_bf16(&mut o16, &mut s16, &inp, &w, n, c, 1e-5);
+            assert_eq!(narrow(&o), o16, "forward n={n} c={c}");
+            assert_eq!(bits(&s), bits(&s16), "rstd n={n} c={c}");
+            let (mut di, mut dw) = (wide(&dinp0), dw0.clone());
+            rmsnorm_backward(&mut di, &mut dw, &wide(&dout), &wide(&inp), &wide(&w), &s, n, c);
+            let (mut di16, mut dw16) = (dinp0.clone(), dw0.clone());
+            rmsnorm_backward_bf16(&mut di16, &mut dw16, &dout, &inp, &w, &s, n, c);
+            assert_eq!(narrow(&di), di16, "dinp n={n} c={c}");
+            assert_eq!(bits(&dw), bits(&dw16), "dweight n={n} c={c}");
         }
     }
 }
