@@ -7,6 +7,7 @@
 //! depend on the thread count. A NaN stays a NaN (its payload's top bits kept), an infinity an
 //! infinity.
 
+use super::sgemm::Elem;
 use super::team;
 
 /// An input as an op that reads bf16 itself receives it: f32, or bf16 (as bits). (The GEMM
@@ -159,33 +160,31 @@ crate::simd_fn! {
     }
 }
 
-crate::simd_fn! {
-    /// A GEMM tile's row into bf16: dst[j] = [dst[j] +] x[j] [+ bias[j]], the sum in f32 and
-    /// rounded once to nearest even (the bias only when not accumulating).
-    pub fn store_row(dst: &mut [u16], x: &[f32], acc: bool, bias: Option<&[f32]>) {
-        let x = &x[..dst.len()];
-        if acc {
-            dst.iter_mut().zip(x).for_each(|(d, &v)| *d = from_f32(to_f32(*d) + v));
-        } else if let Some(b) = bias {
-            dst.iter_mut().zip(x.iter().zip(&b[..x.len()])).for_each(|(d, (&v, &bj))| *d = from_f32(v + bj));
-        } else {
-            dst.iter_mut().zip(x).for_each(|(d, &v)| *d = from_f32(v));
-        }
+/// A GEMM tile's row into C: dst[j] = [dst[j] +] x[j] [+ bias[j]], the sum in f32 and rounded
+/// once to C's type (the bias only when not accumulating).
+#[inline(always)]
+fn store_row_body<T: Elem>(dst: &mut [T], x: &[f32], acc: bool, bias: Option<&[f32]>) {
+    let x = &x[..dst.len()];
+    if acc {
+        dst.iter_mut().zip(x).for_each(|(d, &v)| *d = T::from_f32(d.to_f32() + v));
+    } else if let Some(b) = bias {
+        dst.iter_mut().zip(x.iter().zip(&b[..x.len()])).for_each(|(d, (&v, &bj))| *d = T::from_f32(v + bj));
+    } else {
+        dst.iter_mut().zip(x).for_each(|(d, &v)| *d = T::from_f32(v));
     }
 }
 
 crate::simd_fn! {
-    /// A GEMM tile's row into f32: dst[j] = [dst[j] +] x[j] [+ bias[j]] (the bias only when
-    /// not accumulating).
+    /// [`store_row_body`] into bf16.
+    pub fn store_row(dst: &mut [u16], x: &[f32], acc: bool, bias: Option<&[f32]>) {
+        store_row_body(dst, x, acc, bias)
+    }
+}
+
+crate::simd_fn! {
+    /// [`store_row_body`] into f32.
     pub fn store_row_f32(dst: &mut [f32], x: &[f32], acc: bool, bias: Option<&[f32]>) {
-        let x = &x[..dst.len()];
-        if acc {
-            dst.iter_mut().zip(x).for_each(|(d, &v)| *d += v);
-        } else if let Some(b) = bias {
-            dst.iter_mut().zip(x.iter().zip(&b[..x.len()])).for_each(|(d, (&v, &bj))| *d = v + bj);
-        } else {
-            dst.copy_from_slice(x);
-        }
+        store_row_body(dst, x, acc, bias)
     }
 }
 

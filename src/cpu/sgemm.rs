@@ -133,12 +133,23 @@ pub trait Elem: Copy + Send + Sync + 'static {
         None
     }
 
-    /// A tile's row stored into C: `dst[j] = [dst[j] +] x[j] [+ bias[j]]` for j < n, summed in
-    /// f32 and rounded once to this type (the bias, null for none, only when not accumulating).
+    /// A tile's row stored into C: `dst[j] = [dst[j] +] x[j] [+ bias[j]]`, summed in f32 and
+    /// rounded once to this type (the bias only when not accumulating; [`super::bf16::store_row`]).
+    fn store_slice(dst: &mut [Self], x: &[f32], acc: bool, bias: Option<&[f32]>);
+
+    /// [`Elem::store_slice`] of n elements at raw pointers (the bias null for none).
     ///
     /// # Safety
     /// `dst` has n writable elements, `x` n floats, a non-null bias n floats; none overlap dst.
-    unsafe fn store_row(dst: *mut Self, x: *const f32, n: usize, acc: bool, bias: *const f32);
+    #[inline(always)]
+    unsafe fn store_row(dst: *mut Self, x: *const f32, n: usize, acc: bool, bias: *const f32) {
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            let (d, x) = (std::slice::from_raw_parts_mut(dst, n), std::slice::from_raw_parts(x, n));
+            let bias = (!bias.is_null()).then(|| std::slice::from_raw_parts(bias, n));
+            Self::store_slice(d, x, acc, bias)
+        }
+    }
 
     /// `dst[i] = src[i]` as f32 for i < n.
     ///
@@ -184,14 +195,8 @@ impl Elem for f32 {
         unsafe { std::ptr::copy_nonoverlapping(src, dst, n) }
     }
 
-    #[inline(always)]
-    unsafe fn store_row(dst: *mut f32, x: *const f32, n: usize, acc: bool, bias: *const f32) {
-        // SAFETY: as the caller guarantees.
-        unsafe {
-            let (d, x) = (std::slice::from_raw_parts_mut(dst, n), std::slice::from_raw_parts(x, n));
-            let bias = (!bias.is_null()).then(|| std::slice::from_raw_parts(bias, n));
-            super::bf16::store_row_f32(d, x, acc, bias)
-        }
+    fn store_slice(dst: &mut [f32], x: &[f32], acc: bool, bias: Option<&[f32]>) {
+        super::bf16::store_row_f32(dst, x, acc, bias)
     }
 }
 
@@ -211,14 +216,8 @@ impl Elem for u16 {
         super::bf16::from_f32(x)
     }
 
-    #[inline(always)]
-    unsafe fn store_row(dst: *mut u16, x: *const f32, n: usize, acc: bool, bias: *const f32) {
-        // SAFETY: as the caller guarantees.
-        unsafe {
-            let (d, x) = (std::slice::from_raw_parts_mut(dst, n), std::slice::from_raw_parts(x, n));
-            let bias = (!bias.is_null()).then(|| std::slice::from_raw_parts(bias, n));
-            super::bf16::store_row(d, x, acc, bias)
-        }
+    fn store_slice(dst: &mut [u16], x: &[f32], acc: bool, bias: Option<&[f32]>) {
+        super::bf16::store_row(dst, x, acc, bias)
     }
 
     #[cfg(target_arch = "x86_64")]
