@@ -9,8 +9,15 @@
 //! output and each query row's softmax statistics `stats (B, NH, T, 2)`, and the backward
 //! rebuilds the probabilities block by block of query rows, in a per-thread tile of
 //! [`ROW_BLOCK`] x T, from the same GEMM and those statistics: the same bits as the forward's.
+//!
+//! The activations (qkv, out, their gradients, the workspaces) are f32 or bf16 ([`Elem`]);
+//! the scores, probabilities and every sum are f32, and a bf16 result is rounded once, to
+//! nearest even, where it is stored. The GEMMs read bf16 operands widened as they pack them
+//! (never the host's bf16 engine), so a bf16 pass gives the f32 pass's bits on the widened
+//! inputs, rounded: the same numbers as before the op read bf16 itself, without f32 copies.
 
 use super::math::{add_lanes, combine_lanes, max_lanes};
+use super::sgemm::Elem;
 use super::team::{self, Disjoint};
 #[cfg(test)]
 use rayon::prelude::*;
@@ -188,11 +195,11 @@ fn with_tiles<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
 /// query row's softmax statistics (max(scale * s), 1 / sum of exps), all the backward needs to
 /// rebuild the probabilities. `heads (B, NH, T, HS)` is workspace.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_forward(
-    out: &mut [f32],
+pub fn attention_forward<T: Elem>(
+    out: &mut [T],
     stats: &mut [f32],
-    heads: &mut [f32],
-    qkv: &[f32],
+    heads: &mut [T],
+    qkv: &[T],
     b: usize,
     t: usize,
     c: usize,
@@ -203,11 +210,11 @@ pub fn attention_forward(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn attention_forward_blocked(
-    out: &mut [f32],
+fn attention_forward_blocked<T: Elem>(
+    out: &mut [T],
     stats: &mut [f32],
-    heads: &mut [f32],
-    qkv: &[f32],
+    heads: &mut [T],
+    qkv: &[T],
     b: usize,
     t: usize,
     c: usize,
@@ -229,17 +236,22 @@ fn attention_forward_blocked(
             let (row0, h) = ((bh / nh) * t * qd, bh % nh);
             let (ko, vo) = kv_offsets(h, c, nh, nkv);
             let (q, k, v) = (&qkv[row0 + h * hs..], &qkv[row0 + ko..], &qkv[row0 + vo..]);
-            with_tiles(block.min(t) * t, |tile| {
+            let w = block.min(t);
+            with_tiles(w * t + w * hs, |tile| {
+                let (tile, o_tile) = tile.split_at_mut(w * t);
                 for r0 in (0..t).step_by(block) {
-                    let r1 = (r0 + block).min(t);
+                    let (r1, rows) = ((r0 + block).min(t), (r0 + block).min(t) - r0);
                     // p (rows, r1): rows r0..r1 see keys 0..r1; softmax_prefix zeroes the rest.
-                    let (p, ld) = (&mut tile[..(r1 - r0) * r1], r1 as isize);
-                    gemm(r1 - r0, r1, hs, p, (ld, 1), false, &q[r0 * qd..], (c3, 1), k, (1, c3));
+                    let (p, ld) = (&mut tile[..rows * r1], r1 as isize);
+                    gemm(rows, r1, hs, p, (ld, 1), false, &q[r0 * qd..], (c3, 1), k, (1, c3));
                     for (i, row) in p.chunks_exact_mut(r1).enumerate() {
                         let s = softmax_prefix(row, r0 + i + 1, scale);
                         st[2 * (r0 + i)..2 * (r0 + i + 1)].copy_from_slice(&s);
                     }
-                    gemm(r1 - r0, hs, r1, &mut o[r0 * hs..], (hs_, 1), false, p, (ld, 1), v, (c3, 1));
+                    // The block's outputs (rows, HS) in f32, stored (rounded, if bf16) once.
+                    let ob = &mut o_tile[..rows * hs];
+                    gemm(rows, hs, r1, ob, (hs_, 1), false, &*p, (ld, 1), v, (c3, 1));
+                    T::store_slice(&mut o[r0 * hs..r1 * hs], ob, false, None);
                 }
             })
         });
@@ -262,11 +274,11 @@ fn attention_forward_blocked(
 /// A key or value head's gradient is the sum of its query heads', in head order.
 /// `dqkv (B, T, QKV)` is overwritten; `heads (B, NH, 3, T, HS)` is workspace.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward(
-    dqkv: &mut [f32],
-    heads: &mut [f32],
-    dout: &[f32],
-    qkv: &[f32],
+pub fn attention_backward<T: Elem>(
+    dqkv: &mut [T],
+    heads: &mut [T],
+    dout: &[T],
+    qkv: &[T],
     stats: &[f32],
     b: usize,
     t: usize,
@@ -278,11 +290,11 @@ pub fn attention_backward(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn attention_backward_blocked(
-    dqkv: &mut [f32],
-    heads: &mut [f32],
-    dout: &[f32],
-    qkv: &[f32],
+fn attention_backward_blocked<T: Elem>(
+    dqkv: &mut [T],
+    heads: &mut [T],
+    dout: &[T],
+    qkv: &[T],
     stats: &[f32],
     b: usize,
     t: usize,
@@ -296,46 +308,79 @@ fn attention_backward_blocked(
     let scale = 1.0 / (hs as f32).sqrt();
     let qd = c + 2 * nkv * hs;
     let (c_, c3, hs_) = (c as isize, qd as isize, hs as isize);
-    team::chunks_mut(&mut heads[..b * nh * 3 * t * hs], 3 * t * hs, |bh, hd| {
-        let (bi, h) = (bh / nh, bh % nh);
-        let row0 = bi * t * qd;
-        let (ko, vo) = kv_offsets(h, c, nh, nkv);
-        let (q, k, v) = (&qkv[row0 + h * hs..], &qkv[row0 + ko..], &qkv[row0 + vo..]);
-        let d = &dout[bi * t * c + h * hs..];
-        let st = &stats[bh * t * 2..(bh + 1) * t * 2];
-        let (dq, rest) = hd.split_at_mut(t * hs);
-        let (dk, dv) = rest.split_at_mut(t * hs);
-        // Every block adds to the keys it saw.
-        dk.fill(0.0);
-        dv.fill(0.0);
-        let w = block.min(t);
-        with_tiles(2 * w * t, |tiles| {
-            let (p, ds) = tiles.split_at_mut(w * t);
-            for r0 in (0..t).step_by(block) {
-                let (r1, rows) = ((r0 + block).min(t), (r0 + block).min(t) - r0);
-                let (p, ds, ld) = (&mut p[..rows * r1], &mut ds[..rows * r1], r1 as isize);
-                let (qb, db) = (&q[r0 * qd..], &d[r0 * c..]);
-                // P (rows, r1) of query rows r0..r1 over the keys 0..r1 they saw (zero beyond).
-                gemm(rows, r1, hs, p, (ld, 1), false, qb, (c3, 1), k, (1, c3));
-                for (i, row) in p.chunks_exact_mut(r1).enumerate() {
-                    let at = 2 * (r0 + i);
-                    probs_row(row, r0 + i + 1, scale, [st[at], st[at + 1]]);
+    let rep = nh / nkv;
+    // Query heads per task. f32 key and value gradients of each query head wait in the
+    // workspace and are summed over their group below; bf16 ones would be rounded there, so a
+    // bf16 pass with grouped heads takes a whole group per task and sums it first, in f32, in
+    // the same order (the same bits, rounded once).
+    let per = if T::f32s(&[]).is_some() || rep == 1 { 1 } else { rep };
+    let w = block.min(t);
+    let group_sums = if per > 1 { 2 * t * hs } else { 0 };
+    team::chunks_mut(&mut heads[..b * nh * 3 * t * hs], per * 3 * t * hs, |task, hd| {
+        with_tiles(2 * w * t + 3 * t * hs + group_sums, |tiles| {
+            let (p, rest) = tiles.split_at_mut(w * t);
+            let (ds, rest) = rest.split_at_mut(w * t);
+            let (dq, rest) = rest.split_at_mut(t * hs);
+            let (dk, rest) = rest.split_at_mut(t * hs);
+            let (dv, sums) = rest.split_at_mut(t * hs);
+            let (dk_g, dv_g) = sums.split_at_mut(group_sums / 2);
+            for j in 0..per {
+                let bh = task * per + j;
+                let (bi, h) = (bh / nh, bh % nh);
+                let row0 = bi * t * qd;
+                let (ko, vo) = kv_offsets(h, c, nh, nkv);
+                let (q, k, v) = (&qkv[row0 + h * hs..], &qkv[row0 + ko..], &qkv[row0 + vo..]);
+                let d = &dout[bi * t * c + h * hs..];
+                let st = &stats[bh * t * 2..(bh + 1) * t * 2];
+                // Every block adds to the keys it saw.
+                dk.fill(0.0);
+                dv.fill(0.0);
+                for r0 in (0..t).step_by(block) {
+                    let (r1, rows) = ((r0 + block).min(t), (r0 + block).min(t) - r0);
+                    let (p, ds, ld) = (&mut p[..rows * r1], &mut ds[..rows * r1], r1 as isize);
+                    let (qb, db) = (&q[r0 * qd..], &d[r0 * c..]);
+                    // P (rows, r1) of query rows r0..r1 over the keys 0..r1 they saw (zero beyond).
+                    gemm(rows, r1, hs, p, (ld, 1), false, qb, (c3, 1), k, (1, c3));
+                    for (i, row) in p.chunks_exact_mut(r1).enumerate() {
+                        let at = 2 * (r0 + i);
+                        probs_row(row, r0 + i + 1, scale, [st[at], st[at + 1]]);
+                    }
+                    // dS (rows, r1) = softmax'(dO V^T)
+                    gemm(rows, r1, hs, ds, (ld, 1), false, db, (c_, 1), v, (1, c3));
+                    for (i, (row, pr)) in ds.chunks_exact_mut(r1).zip(p.chunks_exact(r1)).enumerate() {
+                        softmax_backward_row(row, pr, r0 + i + 1, scale);
+                    }
+                    gemm(rows, hs, r1, &mut dq[r0 * hs..], (hs_, 1), false, &*ds, (ld, 1), k, (c3, 1));
+                    // Keys 0..r1: dK += dS^T Q, dV += P^T dO over these query rows.
+                    gemm(r1, hs, rows, &mut *dk, (hs_, 1), true, &*ds, (1, ld), qb, (c3, 1));
+                    gemm(r1, hs, rows, &mut *dv, (hs_, 1), true, &*p, (1, ld), db, (c_, 1));
                 }
-                // dS (rows, r1) = softmax'(dO V^T)
-                gemm(rows, r1, hs, ds, (ld, 1), false, db, (c_, 1), v, (1, c3));
-                for (i, (row, pr)) in ds.chunks_exact_mut(r1).zip(p.chunks_exact(r1)).enumerate() {
-                    softmax_backward_row(row, pr, r0 + i + 1, scale);
+                let part = &mut hd[j * 3 * t * hs..(j + 1) * 3 * t * hs];
+                let (pq, pkv) = part.split_at_mut(t * hs);
+                T::store_slice(pq, dq, false, None);
+                if per == 1 {
+                    let (pk, pv) = pkv.split_at_mut(t * hs);
+                    T::store_slice(pk, dk, false, None);
+                    T::store_slice(pv, dv, false, None);
+                } else if j == 0 {
+                    dk_g.copy_from_slice(dk);
+                    dv_g.copy_from_slice(dv);
+                } else {
+                    dk_g.iter_mut().zip(&*dk).for_each(|(a, x)| *a += x);
+                    dv_g.iter_mut().zip(&*dv).for_each(|(a, x)| *a += x);
                 }
-                gemm(rows, hs, r1, &mut dq[r0 * hs..], (hs_, 1), false, ds, (ld, 1), k, (c3, 1));
-                // Keys 0..r1: dK += dS^T Q, dV += P^T dO over these query rows.
-                gemm(r1, hs, rows, dk, (hs_, 1), true, ds, (1, ld), qb, (c3, 1));
-                gemm(r1, hs, rows, dv, (hs_, 1), true, p, (1, ld), db, (c_, 1));
+            }
+            if per > 1 {
+                // The group's sums stand in its first head's key and value parts.
+                let (pk, pv) = hd[t * hs..3 * t * hs].split_at_mut(t * hs);
+                T::store_slice(pk, dk_g, false, None);
+                T::store_slice(pv, dv_g, false, None);
             }
         })
     });
-    // dQ per head; dK and dV per key/value head, summed over its query heads in order.
+    // dQ per head; dK and dV per key/value head: its query heads' summed in order (f32, one
+    // head per task), or as the task summed them.
     let heads = &heads[..b * nh * 3 * t * hs];
-    let rep = nh / nkv;
     team::chunks_mut(&mut dqkv[..b * t * qd], qd, |bt, row| {
         let (bi, ti) = (bt / t, bt % t);
         let part = |h: usize, p: usize| &heads[((bi * nh + h) * 3 + p) * t * hs + ti * hs..][..hs];
@@ -346,8 +391,11 @@ fn attention_backward_blocked(
             for (p, off) in [(1, c + g * hs), (2, c + (nkv + g) * hs)] {
                 let dst = &mut row[off..off + hs];
                 dst.copy_from_slice(part(g * rep, p));
-                for h in g * rep + 1..(g + 1) * rep {
-                    dst.iter_mut().zip(part(h, p)).for_each(|(d, s)| *d += s);
+                if per == 1 {
+                    // (f32 here when rep > 1: the sums are exact f32 adds.)
+                    for h in g * rep + 1..(g + 1) * rep {
+                        dst.iter_mut().zip(part(h, p)).for_each(|(d, s)| *d = T::from_f32(d.to_f32() + s.to_f32()));
+                    }
                 }
             }
         }
@@ -364,12 +412,12 @@ fn attention_backward_blocked(
 /// by the thread count (SmolLM2's 9 on 2) leaves no thread idle, and a long prompt skips the
 /// keys of its later positions in its earlier rows. `head_out (NH, tn, HS)` is workspace.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_forward_cached(
-    out: &mut [f32],
-    head_out: &mut [f32],
-    qkv: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+pub fn attention_forward_cached<T: Elem>(
+    out: &mut [T],
+    head_out: &mut [T],
+    qkv: &[T],
+    k_cache: &[T],
+    v_cache: &[T],
     pos: usize,
     tn: usize,
     c: usize,
@@ -391,7 +439,8 @@ pub fn attention_forward_cached(
             let n = pos + r0 + rows;
             // SAFETY: rows r0..r0+rows of head h's outputs are this task's alone.
             let ho = unsafe { head_out_d.part((h * tn + r0) * hs..(h * tn + r0 + rows) * hs) };
-            with_tiles(rows * n, |sc| {
+            with_tiles(rows * n + rows * hs, |sc| {
+                let (sc, o_tile) = sc.split_at_mut(rows * n);
                 // sc (rows, n) = Q_h (rows, HS) @ K_g^T (HS, n), g = h's key/value head
                 let q = &qkv[r0 * (c3 as usize) + h * hs..];
                 let g = h / rep;
@@ -400,9 +449,10 @@ pub fn attention_forward_cached(
                 for (i, row) in sc.chunks_exact_mut(n).enumerate() {
                     softmax_prefix(row, pos + r0 + i + 1, scale);
                 }
-                // ho (rows, HS) = P (rows, n) @ V_g (n, HS)
+                // ho (rows, HS) = P (rows, n) @ V_g (n, HS), in f32, stored (rounded) once
                 let v = &v_cache[g * hs..];
-                gemm_strided_serial(rows, hs, n, ho, (hs as isize, 1), false, sc, (n as isize, 1), v, (kv_, 1));
+                gemm_strided_serial(rows, hs, n, o_tile, (hs as isize, 1), false, &*sc, (n as isize, 1), v, (kv_, 1));
+                T::store_slice(ho, o_tile, false, None);
             })
         }
     });
@@ -630,6 +680,57 @@ mod tests {
             }
             assert_eq!(hs * nh, c);
             assert_close(&got, &full, 1e-6, 1e-5, "cached");
+        }
+    }
+
+    /// On bf16 activations (bits), the forward, the backward (grouped heads or not, one block
+    /// or several) and the KV-cached pass give the f32 passes' bits on the widened values,
+    /// rounded once; the statistics are the same f32 bits.
+    #[test]
+    fn bf16_gives_the_f32_bits_rounded() {
+        use crate::cpu::bf16::{from_f32, to_f32};
+        let to16 = |v: &[f32]| v.iter().map(|&x| from_f32(x)).collect::<Vec<u16>>();
+        let wide = |v: &[u16]| v.iter().map(|&x| to_f32(x)).collect::<Vec<f32>>();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        #[rustfmt::skip]
+        let shapes = [
+            (1, 1, 1, 1, 1, 64), (2, 7, 6, 3, 3, 2), (1, 9, 8, 4, 1, 3),
+            (2, 70, 12, 6, 2, 64), (1, 11, 8, 4, 2, 4), (3, 5, 10, 2, 2, 64),
+        ];
+        for &(b, t, c, nh, nkv, block) in &shapes {
+            let (hs, what) = (c / nh, format!("b={b} t={t} c={c} nh={nh} nkv={nkv} block={block}"));
+            let (qd, kvd) = (c + 2 * nkv * hs, nkv * hs);
+            let mut r = TestRng((b * 1000 + t * 10 + c + nkv * 7) as u64);
+            let qkv16 = to16(&r.vec(b * t * qd).iter().map(|x| x * 2.0).collect::<Vec<f32>>());
+            let dout16 = to16(&r.vec(b * t * c));
+            let (qkv, dout) = (wide(&qkv16), wide(&dout16));
+            let (mut o, mut st, mut hd) = (vec![9f32; b * t * c], vec![9f32; b * nh * t * 2], vec![9f32; b * t * c]);
+            attention_forward_blocked(&mut o, &mut st, &mut hd, &qkv, b, t, c, nh, nkv, block);
+            let (mut o16, mut st16, mut hd16) =
+                (vec![7u16; b * t * c], vec![9f32; b * nh * t * 2], vec![7u16; b * t * c]);
+            attention_forward_blocked(&mut o16, &mut st16, &mut hd16, &qkv16, b, t, c, nh, nkv, block);
+            assert_eq!(to16(&o), o16, "forward {what}");
+            assert_eq!(bits(&st), bits(&st16), "stats {what}");
+            let (mut dq, mut hb) = (vec![9f32; b * t * qd], vec![9f32; b * t * 3 * c]);
+            attention_backward_blocked(&mut dq, &mut hb, &dout, &qkv, &st, b, t, c, nh, nkv, block);
+            let (mut dq16, mut hb16) = (vec![7u16; b * t * qd], vec![7u16; b * t * 3 * c]);
+            attention_backward_blocked(&mut dq16, &mut hb16, &dout16, &qkv16, &st, b, t, c, nh, nkv, block);
+            assert_eq!(to16(&dq), dq16, "backward {what}");
+            if b == 1 {
+                // The last positions against a cache of the first ones and themselves.
+                let pos = t / 2;
+                let tn = t - pos;
+                let cache = |x: &[u16], at: usize| {
+                    (0..t).flat_map(|i| x[i * qd + at..i * qd + at + kvd].to_vec()).collect::<Vec<u16>>()
+                };
+                let (kc16, vc16) = (cache(&qkv16, c), cache(&qkv16, c + kvd));
+                let (mut o, mut ho) = (vec![9f32; tn * c], vec![9f32; tn * c]);
+                let q = &qkv[pos * qd..];
+                attention_forward_cached(&mut o, &mut ho, q, &wide(&kc16), &wide(&vc16), pos, tn, c, nh, nkv);
+                let (mut o16, mut ho16) = (vec![7u16; tn * c], vec![7u16; tn * c]);
+                attention_forward_cached(&mut o16, &mut ho16, &qkv16[pos * qd..], &kc16, &vc16, pos, tn, c, nh, nkv);
+                assert_eq!(to16(&o), o16, "cached {what}");
+            }
         }
     }
 }

@@ -623,13 +623,23 @@ impl Backend for CpuBackend {
         n: usize,
         c: usize,
     ) {
-        self.run(
-            "layernorm_forward",
-            [W(out), W(mean), W(rstd)],
-            [inp, weight, bias],
-            [],
-            |[o, m, r], [x, w, b], []| layernorm::layernorm_forward(o, m, r, x, w, b, n, c),
-        );
+        // out, inp, weight and bias bf16: widened and rounded a row at a time, no f32 copies.
+        let native = [out, inp, weight, bias].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, r) = ([W(out), W(mean), W(rstd)], Rounding::Nearest);
+        let (native_outs, native_ins) = ([native, false, false], [native; 3]);
+        self.run_native("layernorm_forward", outs, [inp, weight, bias], [], r, native_outs, native_ins, |o, i, []| {
+            let ([o, m, s], [x, w, b]) = (o, i);
+            let (m, s) = (f32_dest(m), f32_dest(s));
+            match (o, x, w, b) {
+                (Dest::F32(o), Operand::F32(x), Operand::F32(w), Operand::F32(b)) => {
+                    layernorm::layernorm_forward(o, m, s, x, w, b, n, c)
+                }
+                (Dest::Bf16(o), Operand::Bf16(x), Operand::Bf16(w), Operand::Bf16(b)) => {
+                    layernorm::layernorm_forward_bf16(o, m, s, x, w, b, n, c)
+                }
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
     }
 
     fn layernorm_backward(
@@ -645,13 +655,25 @@ impl Backend for CpuBackend {
         n: usize,
         c: usize,
     ) {
-        self.run(
-            "layernorm_backward",
-            [Rw(dinp), Rw(dweight), Rw(dbias)],
-            [dout, inp, weight, mean, rstd],
-            [],
-            |[di, dw, db], [d, x, w, m, r], []| layernorm::layernorm_backward(di, dw, db, d, x, w, m, r, n, c),
-        );
+        // dinp, dout, inp and weight bf16: a row at a time, no f32 copies; the parameters'
+        // gradients (C each) accumulate in f32 copies, rounded once.
+        let native = [dinp, dout, inp, weight].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins) = ([Rw(dinp), Rw(dweight), Rw(dbias)], [dout, inp, weight, mean, rstd]);
+        let (native_outs, native_ins) = ([native, false, false], [native, native, native, false, false]);
+        let r = Rounding::Nearest;
+        self.run_native("layernorm_backward", outs, ins, [], r, native_outs, native_ins, |o, i, []| {
+            let ([di, dw, db], [d, x, w, m, s]) = (o, i);
+            let (dw, db, m, s) = (f32_dest(dw), f32_dest(db), f32_operand(m), f32_operand(s));
+            match (di, d, x, w) {
+                (Dest::F32(di), Operand::F32(d), Operand::F32(x), Operand::F32(w)) => {
+                    layernorm::layernorm_backward(di, dw, db, d, x, w, m, s, n, c)
+                }
+                (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x), Operand::Bf16(w)) => {
+                    layernorm::layernorm_backward_bf16(di, dw, db, d, x, w, m, s, n, c)
+                }
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
     }
 
     fn rmsnorm_forward(&mut self, out: Buf, rstd: Buf, inp: Buf, weight: Buf, n: usize, c: usize, eps: f32) {
@@ -723,8 +745,18 @@ impl Backend for CpuBackend {
         hs: usize,
         eps: f32,
     ) {
-        self.run("head_norm_forward", [W(out), W(rstd)], [inp, wq, wk], [], |[o, r], [x, q, k], []| {
-            rmsnorm::head_norm_forward(o, r, x, q, k, n, (nh, nkv, hs), eps)
+        // out and inp bf16: a row at a time, no f32 copy of the activation (the weights, HS
+        // each, are handed over as f32).
+        let native = out.dtype == DType::BF16 && inp.dtype == DType::BF16;
+        let (outs, ins, rd) = ([W(out), W(rstd)], [inp, wq, wk], Rounding::Nearest);
+        let (native_outs, native_ins) = ([native, false], [native, false, false]);
+        self.run_native("head_norm_forward", outs, ins, [], rd, native_outs, native_ins, |[o, r], [x, q, k], []| {
+            let (r, q, k, dims) = (f32_dest(r), f32_operand(q), f32_operand(k), (nh, nkv, hs));
+            match (o, x) {
+                (Dest::F32(o), Operand::F32(x)) => rmsnorm::head_norm_forward(o, r, x, q, k, n, dims, eps),
+                (Dest::Bf16(o), Operand::Bf16(x)) => rmsnorm::head_norm_forward(o, r, x, q, k, n, dims, eps),
+                _ => unreachable!("both bf16 or both handed over as f32"),
+            }
         });
     }
 
@@ -743,21 +775,37 @@ impl Backend for CpuBackend {
         nkv: usize,
         hs: usize,
     ) {
-        self.run(
-            "head_norm_backward",
-            [W(dinp), Rw(dwq), Rw(dwk)],
-            [dout, inp, wq, wk, rstd],
-            [],
-            |[di, dq, dk], [d, x, q, k, r], []| {
-                rmsnorm::head_norm_backward(di, dq, dk, d, x, q, k, r, n, (nh, nkv, hs))
-            },
-        );
+        // dinp, dout and inp bf16: a row at a time, no f32 copies of the activations.
+        let native = [dinp, dout, inp].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins, rd) = ([W(dinp), Rw(dwq), Rw(dwk)], [dout, inp, wq, wk, rstd], Rounding::Nearest);
+        let (native_outs, native_ins) = ([native, false, false], [native, native, false, false, false]);
+        self.run_native("head_norm_backward", outs, ins, [], rd, native_outs, native_ins, |o, i, []| {
+            let ([di, dq, dk], [d, x, q, k, r]) = (o, i);
+            let (dq, dk) = (f32_dest(dq), f32_dest(dk));
+            let (q, k, r, dims) = (f32_operand(q), f32_operand(k), f32_operand(r), (nh, nkv, hs));
+            match (di, d, x) {
+                (Dest::F32(di), Operand::F32(d), Operand::F32(x)) => {
+                    rmsnorm::head_norm_backward(di, dq, dk, d, x, q, k, r, n, dims)
+                }
+                (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x)) => {
+                    rmsnorm::head_norm_backward(di, dq, dk, d, x, q, k, r, n, dims)
+                }
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
     }
 
     fn rope_forward(&mut self, qkv: Buf, table: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize) {
         assert!(t > 0 && n.is_multiple_of(t) && table.len >= (pos + t) * hs, "rope_forward: positions past the table");
-        self.run("rope_forward", [Rw(qkv)], [table], [], |[x], [r], []| {
-            rope::rope_forward(x, r, n, t, pos, nh, nkv, hs)
+        // A bf16 qkv is rotated in place, in f32, rounded once: no f32 copy.
+        let native = qkv.dtype == DType::BF16;
+        let rd = Rounding::Nearest;
+        self.run_native("rope_forward", [Rw(qkv)], [table], [], rd, [native], [false], |[x], [r], []| {
+            let r = f32_operand(r);
+            match x {
+                Dest::F32(x) => rope::rope_forward(x, r, n, t, pos, nh, nkv, hs),
+                Dest::Bf16(x) => rope::rope_forward(x, r, n, t, pos, nh, nkv, hs),
+            }
         });
     }
 
@@ -773,8 +821,14 @@ impl Backend for CpuBackend {
         hs: usize,
     ) {
         assert!(t > 0 && n.is_multiple_of(t) && table.len >= (pos + t) * hs, "rope_backward: positions past the table");
-        self.run("rope_backward", [Rw(dqkv)], [table], [], |[x], [r], []| {
-            rope::rope_backward(x, r, n, t, pos, nh, nkv, hs)
+        let native = dqkv.dtype == DType::BF16;
+        let rd = Rounding::Nearest;
+        self.run_native("rope_backward", [Rw(dqkv)], [table], [], rd, [native], [false], |[x], [r], []| {
+            let r = f32_operand(r);
+            match x {
+                Dest::F32(x) => rope::rope_backward(x, r, n, t, pos, nh, nkv, hs),
+                Dest::Bf16(x) => rope::rope_backward(x, r, n, t, pos, nh, nkv, hs),
+            }
         });
     }
 
@@ -956,8 +1010,21 @@ impl Backend for CpuBackend {
         nh: usize,
         nkv: usize,
     ) {
-        self.run("attention_forward", [W(out), W(stats), Scratch(workspace)], [qkv], [], |[o, st, ws], [qkv], []| {
-            attention::attention_forward(o, st, ws, qkv, b, t, c, nh, nkv)
+        // out, the workspace and qkv bf16: read and written as they are, no f32 copies.
+        let native = [out, workspace, qkv].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, r) = ([W(out), W(stats), Scratch(workspace)], Rounding::Nearest);
+        let native_outs = [native, false, native];
+        self.run_native("attention_forward", outs, [qkv], [], r, native_outs, [native], |[o, st, ws], [qkv], []| {
+            let st = f32_dest(st);
+            match (o, ws, qkv) {
+                (Dest::F32(o), Dest::F32(ws), Operand::F32(x)) => {
+                    attention::attention_forward(o, st, ws, x, b, t, c, nh, nkv)
+                }
+                (Dest::Bf16(o), Dest::Bf16(ws), Operand::Bf16(x)) => {
+                    attention::attention_forward(o, st, ws, x, b, t, c, nh, nkv)
+                }
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
         })
     }
 
@@ -974,13 +1041,22 @@ impl Backend for CpuBackend {
         nh: usize,
         nkv: usize,
     ) {
-        self.run(
-            "attention_backward",
-            [W(dqkv), Scratch(workspace)],
-            [dout, qkv, stats],
-            [],
-            |[dqkv, ws], [dout, qkv, st], []| attention::attention_backward(dqkv, ws, dout, qkv, st, b, t, c, nh, nkv),
-        );
+        // dqkv, the workspace, dout and qkv bf16: read and written as they are, no f32 copies.
+        let native = [dqkv, workspace, dout, qkv].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins, r) = ([W(dqkv), Scratch(workspace)], [dout, qkv, stats], Rounding::Nearest);
+        let (native_outs, native_ins) = ([native; 2], [native, native, false]);
+        self.run_native("attention_backward", outs, ins, [], r, native_outs, native_ins, |[di, ws], [d, x, st], []| {
+            let st = f32_operand(st);
+            match (di, ws, d, x) {
+                (Dest::F32(di), Dest::F32(ws), Operand::F32(d), Operand::F32(x)) => {
+                    attention::attention_backward(di, ws, d, x, st, b, t, c, nh, nkv)
+                }
+                (Dest::Bf16(di), Dest::Bf16(ws), Operand::Bf16(d), Operand::Bf16(x)) => {
+                    attention::attention_backward(di, ws, d, x, st, b, t, c, nh, nkv)
+                }
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
     }
 
     fn attention_forward_cached(
@@ -1002,20 +1078,39 @@ impl Backend for CpuBackend {
         assert!(tn > 0 && pos + tn <= max_t, "attention_forward_cached: positions {pos}+{tn} past {max_t}");
         // Rows past pos+tn are not written yet: hand the op only the rows it may read.
         let (k_cache, v_cache) = (k_cache.prefix((pos + tn) * kv), v_cache.prefix((pos + tn) * kv));
-        self.run(
-            "attention_forward_cached",
-            [W(out), Scratch(workspace), Rw(k_cache), Rw(v_cache)],
-            [qkv],
-            [],
-            |[o, ws, kc, vc], [qkv], []| {
+        // All bf16 (a bf16 run's activations and caches): read and written as they are, no f32
+        // copies of the caches.
+        let native = [out, workspace, k_cache, v_cache, qkv].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, r) = ([W(out), Scratch(workspace), Rw(k_cache), Rw(v_cache)], Rounding::Nearest);
+        self.run_native("attention_forward_cached", outs, [qkv], [], r, [native; 4], [native], |o, [x], []| {
+            /// The new positions' keys and values into the caches, then attention.
+            #[allow(clippy::too_many_arguments)]
+            fn run<T: crate::cpu::sgemm::Elem>(
+                o: &mut [T],
+                ws: &mut [T],
+                kc: &mut [T],
+                vc: &mut [T],
+                qkv: &[T],
+                (pos, tn, c, nh, nkv, qd, kv): (usize, usize, usize, usize, usize, usize, usize),
+            ) {
                 for (i, row) in qkv.chunks_exact(qd).enumerate() {
                     let at = (pos + i) * kv;
                     kc[at..at + kv].copy_from_slice(&row[c..c + kv]);
                     vc[at..at + kv].copy_from_slice(&row[c + kv..]);
                 }
                 attention::attention_forward_cached(o, ws, qkv, kc, vc, pos, tn, c, nh, nkv)
-            },
-        );
+            }
+            let dims = (pos, tn, c, nh, nkv, qd, kv);
+            match (o, x) {
+                ([Dest::F32(o), Dest::F32(ws), Dest::F32(kc), Dest::F32(vc)], Operand::F32(x)) => {
+                    run(o, ws, kc, vc, x, dims)
+                }
+                ([Dest::Bf16(o), Dest::Bf16(ws), Dest::Bf16(kc), Dest::Bf16(vc)], Operand::Bf16(x)) => {
+                    run(o, ws, kc, vc, x, dims)
+                }
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
     }
 
     fn crossentropy_forward(

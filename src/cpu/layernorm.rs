@@ -1,6 +1,8 @@
 //! LayerNorm over the channel dimension (eps 1e-5, as PyTorch and llm.c).
 
+use super::bf16;
 use super::math::{add_lanes, add_lanes_of, combine_lanes};
+use super::sgemm::Elem;
 use super::team::{self, Disjoint};
 
 const EPS: f32 = 1e-5;
@@ -74,8 +76,23 @@ pub fn layernorm_backward(
         let (mean, rstd) = (&mean[rows.clone()], &rstd[rows]);
         backward_rows(dinp, dout, inp, weight, mean, rstd, c);
     });
-    // Parameter gradients, column-parallel: each task owns a range of channels and sums over all
-    // rows in order, so the result is the same whatever the thread schedule.
+    dparam_cols(dweight, dbias, dout, inp, mean, rstd, n, c);
+}
+
+/// dweight (C) += sum over rows of dout * (inp - mean) * rstd, dbias (C) += sum of dout,
+/// column-parallel: each task owns a range of channels and sums over all rows in order, so the
+/// result is the same whatever the thread schedule.
+#[allow(clippy::too_many_arguments)]
+fn dparam_cols<T: Elem>(
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[T],
+    inp: &[T],
+    mean: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) {
     const COLS: usize = 64;
     let dbias = Disjoint::new(&mut dbias[..c]);
     team::chunks_mut(&mut dweight[..c], COLS, |ci, dw| {
@@ -87,11 +104,77 @@ pub fn layernorm_backward(
             let x = &inp[row * c + c0..row * c + c0 + dw.len()];
             let d = &dout[row * c + c0..row * c + c0 + dw.len()];
             for (((dw, db), x), d) in dw.iter_mut().zip(db.iter_mut()).zip(x).zip(d) {
-                *dw += (x - m) * r * d;
+                let d = d.to_f32();
+                *dw += (x.to_f32() - m) * r * d;
                 *db += d;
             }
         }
     });
+}
+
+/// [`layernorm_forward`] on bf16 out, inp, weight and bias (bits), mean and rstd f32: each row
+/// widened, then [`forward_rows`], then rounded once to nearest even (the f32 op's bits on
+/// widened inputs, rounded; the widening is per row, in cache, not a copy of the activation).
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_forward_bf16(
+    out: &mut [u16],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    inp: &[u16],
+    weight: &[u16],
+    bias: &[u16],
+    n: usize,
+    c: usize,
+) {
+    let (mut w, mut b) = (vec![0f32; c], vec![0f32; c]);
+    bf16::widen(&mut w, &weight[..c]);
+    bf16::widen(&mut b, &bias[..c]);
+    let (mean, rstd) = (Disjoint::new(&mut mean[..n]), Disjoint::new(&mut rstd[..n]));
+    team::chunks_mut(&mut out[..n * c], ROWS * c, |i, out| {
+        let rows = i * ROWS..(i * ROWS + ROWS).min(n);
+        // SAFETY: chunk i owns rows i*ROWS.., which no other chunk touches.
+        let (mean, rstd) = unsafe { (mean.part(rows.clone()), rstd.part(rows.clone())) };
+        let (mut x, mut o) = (vec![0f32; c], vec![0f32; c]);
+        for (k, ((out, m), r)) in out.chunks_exact_mut(c).zip(mean.iter_mut()).zip(rstd.iter_mut()).enumerate() {
+            let row = rows.start + k;
+            bf16::widen(&mut x, &inp[row * c..(row + 1) * c]);
+            forward_rows(&mut o, std::slice::from_mut(m), std::slice::from_mut(r), &x, &w, &b, c);
+            bf16::narrow(out, &o);
+        }
+    });
+}
+
+/// [`layernorm_backward`] with dinp, dout, inp and weight bf16 (bits): dinp's rows widened,
+/// added to by [`backward_rows`] and rounded once; dweight and dbias (f32) as in the f32 op,
+/// reading bf16.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward_bf16(
+    dinp: &mut [u16],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[u16],
+    inp: &[u16],
+    weight: &[u16],
+    mean: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) {
+    let mut w = vec![0f32; c];
+    bf16::widen(&mut w, &weight[..c]);
+    team::chunks_mut(&mut dinp[..n * c], ROWS * c, |i, dinp| {
+        let row0 = i * ROWS;
+        let (mut di, mut d, mut x) = (vec![0f32; c], vec![0f32; c], vec![0f32; c]);
+        for (k, drow) in dinp.chunks_exact_mut(c).enumerate() {
+            let row = row0 + k;
+            bf16::widen(&mut di, drow);
+            bf16::widen(&mut d, &dout[row * c..(row + 1) * c]);
+            bf16::widen(&mut x, &inp[row * c..(row + 1) * c]);
+            backward_rows(&mut di, &d, &x, &w, &mean[row..row + 1], &rstd[row..row + 1], c);
+            bf16::narrow(drow, &di);
+        }
+    });
+    dparam_cols(dweight, dbias, dout, inp, mean, rstd, n, c);
 }
 
 crate::simd_fn! {
@@ -171,6 +254,37 @@ mod tests {
             }
             check_grad(&w, &dw, |x| dot(&fwd(&inp, x, &b).0, &proj), "dweight");
             check_grad(&b, &db, |x| dot(&fwd(&inp, &w, x).0, &proj), "dbias");
+        }
+    }
+
+    /// The bf16 versions give the bits of the f32 ones on widened inputs, outputs rounded once
+    /// (dinp accumulating onto bf16 values; dweight and dbias f32 either way).
+    #[test]
+    fn bf16_gives_the_f32_bits_rounded() {
+        use crate::cpu::bf16::{from_f32, to_f32};
+        let to16 = |v: Vec<f32>| v.iter().map(|&x| from_f32(x)).collect::<Vec<u16>>();
+        let wide = |v: &[u16]| v.iter().map(|&x| to_f32(x)).collect::<Vec<f32>>();
+        let narrow = |v: &[f32]| v.iter().map(|&x| from_f32(x)).collect::<Vec<u16>>();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        for &(n, c) in &[(1, 1), (3, 5), (17, 33), (2, 300), (40, 65)] {
+            let mut r = TestRng((n * 7 + c) as u64);
+            let (inp, w, b) = (to16(r.vec(n * c)), to16(r.vec(c)), to16(r.vec(c)));
+            let (dout, dinp0) = (to16(r.vec(n * c)), to16(r.vec(n * c)));
+            let (dw0, db0) = (r.vec(c), r.vec(c));
+            let (mut o, mut m, mut s) = (vec![0f32; n * c], vec![0f32; n], vec![0f32; n]);
+            layernorm_forward(&mut o, &mut m, &mut s, &wide(&inp), &wide(&w), &wide(&b), n, c);
+            let (mut o16, mut m16, mut s16) = (vec![0u16; n * c], vec![0f32; n], vec![0f32; n]);
+            layernorm_forward_bf16(&mut o16, &mut m16, &mut s16, &inp, &w, &b, n, c);
+            assert_eq!(narrow(&o), o16, "forward n={n} c={c}");
+            assert_eq!(bits(&m), bits(&m16), "mean n={n} c={c}");
+            assert_eq!(bits(&s), bits(&s16), "rstd n={n} c={c}");
+            let (mut di, mut dw, mut db) = (wide(&dinp0), dw0.clone(), db0.clone());
+            layernorm_backward(&mut di, &mut dw, &mut db, &wide(&dout), &wide(&inp), &wide(&w), &m, &s, n, c);
+            let (mut di16, mut dw16, mut db16) = (dinp0.clone(), dw0.clone(), db0.clone());
+            layernorm_backward_bf16(&mut di16, &mut dw16, &mut db16, &dout, &inp, &w, &m, &s, n, c);
+            assert_eq!(narrow(&di), di16, "dinp n={n} c={c}");
+            assert_eq!(bits(&dw), bits(&dw16), "dweight n={n} c={c}");
+            assert_eq!(bits(&db), bits(&db16), "dbias n={n} c={c}");
         }
     }
 }

@@ -56,21 +56,33 @@ pub fn gemm_strided_any(
     gemm_dest(m, n, k, dst, dst_rs, accumulate, None, lhs, lhs_s, rhs, rhs_s, parallelism(m, n, k))
 }
 
-/// [`gemm_strided`] on the calling thread only, for use inside an already parallel loop.
+/// [`gemm_strided`] on the calling thread only, for use inside an already parallel loop, on
+/// operands of either type. Always the f32 kernels (bf16 operands widened as they are packed,
+/// never the host's bf16 engine): the bits of the f32 GEMM on the widened operands, on every
+/// host, which is what lets attention read bf16 activations and give the f32 op's bits.
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_strided_serial(
+pub fn gemm_strided_serial<TA: Elem, TB: Elem>(
     m: usize,
     n: usize,
     k: usize,
     dst: &mut [f32],
     dst_s: (isize, isize),
     accumulate: bool,
-    lhs: &[f32],
+    lhs: &[TA],
     lhs_s: (isize, isize),
-    rhs: &[f32],
+    rhs: &[TB],
     rhs_s: (isize, isize),
 ) {
-    gemm_impl(m, n, k, dst, dst_s, accumulate, None, lhs, lhs_s, rhs, rhs_s, Parallelism::None)
+    if m == 0 || n == 0 {
+        return;
+    }
+    check_operands(
+        (m, n, k),
+        (dst.len(), dst_s.0, dst_s.1),
+        (lhs.len(), lhs_s.0, lhs_s.1),
+        (rhs.len(), rhs_s.0, rhs_s.1),
+    );
+    gemm_widening(m, n, k, dst, dst_s, accumulate, None, lhs, lhs_s, rhs, rhs_s, Parallelism::None)
 }
 
 /// The one dispatch to a GEMM: the packed AVX2 path when it can run, else the `gemm` crate.
@@ -313,6 +325,26 @@ fn gemm_typed<TA: Elem, TB: Elem>(
         };
         return;
     }
+    gemm_widening(m, n, k, dst, (dst_rs, dst_cs), accumulate, bias, lhs, (lhs_rs, lhs_cs), rhs, (rhs_rs, rhs_cs), par)
+}
+
+/// [`gemm_typed`] on the f32 kernels whatever the operand types; the operands were checked
+/// ([`check_operands`]), m, n >= 1, and the bias is cut to n (none when accumulating).
+#[allow(clippy::too_many_arguments)]
+fn gemm_widening<TA: Elem, TB: Elem>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    (dst_rs, dst_cs): (isize, isize),
+    accumulate: bool,
+    bias: Option<&[f32]>,
+    lhs: &[TA],
+    (lhs_rs, lhs_cs): (isize, isize),
+    rhs: &[TB],
+    (rhs_rs, rhs_cs): (isize, isize),
+    par: Parallelism,
+) {
     if dst_cs == 1 && sgemm::fast_path_available() {
         let threads = match par {
             Parallelism::Rayon(t) => t,
@@ -339,20 +371,29 @@ fn gemm_typed<TA: Elem, TB: Elem>(
         };
         return;
     }
-    // The gemm crate multiplies f32 only: bf16 operands go to it as f32 copies (the portable
-    // path, where speed is not the point).
+    // The gemm crate multiplies f32 only: bf16 operands go to it as f32 copies of the part
+    // their strides reach (the portable path, where speed is not the point; an operand may be
+    // a window into a whole activation, as attention's heads are).
+    // (Checked in bounds by check_operands.)
+    let extent = |rows: usize, cols: usize, (rs, cs): (isize, isize)| {
+        if k == 0 {
+            0
+        } else {
+            reach(rows, cols, rs, cs).map_or(0, |x| x + 1)
+        }
+    };
     let (lhs_w, rhs_w);
     let lhs: &[f32] = match TA::f32s(lhs) {
         Some(x) => x,
         None => {
-            lhs_w = lhs.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+            lhs_w = lhs[..extent(m, k, (lhs_rs, lhs_cs))].iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
             &lhs_w
         }
     };
     let rhs: &[f32] = match TB::f32s(rhs) {
         Some(x) => x,
         None => {
-            rhs_w = rhs.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+            rhs_w = rhs[..extent(k, n, (rhs_rs, rhs_cs))].iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
             &rhs_w
         }
     };

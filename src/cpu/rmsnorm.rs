@@ -163,10 +163,10 @@ crate::simd_fn! {
 /// with weight wq (HS), its key heads with wk (HS), its value heads copied; rstd (N, NH + KV)
 /// is kept for backward.
 #[allow(clippy::too_many_arguments)]
-pub fn head_norm_forward(
-    out: &mut [f32],
+pub fn head_norm_forward<T: Elem>(
+    out: &mut [T],
     rstd: &mut [f32],
-    inp: &[f32],
+    inp: &[T],
     wq: &[f32],
     wk: &[f32],
     n: usize,
@@ -179,14 +179,18 @@ pub fn head_norm_forward(
         let rows = i * ROWS..(i * ROWS + ROWS).min(n);
         // SAFETY: chunk i owns rows i*ROWS.., which no other chunk touches.
         let rstd = unsafe { rstd.part(rows.start * normed..rows.end * normed) };
-        for ((o, r), x) in
+        // Each row's query and key heads in f32, normalized, stored (rounded, if bf16) once.
+        let (mut x, mut o) = (vec![0f32; normed * hs], vec![0f32; normed * hs]);
+        for ((out, r), inp) in
             out.chunks_exact_mut(w).zip(rstd.chunks_exact_mut(normed)).zip(inp[rows.start * w..].chunks_exact(w))
         {
-            let (o, x) = (o.split_at_mut(normed * hs), x.split_at(normed * hs));
-            for (h, ((o, r), x)) in o.0.chunks_exact_mut(hs).zip(r.iter_mut()).zip(x.0.chunks_exact(hs)).enumerate() {
+            let (out, inp) = (out.split_at_mut(normed * hs), inp.split_at(normed * hs));
+            x.iter_mut().zip(inp.0).for_each(|(x, v)| *x = v.to_f32());
+            for (h, ((o, r), x)) in o.chunks_exact_mut(hs).zip(r.iter_mut()).zip(x.chunks_exact(hs)).enumerate() {
                 forward_rows(o, std::slice::from_mut(r), x, if h < nh { wq } else { wk }, hs, eps);
             }
-            o.1.copy_from_slice(x.1);
+            T::store_slice(out.0, &o, false, None);
+            out.1.copy_from_slice(inp.1);
         }
     });
 }
@@ -195,12 +199,12 @@ pub fn head_norm_forward(
 /// heads through their RMSNorm, the value heads as they are; dwq and dwk (HS) `+=` their
 /// gradients, each summed over rows then heads in order.
 #[allow(clippy::too_many_arguments)]
-pub fn head_norm_backward(
-    dinp: &mut [f32],
+pub fn head_norm_backward<T: Elem>(
+    dinp: &mut [T],
     dwq: &mut [f32],
     dwk: &mut [f32],
-    dout: &[f32],
-    inp: &[f32],
+    dout: &[T],
+    inp: &[T],
     wq: &[f32],
     wk: &[f32],
     rstd: &[f32],
@@ -210,16 +214,20 @@ pub fn head_norm_backward(
     let (w, normed) = ((nh + 2 * nkv) * hs, nh + nkv);
     team::chunks_mut(&mut dinp[..n * w], ROWS * w, |i, dinp| {
         let rows = i * ROWS..(i * ROWS + ROWS).min(n);
-        for (k, di) in dinp.chunks_exact_mut(w).enumerate() {
+        let (mut di, mut d, mut x) = (vec![0f32; normed * hs], vec![0f32; normed * hs], vec![0f32; normed * hs]);
+        for (k, dst) in dinp.chunks_exact_mut(w).enumerate() {
             let row = rows.start + k;
-            let (d, x) = (&dout[row * w..(row + 1) * w], &inp[row * w..(row + 1) * w]);
-            let (di, dv) = di.split_at_mut(normed * hs);
+            let (drow, xrow) = (&dout[row * w..(row + 1) * w], &inp[row * w..(row + 1) * w]);
+            d.iter_mut().zip(drow).for_each(|(a, v)| *a = v.to_f32());
+            x.iter_mut().zip(xrow).for_each(|(a, v)| *a = v.to_f32());
+            di.fill(0.0);
             for (h, di) in di.chunks_exact_mut(hs).enumerate() {
-                di.fill(0.0);
                 let (d, x, r) = (&d[h * hs..(h + 1) * hs], &x[h * hs..(h + 1) * hs], &rstd[row * normed + h..][..1]);
                 backward_rows(di, d, x, if h < nh { wq } else { wk }, r, hs);
             }
-            dv.copy_from_slice(&d[normed * hs..]);
+            let (dst, dv) = dst.split_at_mut(normed * hs);
+            T::store_slice(dst, &di, false, None);
+            dv.copy_from_slice(&drow[normed * hs..]);
         }
     });
     // The weights' gradients, column-parallel and in a fixed order (rows, then heads).
@@ -233,7 +241,7 @@ pub fn head_norm_backward(
                     let at = row * w + h * hs + c0;
                     let (x, d) = (&inp[at..at + dw.len()], &dout[at..at + dw.len()]);
                     for ((dw, x), d) in dw.iter_mut().zip(x).zip(d) {
-                        *dw += d * (x * r);
+                        *dw += d.to_f32() * (x.to_f32() * r);
                     }
                 }
             }
@@ -340,6 +348,34 @@ mod tests {
             rmsnorm_backward_bf16(&mut di16, &mut dw16, &dout, &inp, &w, &s, n, c);
             assert_eq!(narrow(&di), di16, "dinp n={n} c={c}");
             assert_eq!(bits(&dw), bits(&dw16), "dweight n={n} c={c}");
+        }
+    }
+
+    /// Qwen3's head norms on bf16 activations (bits) give the f32 op's bits on the widened
+    /// values, rounded once (the weights and their gradients f32 either way).
+    #[test]
+    fn head_norm_bf16_gives_the_f32_bits_rounded() {
+        use crate::cpu::bf16::{from_f32, to_f32};
+        let to16 = |v: &[f32]| v.iter().map(|&x| from_f32(x)).collect::<Vec<u16>>();
+        let wide = |v: &[u16]| v.iter().map(|&x| to_f32(x)).collect::<Vec<f32>>();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        for &(n, nh, nkv, hs) in &[(1, 1, 1, 1), (3, 4, 2, 5), (19, 3, 1, 8)] {
+            let w = (nh + 2 * nkv) * hs;
+            let mut r = TestRng((n * 13 + w) as u64);
+            let (inp, dout) = (to16(&r.vec(n * w)), to16(&r.vec(n * w)));
+            let (wq, wk, dw0) = (r.vec(hs), r.vec(hs), r.vec(hs));
+            let (mut o, mut s) = (vec![0f32; n * w], vec![0f32; n * (nh + nkv)]);
+            head_norm_forward(&mut o, &mut s, &wide(&inp), &wq, &wk, n, (nh, nkv, hs), 1e-6);
+            let (mut o16, mut s16) = (vec![7u16; n * w], vec![0f32; n * (nh + nkv)]);
+            head_norm_forward(&mut o16, &mut s16, &inp, &wq, &wk, n, (nh, nkv, hs), 1e-6);
+            assert_eq!(to16(&o), o16, "forward n={n}");
+            assert_eq!(bits(&s), bits(&s16), "rstd n={n}");
+            let (mut di, mut dq, mut dk) = (vec![9f32; n * w], dw0.clone(), dw0.clone());
+            head_norm_backward(&mut di, &mut dq, &mut dk, &wide(&dout), &wide(&inp), &wq, &wk, &s, n, (nh, nkv, hs));
+            let (mut di16, mut dq16, mut dk16) = (vec![7u16; n * w], dw0.clone(), dw0.clone());
+            head_norm_backward(&mut di16, &mut dq16, &mut dk16, &dout, &inp, &wq, &wk, &s, n, (nh, nkv, hs));
+            assert_eq!(to16(&di), di16, "dinp n={n}");
+            assert_eq!((bits(&dq), bits(&dk)), (bits(&dq16), bits(&dk16)), "dw n={n}");
         }
     }
 }

@@ -3,13 +3,25 @@
 //! that rotates by position * freq_i (`rotate_half`). The cosines and sines of every position
 //! come from a table the model computes once ([`crate::models::llama::rope_table`]).
 
+use super::sgemm::Elem;
 use super::team;
 
 /// Rotate the q and k heads of qkv (N, QKV) in place: row r sits at position pos + r % t.
 /// rope (maxT, HS): each position's HS/2 cosines then HS/2 sines. `sign` = 1 forward, -1 for the
-/// backward (the rotation by the opposite angle, its transpose).
+/// backward (the rotation by the opposite angle, its transpose). A bf16 qkv is rotated in
+/// f32 and rounded once to nearest even: the f32 op's bits on the widened values, rounded.
 #[allow(clippy::too_many_arguments)]
-fn rotate(qkv: &mut [f32], rope: &[f32], n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize, sign: f32) {
+fn rotate<T: Elem>(
+    qkv: &mut [T],
+    rope: &[f32],
+    n: usize,
+    t: usize,
+    pos: usize,
+    nh: usize,
+    nkv: usize,
+    hs: usize,
+    sign: f32,
+) {
     let (qkv_dim, half) = ((nh + 2 * nkv) * hs, hs / 2);
     team::chunks_mut(&mut qkv[..n * qkv_dim], qkv_dim, |r, row| {
         let p = pos + r % t;
@@ -18,9 +30,9 @@ fn rotate(qkv: &mut [f32], rope: &[f32], n: usize, t: usize, pos: usize, nh: usi
         for head in row[..(nh + nkv) * hs].chunks_exact_mut(hs) {
             let (x1, x2) = head.split_at_mut(half);
             for i in 0..half {
-                let (a, b, s) = (x1[i], x2[i], sign * sin[i]);
-                x1[i] = a * cos[i] - b * s;
-                x2[i] = b * cos[i] + a * s;
+                let (a, b, s) = (x1[i].to_f32(), x2[i].to_f32(), sign * sin[i]);
+                x1[i] = T::from_f32(a * cos[i] - b * s);
+                x2[i] = T::from_f32(b * cos[i] + a * s);
             }
         }
     });
@@ -28,14 +40,32 @@ fn rotate(qkv: &mut [f32], rope: &[f32], n: usize, t: usize, pos: usize, nh: usi
 
 /// Forward: q, k of qkv (N, QKV) rotated in place.
 #[allow(clippy::too_many_arguments)]
-pub fn rope_forward(qkv: &mut [f32], rope: &[f32], n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize) {
+pub fn rope_forward<T: Elem>(
+    qkv: &mut [T],
+    rope: &[f32],
+    n: usize,
+    t: usize,
+    pos: usize,
+    nh: usize,
+    nkv: usize,
+    hs: usize,
+) {
     rotate(qkv, rope, n, t, pos, nh, nkv, hs, 1.0)
 }
 
 /// Backward: dq, dk of dqkv (N, QKV) rotated back in place (the gradient of a rotation is its
 /// transpose, the rotation by the opposite angle).
 #[allow(clippy::too_many_arguments)]
-pub fn rope_backward(dqkv: &mut [f32], rope: &[f32], n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize) {
+pub fn rope_backward<T: Elem>(
+    dqkv: &mut [T],
+    rope: &[f32],
+    n: usize,
+    t: usize,
+    pos: usize,
+    nh: usize,
+    nkv: usize,
+    hs: usize,
+) {
     rotate(dqkv, rope, n, t, pos, nh, nkv, hs, -1.0)
 }
 
@@ -77,5 +107,29 @@ mod tests {
         let mut dt = d.clone();
         rope_backward(&mut dt, &rope, n, t, pos, nh, nkv, hs);
         assert!((dot(&y, &d) - dot(&x, &dt)).abs() < 1e-4);
+    }
+
+    /// On bf16 (bits), both directions give the f32 op's bits on the widened values, rounded.
+    #[test]
+    fn bf16_gives_the_f32_bits_rounded() {
+        use crate::cpu::bf16::{from_f32, to_f32};
+        let (b, t, nh, nkv, hs, pos) = (3, 5, 3, 1, 10, 2);
+        let (n, qkv_dim, max_t) = (b * t, (nh + 2 * nkv) * hs, pos + t);
+        let mut r = TestRng(11);
+        let rope: Vec<f32> = r.vec(max_t * hs);
+        let x16: Vec<u16> = r.vec(n * qkv_dim).iter().map(|&v| from_f32(v)).collect();
+        for backward in [false, true] {
+            let mut wide: Vec<f32> = x16.iter().map(|&v| to_f32(v)).collect();
+            let mut y16 = x16.clone();
+            if backward {
+                rope_backward(&mut wide, &rope, n, t, pos, nh, nkv, hs);
+                rope_backward(&mut y16, &rope, n, t, pos, nh, nkv, hs);
+            } else {
+                rope_forward(&mut wide, &rope, n, t, pos, nh, nkv, hs);
+                rope_forward(&mut y16, &rope, n, t, pos, nh, nkv, hs);
+            }
+            let want: Vec<u16> = wide.iter().map(|&v| from_f32(v)).collect();
+            assert_eq!(want, y16, "backward={backward}");
+        }
     }
 }
