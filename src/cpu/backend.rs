@@ -1473,6 +1473,31 @@ mod tests {
                 Box::new(move |o, i, x, _| o.rope_forward(x[0], i[0], n, t, 0, h)),
             ),
             (
+                "rope_backward",
+                vec![t * hs],
+                vec![(n * qkv, false)],
+                Box::new(move |o, i, x, _| o.rope_backward(x[0], i[0], n, t, 0, h)),
+            ),
+            (
+                "head_norm_forward",
+                vec![n * qkv, hs, hs],
+                vec![(n * qkv, false), (n * (nh + nkv), true)],
+                Box::new(move |o, i, x, _| o.head_norm_forward(x[0], x[1], i[0], i[1], i[2], n, h, 1e-6)),
+            ),
+            (
+                "head_norm_backward",
+                vec![n * qkv, n * qkv, hs, hs, n * (nh + nkv)],
+                vec![(n * qkv, false), (hs, false), (hs, false)],
+                Box::new(move |o, i, x, _| o.head_norm_backward(x[0], x[1], x[2], i[0], i[1], i[2], i[3], i[4], n, h)),
+            ),
+            (
+                // 3 new positions after 2 cached ones, in a cache of 6 (its last row unread).
+                "attention_forward_cached",
+                vec![3 * qkv],
+                vec![(3 * c, false), (6 * h.kv(), false), (6 * h.kv(), false), (3 * c, SCRATCH)],
+                Box::new(move |o, i, x, _| o.attention_forward_cached(x[0], x[3], i[0], x[1], x[2], 2, 3, 6, h)),
+            ),
+            (
                 "attention_forward",
                 vec![n * qkv],
                 vec![(n * c, false), (b * nh * t * 2, true), (n * c, SCRATCH)],
