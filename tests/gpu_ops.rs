@@ -718,3 +718,148 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
     assert!(v.iter().all(|&x| x == 64.0), "512 * 0.5 * 0.25");
     assert_eq!(g.workspace_bytes(), 4 * n * oc, "f32 copies kept: only the output's");
 }
+
+/// The kernels with bf16 variants (the norms, RoPE, SwiGLU, GELU, the residual add) read and
+/// write bf16 activations themselves: no f32 copy is made but those of
+/// the norms' parameter gradients (C values each, summed over every row in f32 and rounded
+/// once), and the results are the bits of the f32 kernels on widened copies, rounded once to
+/// nearest even (the parameter gradients with tiny bindings aside: see below); the f32
+/// statistics they write are the same bits. Every bf16 tensor starts
+/// in the middle of a word (a part of one element before each), so the two threads that write
+/// the halves of a word, and a word shared with another tensor, are exercised.
+#[test]
+fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
+    use llmrs::gpu::GpuBackend;
+    type Run = Box<dyn Fn(&mut GpuBackend, &[Buf], &[Buf])>;
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    for opts in [Options::default(), tiny()] {
+        let Some(mut g) = backend("gpu_bf16_kernels_read_and_write_bf16_themselves", opts) else { return };
+        for &(n, c) in &[(1, 2), (3, 6), (7, 34), (40, 130)] {
+            // Heads for the head norms and RoPE: NH = 2, KV = 1, HS = c / 2 (even for RoPE when c % 4 == 0;
+            // else HS rounds down to an even size).
+            let hs = (c / 2) & !1usize;
+            let (nh, nkv) = (2, 1);
+            let qkv = (nh + 2 * nkv) * hs;
+            // Sequences of T positions from position 1 (the table's rows 1..T+1 fit one tiny binding).
+            let (t, pos) = (if n % 4 == 0 { 4 } else { n }, 1);
+            // (name, activation lengths, f32 stat lengths, written activations, written stats,
+            // parameter-gradient lengths (their f32 copies), the op on (activations, stats))
+            #[rustfmt::skip]
+            let cases: Vec<(&str, Vec<usize>, Vec<usize>, Vec<usize>, Vec<usize>, usize, Run)> = vec![
+                ("layernorm_forward", vec![n * c, n * c, c, c], vec![n, n], vec![0], vec![0, 1], 0,
+                 Box::new(move |g, a, s| g.layernorm_forward(a[0], s[0], s[1], a[1], a[2], a[3], n, c))),
+                ("layernorm_backward", vec![n * c, c, c, n * c, n * c, c], vec![n, n], vec![0, 1, 2], vec![], 2 * c,
+                 Box::new(move |g, a, s| g.layernorm_backward(a[0], a[1], a[2], a[3], a[4], a[5], s[0], s[1], n, c))),
+                ("rmsnorm_forward", vec![n * c, n * c, c], vec![n], vec![0], vec![0], 0,
+                 Box::new(move |g, a, s| g.rmsnorm_forward(a[0], s[0], a[1], a[2], n, c, 1e-5))),
+                ("rmsnorm_backward", vec![n * c, c, n * c, n * c, c], vec![n], vec![0, 1], vec![], c,
+                 Box::new(move |g, a, s| g.rmsnorm_backward(a[0], a[1], a[2], a[3], a[4], s[0], n, c))),
+                ("head_norm_forward", vec![n * qkv, n * qkv, hs, hs], vec![n * (nh + nkv)], vec![0], vec![0], 0,
+                 Box::new(move |g, a, s| g.head_norm_forward(a[0], s[0], a[1], a[2], a[3], n, nh, nkv, hs, 1e-6))),
+                ("head_norm_backward", vec![n * qkv, hs, hs, n * qkv, n * qkv, hs, hs], vec![n * (nh + nkv)],
+                 vec![0, 1, 2], vec![], 2 * hs,
+                 Box::new(move |g, a, s| {
+                     g.head_norm_backward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], s[0], n, nh, nkv, hs)
+                 })),
+                ("rope_forward", vec![n * qkv], vec![(pos + t) * hs], vec![0], vec![], 0,
+                 Box::new(move |g, a, s| g.rope_forward(a[0], s[0], n, t, pos, nh, nkv, hs))),
+                ("rope_backward", vec![n * qkv], vec![(pos + t) * hs], vec![0], vec![], 0,
+                 Box::new(move |g, a, s| g.rope_backward(a[0], s[0], n, t, pos, nh, nkv, hs))),
+                ("swiglu_forward", vec![n * c, n * 2 * c], vec![], vec![0], vec![], 0,
+                 Box::new(move |g, a, _| g.swiglu_forward(a[0], a[1], n, c))),
+                ("swiglu_backward", vec![n * 2 * c, n * c, n * 2 * c], vec![], vec![0], vec![], 0,
+                 Box::new(move |g, a, _| g.swiglu_backward(a[0], a[1], a[2], n, c))),
+                ("residual_forward", vec![n * c, n * c, n * c], vec![], vec![0], vec![], 0,
+                 Box::new(|g, a, _| g.residual_forward(a[0], a[1], a[2]))),
+                ("gelu_forward", vec![n * c, n * c], vec![], vec![0], vec![], 0,
+                 Box::new(|g, a, _| g.gelu_forward(a[0], a[1]))),
+                ("gelu_backward", vec![n * c, n * c], vec![], vec![0], vec![], 0,
+                 Box::new(|g, a, _| g.gelu_backward(a[0], a[1]))),
+            ];
+            for (name, lens, stat_lens, written, written_stats, grad_copies, op) in &cases {
+                if hs == 0 && (name.starts_with("head") || name.starts_with("rope")) {
+                    continue;
+                }
+                let what = format!("{name} n={n} c={c}, {opts:?}");
+                let h = g.alloc_parts(&lens.iter().flat_map(|&l| [1, l]).collect::<Vec<_>>(), DType::BF16).unwrap();
+                let f = g.alloc_parts(lens, DType::F32).unwrap();
+                let (hs_, fs): (Vec<Buf>, Vec<Buf>) = {
+                    let (mut at, mut hv, mut fv) = (0, vec![], vec![]);
+                    let mut fat = 0;
+                    for &l in lens {
+                        hv.push(h.slice(at + 1..at + 1 + l));
+                        fv.push(f.slice(fat..fat + l));
+                        at += 1 + l;
+                        fat += l;
+                    }
+                    (hv, fv)
+                };
+                let start = random_values(&mut seed, h.len);
+                g.upload(h, &start);
+                let mut before = vec![0f32; h.len];
+                g.download(h, &mut before).unwrap();
+                for (&y, &x) in fs.iter().zip(&hs_) {
+                    g.convert(y, x, None);
+                }
+                // The statistics: the same values for both paths (positive: rstd).
+                let stat_vals: Vec<Vec<f32>> = stat_lens
+                    .iter()
+                    .map(|&l| random_values(&mut seed, l).iter().map(|x| x.abs() + 0.5).collect())
+                    .collect();
+                let stats = |g: &mut GpuBackend| -> Vec<Buf> {
+                    stat_vals
+                        .iter()
+                        .map(|v| {
+                            let b = g.alloc(v.len(), DType::F32).unwrap();
+                            g.upload(b, v);
+                            b
+                        })
+                        .collect()
+                };
+                let (sh, sf) = (stats(&mut g), stats(&mut g));
+                g.free_f32_copies(); // those of the uploads and conversions above
+                assert_eq!(g.workspace_bytes(), 0, "{what}: no f32 copies");
+                op(&mut g, &hs_, &sh);
+                assert_eq!(g.workspace_bytes(), 4 * grad_copies, "{what}: f32 copies only of the parameter gradients");
+                op(&mut g, &fs, &sf);
+                let bits = |g: &mut GpuBackend, x: Buf| -> Vec<u32> {
+                    let mut v = vec![0f32; x.len];
+                    g.download(x, &mut v).unwrap();
+                    v.iter().map(|x| x.to_bits()).collect()
+                };
+                for &i in written {
+                    let t = g.alloc(lens[i], DType::BF16).unwrap();
+                    g.convert(t, fs[i], None);
+                    let (got, want) = (bits(&mut g, hs_[i]), bits(&mut g, t));
+                    g.free(t);
+                    if i > 0 && opts.max_binding.is_some() {
+                        // A norm's parameter gradient, with tiny bindings: the rows are cut into
+                        // pieces by what fits a binding, twice as many rows of bf16 tensors as
+                        // of f32 ones, so the pieces' partial sums add in another order: held
+                        // to one bf16 step.
+                        for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+                            let (a, b) = (f32::from_bits(*a), f32::from_bits(*b));
+                            assert!((a - b).abs() <= b.abs() / 128.0, "{what}: output {i} element {j}: {a} vs {b}");
+                        }
+                    } else {
+                        assert_eq!(got, want, "{what}: output {i}");
+                    }
+                }
+                for &i in written_stats {
+                    assert_eq!(bits(&mut g, sh[i]), bits(&mut g, sf[i]), "{what}: statistic {i}");
+                }
+                // The pads between the tensors (other tensors' halves of shared words) are kept.
+                let mut all = vec![0f32; h.len];
+                g.download(h, &mut all).unwrap();
+                let mut at = 0;
+                for &l in lens {
+                    assert_eq!(all[at].to_bits(), before[at].to_bits(), "{what}: the pad at {at}");
+                    at += 1 + l;
+                }
+                for b in [h, f].into_iter().chain(sh).chain(sf) {
+                    g.free(b);
+                }
+            }
+        }
+    }
+}

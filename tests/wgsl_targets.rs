@@ -6,7 +6,7 @@
 use naga::back::{hlsl, msl, spv};
 use naga::valid::{Capabilities, ValidationFlags, Validator};
 
-fn modules() -> Vec<(&'static str, naga::Module, naga::valid::ModuleInfo)> {
+fn modules() -> Vec<(String, naga::Module, naga::valid::ModuleInfo)> {
     llmrs::gpu::kernels::wgsl_modules()
         .into_iter()
         .map(|(name, src)| {

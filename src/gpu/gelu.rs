@@ -1,7 +1,7 @@
 //! GELU on the GPU (kernels/gelu.wgsl).
 
 use super::{u, GpuBackend, Threads, K};
-use crate::backend::Buf;
+use crate::backend::{Buf, DType};
 
 impl GpuBackend {
     /// out (N) = gelu(inp (N)).
@@ -21,7 +21,7 @@ impl GpuBackend {
             let n = r.end - r.start;
             let wins = [self.win(x.slice(r.clone())), self.win(y.slice(r))];
             let imm = [wins[0].off, wins[1].off, u(n)];
-            self.dispatch(k, &wins, &imm, Threads(n));
+            self.dispatch(k.on(x.dtype == DType::BF16), &wins, &imm, Threads(n));
         }
     }
 }

@@ -30,7 +30,6 @@ const MATMUL_BF16: &str = "
 @group(0) @binding(1) var<storage, read_write> a: array<u32>;
 @group(0) @binding(2) var<storage, read_write> b: array<u32>;
 @group(0) @binding(3) var<storage, read_write> bias: array<u32>;
-fn half_at(w: u32, e: u32) -> f32 { return bitcast<f32>(select(w << 16u, w & 0xffff0000u, (e & 1u) == 1u)); }
 fn a_at(e: u32) -> f32 { return half_at(a[e >> 1u], e); }
 fn b_at(e: u32) -> f32 { return half_at(b[e >> 1u], e); }
 fn bias_at(e: u32) -> f32 { return half_at(bias[e >> 1u], e); }
@@ -38,18 +37,12 @@ fn bias_at(e: u32) -> f32 { return half_at(bias[e >> 1u], e); }
 
 const MATMUL: &str = include_str!("kernels/matmul.wgsl");
 
-/// Every kernel module, by name (its file's, and `_bf16` for a variant that reads bf16
-/// operands), as the parts it is made of, in order.
-const FILES: [(&str, &[&str]); 15] = [
+/// Every kernel module that declares its own buffers, by name (its file's, and `_bf16` for a
+/// variant that reads bf16 operands), as the parts it is made of, in order.
+const FILES: [(&str, &[&str]); 9] = [
     ("memory", &[include_str!("kernels/memory.wgsl")]),
     ("bf16", &[include_str!("kernels/bf16.wgsl")]),
     ("encoder", &[include_str!("kernels/encoder.wgsl")]),
-    ("layernorm", &[include_str!("kernels/layernorm.wgsl")]),
-    ("rmsnorm", &[include_str!("kernels/rmsnorm.wgsl")]),
-    ("rope", &[include_str!("kernels/rope.wgsl")]),
-    ("swiglu", &[include_str!("kernels/swiglu.wgsl")]),
-    ("residual", &[include_str!("kernels/residual.wgsl")]),
-    ("gelu", &[include_str!("kernels/gelu.wgsl")]),
     ("matmul", &[MATMUL_F32, MATMUL]),
     ("matmul_bf16", &[MATMUL_BF16, MATMUL]),
     ("attention", &[include_str!("kernels/attention.wgsl")]),
@@ -58,10 +51,95 @@ const FILES: [(&str, &[&str]); 15] = [
     ("lora", &[include_str!("kernels/lora.wgsl")]),
 ];
 
+/// The modules whose buffers are typed by a prelude ([`prelude`]): each reads and writes its
+/// buffers only through `NAME_ld(e)` and `NAME_st(e, v)`, so the same source builds the f32
+/// kernels (every buffer f32) and, per entry point, a bf16 variant ([`BF16`]). By name, with
+/// its source and its buffers' names (bindings 0, 1, ...).
+const TYPED: [(&str, &str, &[&str]); 6] = [
+    ("layernorm", include_str!("kernels/layernorm.wgsl"), &["b0", "b1", "b2", "b3", "b4", "b5"]),
+    ("rmsnorm", include_str!("kernels/rmsnorm.wgsl"), &["b0", "b1", "b2", "b3", "b4", "b5"]),
+    ("rope", include_str!("kernels/rope.wgsl"), &["x", "tab"]),
+    ("swiglu", include_str!("kernels/swiglu.wgsl"), &["b0", "b1", "b2"]),
+    ("residual", include_str!("kernels/residual.wgsl"), &["out", "a", "b"]),
+    ("gelu", include_str!("kernels/gelu.wgsl"), &["x", "y"]),
+];
+
+/// How a kernel of a [`TYPED`] module holds one of its buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Io {
+    /// f32: statistics, partial sums, tables (and every buffer of the f32 kernels).
+    F32,
+    /// bf16 the kernel only reads: two a word, widened as read.
+    In16,
+    /// bf16 the kernel writes (or updates): its words are atomic, and a thread sets its half
+    /// of a word with an `and` and an `or`, so the two threads whose elements share a word do
+    /// not race, and a word shared with a neighbouring tensor keeps that tensor's half. Each
+    /// value is rounded to nearest even once, when stored.
+    Out16,
+}
+use Io::{In16, Out16, F32 as F};
+
+/// The bf16 variants of the [`TYPED`] kernels: (the variant, its f32 kernel, how it holds each
+/// buffer of its module, bound or not). A variant is its own module, `ENTRY_bf16`. The norms'
+/// parameter-gradient kernels read the bf16 activations and write f32 partial sums (the op
+/// sums them into f32 copies of the gradients, rounded once, as the CPU does).
+#[rustfmt::skip]
+const BF16: [(K, K, &[Io]); 15] = [
+    (K::LayernormForwardBf16, K::LayernormForward, &[Out16, F, F, In16, In16, In16]),
+    (K::LayernormBackwardInputBf16, K::LayernormBackwardInput, &[Out16, In16, In16, In16, F, F]),
+    (K::LayernormBackwardParamsBf16, K::LayernormBackwardParams, &[F, F, In16, In16, F, F]),
+    (K::RmsnormForwardBf16, K::RmsnormForward, &[Out16, F, In16, In16, F, F]),
+    (K::RmsnormBackwardInputBf16, K::RmsnormBackwardInput, &[Out16, In16, In16, In16, F, F]),
+    (K::RmsnormBackwardParamsBf16, K::RmsnormBackwardParams, &[F, In16, In16, F, F, F]),
+    (K::HeadNormForwardBf16, K::HeadNormForward, &[Out16, F, In16, In16, In16, F]),
+    (K::HeadNormBackwardInputBf16, K::HeadNormBackwardInput, &[Out16, In16, In16, In16, In16, F]),
+    (K::HeadNormBackwardParamsBf16, K::HeadNormBackwardParams, &[F, In16, In16, F, F, F]),
+    (K::RopeBf16, K::Rope, &[Out16, F]),
+    (K::SwigluForwardBf16, K::SwigluForward, &[Out16, In16, In16]),
+    (K::SwigluBackwardBf16, K::SwigluBackward, &[Out16, In16, In16]),
+    (K::ResidualForwardBf16, K::ResidualForward, &[Out16, In16, In16]),
+    (K::GeluForwardBf16, K::GeluForward, &[Out16, In16]),
+    (K::GeluBackwardBf16, K::GeluBackward, &[Out16, In16]),
+];
+
+/// The declarations of a [`TYPED`] module's buffers, held as `io` says, with their accessors:
+/// `NAME_ld(e)`, element e as f32, and `NAME_st(e, v)`, element e = v (rounded once if bf16).
+fn prelude(names: &[&str], io: &[Io]) -> String {
+    let mut s = String::new();
+    for (i, (name, io)) in names.iter().zip(io).enumerate() {
+        let decl = |ty: &str| format!("@group(0) @binding({i}) var<storage, read_write> {name}: array<{ty}>;\n");
+        s += &match io {
+            Io::F32 => decl("f32")
+                + &format!("fn {name}_ld(e: u32) -> f32 {{ return {name}[e]; }}\n")
+                + &format!("fn {name}_st(e: u32, v: f32) {{ {name}[e] = v; }}\n"),
+            // (A store into a bf16 input is never called: declared so that the module builds.)
+            Io::In16 => decl("u32")
+                + &format!("fn {name}_ld(e: u32) -> f32 {{ return half_at({name}[e >> 1u], e); }}\n")
+                + &format!("fn {name}_st(e: u32, v: f32) {{ {name}[e >> 1u] = f32_to_bf16(v); }}\n"),
+            Io::Out16 => decl("atomic<u32>")
+                + &format!("fn {name}_ld(e: u32) -> f32 {{ return half_at(atomicLoad(&{name}[e >> 1u]), e); }}\n")
+                + &format!(
+                    "fn {name}_st(e: u32, v: f32) {{ let sh = 16u * (e & 1u); \
+                     atomicAnd(&{name}[e >> 1u], ~(0xffffu << sh)); atomicOr(&{name}[e >> 1u], f32_to_bf16(v) << sh); }}\n"
+                ),
+        };
+    }
+    s
+}
+
 /// The complete WGSL of every module (common helpers included), by name: what the
 /// pipelines are built from, and what the tests translate for Metal, Vulkan and DX12.
-pub fn wgsl_modules() -> Vec<(&'static str, String)> {
-    FILES.iter().map(|(name, parts)| (*name, format!("{COMMON}\n{}", parts.join("\n")))).collect()
+pub fn wgsl_modules() -> Vec<(String, String)> {
+    let own = FILES.iter().map(|(name, parts)| (name.to_string(), parts.join("\n")));
+    let typed =
+        TYPED.iter().map(|(name, src, names)| (name.to_string(), prelude(names, &vec![Io::F32; names.len()]) + src));
+    let bf16 = BF16.iter().map(|&(k, f32_kernel, io)| {
+        let (_, module, entry, ..) = TABLE[index(f32_kernel)];
+        let (_, src, names) = TYPED.iter().find(|t| t.0 == module).expect("a bf16 variant is of a typed module");
+        assert!(names.len() == io.len(), "{k:?}: one Io per buffer of {module}");
+        (format!("{entry}_bf16"), prelude(names, io) + src)
+    });
+    own.chain(typed).chain(bf16).map(|(name, src)| (name, format!("{COMMON}\n{src}"))).collect()
 }
 
 /// One compute kernel: an entry point of a module.
@@ -106,6 +184,33 @@ pub enum K {
     SumSquares,
     ReducePartials,
     LoraScale,
+    // The bf16 variants of the typed modules' kernels (BF16).
+    LayernormForwardBf16,
+    LayernormBackwardInputBf16,
+    LayernormBackwardParamsBf16,
+    RmsnormForwardBf16,
+    RmsnormBackwardInputBf16,
+    RmsnormBackwardParamsBf16,
+    HeadNormForwardBf16,
+    HeadNormBackwardInputBf16,
+    HeadNormBackwardParamsBf16,
+    RopeBf16,
+    SwigluForwardBf16,
+    SwigluBackwardBf16,
+    ResidualForwardBf16,
+    GeluForwardBf16,
+    GeluBackwardBf16,
+}
+
+impl K {
+    /// The kernel that does this one's work on bf16 activations ([`BF16`]), with `bf16`;
+    /// else this one.
+    pub fn on(self, bf16: bool) -> K {
+        match BF16.iter().find(|v| v.1 == self) {
+            Some(v) if bf16 => v.0,
+            _ => self,
+        }
+    }
 }
 
 /// (kernel, module, entry point, storage buffers bound at 0..n, which of them hold u32 (a bit
@@ -195,15 +300,15 @@ impl Kernels {
                 })
             })
             .collect();
-        let mut pipelines = Vec::with_capacity(TABLE.len());
+        let mut pipelines = Vec::with_capacity(rows().len());
         for (name, src) in wgsl_modules() {
-            let entries: Vec<_> = TABLE.iter().filter(|t| t.1 == name).map(|t| (t.2, t.3)).collect();
-            let built = build_module(ctx, &pipeline_layouts, name, &src, &entries)?;
-            let kinds = TABLE.iter().filter(|t| t.1 == name).map(|t| t.0);
+            let entries: Vec<_> = rows().iter().filter(|t| t.1 == name).map(|t| (t.2, t.3)).collect();
+            let built = build_module(ctx, &pipeline_layouts, &name, &src, &entries)?;
+            let kinds = rows().iter().filter(|t| t.1 == name).map(|t| t.0);
             pipelines.extend(kinds.zip(built));
         }
-        // Back to TABLE order.
-        let pipelines = TABLE
+        // Back to the order of rows().
+        let pipelines = rows()
             .iter()
             .map(|t| pipelines.iter().find(|p| p.0 == t.0).expect("every kernel was built").1.clone())
             .collect();
@@ -211,24 +316,54 @@ impl Kernels {
     }
 
     pub fn pipeline(&self, k: K) -> &wgpu::ComputePipeline {
-        &self.pipelines[index(k)]
+        &self.pipelines[position(k)]
     }
 
     /// Buffers `k` binds.
     pub fn bindings(k: K) -> usize {
-        TABLE[index(k)].3
+        kernel(k).3
     }
 
     /// The element type binding `i` of `k` holds.
     pub fn binding_dtype(k: K, i: usize) -> crate::backend::DType {
-        if TABLE[index(k)].4 & (1 << i) != 0 {
+        let t = kernel(k);
+        if t.4 & (1 << i) != 0 {
             crate::backend::DType::U32
-        } else if TABLE[index(k)].5 & (1 << i) != 0 {
+        } else if t.5 & (1 << i) != 0 {
             crate::backend::DType::BF16
         } else {
             crate::backend::DType::F32
         }
     }
+}
+
+/// One kernel as its pipeline is built: (kernel, module, entry point, buffers bound, the u32
+/// ones, the bf16 ones), as [`TABLE`]'s rows.
+type Row = (K, String, &'static str, usize, u8, u8);
+
+/// Every kernel: [`TABLE`]'s, then the bf16 variants of [`BF16`] (their modules named
+/// `ENTRY_bf16`, their bf16 buffers from their [`Io`]s). Built once.
+fn rows() -> &'static [Row] {
+    static ROWS: std::sync::OnceLock<Vec<Row>> = std::sync::OnceLock::new();
+    ROWS.get_or_init(|| {
+        let own = TABLE.iter().map(|t| (t.0, t.1.to_string(), t.2, t.3, t.4, t.5));
+        own.chain(BF16.iter().map(|&(k, f32_kernel, io)| {
+            let (_, _, entry, n, ..) = TABLE[index(f32_kernel)];
+            let bf16 = io.iter().enumerate().filter(|(_, x)| **x != Io::F32).fold(0u8, |m, (i, _)| m | 1 << i);
+            (k, format!("{entry}_bf16"), entry, n, 0, bf16)
+        }))
+        .collect()
+    })
+}
+
+/// The position of k's row in [`rows`] (and of its pipeline).
+fn position(k: K) -> usize {
+    rows().iter().position(|t| t.0 == k).expect("every kernel is in TABLE or BF16")
+}
+
+/// [`rows`]'s row of k.
+fn kernel(k: K) -> &'static Row {
+    &rows()[position(k)]
 }
 
 /// The pipelines of the given (entry point, buffers bound) of one WGSL module, or a one-line

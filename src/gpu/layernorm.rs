@@ -33,7 +33,7 @@ impl GpuBackend {
                 bi.clone(),
             ];
             let imm = [wins[0].off, wins[1].off, wins[2].off, wins[3].off, w.off, bi.off, u(rows), u(c)];
-            self.dispatch(K::LayernormForward, &wins, &imm, Groups(rows));
+            self.dispatch(K::LayernormForward.on(out.dtype == DType::BF16), &wins, &imm, Groups(rows));
         }
     }
 
@@ -65,13 +65,18 @@ impl GpuBackend {
             let s = self.win(rstd.slice(r.clone()));
             let imm = [di.off, d.off, x.off, w.off, m.off, s.off, u(rows), u(c)];
             let wins = [di, d.clone(), x.clone(), w.clone(), m.clone(), s.clone()];
-            self.dispatch(K::LayernormBackwardInput, &wins, &imm, Groups(rows));
+            self.dispatch(K::LayernormBackwardInput.on(dinp.dtype == DType::BF16), &wins, &imm, Groups(rows));
             let blocks = rows.div_ceil(ROWS);
             let Some(part) = self.workspace(|s| &mut s.scratch, 2 * blocks * c, DType::F32) else { return };
             let (pw, pb) = (part.prefix(blocks * c), part.slice(blocks * c..2 * blocks * c)); // (blocks, C) each
             let (ww, wb) = (self.win(pw), self.win(pb));
             let imm = [ww.off, wb.off, d.off, x.off, m.off, s.off, u(rows), u(c)];
-            self.dispatch(K::LayernormBackwardParams, &[ww, wb, d, x, m, s], &imm, Threads(blocks * c));
+            self.dispatch(
+                K::LayernormBackwardParams.on(dout.dtype == DType::BF16),
+                &[ww, wb, d, x, m, s],
+                &imm,
+                Threads(blocks * c),
+            );
             self.column_sums(dweight, pw, blocks, c, true);
             self.column_sums(dbias, pb, blocks, c, true);
         }

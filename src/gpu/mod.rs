@@ -188,6 +188,15 @@ impl GpuBackend {
         self.kernels.build_extra(&self.ctx, name, &src, entries)
     }
 
+    /// Free the pool of f32 copies of bf16 buffers (gpu/bf16.rs) that earlier ops left, so
+    /// that [`Backend::workspace_bytes`] counts only the copies that later ops take (tests of
+    /// which ops read bf16 themselves).
+    pub fn free_f32_copies(&mut self) {
+        for b in std::mem::take(&mut self.wide) {
+            self.free(b);
+        }
+    }
+
     /// Whether the adapter times passes (`llmrs bench`'s time per layer kind).
     pub fn timestamps(&self) -> bool {
         self.ctx.timestamps
@@ -408,9 +417,13 @@ impl Backend for GpuBackend {
         self.rec.profile_totals(&self.ctx)
     }
 
-    // Every op runs through `in_f32` (gpu/bf16.rs): its bf16 buffers reach the fp32 kernels as
-    // f32 copies, with each buffer's role as ops.rs gives it (In, Out, InOut, Scratch). The
-    // GEMMs of bf16 operands read them themselves, and take copies of their outputs only.
+    // An op whose kernels have bf16 variants (kernels.rs: BF16: the norms, RoPE, SwiGLU, GELU,
+    // the residual add) runs them on its bf16 activations as they are, where all of them are
+    // bf16 (the norms' parameter gradients, C values, still summed in f32 copies and rounded
+    // once, as the CPU does). The GEMMs of bf16 operands read them themselves, and take copies
+    // of their outputs only. Everything else runs through `in_f32` (gpu/bf16.rs): its bf16
+    // buffers reach the fp32 kernels as f32 copies, with each buffer's role as ops.rs gives it
+    // (In, Out, InOut, Scratch).
 
     fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize) {
         let bufs = [(out, Out), (inp, In), (wte, In), (opt(wpe), In)];
@@ -425,6 +438,9 @@ impl Backend for GpuBackend {
         })
     }
     fn layernorm_forward(&mut self, out: Buf, mean: Buf, rstd: Buf, inp: Buf, w: Buf, bias: Buf, n: usize, c: usize) {
+        if all_bf16(&[out, inp, w, bias]) && all_f32(&[mean, rstd]) {
+            return self.layernorm_forward_(out, mean, rstd, inp, w, bias, n, c);
+        }
         let bufs = [(out, Out), (mean, Out), (rstd, Out), (inp, In), (w, In), (bias, In)];
         self.in_f32("layernorm_forward", bufs, Nearest, |s, [out, mean, rstd, inp, w, bias]| {
             s.layernorm_forward_(out, mean, rstd, inp, w, bias, n, c)
@@ -443,6 +459,12 @@ impl Backend for GpuBackend {
         n: usize,
         c: usize,
     ) {
+        if all_bf16(&[dinp, dout, inp, weight]) && all_f32(&[mean, rstd]) {
+            let bufs = [(dweight, InOut), (dbias, InOut)];
+            return self.in_f32("layernorm_backward", bufs, Nearest, |s, [dw, db]| {
+                s.layernorm_backward_(dinp, dw, db, dout, inp, weight, mean, rstd, n, c)
+            });
+        }
         #[rustfmt::skip]
         let bufs = [
             (dinp, InOut), (dweight, InOut), (dbias, InOut),
@@ -453,6 +475,9 @@ impl Backend for GpuBackend {
         })
     }
     fn rmsnorm_forward(&mut self, out: Buf, rstd: Buf, inp: Buf, weight: Buf, n: usize, c: usize, eps: f32) {
+        if all_bf16(&[out, inp, weight]) && all_f32(&[rstd]) {
+            return self.rmsnorm_forward_(out, rstd, inp, weight, n, c, eps);
+        }
         let bufs = [(out, Out), (rstd, Out), (inp, In), (weight, In)];
         self.in_f32("rmsnorm_forward", bufs, Nearest, |s, [out, rstd, inp, w]| {
             s.rmsnorm_forward_(out, rstd, inp, w, n, c, eps)
@@ -469,6 +494,11 @@ impl Backend for GpuBackend {
         n: usize,
         c: usize,
     ) {
+        if all_bf16(&[dinp, dout, inp, weight]) && all_f32(&[rstd]) {
+            return self.in_f32("rmsnorm_backward", [(dweight, InOut)], Nearest, |s, [dw]| {
+                s.rmsnorm_backward_(dinp, dw, dout, inp, weight, rstd, n, c)
+            });
+        }
         let bufs = [(dinp, InOut), (dweight, InOut), (dout, In), (inp, In), (weight, In), (rstd, In)];
         self.in_f32("rmsnorm_backward", bufs, Nearest, |s, [dx, dw, dout, inp, w, rstd]| {
             s.rmsnorm_backward_(dx, dw, dout, inp, w, rstd, n, c)
@@ -487,6 +517,9 @@ impl Backend for GpuBackend {
         hs: usize,
         eps: f32,
     ) {
+        if all_bf16(&[out, inp, wq, wk]) && all_f32(&[rstd]) {
+            return self.head_norm_forward_(out, rstd, inp, wq, wk, n, (nh, nkv, hs), eps);
+        }
         let bufs = [(out, Out), (rstd, Out), (inp, In), (wq, In), (wk, In)];
         self.in_f32("head_norm_forward", bufs, Nearest, |s, [out, rstd, inp, wq, wk]| {
             s.head_norm_forward_(out, rstd, inp, wq, wk, n, (nh, nkv, hs), eps)
@@ -507,6 +540,11 @@ impl Backend for GpuBackend {
         nkv: usize,
         hs: usize,
     ) {
+        if all_bf16(&[dinp, dout, inp, wq, wk]) && all_f32(&[rstd]) {
+            return self.in_f32("head_norm_backward", [(dwq, InOut), (dwk, InOut)], Nearest, |s, [dwq, dwk]| {
+                s.head_norm_backward_(dinp, dwq, dwk, dout, inp, (wq, wk, rstd), n, (nh, nkv, hs))
+            });
+        }
         #[rustfmt::skip]
         let bufs = [
             (dinp, Out), (dwq, InOut), (dwk, InOut),
@@ -517,6 +555,9 @@ impl Backend for GpuBackend {
         })
     }
     fn rope_forward(&mut self, qkv: Buf, rope: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize) {
+        if all_bf16(&[qkv]) && all_f32(&[rope]) {
+            return self.rope_(qkv, rope, n, t, pos, nh, nkv, hs, 1.0);
+        }
         self.in_f32("rope_forward", [(qkv, InOut), (rope, In)], Nearest, |s, [qkv, rope]| {
             s.rope_(qkv, rope, n, t, pos, nh, nkv, hs, 1.0)
         })
@@ -532,20 +573,32 @@ impl Backend for GpuBackend {
         nkv: usize,
         hs: usize,
     ) {
+        if all_bf16(&[dqkv]) && all_f32(&[rope]) {
+            return self.rope_(dqkv, rope, n, t, pos, nh, nkv, hs, -1.0);
+        }
         self.in_f32("rope_backward", [(dqkv, InOut), (rope, In)], Nearest, |s, [dqkv, rope]| {
             s.rope_(dqkv, rope, n, t, pos, nh, nkv, hs, -1.0)
         })
     }
     fn swiglu_forward(&mut self, out: Buf, inp: Buf, n: usize, f: usize) {
+        if all_bf16(&[out, inp]) {
+            return self.swiglu_forward_(out, inp, n, f);
+        }
         self.in_f32("swiglu_forward", [(out, Out), (inp, In)], Nearest, |s, [out, inp]| {
             s.swiglu_forward_(out, inp, n, f)
         })
     }
     fn swiglu_backward(&mut self, dinp: Buf, dout: Buf, inp: Buf, n: usize, f: usize) {
+        if all_bf16(&[dinp, dout, inp]) {
+            return self.swiglu_backward_(dinp, dout, inp, n, f);
+        }
         let bufs = [(dinp, Out), (dout, In), (inp, In)];
         self.in_f32("swiglu_backward", bufs, Nearest, |s, [dx, dout, inp]| s.swiglu_backward_(dx, dout, inp, n, f))
     }
     fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf) {
+        if all_bf16(&[out, a, b]) {
+            return self.residual_forward_(out, a, b);
+        }
         let bufs = [(out, Out), (a, In), (b, In)];
         self.in_f32("residual_forward", bufs, Nearest, |s, [out, a, b]| s.residual_forward_(out, a, b))
     }
@@ -634,9 +687,15 @@ impl Backend for GpuBackend {
         })
     }
     fn gelu_forward(&mut self, out: Buf, inp: Buf) {
+        if all_bf16(&[out, inp]) {
+            return self.gelu_forward_(out, inp);
+        }
         self.in_f32("gelu_forward", [(out, Out), (inp, In)], Nearest, |s, [out, inp]| s.gelu_forward_(out, inp))
     }
     fn gelu_backward(&mut self, d: Buf, inp: Buf) {
+        if all_bf16(&[d, inp]) {
+            return self.gelu_backward_(d, inp);
+        }
         self.in_f32("gelu_backward", [(d, InOut), (inp, In)], Nearest, |s, [d, inp]| s.gelu_backward_(d, inp))
     }
     fn attention_forward(
@@ -764,6 +823,12 @@ fn opt(b: Option<Buf>) -> Buf {
 /// they are (kernels/matmul.wgsl), with no f32 copies.
 fn all_bf16(bufs: &[Buf]) -> bool {
     bufs.iter().all(|b| b.dtype == DType::BF16 || *b == bf16::NONE)
+}
+
+/// Whether every buffer is f32: the statistics and tables a bf16 kernel reads and writes as
+/// f32 (the native path of an op needs them so; else the op runs on f32 copies).
+fn all_f32(bufs: &[Buf]) -> bool {
+    bufs.iter().all(|b| b.dtype == DType::F32)
 }
 
 /// The buffer an op gets for the optional operand `orig` (its f32 copy, or itself).

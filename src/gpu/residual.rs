@@ -1,7 +1,7 @@
 //! The residual connection on the GPU (kernels/residual.wgsl).
 
 use super::{u, GpuBackend, Threads, K};
-use crate::backend::Buf;
+use crate::backend::{Buf, DType};
 
 impl GpuBackend {
     /// out (N) = a (N) + b (N).
@@ -11,7 +11,7 @@ impl GpuBackend {
             let n = r.end - r.start;
             let wins = [self.win(out.slice(r.clone())), self.win(a.slice(r.clone())), self.win(b.slice(r))];
             let imm = [wins[0].off, wins[1].off, wins[2].off, u(n)];
-            self.dispatch(K::ResidualForward, &wins, &imm, Threads(n));
+            self.dispatch(K::ResidualForward.on(out.dtype == DType::BF16), &wins, &imm, Threads(n));
         }
     }
 }

@@ -30,7 +30,7 @@ impl GpuBackend {
                 w.clone(),
             ];
             let imm = [wins[0].off, wins[1].off, wins[2].off, w.off, 0, 0, u(rows), u(c), f(eps)];
-            self.dispatch(K::RmsnormForward, &wins, &imm, Groups(rows));
+            self.dispatch(K::RmsnormForward.on(out.dtype == DType::BF16), &wins, &imm, Groups(rows));
         }
     }
 
@@ -58,12 +58,17 @@ impl GpuBackend {
             let s = self.win(rstd.slice(r.clone()));
             let imm = [di.off, d.off, x.off, w.off, s.off, 0, u(rows), u(c), 0];
             let wins = [di, d.clone(), x.clone(), w.clone(), s.clone()];
-            self.dispatch(K::RmsnormBackwardInput, &wins, &imm, Groups(rows));
+            self.dispatch(K::RmsnormBackwardInput.on(dinp.dtype == DType::BF16), &wins, &imm, Groups(rows));
             let blocks = rows.div_ceil(ROWS);
             let Some(part) = self.workspace(|s| &mut s.scratch, blocks * c, DType::F32) else { return };
             let pw = self.win(part.prefix(blocks * c)); // (blocks, C)
             let imm = [pw.off, d.off, x.off, s.off, 0, 0, u(rows), u(c), 0];
-            self.dispatch(K::RmsnormBackwardParams, &[pw, d, x, s], &imm, Threads(blocks * c));
+            self.dispatch(
+                K::RmsnormBackwardParams.on(dout.dtype == DType::BF16),
+                &[pw, d, x, s],
+                &imm,
+                Threads(blocks * c),
+            );
             self.column_sums(dweight, part.prefix(blocks * c), blocks, c, true);
         }
     }
@@ -89,7 +94,12 @@ impl GpuBackend {
             let s = self.win(rstd.slice(r.start * normed..r.end * normed));
             let x = self.win(inp.slice(r.start * heads * hs..r.end * heads * hs));
             let imm = [o.off, s.off, x.off, q.off, k.off, 0, u(rows), u(hs), f(eps), u(nh), u(nkv), 0, 0];
-            self.dispatch(K::HeadNormForward, &[o, s, x, q.clone(), k.clone()], &imm, Groups(rows * heads));
+            self.dispatch(
+                K::HeadNormForward.on(out.dtype == DType::BF16),
+                &[o, s, x, q.clone(), k.clone()],
+                &imm,
+                Groups(rows * heads),
+            );
         }
     }
 
@@ -117,14 +127,14 @@ impl GpuBackend {
             let s = self.win(rstd.slice(r.start * normed..r.end * normed));
             let imm = [di.off, d.off, x.off, q.off, k.off, s.off, u(rows), u(hs), 0, u(nh), u(nkv), 0, 0];
             let wins = [di, d.clone(), x.clone(), q.clone(), k.clone(), s.clone()];
-            self.dispatch(K::HeadNormBackwardInput, &wins, &imm, Groups(rows * heads));
+            self.dispatch(K::HeadNormBackwardInput.on(dinp.dtype == DType::BF16), &wins, &imm, Groups(rows * heads));
             for (dw, h0, count) in [(dwq, 0, nh), (dwk, nh, nkv)] {
                 let blocks = (rows * count).div_ceil(ROWS);
                 let Some(part) = self.workspace(|s| &mut s.scratch, blocks * hs, DType::F32) else { return };
                 let pw = self.win(part.prefix(blocks * hs)); // (blocks, HS)
                 let imm = [pw.off, d.off, x.off, s.off, 0, 0, u(rows), u(hs), 0, u(nh), u(nkv), u(h0), u(count)];
                 self.dispatch(
-                    K::HeadNormBackwardParams,
+                    K::HeadNormBackwardParams.on(dout.dtype == DType::BF16),
                     &[pw, d.clone(), x.clone(), s.clone()],
                     &imm,
                     Threads(blocks * hs),

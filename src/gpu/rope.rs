@@ -1,7 +1,7 @@
 //! The rotary position embedding on the GPU (kernels/rope.wgsl).
 
 use super::{f, u, GpuBackend, Threads, K};
-use crate::backend::Buf;
+use crate::backend::{Buf, DType};
 
 impl GpuBackend {
     /// Rotate the q and k heads of qkv (N, QKV) in place by the angles of their positions
@@ -28,7 +28,12 @@ impl GpuBackend {
             let rows = r.end - r.start;
             let x = self.win(qkv.slice(r.start * qd..r.end * qd));
             let imm = [x.off, tab.off, u(rows), u(r.start), u(t), u(nh + nkv), u(qd), u(hs), f(sign)];
-            self.dispatch(K::Rope, &[x, tab.clone()], &imm, Threads(rows * (nh + nkv) * hs / 2));
+            self.dispatch(
+                K::Rope.on(qkv.dtype == DType::BF16),
+                &[x, tab.clone()],
+                &imm,
+                Threads(rows * (nh + nkv) * hs / 2),
+            );
         }
     }
 }

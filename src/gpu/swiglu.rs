@@ -1,7 +1,7 @@
 //! SwiGLU on the GPU (kernels/swiglu.wgsl).
 
 use super::{u, GpuBackend, Threads, K};
-use crate::backend::Buf;
+use crate::backend::{Buf, DType};
 
 impl GpuBackend {
     /// out (N, F) = up * silu(gate) from inp (N, 2F).
@@ -12,7 +12,7 @@ impl GpuBackend {
             let o = self.win(out.slice(r.start * f..r.end * f));
             let x = self.win(inp.slice(r.start * 2 * f..r.end * 2 * f));
             let imm = [o.off, x.off, 0, u(rows), u(f)];
-            self.dispatch(K::SwigluForward, &[o, x], &imm, Threads(rows * f));
+            self.dispatch(K::SwigluForward.on(out.dtype == DType::BF16), &[o, x], &imm, Threads(rows * f));
         }
     }
 
@@ -25,7 +25,7 @@ impl GpuBackend {
             let d = self.win(dout.slice(r.start * f..r.end * f));
             let x = self.win(inp.slice(r.start * 2 * f..r.end * 2 * f));
             let imm = [di.off, d.off, x.off, u(rows), u(f)];
-            self.dispatch(K::SwigluBackward, &[di, d, x], &imm, Threads(rows * f));
+            self.dispatch(K::SwigluBackward.on(dinp.dtype == DType::BF16), &[di, d, x], &imm, Threads(rows * f));
         }
     }
 }

@@ -32,16 +32,6 @@ fn load_bf16(e: u32) -> f32 {
     return bf16_to_f32(h[e >> 1u] >> (16u * (e & 1u)));
 }
 
-// f32 to bf16 bits, rounded to nearest even; a NaN stays a quiet NaN with the top of its
-// payload (cpu/bf16.rs: from_f32).
-fn f32_to_bf16(v: f32) -> u32 {
-    let bits = bitcast<u32>(v);
-    if (is_nan(v)) {
-        return (bits >> 16u) | 0x0040u;
-    }
-    return (bits + 0x7fffu + ((bits >> 16u) & 1u)) >> 16u;
-}
-
 // murmur3's 32-bit finalizer (cpu/bf16.rs: mix).
 fn mix(h0: u32) -> u32 {
     var v = h0;

@@ -87,3 +87,21 @@ fn wg_max(v: f32, tid: u32) -> f32 {
 }
 
 const NEG_INF: f32 = -3.4028235e38;
+
+// bf16 storage (src/gpu/bf16.rs): element e of a bf16 buffer is half e & 1 of word e >> 1,
+// element 2w in the low half.
+
+// Element e's half of its word w, as f32 (exact: a bf16 is the top half of an f32).
+fn half_at(w: u32, e: u32) -> f32 {
+    return bitcast<f32>(select(w << 16u, w & 0xffff0000u, (e & 1u) == 1u));
+}
+
+// f32 to bf16 bits, rounded to nearest even; a NaN stays a quiet NaN with the top of its
+// payload (cpu/bf16.rs: from_f32).
+fn f32_to_bf16(v: f32) -> u32 {
+    let bits = bitcast<u32>(v);
+    if (is_nan(v)) {
+        return (bits >> 16u) | 0x0040u;
+    }
+    return (bits + 0x7fffu + ((bits >> 16u) & 1u)) >> 16u;
+}

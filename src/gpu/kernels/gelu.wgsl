@@ -7,8 +7,6 @@ struct Params {
 }
 var<immediate> p: Params;
 
-@group(0) @binding(0) var<storage, read_write> x: array<f32>;
-@group(0) @binding(1) var<storage, read_write> y: array<f32>;
 
 const SCALE: f32 = 0.7978846; // sqrt(2 / pi)
 
@@ -18,9 +16,9 @@ fn gelu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
                 @builtin(local_invocation_index) tid: u32) {
     let i = group_id(wid, nwg) * WG + tid;
     if (i < p.n) {
-        let v = y[p.y + i];
+        let v = y_ld(p.y + i);
         let cube = 0.044715 * v * v * v;
-        x[p.x + i] = 0.5 * v * (1.0 + tanh_(SCALE * (v + cube)));
+        x_st(p.x + i, 0.5 * v * (1.0 + tanh_(SCALE * (v + cube))));
     }
 }
 
@@ -30,11 +28,11 @@ fn gelu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
                  @builtin(local_invocation_index) tid: u32) {
     let i = group_id(wid, nwg) * WG + tid;
     if (i < p.n) {
-        let v = y[p.y + i];
+        let v = y_ld(p.y + i);
         let cube = 0.044715 * v * v * v;
         let th = tanh_(SCALE * (v + cube));
         let sech2 = 1.0 - th * th;
         let g = 0.5 * (1.0 + th) + v * 0.5 * sech2 * SCALE * (1.0 + 3.0 * 0.044715 * v * v);
-        x[p.x + i] = x[p.x + i] * g;
+        x_st(p.x + i, x_ld(p.x + i) * g);
     }
 }

@@ -13,12 +13,6 @@ var<immediate> p: Params;
 // forward: out, mean, rstd, inp, weight, bias
 // backward_input: dinp, dout, inp, weight, mean, rstd
 // backward_params: dweight partials, dbias partials, dout, inp, mean, rstd
-@group(0) @binding(0) var<storage, read_write> b0: array<f32>;
-@group(0) @binding(1) var<storage, read_write> b1: array<f32>;
-@group(0) @binding(2) var<storage, read_write> b2: array<f32>;
-@group(0) @binding(3) var<storage, read_write> b3: array<f32>;
-@group(0) @binding(4) var<storage, read_write> b4: array<f32>;
-@group(0) @binding(5) var<storage, read_write> b5: array<f32>;
 
 const EPS: f32 = 1e-5;
 
@@ -33,21 +27,21 @@ fn layernorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     let x0 = p.o3 + row * p.c;
     var s = 0.0;
     for (var i = tid; i < p.c; i = i + WG) {
-        s = s + b3[x0 + i];
+        s = s + b3_ld(x0 + i);
     }
     let mu = wg_sum(s, tid) / f32(p.c);
     var v = 0.0;
     for (var i = tid; i < p.c; i = i + WG) {
-        let d = b3[x0 + i] - mu;
+        let d = b3_ld(x0 + i) - mu;
         v = v + d * d;
     }
     let r = 1.0 / sqrt(wg_sum(v, tid) / f32(p.c) + EPS);
     for (var i = tid; i < p.c; i = i + WG) {
-        b0[p.o0 + row * p.c + i] = (b3[x0 + i] - mu) * r * b4[p.o4 + i] + b5[p.o5 + i];
+        b0_st(p.o0 + row * p.c + i, (b3_ld(x0 + i) - mu) * r * b4_ld(p.o4 + i) + b5_ld(p.o5 + i));
     }
     if (tid == 0u) {
-        b1[p.o1 + row] = mu;
-        b2[p.o2 + row] = r;
+        b1_st(p.o1 + row, mu);
+        b2_st(p.o2 + row, r);
     }
 }
 
@@ -59,24 +53,24 @@ fn layernorm_backward_input(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     if (row >= p.n) {
         return;
     }
-    let m = b4[p.o4 + row];
-    let r = b5[p.o5 + row];
+    let m = b4_ld(p.o4 + row);
+    let r = b5_ld(p.o5 + row);
     let d0 = p.o1 + row * p.c;
     let x0 = p.o2 + row * p.c;
     var sd = 0.0;
     var sdn = 0.0;
     for (var i = tid; i < p.c; i = i + WG) {
-        let dn = b3[p.o3 + i] * b1[d0 + i];
+        let dn = b3_ld(p.o3 + i) * b1_ld(d0 + i);
         sd = sd + dn;
-        sdn = sdn + dn * ((b2[x0 + i] - m) * r);
+        sdn = sdn + dn * ((b2_ld(x0 + i) - m) * r);
     }
     let dnorm_mean = wg_sum(sd, tid) / f32(p.c);
     let dnorm_norm_mean = wg_sum(sdn, tid) / f32(p.c);
     for (var i = tid; i < p.c; i = i + WG) {
-        let norm = (b2[x0 + i] - m) * r;
-        let dn = b3[p.o3 + i] * b1[d0 + i];
+        let norm = (b2_ld(x0 + i) - m) * r;
+        let dn = b3_ld(p.o3 + i) * b1_ld(d0 + i);
         let at = p.o0 + row * p.c + i;
-        b0[at] = b0[at] + (dn - dnorm_mean - norm * dnorm_norm_mean) * r;
+        b0_st(at, b0_ld(at) + (dn - dnorm_mean - norm * dnorm_norm_mean) * r);
     }
 }
 
@@ -98,10 +92,10 @@ fn layernorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num
     var dw = 0.0;
     var db = 0.0;
     for (var row = k * ROWS; row < min(p.n, (k + 1u) * ROWS); row = row + 1u) {
-        let d = b2[p.o2 + row * p.c + ch];
-        dw = dw + (b3[p.o3 + row * p.c + ch] - b4[p.o4 + row]) * b5[p.o5 + row] * d;
+        let d = b2_ld(p.o2 + row * p.c + ch);
+        dw = dw + (b3_ld(p.o3 + row * p.c + ch) - b4_ld(p.o4 + row)) * b5_ld(p.o5 + row) * d;
         db = db + d;
     }
-    b0[p.o0 + i] = dw;
-    b1[p.o1 + i] = db;
+    b0_st(p.o0 + i, dw);
+    b1_st(p.o1 + i, db);
 }

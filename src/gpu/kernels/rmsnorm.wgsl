@@ -17,12 +17,6 @@ var<immediate> p: Params;
 // forward: out, rstd, inp, weight
 // backward_input: dinp, dout, inp, weight, rstd
 // backward_params: dweight partials, dout, inp, rstd
-@group(0) @binding(0) var<storage, read_write> b0: array<f32>;
-@group(0) @binding(1) var<storage, read_write> b1: array<f32>;
-@group(0) @binding(2) var<storage, read_write> b2: array<f32>;
-@group(0) @binding(3) var<storage, read_write> b3: array<f32>;
-@group(0) @binding(4) var<storage, read_write> b4: array<f32>;
-@group(0) @binding(5) var<storage, read_write> b5: array<f32>;
 
 // out (N, C) = (inp * rstd) * weight, rstd (N) = 1 / sqrt(mean(inp^2) + eps) kept for backward.
 @compute @workgroup_size(WG)
@@ -35,15 +29,15 @@ fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     let x0 = p.o2 + row * p.c;
     var s = 0.0;
     for (var i = tid; i < p.c; i = i + WG) {
-        let v = b2[x0 + i];
+        let v = b2_ld(x0 + i);
         s = s + v * v;
     }
     let r = 1.0 / sqrt(wg_sum(s, tid) / f32(p.c) + p.eps);
     for (var i = tid; i < p.c; i = i + WG) {
-        b0[p.o0 + row * p.c + i] = (b2[x0 + i] * r) * b3[p.o3 + i];
+        b0_st(p.o0 + row * p.c + i, (b2_ld(x0 + i) * r) * b3_ld(p.o3 + i));
     }
     if (tid == 0u) {
-        b1[p.o1 + row] = r;
+        b1_st(p.o1 + row, r);
     }
 }
 
@@ -55,17 +49,17 @@ fn rmsnorm_backward_input(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
     if (row >= p.n) {
         return;
     }
-    let r = b4[p.o4 + row];
+    let r = b4_ld(p.o4 + row);
     let d0 = p.o1 + row * p.c;
     let x0 = p.o2 + row * p.c;
     var s = 0.0;
     for (var i = tid; i < p.c; i = i + WG) {
-        s = s + b3[p.o3 + i] * b1[d0 + i] * b2[x0 + i];
+        s = s + b3_ld(p.o3 + i) * b1_ld(d0 + i) * b2_ld(x0 + i);
     }
     let k = wg_sum(s, tid) * r * r * r / f32(p.c);
     for (var i = tid; i < p.c; i = i + WG) {
         let at = p.o0 + row * p.c + i;
-        b0[at] = b0[at] + (r * b3[p.o3 + i] * b1[d0 + i] - b2[x0 + i] * k);
+        b0_st(at, b0_ld(at) + (r * b3_ld(p.o3 + i) * b1_ld(d0 + i) - b2_ld(x0 + i) * k));
     }
 }
 
@@ -86,9 +80,9 @@ fn rmsnorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     let ch = i % p.c;
     var dw = 0.0;
     for (var row = k * ROWS; row < min(p.n, (k + 1u) * ROWS); row = row + 1u) {
-        dw = dw + b1[p.o1 + row * p.c + ch] * (b2[p.o2 + row * p.c + ch] * b3[p.o3 + row]);
+        dw = dw + b1_ld(p.o1 + row * p.c + ch) * (b2_ld(p.o2 + row * p.c + ch) * b3_ld(p.o3 + row));
     }
-    b0[p.o0 + i] = dw;
+    b0_st(p.o0 + i, dw);
 }
 
 // Qwen3's RMSNorm of each query and key head (cpu/rmsnorm.rs: head_norm_forward): one workgroup
@@ -109,27 +103,27 @@ fn head_norm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     let y0 = p.o0 + row * heads * p.c + h * p.c;
     if (h >= normed) {
         for (var i = tid; i < p.c; i = i + WG) {
-            b0[y0 + i] = b2[x0 + i];
+            b0_st(y0 + i, b2_ld(x0 + i));
         }
         return;
     }
     var s = 0.0;
     for (var i = tid; i < p.c; i = i + WG) {
-        let v = b2[x0 + i];
+        let v = b2_ld(x0 + i);
         s = s + v * v;
     }
     let r = 1.0 / sqrt(wg_sum(s, tid) / f32(p.c) + p.eps);
     if (h < p.nh) {
         for (var i = tid; i < p.c; i = i + WG) {
-            b0[y0 + i] = (b2[x0 + i] * r) * b3[p.o3 + i];
+            b0_st(y0 + i, (b2_ld(x0 + i) * r) * b3_ld(p.o3 + i));
         }
     } else {
         for (var i = tid; i < p.c; i = i + WG) {
-            b0[y0 + i] = (b2[x0 + i] * r) * b4[p.o4 + i];
+            b0_st(y0 + i, (b2_ld(x0 + i) * r) * b4_ld(p.o4 + i));
         }
     }
     if (tid == 0u) {
-        b1[p.o1 + row * normed + h] = r;
+        b1_st(p.o1 + row * normed + h, r);
     }
 }
 
@@ -150,25 +144,25 @@ fn head_norm_backward_input(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     let at = row * heads * p.c + h * p.c;
     if (h >= normed) {
         for (var i = tid; i < p.c; i = i + WG) {
-            b0[p.o0 + at + i] = b1[p.o1 + at + i];
+            b0_st(p.o0 + at + i, b1_ld(p.o1 + at + i));
         }
         return;
     }
-    let r = b5[p.o5 + row * normed + h];
+    let r = b5_ld(p.o5 + row * normed + h);
     var s = 0.0;
     if (h < p.nh) {
         for (var i = tid; i < p.c; i = i + WG) {
-            s = s + b3[p.o3 + i] * b1[p.o1 + at + i] * b2[p.o2 + at + i];
+            s = s + b3_ld(p.o3 + i) * b1_ld(p.o1 + at + i) * b2_ld(p.o2 + at + i);
         }
     } else {
         for (var i = tid; i < p.c; i = i + WG) {
-            s = s + b4[p.o4 + i] * b1[p.o1 + at + i] * b2[p.o2 + at + i];
+            s = s + b4_ld(p.o4 + i) * b1_ld(p.o1 + at + i) * b2_ld(p.o2 + at + i);
         }
     }
     let k = wg_sum(s, tid) * r * r * r / f32(p.c);
     for (var i = tid; i < p.c; i = i + WG) {
-        let w = select(b4[p.o4 + i], b3[p.o3 + i], h < p.nh);
-        b0[p.o0 + at + i] = r * w * b1[p.o1 + at + i] - b2[p.o2 + at + i] * k;
+        let w = select(b4_ld(p.o4 + i), b3_ld(p.o3 + i), h < p.nh);
+        b0_st(p.o0 + at + i, r * w * b1_ld(p.o1 + at + i) - b2_ld(p.o2 + at + i) * k);
     }
 }
 
@@ -193,7 +187,7 @@ fn head_norm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num
         let row = j / p.count;
         let h = p.h0 + j % p.count;
         let at = row * heads * p.c + h * p.c + ch;
-        dw = dw + b1[p.o1 + at] * (b2[p.o2 + at] * b3[p.o3 + row * normed + h]);
+        dw = dw + b1_ld(p.o1 + at) * (b2_ld(p.o2 + at) * b3_ld(p.o3 + row * normed + h));
     }
-    b0[p.o0 + i] = dw;
+    b0_st(p.o0 + i, dw);
 }

@@ -15,8 +15,6 @@ struct Params {
 }
 var<immediate> p: Params;
 
-@group(0) @binding(0) var<storage, read_write> x: array<f32>;
-@group(0) @binding(1) var<storage, read_write> tab: array<f32>;
 
 @compute @workgroup_size(WG)
 fn rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -30,11 +28,11 @@ fn rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     let h = (i / half) % p.heads;
     let j = i % half;
     let t0 = p.tab + ((p.r0 + row) % p.t) * p.hs;
-    let cs = tab[t0 + j];
-    let sn = p.sign * tab[t0 + half + j];
+    let cs = tab_ld(t0 + j);
+    let sn = p.sign * tab_ld(t0 + half + j);
     let at = p.x + row * p.qkv + h * p.hs + j;
-    let a = x[at];
-    let b = x[at + half];
-    x[at] = a * cs - b * sn;
-    x[at + half] = b * cs + a * sn;
+    let a = x_ld(at);
+    let b = x_ld(at + half);
+    x_st(at, a * cs - b * sn);
+    x_st(at + half, b * cs + a * sn);
 }

@@ -10,9 +10,6 @@ struct Params {
 }
 var<immediate> p: Params;
 
-@group(0) @binding(0) var<storage, read_write> b0: array<f32>;
-@group(0) @binding(1) var<storage, read_write> b1: array<f32>;
-@group(0) @binding(2) var<storage, read_write> b2: array<f32>;
 
 @compute @workgroup_size(WG)
 fn swiglu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -22,8 +19,8 @@ fn swiglu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         return;
     }
     let x0 = p.o1 + (i / p.f) * 2u * p.f + i % p.f;
-    let g = b1[x0 + p.f];
-    b0[p.o0 + i] = b1[x0] * (g / (1.0 + exp_(-g)));
+    let g = b1_ld(x0 + p.f);
+    b0_st(p.o0 + i, b1_ld(x0) * (g / (1.0 + exp_(-g))));
 }
 
 // d(up) = dout * silu(gate), d(gate) = dout * up * silu'(gate), silu'(g) = s (1 + g (1 - s)).
@@ -35,11 +32,11 @@ fn swiglu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
         return;
     }
     let x0 = p.o2 + (i / p.f) * 2u * p.f + i % p.f;
-    let u = b2[x0];
-    let g = b2[x0 + p.f];
-    let d = b1[p.o1 + i];
+    let u = b2_ld(x0);
+    let g = b2_ld(x0 + p.f);
+    let d = b1_ld(p.o1 + i);
     let s = 1.0 / (1.0 + exp_(-g));
     let o = p.o0 + (i / p.f) * 2u * p.f + i % p.f;
-    b0[o] = d * (g * s);
-    b0[o + p.f] = d * u * (s * (1.0 + g * (1.0 - s)));
+    b0_st(o, d * (g * s));
+    b0_st(o + p.f, d * u * (s * (1.0 + g * (1.0 - s))));
 }
