@@ -731,6 +731,9 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
 fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
     use llmrs::gpu::GpuBackend;
     type Run = Box<dyn Fn(&mut GpuBackend, &[Buf], &[Buf])>;
+    // (name, activation lengths, f32 stat lengths, written activations, written stats,
+    // parameter-gradient lengths (their f32 copies), the op on (activations, stats))
+    type Case = (&'static str, Vec<usize>, Vec<usize>, Vec<usize>, Vec<usize>, usize, Run);
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     for opts in [Options::default(), tiny()] {
         let Some(mut g) = backend("gpu_bf16_kernels_read_and_write_bf16_themselves", opts) else { return };
@@ -742,10 +745,8 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
             let qkv = (nh + 2 * nkv) * hs;
             // Sequences of T positions from position 1 (the table's rows 1..T+1 fit one tiny binding).
             let (t, pos) = (if n % 4 == 0 { 4 } else { n }, 1);
-            // (name, activation lengths, f32 stat lengths, written activations, written stats,
-            // parameter-gradient lengths (their f32 copies), the op on (activations, stats))
             #[rustfmt::skip]
-            let cases: Vec<(&str, Vec<usize>, Vec<usize>, Vec<usize>, Vec<usize>, usize, Run)> = vec![
+            let cases: Vec<Case> = vec![
                 ("layernorm_forward", vec![n * c, n * c, c, c], vec![n, n], vec![0], vec![0, 1], 0,
                  Box::new(move |g, a, s| g.layernorm_forward(a[0], s[0], s[1], a[1], a[2], a[3], n, c))),
                 ("layernorm_backward", vec![n * c, c, c, n * c, n * c, c], vec![n, n], vec![0, 1, 2], vec![], 2 * c,
