@@ -705,18 +705,30 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
             g.free(f);
         }
     }
-    // A fresh backend's f32 copies after a bf16 GEMM: the output's, not the inputs'.
-    let Some(mut g) = backend("gpu_bf16_gemms_read_bf16_operands_themselves", Options::default()) else { return };
-    let (n, c, oc) = (64, 512, 8);
-    let [out, inp, w] = [n * oc, n * c, oc * c].map(|l| g.alloc(l, DType::BF16).unwrap());
-    g.fill(inp, 0.5);
-    g.fill(w, 0.25);
-    assert_eq!(g.workspace_bytes(), 0);
-    g.matmul_forward(out, inp, w, None, n, c, oc);
-    let mut v = vec![0f32; n * oc];
-    g.download(out, &mut v).unwrap();
-    assert!(v.iter().all(|&x| x == 64.0), "512 * 0.5 * 0.25");
-    assert_eq!(g.workspace_bytes(), 4 * n * oc, "f32 copies kept: only the output's");
+    // A fresh backend's f32 copies after bf16 GEMMs whose sums are one dispatch each: none
+    // (the inputs read and the outputs written as they are); with a sum cut into dispatches,
+    // the output's (summed in f32, rounded once).
+    for (k_per_dispatch, copies) in [(None, 0), (Some(256), 64 * 8 * 4)] {
+        let opts = Options { k_per_dispatch, ..Default::default() };
+        let Some(mut g) = backend("gpu_bf16_gemms_read_bf16_operands_themselves", opts) else { return };
+        let (n, c, oc) = (64, 512, 8);
+        let [out, inp, w, dinp, dw] = [n * oc, n * c, oc * c, n * c, oc * c].map(|l| g.alloc(l, DType::BF16).unwrap());
+        g.fill(inp, 0.5);
+        g.fill(w, 0.25);
+        assert_eq!(g.workspace_bytes(), 0);
+        g.matmul_forward(out, inp, w, None, n, c, oc);
+        assert_eq!(g.workspace_bytes(), copies, "matmul_forward, {k_per_dispatch:?} per dispatch");
+        // dinp sums over OC = 8 and dweight over N = 64: one dispatch each, no copies.
+        g.free_f32_copies();
+        g.matmul_backward(Some(dinp), Some(dw), None, out, inp, w, n, c, oc, false);
+        assert_eq!(g.workspace_bytes(), 0, "matmul_backward, {k_per_dispatch:?} per dispatch");
+        let mut v = vec![0f32; n * oc];
+        g.download(out, &mut v).unwrap();
+        assert!(v.iter().all(|&x| x == 64.0), "512 * 0.5 * 0.25");
+        let mut v = vec![0f32; oc * c];
+        g.download(dw, &mut v).unwrap();
+        assert!(v.iter().all(|&x| x == 2048.0), "64 * 64 * 0.5");
+    }
 }
 
 /// The kernels with bf16 variants (the norms, RoPE, SwiGLU, GELU, the residual add) read and

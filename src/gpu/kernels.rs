@@ -13,38 +13,12 @@ pub const IMMEDIATE_BYTES: u32 = 128;
 /// The helpers every module shares, prepended to each.
 pub const COMMON: &str = include_str!("kernels/common.wgsl");
 
-/// The GEMM's operands A, B and bias (bindings 1-3 of kernels/matmul.wgsl) in f32.
-const MATMUL_F32: &str = "
-@group(0) @binding(1) var<storage, read_write> a: array<f32>;
-@group(0) @binding(2) var<storage, read_write> b: array<f32>;
-@group(0) @binding(3) var<storage, read_write> bias: array<f32>;
-fn a_at(e: u32) -> f32 { return a[e]; }
-fn b_at(e: u32) -> f32 { return b[e]; }
-fn bias_at(e: u32) -> f32 { return bias[e]; }
-";
-
-/// The same operands in bf16, two a word (kernels/bf16.wgsl's layout: element 2w in the low
-/// half of word w), widened as they are read: the GEMM then reads half the bytes of its f32
-/// copies, and needs none.
-const MATMUL_BF16: &str = "
-@group(0) @binding(1) var<storage, read_write> a: array<u32>;
-@group(0) @binding(2) var<storage, read_write> b: array<u32>;
-@group(0) @binding(3) var<storage, read_write> bias: array<u32>;
-fn a_at(e: u32) -> f32 { return half_at(a[e >> 1u], e); }
-fn b_at(e: u32) -> f32 { return half_at(b[e >> 1u], e); }
-fn bias_at(e: u32) -> f32 { return half_at(bias[e >> 1u], e); }
-";
-
-const MATMUL: &str = include_str!("kernels/matmul.wgsl");
-
-/// Every kernel module that declares its own buffers, by name (its file's, and `_bf16` for a
-/// variant that reads bf16 operands), as the parts it is made of, in order.
-const FILES: [(&str, &[&str]); 9] = [
+/// Every kernel module that declares its own buffers, by name (its file's), as the parts it is
+/// made of, in order.
+const FILES: [(&str, &[&str]); 7] = [
     ("memory", &[include_str!("kernels/memory.wgsl")]),
     ("bf16", &[include_str!("kernels/bf16.wgsl")]),
     ("encoder", &[include_str!("kernels/encoder.wgsl")]),
-    ("matmul", &[MATMUL_F32, MATMUL]),
-    ("matmul_bf16", &[MATMUL_BF16, MATMUL]),
     ("attention", &[include_str!("kernels/attention.wgsl")]),
     ("classifier", &[include_str!("kernels/classifier.wgsl")]),
     ("adamw", &[include_str!("kernels/adamw.wgsl")]),
@@ -55,7 +29,8 @@ const FILES: [(&str, &[&str]); 9] = [
 /// buffers only through `NAME_ld(e)` and `NAME_st(e, v)`, so the same source builds the f32
 /// kernels (every buffer f32) and, per entry point, a bf16 variant ([`BF16`]). By name, with
 /// its source and its buffers' names (bindings 0, 1, ...).
-const TYPED: [(&str, &str, &[&str]); 6] = [
+const TYPED: [(&str, &str, &[&str]); 7] = [
+    ("matmul", include_str!("kernels/matmul.wgsl"), &["c", "a", "b", "bias"]),
     ("layernorm", include_str!("kernels/layernorm.wgsl"), &["b0", "b1", "b2", "b3", "b4", "b5"]),
     ("rmsnorm", include_str!("kernels/rmsnorm.wgsl"), &["b0", "b1", "b2", "b3", "b4", "b5"]),
     ("rope", include_str!("kernels/rope.wgsl"), &["x", "tab"]),
@@ -80,11 +55,12 @@ enum Io {
 use Io::{In16, Out16, F32 as F};
 
 /// The bf16 variants of the [`TYPED`] kernels: (the variant, its f32 kernel, how it holds each
-/// buffer of its module, bound or not). A variant is its own module, `ENTRY_bf16`. The norms'
-/// parameter-gradient kernels read the bf16 activations and write f32 partial sums (the op
-/// sums them into f32 copies of the gradients, rounded once, as the CPU does).
+/// buffer of its module, bound or not). A variant is its own module, named as the variant.
+/// The norms' parameter-gradient kernels read the bf16 activations and write f32 partial sums
+/// (the op sums them into f32 copies of the gradients, rounded once, as the CPU does). The
+/// GEMM has a variant per operand types it is given (see [`gemm`]).
 #[rustfmt::skip]
-const BF16: [(K, K, &[Io]); 15] = [
+const BF16: [(K, K, &[Io]); 20] = [
     (K::LayernormForwardBf16, K::LayernormForward, &[Out16, F, F, In16, In16, In16]),
     (K::LayernormBackwardInputBf16, K::LayernormBackwardInput, &[Out16, In16, In16, In16, F, F]),
     (K::LayernormBackwardParamsBf16, K::LayernormBackwardParams, &[F, F, In16, In16, F, F]),
@@ -100,7 +76,26 @@ const BF16: [(K, K, &[Io]); 15] = [
     (K::ResidualForwardBf16, K::ResidualForward, &[Out16, In16, In16]),
     (K::GeluForwardBf16, K::GeluForward, &[Out16, In16]),
     (K::GeluBackwardBf16, K::GeluBackward, &[Out16, In16]),
+    // C, A, B, bias.
+    (K::MatmulBf16, K::Matmul, &[F, In16, In16, In16]),
+    (K::MatmulBf16ToBf16, K::Matmul, &[Out16, In16, In16, In16]),
+    (K::MatmulF32Bf16, K::Matmul, &[F, F, In16, In16]),
+    (K::MatmulF32Bf16ToBf16, K::Matmul, &[Out16, F, In16, In16]),
+    (K::BiasBackwardBf16, K::BiasBackward, &[F, In16, F, F]),
 ];
+
+/// The GEMM kernel for A, B (and the bias, B's type) and C of these types: f32 or bf16 each,
+/// but for a bf16 A with an f32 B, which no op has.
+pub fn gemm(a16: bool, b16: bool, c16: bool) -> K {
+    match (a16, b16, c16) {
+        (false, false, false) => K::Matmul,
+        (true, true, false) => K::MatmulBf16,
+        (true, true, true) => K::MatmulBf16ToBf16,
+        (false, true, false) => K::MatmulF32Bf16,
+        (false, true, true) => K::MatmulF32Bf16ToBf16,
+        x => panic!("no GEMM kernel for (A bf16, B bf16, C bf16) = {x:?}"),
+    }
+}
 
 /// The declarations of a [`TYPED`] module's buffers, held as `io` says, with their accessors:
 /// `NAME_ld(e)`, element e as f32, and `NAME_st(e, v)`, element e = v (rounded once if bf16).
@@ -134,10 +129,10 @@ pub fn wgsl_modules() -> Vec<(String, String)> {
     let typed =
         TYPED.iter().map(|(name, src, names)| (name.to_string(), prelude(names, &vec![Io::F32; names.len()]) + src));
     let bf16 = BF16.iter().map(|&(k, f32_kernel, io)| {
-        let (_, module, entry, ..) = TABLE[index(f32_kernel)];
+        let (_, module, ..) = TABLE[index(f32_kernel)];
         let (_, src, names) = TYPED.iter().find(|t| t.0 == module).expect("a bf16 variant is of a typed module");
         assert!(names.len() == io.len(), "{k:?}: one Io per buffer of {module}");
-        (format!("{entry}_bf16"), prelude(names, io) + src)
+        (format!("{k:?}"), prelude(names, io) + src)
     });
     own.chain(typed).chain(bf16).map(|(name, src)| (name, format!("{COMMON}\n{src}"))).collect()
 }
@@ -171,9 +166,6 @@ pub enum K {
     GeluBackward,
     Matmul,
     BiasBackward,
-    /// Matmul and BiasBackward reading bf16 A, B and bias (C stays f32).
-    MatmulBf16,
-    BiasBackwardBf16,
     SoftmaxForward,
     SoftmaxProbs,
     SoftmaxBackward,
@@ -200,12 +192,21 @@ pub enum K {
     ResidualForwardBf16,
     GeluForwardBf16,
     GeluBackwardBf16,
+    /// The GEMM reading bf16 A, B and bias into an f32 C; BiasBackward reading a bf16 dout.
+    MatmulBf16,
+    BiasBackwardBf16,
+    /// ... into a bf16 C.
+    MatmulBf16ToBf16,
+    /// The GEMM of an f32 A and a bf16 B (and bias) into an f32 C, and into a bf16 C.
+    MatmulF32Bf16,
+    MatmulF32Bf16ToBf16,
 }
 
 impl K {
     /// The kernel that does this one's work on bf16 activations ([`BF16`]), with `bf16`;
     /// else this one.
     pub fn on(self, bf16: bool) -> K {
+        assert!(self != K::Matmul, "the GEMM's kernel is kernels::gemm's");
         match BF16.iter().find(|v| v.1 == self) {
             Some(v) if bf16 => v.0,
             _ => self,
@@ -215,7 +216,7 @@ impl K {
 
 /// (kernel, module, entry point, storage buffers bound at 0..n, which of them hold u32 (a bit
 /// per binding), which bf16 (two a word; the others f32)).
-const TABLE: [(K, &str, &str, usize, u8, u8); 38] = [
+const TABLE: [(K, &str, &str, usize, u8, u8); 36] = [
     (K::Fill, "memory", "fill", 1, 0, 0),
     (K::CopyRows, "memory", "copy_rows", 2, 0, 0),
     (K::Widen, "bf16", "widen", 2, 0, 0b1),
@@ -242,8 +243,6 @@ const TABLE: [(K, &str, &str, usize, u8, u8); 38] = [
     (K::GeluBackward, "gelu", "gelu_backward", 2, 0, 0),
     (K::Matmul, "matmul", "matmul", 4, 0, 0),
     (K::BiasBackward, "matmul", "bias_backward", 2, 0, 0),
-    (K::MatmulBf16, "matmul_bf16", "matmul", 4, 0, 0b1110),
-    (K::BiasBackwardBf16, "matmul_bf16", "bias_backward", 2, 0, 0b10),
     (K::SoftmaxForward, "attention", "softmax_forward", 2, 0, 0),
     (K::SoftmaxProbs, "attention", "softmax_probs", 2, 0, 0),
     (K::SoftmaxBackward, "attention", "softmax_backward", 2, 0, 0),
@@ -341,8 +340,8 @@ impl Kernels {
 /// ones, the bf16 ones), as [`TABLE`]'s rows.
 type Row = (K, String, &'static str, usize, u8, u8);
 
-/// Every kernel: [`TABLE`]'s, then the bf16 variants of [`BF16`] (their modules named
-/// `ENTRY_bf16`, their bf16 buffers from their [`Io`]s). Built once.
+/// Every kernel: [`TABLE`]'s, then the bf16 variants of [`BF16`] (their modules named as the
+/// variants, their bf16 buffers from their [`Io`]s). Built once.
 fn rows() -> &'static [Row] {
     static ROWS: std::sync::OnceLock<Vec<Row>> = std::sync::OnceLock::new();
     ROWS.get_or_init(|| {
@@ -350,7 +349,7 @@ fn rows() -> &'static [Row] {
         own.chain(BF16.iter().map(|&(k, f32_kernel, io)| {
             let (_, _, entry, n, ..) = TABLE[index(f32_kernel)];
             let bf16 = io.iter().enumerate().filter(|(_, x)| **x != Io::F32).fold(0u8, |m, (i, _)| m | 1 << i);
-            (k, format!("{entry}_bf16"), entry, n, 0, bf16)
+            (k, format!("{k:?}"), entry, n, 0, bf16)
         }))
         .collect()
     })

@@ -604,9 +604,13 @@ impl Backend for GpuBackend {
     }
     fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize) {
         if all_bf16(&[inp, weight, opt(bias)]) {
-            // The GEMM reads its bf16 operands itself; only its output goes through an f32 copy
-            // (it is summed in f32 across dispatches, and rounded once at the end).
+            // The GEMM reads its bf16 operands itself, and writes a bf16 output itself when
+            // its sum is one dispatch's; a longer one goes through an f32 copy (summed in f32
+            // across dispatches, and rounded once at the end).
             Self::disjoint("matmul_forward", &[out], &[inp, weight, opt(bias)]);
+            if out.dtype == DType::F32 || c <= self.cuts.k_per_dispatch {
+                return self.matmul_forward_(out, inp, weight, bias, n, c, oc);
+            }
             return self.in_f32("matmul_forward", [(out, Out)], Nearest, |s, [out]| {
                 s.matmul_forward_(out, inp, weight, bias, n, c, oc)
             });
@@ -631,14 +635,27 @@ impl Backend for GpuBackend {
     ) {
         let grad = if accumulate { InOut } else { Out };
         if all_bf16(&[dout, inp, weight]) {
-            // As matmul_forward: the bf16 operands read as they are, the outputs through copies.
+            // As matmul_forward: the bf16 operands read as they are; dinp and dweight written
+            // by the GEMM itself when each element's sum is one dispatch (dinp's over OC,
+            // dweight's over N, neither cut into pieces that fit a binding), else through f32
+            // copies, as the bias gradient (column sums) always.
             let outs = [opt(dinp), opt(dweight), opt(dbias)];
             Self::disjoint("matmul_backward", &outs, &[dout, inp, weight]);
-            let bufs = [(outs[0], Out), (outs[1], grad), (outs[2], grad)];
+            let step = self.cuts.k_per_dispatch;
+            let one = |s: &Self, k: usize, bufs: &[(Buf, usize)]| k <= step && s.mem.row_pieces(k, bufs).len() <= 1;
+            let direct = |x: Option<Buf>, one: bool| x.is_none_or(|x| x.dtype == DType::F32 || one);
+            // (The pieces matmul_backward_ cuts OC and N into.)
+            let w_rows: Vec<_> = [Some((weight, c)), dweight.map(|d| (d, c))].into_iter().flatten().collect();
+            let n_rows: Vec<_> =
+                [Some((dout, oc)), Some((inp, c)), dinp.map(|d| (d, c))].into_iter().flatten().collect();
+            let dinp_direct = direct(dinp, one(self, oc, &w_rows));
+            let dw_direct = direct(dweight, one(self, n, &n_rows));
+            let copy = |x: Option<Buf>, direct: bool| if direct { bf16::NONE } else { opt(x) };
+            let bufs = [(copy(dinp, dinp_direct), Out), (copy(dweight, dw_direct), grad), (outs[2], grad)];
             return self.in_f32("matmul_backward", bufs, Nearest, |s, [dx, dw, db]| {
                 s.matmul_backward_(
-                    back(dinp, dx),
-                    back(dweight, dw),
+                    if dinp_direct { dinp } else { back(dinp, dx) },
+                    if dw_direct { dweight } else { back(dweight, dw) },
                     back(dbias, db),
                     dout,
                     inp,

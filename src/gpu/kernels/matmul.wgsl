@@ -33,11 +33,10 @@ struct Params {
 }
 var<immediate> p: Params;
 
-// matmul: C, A, B, bias. bias_backward: dbias, dout. C is f32; A, B and bias are declared
-// before this file, as f32 or as bf16 (src/gpu/kernels.rs: MATMUL_F32, MATMUL_BF16), and read
-// through a_at, b_at and bias_at, which return an element as f32 (exactly: a bf16 GEMM is
-// the f32 GEMM of the widened operands, bit for bit).
-@group(0) @binding(0) var<storage, read_write> c: array<f32>;
+// matmul: C, A, B, bias. bias_backward: dbias partials, dout. Declared before this file, each
+// f32 or bf16 (src/gpu/kernels.rs: TYPED, BF16), and reached through c_ld, c_st, a_ld, b_ld
+// and bias_ld, which read an element as f32 (exactly: a GEMM of bf16 operands is the f32 GEMM
+// of the widened operands, bit for bit) and store one (a bf16 C rounded once, to nearest even).
 
 const TK: u32 = 16u;
 var<workgroup> As: array<vec4<f32>, 256>; // [k][64 rows as 16 vectors]
@@ -155,7 +154,7 @@ fn load_a(a0: u32, r: u32, k: u32, k_hi: u32) -> vec4<f32> {
 
 fn elem_a(at: u32, r: u32, i: u32) -> f32 {
     if (r + i < p.m) {
-        return a_at(at + i * p.a_rs);
+        return a_ld(at + i * p.a_rs);
     }
     return 0.0;
 }
@@ -171,7 +170,7 @@ fn load_b(b0: u32, j: u32, k: u32, k_hi: u32) -> vec4<f32> {
 
 fn elem_b(at: u32, j: u32, i: u32) -> f32 {
     if (j + i < p.n) {
-        return b_at(at + i * p.b_cs);
+        return b_ld(at + i * p.b_cs);
     }
     return 0.0;
 }
@@ -191,11 +190,11 @@ fn store4(at_row: u32, col: u32, v: vec4<f32>) {
             let at = at_row + col + j;
             var o = v[j];
             if ((p.flags & 1u) != 0u) {
-                o = c[at] + o;
+                o = c_ld(at) + o;
             } else if ((p.flags & 2u) != 0u) {
-                o = o + bias_at(p.bias + col + j);
+                o = o + bias_ld(p.bias + col + j);
             }
-            c[at] = o;
+            c_st(at, o);
         }
     }
 }
@@ -218,7 +217,7 @@ fn bias_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let j = i % p.n;
     var s = 0.0;
     for (var row = k * ROWS; row < min(p.m, (k + 1u) * ROWS); row = row + 1u) {
-        s = s + a_at(p.a + row * p.a_rs + j);
+        s = s + a_ld(p.a + row * p.a_rs + j);
     }
-    c[p.c + i] = s;
+    c_st(p.c + i, s);
 }
