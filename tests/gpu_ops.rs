@@ -757,6 +757,11 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
             let qkv = (nh + 2 * nkv) * hs;
             // Sequences of T positions from position 1 (the table's rows 1..T+1 fit one tiny binding).
             let (t, pos) = (if n % 4 == 0 { 4 } else { n }, 1);
+            // Attention: B sequences of T positions (B * T = n); a cache of `cap` positions
+            // whose last `tn` are new.
+            let (ab, at) = if n % 4 == 0 { (n / 4, 4) } else { (1, n) };
+            let cap = n.min(12);
+            let tn = cap - cap / 2;
             #[rustfmt::skip]
             let cases: Vec<Case> = vec![
                 ("layernorm_forward", vec![n * c, n * c, c, c], vec![n, n], vec![0], vec![0, 1], 0,
@@ -788,10 +793,30 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
                  Box::new(|g, a, _| g.gelu_forward(a[0], a[1]))),
                 ("gelu_backward", vec![n * c, n * c], vec![], vec![0], vec![], 0,
                  Box::new(|g, a, _| g.gelu_backward(a[0], a[1]))),
+                // Attention of 2 heads of C/2 (B sequences of T <= 12 positions, so that each
+                // sum over T is one dispatch even with the tiny options): one key/value head
+                // per query head, and one for both (whose backward sums the two heads' key and
+                // value gradients in an f32 copy of dqkv).
+                ("attention_forward", vec![n * c, n * 3 * c, n * c], vec![n * 2 * 2], vec![0], vec![0], 0,
+                 Box::new(move |g, a, s| g.attention_forward(a[0], s[0], a[2], a[1], ab, at, c, 2, 2))),
+                ("attention_forward (grouped)", vec![n * c, n * 2 * c, n * c], vec![n * 2 * 2], vec![0], vec![0], 0,
+                 Box::new(move |g, a, s| g.attention_forward(a[0], s[0], a[2], a[1], ab, at, c, 2, 1))),
+                ("attention_backward", vec![n * 3 * c, n * 3 * c, n * c, n * 3 * c], vec![n * 2 * 2], vec![0], vec![], 0,
+                 Box::new(move |g, a, s| g.attention_backward(a[0], a[1], a[2], a[3], s[0], ab, at, c, 2, 2))),
+                ("attention_backward (grouped)", vec![n * 2 * c, n * 3 * c, n * c, n * 2 * c], vec![n * 2 * 2],
+                 vec![0], vec![], n * 2 * c,
+                 Box::new(move |g, a, s| g.attention_backward(a[0], a[1], a[2], a[3], s[0], ab, at, c, 2, 1))),
+                // The last positions of one sequence of up to 12 against a cache of the first.
+                ("attention_forward_cached", vec![tn * c, tn * c, tn * 2 * c, cap * c / 2, cap * c / 2], vec![],
+                 vec![0, 3, 4], vec![], 0,
+                 Box::new(move |g, a, _| g.attention_forward_cached(a[0], a[1], a[2], a[3], a[4], cap - tn, tn, c, 2, 1, cap))),
             ];
             for (name, lens, stat_lens, written, written_stats, grad_copies, op) in &cases {
                 if hs == 0 && (name.starts_with("head") || name.starts_with("rope")) {
                     continue;
+                }
+                if name.starts_with("attention") && opts.max_binding.is_some() && c > 6 {
+                    continue; // a sequence's qkv must fit one (tiny) binding
                 }
                 let what = format!("{name} n={n} c={c}, {opts:?}");
                 let h = g.alloc_parts(&lens.iter().flat_map(|&l| [1, l]).collect::<Vec<_>>(), DType::BF16).unwrap();

@@ -15,8 +15,7 @@ pub const COMMON: &str = include_str!("kernels/common.wgsl");
 
 /// Every kernel module that declares its own buffers, by name (its file's), as the parts it is
 /// made of, in order.
-const FILES: [(&str, &[&str]); 7] = [
-    ("memory", &[include_str!("kernels/memory.wgsl")]),
+const FILES: [(&str, &[&str]); 6] = [
     ("bf16", &[include_str!("kernels/bf16.wgsl")]),
     ("encoder", &[include_str!("kernels/encoder.wgsl")]),
     ("attention", &[include_str!("kernels/attention.wgsl")]),
@@ -29,7 +28,8 @@ const FILES: [(&str, &[&str]); 7] = [
 /// buffers only through `NAME_ld(e)` and `NAME_st(e, v)`, so the same source builds the f32
 /// kernels (every buffer f32) and, per entry point, a bf16 variant ([`BF16`]). By name, with
 /// its source and its buffers' names (bindings 0, 1, ...).
-const TYPED: [(&str, &str, &[&str]); 7] = [
+const TYPED: [(&str, &str, &[&str]); 8] = [
+    ("memory", include_str!("kernels/memory.wgsl"), &["x", "y"]),
     ("matmul", include_str!("kernels/matmul.wgsl"), &["c", "a", "b", "bias"]),
     ("layernorm", include_str!("kernels/layernorm.wgsl"), &["b0", "b1", "b2", "b3", "b4", "b5"]),
     ("rmsnorm", include_str!("kernels/rmsnorm.wgsl"), &["b0", "b1", "b2", "b3", "b4", "b5"]),
@@ -60,7 +60,8 @@ use Io::{In16, Out16, F32 as F};
 /// (the op sums them into f32 copies of the gradients, rounded once, as the CPU does). The
 /// GEMM has a variant per operand types it is given (see [`gemm`]).
 #[rustfmt::skip]
-const BF16: [(K, K, &[Io]); 20] = [
+const BF16: [(K, K, &[Io]); 21] = [
+    (K::CopyRowsBf16, K::CopyRows, &[Out16, In16]),
     (K::LayernormForwardBf16, K::LayernormForward, &[Out16, F, F, In16, In16, In16]),
     (K::LayernormBackwardInputBf16, K::LayernormBackwardInput, &[Out16, In16, In16, In16, F, F]),
     (K::LayernormBackwardParamsBf16, K::LayernormBackwardParams, &[F, F, In16, In16, F, F]),
@@ -192,6 +193,7 @@ pub enum K {
     ResidualForwardBf16,
     GeluForwardBf16,
     GeluBackwardBf16,
+    CopyRowsBf16,
     /// The GEMM reading bf16 A, B and bias into an f32 C; BiasBackward reading a bf16 dout.
     MatmulBf16,
     BiasBackwardBf16,

@@ -293,11 +293,13 @@ impl GpuBackend {
         self.dispatch(K::ColumnSums, &[d, p], &imm, Threads(n));
     }
 
-    /// Record a copy of `rows` rows of `cols` elements: dst[r*d_rs + j] = src[r*s_rs + j].
+    /// Record a copy of `rows` rows of `cols` elements: dst[r*d_rs + j] = src[r*s_rs + j]
+    /// (both f32, or both bf16: the copy of a bf16 value is exact).
     fn copy_rows(&mut self, dst: Buf, d_rs: usize, src: Buf, s_rs: usize, rows: usize, cols: usize) {
         let (d, s) = (self.win(dst), self.win(src));
         let imm = [d.off, u(cols), 0, u(rows), u(d_rs), s.off, u(s_rs)];
-        self.dispatch(K::CopyRows, &[d, s], &imm, Threads(rows * cols));
+        let kernel = K::CopyRows.on(dst.dtype == DType::BF16);
+        self.dispatch(kernel, &[d, s], &imm, Threads(rows * cols));
     }
 }
 
@@ -727,6 +729,11 @@ impl Backend for GpuBackend {
         nh: usize,
         nkv: usize,
     ) {
+        // bf16 q, k, v read and out written by the GEMMs themselves (the scores and
+        // probabilities are f32 tiles), where out's sums over T are one dispatch each.
+        if all_bf16(&[out, qkv]) && all_f32(&[stats]) && t <= self.cuts.k_per_dispatch {
+            return self.attention_forward_(out, stats, ws, qkv, b, t, c, nh, nkv);
+        }
         let bufs = [(out, Out), (stats, Out), (ws, Scratch), (qkv, In)];
         self.in_f32("attention_forward", bufs, Nearest, |s, [out, stats, ws, qkv]| {
             s.attention_forward_(out, stats, ws, qkv, b, t, c, nh, nkv)
@@ -745,6 +752,18 @@ impl Backend for GpuBackend {
         nh: usize,
         nkv: usize,
     ) {
+        if all_bf16(&[dqkv, dout, qkv]) && all_f32(&[stats]) {
+            // bf16 qkv and dout read by the GEMMs themselves; dqkv written by them where each
+            // element is one sum of one dispatch: with one query head per key/value head (the
+            // key and value gradients of grouped heads add up over the heads, in f32 in a copy,
+            // rounded once) and T at most a dispatch's sum.
+            if nh == nkv && t <= self.cuts.k_per_dispatch {
+                return self.attention_backward_(dqkv, workspace, dout, qkv, stats, b, t, c, nh, nkv);
+            }
+            return self.in_f32("attention_backward", [(dqkv, Out)], Nearest, |s, [dqkv]| {
+                s.attention_backward_(dqkv, workspace, dout, qkv, stats, b, t, c, nh, nkv)
+            });
+        }
         let bufs = [(dqkv, Out), (workspace, Scratch), (dout, In), (qkv, In), (stats, In)];
         self.in_f32("attention_backward", bufs, Nearest, |s, [dqkv, ws, dout, qkv, stats]| {
             s.attention_backward_(dqkv, ws, dout, qkv, stats, b, t, c, nh, nkv)
@@ -768,6 +787,11 @@ impl Backend for GpuBackend {
         // they are widened and rounded back; the kernels read no further).
         let kv = c.checked_div(nh).unwrap_or(0) * nkv;
         let held = ((pos + tn) * kv).min(k_cache.len).min(v_cache.len);
+        if all_bf16(&[out, qkv, k_cache, v_cache]) && pos + tn <= self.cuts.k_per_dispatch {
+            // All read and written as they are (the new keys and values copied into the
+            // caches as bf16, exactly), the scores in an f32 tile.
+            return self.attention_forward_cached_(out, workspace, qkv, k_cache, v_cache, pos, tn, c, nh, nkv, max_t);
+        }
         #[rustfmt::skip]
         let bufs = [
             (out, Out), (workspace, Scratch), (qkv, In),

@@ -12,8 +12,6 @@ struct Params {
 }
 var<immediate> p: Params;
 
-@group(0) @binding(0) var<storage, read_write> x: array<f32>;
-@group(0) @binding(1) var<storage, read_write> y: array<f32>;
 
 // x[dst + i] = value for i < n.
 @compute @workgroup_size(WG)
@@ -21,7 +19,7 @@ fn fill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         @builtin(local_invocation_index) tid: u32) {
     let i = group_id(wid, nwg) * WG + tid;
     if (i < p.n) {
-        x[p.dst + i] = p.value;
+        x_st(p.dst + i, p.value);
     }
 }
 
@@ -33,7 +31,7 @@ fn copy_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     if (i < p.rows * p.n) {
         let r = i / p.n;
         let j = i % p.n;
-        x[p.dst + r * p.d_rs + j] = y[p.src + r * p.s_rs + j];
+        x_st(p.dst + r * p.d_rs + j, y_ld(p.src + r * p.s_rs + j));
     }
 }
 
@@ -48,10 +46,10 @@ fn column_sums(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     }
     var s = 0.0;
     for (var r = 0u; r < p.rows; r = r + 1u) {
-        s = s + y[p.src + r * p.n + j];
+        s = s + y_ld(p.src + r * p.n + j);
     }
     if ((p.flags & 1u) != 0u) {
-        s = x[p.dst + j] + s;
+        s = x_ld(p.dst + j) + s;
     }
-    x[p.dst + j] = s;
+    x_st(p.dst + j, s);
 }
