@@ -731,8 +731,8 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
     }
 }
 
-/// The kernels with bf16 variants (the norms, RoPE, SwiGLU, GELU, the residual add) read and
-/// write bf16 activations themselves: no f32 copy is made but those of
+/// The kernels with bf16 variants (the embedding, the norms, RoPE, SwiGLU, GELU, the residual
+/// add, attention, cross-entropy) read and write bf16 activations themselves: no f32 copy is made but those of
 /// the norms' parameter gradients (C values each, summed over every row in f32 and rounded
 /// once), and the results are the bits of the f32 kernels on widened copies, rounded once to
 /// nearest even (the parameter gradients with tiny bindings aside: see below); the f32
@@ -743,6 +743,12 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
 fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
     use llmrs::gpu::GpuBackend;
     type Run = Box<dyn Fn(&mut GpuBackend, &[Buf], &[Buf])>;
+    // Token ids for n rows of a vocabulary of v.
+    fn targets(g: &mut GpuBackend, n: usize, v: usize) -> Buf {
+        let tg = g.alloc(n, DType::U32).unwrap();
+        g.upload_u32(tg, &(0..n).map(|i| ((i * 5 + 1) % v) as u32).collect::<Vec<_>>());
+        tg
+    }
     // (name, activation lengths, f32 stat lengths, written activations, written stats,
     // parameter-gradient lengths (their f32 copies), the op on (activations, stats))
     type Case = (&'static str, Vec<usize>, Vec<usize>, Vec<usize>, Vec<usize>, usize, Run);
@@ -806,6 +812,26 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
                 ("attention_backward (grouped)", vec![n * 2 * c, n * 3 * c, n * c, n * 2 * c], vec![n * 2 * 2],
                  vec![0], vec![], n * 2 * c,
                  Box::new(move |g, a, s| g.attention_backward(a[0], a[1], a[2], a[3], s[0], ab, at, c, 2, 1))),
+                // The embedding of n tokens of a vocabulary of 5 (GPT-2's, with positions).
+                ("encoder_forward", vec![n * c, 5 * c, at * c], vec![], vec![0], vec![], 0,
+                 Box::new(move |g, a, _| {
+                     let tokens = targets(g, n, 5);
+                     g.encoder_forward(a[0], tokens, a[1], Some(a[2]), ab, at, c);
+                     g.free(tokens);
+                 })),
+                // Cross-entropy over V = c of Vp = c + 3 logits (the targets uploaded in the op).
+                ("crossentropy_forward", vec![n * (c + 3)], vec![n, n], vec![], vec![0, 1], 0,
+                 Box::new(move |g, a, s| {
+                     let tg = targets(g, n, c);
+                     g.crossentropy_forward(s[0], s[1], a[0], tg, n, c, c + 3);
+                     g.free(tg);
+                 })),
+                ("crossentropy_backward", vec![n * (c + 3)], vec![n], vec![0], vec![], 0,
+                 Box::new(move |g, a, s| {
+                     let tg = targets(g, n, c);
+                     g.crossentropy_backward(a[0], s[0], tg, 0.3, n, c, c + 3);
+                     g.free(tg);
+                 })),
                 // The last positions of one sequence of up to 12 against a cache of the first.
                 ("attention_forward_cached", vec![tn * c, tn * c, tn * 2 * c, cap * c / 2, cap * c / 2], vec![],
                  vec![0, 3, 4], vec![], 0,
@@ -815,8 +841,10 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
                 if hs == 0 && (name.starts_with("head") || name.starts_with("rope")) {
                     continue;
                 }
-                if name.starts_with("attention") && opts.max_binding.is_some() && c > 6 {
-                    continue; // a sequence's qkv must fit one (tiny) binding
+                if opts.max_binding.is_some()
+                    && (name.starts_with("attention") && c > 6 || name.starts_with("encoder") && c > 34)
+                {
+                    continue; // a sequence's qkv, and wpe, must fit one (tiny) binding
                 }
                 let what = format!("{name} n={n} c={c}, {opts:?}");
                 let h = g.alloc_parts(&lens.iter().flat_map(|&l| [1, l]).collect::<Vec<_>>(), DType::BF16).unwrap();

@@ -2,7 +2,7 @@
 //! the forward, the logits' gradient in place in the backward.
 
 use super::{u, GpuBackend, Groups, Threads, K};
-use crate::backend::Buf;
+use crate::backend::{Buf, DType};
 
 impl GpuBackend {
     /// losses (N) = -log softmax(logits (N, Vp)[:, :V])[targets (N)]; lse (N) kept.
@@ -27,7 +27,7 @@ impl GpuBackend {
                 self.win(targets.slice(r)),
             ];
             let imm = [wins[0].off, wins[1].off, wins[2].off, wins[3].off, u(rows), u(v), u(vp)];
-            self.dispatch(K::CrossentropyForward, &wins, &imm, Groups(rows));
+            self.dispatch(K::CrossentropyForward.on(logits.dtype == DType::BF16), &wins, &imm, Groups(rows));
         }
     }
 
@@ -52,7 +52,12 @@ impl GpuBackend {
             let s = self.win(lse.slice(r.clone()));
             let t = self.win(targets.slice(r));
             let imm = [x.off, s.off, 0, t.off, u(rows), u(v), u(vp), dloss.to_bits()];
-            self.dispatch(K::CrossentropyBackward, &[x, s, dummy.clone(), t], &imm, Threads(rows * vp));
+            self.dispatch(
+                K::CrossentropyBackward.on(logits.dtype == DType::BF16),
+                &[x, s, dummy.clone(), t],
+                &imm,
+                Threads(rows * vp),
+            );
         }
     }
 

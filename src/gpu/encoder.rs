@@ -24,6 +24,7 @@ impl GpuBackend {
             return;
         }
         let pe = u(wpe.is_some() as usize);
+        let kernel = K::EncoderForward.on(out.dtype == DType::BF16);
         let wpe = match wpe {
             Some(w) => self.win(w),
             None => self.mem.dummy.clone(),
@@ -36,7 +37,7 @@ impl GpuBackend {
             for rows in &table {
                 let w = self.win(wte.slice(rows.start * c..rows.end * c));
                 let imm = [o.off, i.off, w.off, wpe.off, u(n), u(t), u(c), u(rows.start), u(rows.end), 0, pe];
-                self.dispatch(K::EncoderForward, &[o.clone(), i.clone(), w, wpe.clone()], &imm, Threads(n * c));
+                self.dispatch(kernel, &[o.clone(), i.clone(), w, wpe.clone()], &imm, Threads(n * c));
             }
         }
     }

@@ -15,28 +15,30 @@ pub const COMMON: &str = include_str!("kernels/common.wgsl");
 
 /// Every kernel module that declares its own buffers, by name (its file's), as the parts it is
 /// made of, in order.
-const FILES: [(&str, &[&str]); 6] = [
+const FILES: [(&str, &[&str]); 4] = [
     ("bf16", &[include_str!("kernels/bf16.wgsl")]),
-    ("encoder", &[include_str!("kernels/encoder.wgsl")]),
     ("attention", &[include_str!("kernels/attention.wgsl")]),
-    ("classifier", &[include_str!("kernels/classifier.wgsl")]),
     ("adamw", &[include_str!("kernels/adamw.wgsl")]),
     ("lora", &[include_str!("kernels/lora.wgsl")]),
 ];
 
 /// The modules whose buffers are typed by a prelude ([`prelude`]): each reads and writes its
-/// buffers only through `NAME_ld(e)` and `NAME_st(e, v)`, so the same source builds the f32
-/// kernels (every buffer f32) and, per entry point, a bf16 variant ([`BF16`]). By name, with
-/// its source and its buffers' names (bindings 0, 1, ...).
-const TYPED: [(&str, &str, &[&str]); 8] = [
-    ("memory", include_str!("kernels/memory.wgsl"), &["x", "y"]),
-    ("matmul", include_str!("kernels/matmul.wgsl"), &["c", "a", "b", "bias"]),
-    ("layernorm", include_str!("kernels/layernorm.wgsl"), &["b0", "b1", "b2", "b3", "b4", "b5"]),
-    ("rmsnorm", include_str!("kernels/rmsnorm.wgsl"), &["b0", "b1", "b2", "b3", "b4", "b5"]),
-    ("rope", include_str!("kernels/rope.wgsl"), &["x", "tab"]),
-    ("swiglu", include_str!("kernels/swiglu.wgsl"), &["b0", "b1", "b2"]),
-    ("residual", include_str!("kernels/residual.wgsl"), &["out", "a", "b"]),
-    ("gelu", include_str!("kernels/gelu.wgsl"), &["x", "y"]),
+/// f32 or bf16 buffers only through `NAME_ld(e)` and `NAME_st(e, v)` (u32 ones, token ids, as
+/// arrays), so the same source builds the f32 kernels and, per entry point, a bf16 variant
+/// ([`BF16`]). By name, with its source and its buffers (bindings 0, 1, ...) as the f32
+/// kernels hold them.
+#[rustfmt::skip]
+const TYPED: [(&str, &str, &[(&str, Io)]); 10] = [
+    ("encoder", include_str!("kernels/encoder.wgsl"), &[("x", F), ("ids", U32), ("y", F), ("z", F)]),
+    ("memory", include_str!("kernels/memory.wgsl"), &[("x", F), ("y", F)]),
+    ("matmul", include_str!("kernels/matmul.wgsl"), &[("c", F), ("a", F), ("b", F), ("bias", F)]),
+    ("layernorm", include_str!("kernels/layernorm.wgsl"), &[("b0", F), ("b1", F), ("b2", F), ("b3", F), ("b4", F), ("b5", F)]),
+    ("rmsnorm", include_str!("kernels/rmsnorm.wgsl"), &[("b0", F), ("b1", F), ("b2", F), ("b3", F), ("b4", F), ("b5", F)]),
+    ("rope", include_str!("kernels/rope.wgsl"), &[("x", F), ("tab", F)]),
+    ("swiglu", include_str!("kernels/swiglu.wgsl"), &[("b0", F), ("b1", F), ("b2", F)]),
+    ("residual", include_str!("kernels/residual.wgsl"), &[("out", F), ("a", F), ("b", F)]),
+    ("gelu", include_str!("kernels/gelu.wgsl"), &[("x", F), ("y", F)]),
+    ("classifier", include_str!("kernels/classifier.wgsl"), &[("x", F), ("y", F), ("z", F), ("targets", U32)]),
 ];
 
 /// How a kernel of a [`TYPED`] module holds one of its buffers.
@@ -51,8 +53,10 @@ enum Io {
     /// not race, and a word shared with a neighbouring tensor keeps that tensor's half. Each
     /// value is rounded to nearest even once, when stored.
     Out16,
+    /// u32 (token ids), read as an array.
+    U32,
 }
-use Io::{In16, Out16, F32 as F};
+use Io::{In16, Out16, F32 as F, U32};
 
 /// The bf16 variants of the [`TYPED`] kernels: (the variant, its f32 kernel, how it holds each
 /// buffer of its module, bound or not). A variant is its own module, named as the variant.
@@ -60,8 +64,14 @@ use Io::{In16, Out16, F32 as F};
 /// (the op sums them into f32 copies of the gradients, rounded once, as the CPU does). The
 /// GEMM has a variant per operand types it is given (see [`gemm`]).
 #[rustfmt::skip]
-const BF16: [(K, K, &[Io]); 21] = [
+const BF16: [(K, K, &[Io]); 24] = [
     (K::CopyRowsBf16, K::CopyRows, &[Out16, In16]),
+    // out, inp, wte, wpe (the backward adds up a token's rows piece after piece of positions:
+    // through f32 copies of the gradients, rounded once).
+    (K::EncoderForwardBf16, K::EncoderForward, &[Out16, U32, In16, In16]),
+    // losses, lse, logits, targets; logits (in place), lse, -, targets.
+    (K::CrossentropyForwardBf16, K::CrossentropyForward, &[F, F, In16, U32]),
+    (K::CrossentropyBackwardBf16, K::CrossentropyBackward, &[Out16, F, F, U32]),
     (K::LayernormForwardBf16, K::LayernormForward, &[Out16, F, F, In16, In16, In16]),
     (K::LayernormBackwardInputBf16, K::LayernormBackwardInput, &[Out16, In16, In16, In16, F, F]),
     (K::LayernormBackwardParamsBf16, K::LayernormBackwardParams, &[F, F, In16, In16, F, F]),
@@ -105,6 +115,7 @@ fn prelude(names: &[&str], io: &[Io]) -> String {
     for (i, (name, io)) in names.iter().zip(io).enumerate() {
         let decl = |ty: &str| format!("@group(0) @binding({i}) var<storage, read_write> {name}: array<{ty}>;\n");
         s += &match io {
+            Io::U32 => decl("u32"),
             Io::F32 => decl("f32")
                 + &format!("fn {name}_ld(e: u32) -> f32 {{ return {name}[e]; }}\n")
                 + &format!("fn {name}_st(e: u32, v: f32) {{ {name}[e] = v; }}\n"),
@@ -127,13 +138,18 @@ fn prelude(names: &[&str], io: &[Io]) -> String {
 /// pipelines are built from, and what the tests translate for Metal, Vulkan and DX12.
 pub fn wgsl_modules() -> Vec<(String, String)> {
     let own = FILES.iter().map(|(name, parts)| (name.to_string(), parts.join("\n")));
-    let typed =
-        TYPED.iter().map(|(name, src, names)| (name.to_string(), prelude(names, &vec![Io::F32; names.len()]) + src));
+    let names = |b: &'static [(&'static str, Io)]| b.iter().map(|x| x.0).collect::<Vec<_>>();
+    let typed = TYPED.iter().map(|(name, src, b)| {
+        let io: Vec<Io> = b.iter().map(|x| x.1).collect();
+        (name.to_string(), prelude(&names(b), &io) + src)
+    });
     let bf16 = BF16.iter().map(|&(k, f32_kernel, io)| {
         let (_, module, ..) = TABLE[index(f32_kernel)];
-        let (_, src, names) = TYPED.iter().find(|t| t.0 == module).expect("a bf16 variant is of a typed module");
-        assert!(names.len() == io.len(), "{k:?}: one Io per buffer of {module}");
-        (format!("{k:?}"), prelude(names, io) + src)
+        let (_, src, b) = TYPED.iter().find(|t| t.0 == module).expect("a bf16 variant is of a typed module");
+        assert!(b.len() == io.len(), "{k:?}: one Io per buffer of {module}");
+        let same_u32 = b.iter().zip(io).all(|(x, io)| (x.1 == Io::U32) == (*io == Io::U32));
+        assert!(same_u32, "{k:?}: the u32 buffers of {module} stay u32");
+        (format!("{k:?}"), prelude(&names(b), io) + src)
     });
     own.chain(typed).chain(bf16).map(|(name, src)| (name, format!("{COMMON}\n{src}"))).collect()
 }
@@ -194,6 +210,9 @@ pub enum K {
     GeluForwardBf16,
     GeluBackwardBf16,
     CopyRowsBf16,
+    EncoderForwardBf16,
+    CrossentropyForwardBf16,
+    CrossentropyBackwardBf16,
     /// The GEMM reading bf16 A, B and bias into an f32 C; BiasBackward reading a bf16 dout.
     MatmulBf16,
     BiasBackwardBf16,
@@ -350,8 +369,9 @@ fn rows() -> &'static [Row] {
         let own = TABLE.iter().map(|t| (t.0, t.1.to_string(), t.2, t.3, t.4, t.5));
         own.chain(BF16.iter().map(|&(k, f32_kernel, io)| {
             let (_, _, entry, n, ..) = TABLE[index(f32_kernel)];
-            let bf16 = io.iter().enumerate().filter(|(_, x)| **x != Io::F32).fold(0u8, |m, (i, _)| m | 1 << i);
-            (k, format!("{k:?}"), entry, n, 0, bf16)
+            let mask =
+                |want: &[Io]| io.iter().enumerate().filter(|(_, x)| want.contains(x)).fold(0u8, |m, (i, _)| m | 1 << i);
+            (k, format!("{k:?}"), entry, n, mask(&[U32]), mask(&[In16, Out16]))
         }))
         .collect()
     })

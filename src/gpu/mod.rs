@@ -428,6 +428,10 @@ impl Backend for GpuBackend {
     // (In, Out, InOut, Scratch).
 
     fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize) {
+        if all_bf16(&[out, wte, opt(wpe)]) {
+            // The bf16 tables read and out written as they are.
+            return self.encoder_forward_(out, inp, wte, wpe, b, t, c);
+        }
         let bufs = [(out, Out), (inp, In), (wte, In), (opt(wpe), In)];
         self.in_f32("encoder_forward", bufs, Nearest, |s, [out, inp, wte, p]| {
             s.encoder_forward_(out, inp, wte, back(wpe, p), b, t, c)
@@ -802,12 +806,20 @@ impl Backend for GpuBackend {
         })
     }
     fn crossentropy_forward(&mut self, losses: Buf, lse: Buf, logits: Buf, tg: Buf, n: usize, v: usize, vp: usize) {
+        if all_bf16(&[logits]) && all_f32(&[losses, lse]) {
+            // The bf16 logits read as they are.
+            return self.crossentropy_forward_(losses, lse, logits, tg, n, v, vp);
+        }
         let bufs = [(losses, Out), (lse, Out), (logits, In), (tg, In)];
         self.in_f32("crossentropy_forward", bufs, Nearest, |s, [losses, lse, logits, tg]| {
             s.crossentropy_forward_(losses, lse, logits, tg, n, v, vp)
         })
     }
     fn crossentropy_backward(&mut self, logits: Buf, lse: Buf, tg: Buf, dloss: f32, n: usize, v: usize, vp: usize) {
+        if all_bf16(&[logits]) && all_f32(&[lse]) {
+            // The bf16 logits become their bf16 gradient in place.
+            return self.crossentropy_backward_(logits, lse, tg, dloss, n, v, vp);
+        }
         let bufs = [(logits, InOut), (lse, In), (tg, In)];
         self.in_f32("crossentropy_backward", bufs, Nearest, |s, [logits, lse, tg]| {
             s.crossentropy_backward_(logits, lse, tg, dloss, n, v, vp)

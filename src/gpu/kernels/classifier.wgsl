@@ -14,10 +14,6 @@ struct Params {
 }
 var<immediate> p: Params;
 
-@group(0) @binding(0) var<storage, read_write> x: array<f32>;
-@group(0) @binding(1) var<storage, read_write> y: array<f32>;
-@group(0) @binding(2) var<storage, read_write> z: array<f32>;
-@group(0) @binding(3) var<storage, read_write> targets: array<u32>;
 
 // losses = lse - logits[target], lse = log sum exp of the first V logits of the row.
 @compute @workgroup_size(WG)
@@ -30,18 +26,18 @@ fn crossentropy_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     let r0 = p.o2 + row * p.vp;
     var m = NEG_INF;
     for (var j = tid; j < p.v; j = j + WG) {
-        m = max(m, z[r0 + j]);
+        m = max(m, z_ld(r0 + j));
     }
     let maxv = wg_max(m, tid);
     var s = 0.0;
     for (var j = tid; j < p.v; j = j + WG) {
-        s = s + exp_(z[r0 + j] - maxv);
+        s = s + exp_(z_ld(r0 + j) - maxv);
     }
     let total = wg_sum(s, tid);
     if (tid == 0u) {
         let lse = log(total) + maxv;
-        y[p.o1 + row] = lse;
-        x[p.o0 + row] = lse - z[r0 + targets[p.o3 + row]];
+        y_st(p.o1 + row, lse);
+        x_st(p.o0 + row, lse - z_ld(r0 + targets[p.o3 + row]));
     }
 }
 
@@ -57,14 +53,14 @@ fn crossentropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
     let col = i % p.vp;
     let at = p.o0 + i;
     if (col >= p.v) {
-        x[at] = 0.0;
+        x_st(at, 0.0);
         return;
     }
-    var g = exp_(x[at] - y[p.o1 + row]) * p.w;
+    var g = exp_(x_ld(at) - y_ld(p.o1 + row)) * p.w;
     if (col == targets[p.o3 + row]) {
         g = g - p.w;
     }
-    x[at] = g;
+    x_st(at, g);
 }
 
 // acc += weight * mean(x (N)), summed in a fixed order by one workgroup.
@@ -72,10 +68,10 @@ fn crossentropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wor
 fn accumulate_mean(@builtin(local_invocation_index) tid: u32) {
     var s = 0.0;
     for (var j = tid; j < p.n; j = j + WG) {
-        s = s + y[p.o1 + j];
+        s = s + y_ld(p.o1 + j);
     }
     let total = wg_sum(s, tid);
     if (tid == 0u) {
-        x[p.o0] = x[p.o0] + p.w * (total / f32(max(p.n, 1u)));
+        x_st(p.o0, x_ld(p.o0) + p.w * (total / f32(max(p.n, 1u))));
     }
 }

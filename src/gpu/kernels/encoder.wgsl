@@ -17,10 +17,9 @@ struct Params {
 }
 var<immediate> p: Params;
 
-@group(0) @binding(0) var<storage, read_write> x: array<f32>;   // out, dwte or dwpe
-@group(0) @binding(1) var<storage, read_write> ids: array<u32>; // inp or buckets
-@group(0) @binding(2) var<storage, read_write> y: array<f32>;   // wte or dout
-@group(0) @binding(3) var<storage, read_write> z: array<f32>;   // wpe
+// Buffers (declared before this file: src/gpu/kernels.rs): x: out, dwte or dwpe; ids (u32):
+// inp or buckets; y: wte or dout; z: wpe.
+
 
 // out[n, c] = wte[inp[n], c] (+ wpe[n % T, c]), for the positions whose token is in lo..hi.
 @compute @workgroup_size(WG)
@@ -36,11 +35,11 @@ fn encoder_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     if (tok < p.lo || tok >= p.hi) {
         return;
     }
-    var e = y[p.o2 + (tok - p.lo) * p.c + ch];
+    var e = y_ld(p.o2 + (tok - p.lo) * p.c + ch);
     if (p.pe != 0u) {
-        e = e + z[p.o3 + (pos % p.t) * p.c + ch];
+        e = e + z_ld(p.o3 + (pos % p.t) * p.c + ch);
     }
-    x[p.o0 + i] = e;
+    x_st(p.o0 + i, e);
 }
 
 // dwte[tok] += the rows of dout at the positions holding tok, added one after another in
@@ -62,11 +61,11 @@ fn encoder_backward_wte(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     let starts = p.o1 + p.n;
     let positions = starts + p.n + 1u;
     let at = p.o0 + (tok - p.lo) * p.c + ch;
-    var acc = x[at];
+    var acc = x_ld(at);
     for (var j = ids[starts + k]; j < ids[starts + k + 1u]; j = j + 1u) {
-        acc = acc + y[p.o2 + ids[positions + j] * p.c + ch];
+        acc = acc + y_ld(p.o2 + ids[positions + j] * p.c + ch);
     }
-    x[at] = acc;
+    x_st(at, acc);
 }
 
 // dwpe[t, c] += the sum over b of dout[b, t, c], in batch order.
@@ -77,9 +76,9 @@ fn encoder_backward_wpe(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     if (i >= p.n * p.c) {
         return;
     }
-    var acc = x[p.o0 + i];
+    var acc = x_ld(p.o0 + i);
     for (var bi = 0u; bi < p.b; bi = bi + 1u) {
-        acc = acc + y[p.o2 + bi * p.n * p.c + i];
+        acc = acc + y_ld(p.o2 + bi * p.n * p.c + i);
     }
-    x[p.o0 + i] = acc;
+    x_st(p.o0 + i, acc);
 }
