@@ -22,13 +22,16 @@ const FILES: [(&str, &[&str]); 4] = [
     ("lora", &[include_str!("kernels/lora.wgsl")]),
 ];
 
+/// A module's buffers, by name, as its f32 kernels hold them.
+type Buffers = &'static [(&'static str, Io)];
+
 /// The modules whose buffers are typed by a prelude ([`prelude`]): each reads and writes its
 /// f32 or bf16 buffers only through `NAME_ld(e)` and `NAME_st(e, v)` (u32 ones, token ids, as
 /// arrays), so the same source builds the f32 kernels and, per entry point, a bf16 variant
 /// ([`BF16`]). By name, with its source and its buffers (bindings 0, 1, ...) as the f32
 /// kernels hold them.
 #[rustfmt::skip]
-const TYPED: [(&str, &str, &[(&str, Io)]); 10] = [
+const TYPED: [(&str, &str, Buffers); 10] = [
     ("encoder", include_str!("kernels/encoder.wgsl"), &[("x", F), ("ids", U32), ("y", F), ("z", F)]),
     ("memory", include_str!("kernels/memory.wgsl"), &[("x", F), ("y", F)]),
     ("matmul", include_str!("kernels/matmul.wgsl"), &[("c", F), ("a", F), ("b", F), ("bias", F)]),
