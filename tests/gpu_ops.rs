@@ -732,7 +732,7 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
 }
 
 /// The kernels with bf16 variants (the embedding, the norms, RoPE, SwiGLU, GELU, the residual
-/// add, attention, cross-entropy) read and write bf16 activations themselves: no f32 copy is made but those of
+/// add, attention, cross-entropy, the global norm, AdamW) read and write bf16 tensors themselves: no f32 copy is made but those of
 /// the norms' parameter gradients (C values each, summed over every row in f32 and rounded
 /// once), and the results are the bits of the f32 kernels on widened copies, rounded once to
 /// nearest even (the parameter gradients with tiny bindings aside: see below); the f32
@@ -767,6 +767,18 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
             // whose last `tn` are new.
             let (ab, at) = if n % 4 == 0 { (n / 4, 4) } else { (1, n) };
             let cap = n.min(12);
+            let adamw = AdamWParams {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                grad_clip: 1.0,
+                t: 3,
+                skip: SkipAbove::NON_FINITE,
+                seed: 0x5EED,
+                place: Some(1000),
+            };
             let tn = cap - cap / 2;
             #[rustfmt::skip]
             let cases: Vec<Case> = vec![
@@ -832,6 +844,14 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
                      g.crossentropy_backward(a[0], s[0], tg, 0.3, n, c, c + 3);
                      g.free(tg);
                  })),
+                // The global norm of bf16 gradients; AdamW from them, of f32 master weights and
+                // of bf16 parameters (rounded stochastically with the noise of their places).
+                ("global_norm_squared", vec![n * c], vec![1], vec![], vec![0], 0,
+                 Box::new(|g, a, s| g.global_norm_squared(s[0], a[0], false))),
+                ("adamw_update (master weights)", vec![n * c], vec![n * c, n * c, n * c, 2], vec![], vec![0, 1, 2], 0,
+                 Box::new(move |g, a, s| g.adamw_update(s[0], a[0], s[1], s[2], s[3], &adamw))),
+                ("adamw_update (bf16 parameters)", vec![n * c, n * c], vec![n * c, n * c, 2], vec![0], vec![0, 1], 0,
+                 Box::new(move |g, a, s| g.adamw_update(a[0], a[1], s[0], s[1], s[2], &adamw))),
                 // The last positions of one sequence of up to 12 against a cache of the first.
                 ("attention_forward_cached", vec![tn * c, tn * c, tn * 2 * c, cap * c / 2, cap * c / 2], vec![],
                  vec![0, 3, 4], vec![], 0,
@@ -895,7 +915,9 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
                 };
                 for &i in written {
                     let t = g.alloc(lens[i], DType::BF16).unwrap();
-                    g.convert(t, fs[i], None);
+                    // bf16 parameters are rounded stochastically, keyed by the place given.
+                    let noise = name.contains("bf16 parameters").then_some(Noise { seed: adamw.seed, first: 1000 });
+                    g.convert(t, fs[i], noise);
                     let (got, want) = (bits(&mut g, hs_[i]), bits(&mut g, t));
                     g.free(t);
                     if i > 0 && opts.max_binding.is_some() {

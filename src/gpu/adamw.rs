@@ -21,7 +21,7 @@ impl GpuBackend {
             let np = n.div_ceil(SQ_CHUNK);
             let (pw, g) = (self.win(partials.slice(at..at + np)), self.win(grads.slice(r)));
             let imm = [pw.off, g.off, 0, 0, 0, u(n)];
-            self.dispatch(K::SumSquares, &[pw, g], &imm, Groups(np));
+            self.dispatch(K::SumSquares.on(grads.dtype == DType::BF16), &[pw, g], &imm, Groups(np));
             at += np;
         }
         let (o, pw) = (self.win(out), self.win(partials.prefix(at)));
@@ -40,20 +40,31 @@ impl GpuBackend {
         let bc1 = 1.0 - h.beta1.powi(h.t);
         let bc2 = 1.0 - h.beta2.powi(h.t);
         let s = self.win(stats);
+        // f32 or bf16 parameters (bf16 rounded stochastically, element i of the tensor with
+        // the noise of index place + i: gpu/bf16.rs: Rounding), f32 or bf16 gradients.
+        let kernel = match (params.dtype, grads.dtype) {
+            (DType::F32, DType::F32) => K::Adamw,
+            (DType::F32, DType::BF16) => K::AdamwBf16Grads,
+            (DType::BF16, DType::BF16) => K::AdamwBf16,
+            x => panic!("adamw of {x:?} parameters and gradients"),
+        };
+        let place = h.place.unwrap_or(params.off as u64);
         for r in self.mem.pieces(&[params, grads, m, v], params.len) {
             let n = r.end - r.start;
             let wp = self.win(params.slice(r.clone()));
             let wm = self.win(m.slice(r.clone()));
             let wv = self.win(v.slice(r.clone()));
+            // The GPU's noise indices stay below 2^32 (its allocations, the parameters).
+            let first = u32::try_from(place + r.start as u64).expect("stochastic rounding's index fits 32 bits");
             let wg = self.win(grads.slice(r));
             #[rustfmt::skip]
             let imm = [
                 wp.off, wm.off, wv.off, wg.off, s.off, u(n),
                 h.lr.to_bits(), h.beta1.to_bits(), h.beta2.to_bits(), h.eps.to_bits(), h.weight_decay.to_bits(),
                 h.grad_clip.to_bits(), bc1.to_bits(), bc2.to_bits(), limit(h.skip.loss).to_bits(),
-                limit(h.skip.norm_sq).to_bits(), 0,
+                limit(h.skip.norm_sq).to_bits(), 0, h.seed, first,
             ];
-            self.dispatch(K::Adamw, &[wp, wm, wv, wg, s.clone()], &imm, Threads(n));
+            self.dispatch(kernel, &[wp, wm, wv, wg, s.clone()], &imm, Threads(n));
         }
     }
 }

@@ -15,10 +15,9 @@ pub const COMMON: &str = include_str!("kernels/common.wgsl");
 
 /// Every kernel module that declares its own buffers, by name (its file's), as the parts it is
 /// made of, in order.
-const FILES: [(&str, &[&str]); 4] = [
+const FILES: [(&str, &[&str]); 3] = [
     ("bf16", &[include_str!("kernels/bf16.wgsl")]),
     ("attention", &[include_str!("kernels/attention.wgsl")]),
-    ("adamw", &[include_str!("kernels/adamw.wgsl")]),
     ("lora", &[include_str!("kernels/lora.wgsl")]),
 ];
 
@@ -31,7 +30,8 @@ type Buffers = &'static [(&'static str, Io)];
 /// ([`BF16`]). By name, with its source and its buffers (bindings 0, 1, ...) as the f32
 /// kernels hold them.
 #[rustfmt::skip]
-const TYPED: [(&str, &str, Buffers); 10] = [
+const TYPED: [(&str, &str, Buffers); 11] = [
+    ("adamw", include_str!("kernels/adamw.wgsl"), &[("b0", F), ("b1", F), ("b2", F), ("b3", F), ("b4", F)]),
     ("encoder", include_str!("kernels/encoder.wgsl"), &[("x", F), ("ids", U32), ("y", F), ("z", F)]),
     ("memory", include_str!("kernels/memory.wgsl"), &[("x", F), ("y", F)]),
     ("matmul", include_str!("kernels/matmul.wgsl"), &[("c", F), ("a", F), ("b", F), ("bias", F)]),
@@ -67,8 +67,13 @@ use Io::{In16, Out16, F32 as F, U32};
 /// (the op sums them into f32 copies of the gradients, rounded once, as the CPU does). The
 /// GEMM has a variant per operand types it is given (see [`gemm`]).
 #[rustfmt::skip]
-const BF16: [(K, K, &[Io]); 24] = [
+const BF16: [(K, K, &[Io]); 27] = [
     (K::CopyRowsBf16, K::CopyRows, &[Out16, In16]),
+    // params, m, v, grads, stats: f32 master weights or bf16 parameters (rounded
+    // stochastically), bf16 gradients; partials, gradients.
+    (K::AdamwBf16Grads, K::Adamw, &[F, F, F, In16, F]),
+    (K::AdamwBf16, K::Adamw, &[Out16, F, F, In16, F]),
+    (K::SumSquaresBf16, K::SumSquares, &[F, In16, F, F, F]),
     // out, inp, wte, wpe (the backward adds up a token's rows piece after piece of positions:
     // through f32 copies of the gradients, rounded once).
     (K::EncoderForwardBf16, K::EncoderForward, &[Out16, U32, In16, In16]),
@@ -112,26 +117,41 @@ pub fn gemm(a16: bool, b16: bool, c16: bool) -> K {
 }
 
 /// The declarations of a [`TYPED`] module's buffers, held as `io` says, with their accessors:
-/// `NAME_ld(e)`, element e as f32, and `NAME_st(e, v)`, element e = v (rounded once if bf16).
+/// `NAME_ld(e)`, element e as f32, `NAME_st(e, v)`, element e = v (rounded once to nearest
+/// even if bf16), and `NAME_st_stochastic(e, v, seed, i)`, the same rounded stochastically
+/// with the noise of (seed, i) if bf16 (kernels/bf16.wgsl's, the CPU's).
 fn prelude(names: &[&str], io: &[Io]) -> String {
     let mut s = String::new();
     for (i, (name, io)) in names.iter().zip(io).enumerate() {
         let decl = |ty: &str| format!("@group(0) @binding({i}) var<storage, read_write> {name}: array<{ty}>;\n");
         s += &match io {
             Io::U32 => decl("u32"),
-            Io::F32 => decl("f32")
-                + &format!("fn {name}_ld(e: u32) -> f32 {{ return {name}[e]; }}\n")
-                + &format!("fn {name}_st(e: u32, v: f32) {{ {name}[e] = v; }}\n"),
+            Io::F32 => {
+                decl("f32")
+                    + &format!("fn {name}_ld(e: u32) -> f32 {{ return {name}[e]; }}\n")
+                    + &format!("fn {name}_st(e: u32, v: f32) {{ {name}[e] = v; }}\n")
+                    + &format!("fn {name}_st_stochastic(e: u32, v: f32, seed: u32, i: u32) {{ {name}[e] = v; }}\n")
+            }
             // (A store into a bf16 input is never called: declared so that the module builds.)
-            Io::In16 => decl("u32")
-                + &format!("fn {name}_ld(e: u32) -> f32 {{ return half_at({name}[e >> 1u], e); }}\n")
-                + &format!("fn {name}_st(e: u32, v: f32) {{ {name}[e >> 1u] = f32_to_bf16(v); }}\n"),
-            Io::Out16 => decl("atomic<u32>")
-                + &format!("fn {name}_ld(e: u32) -> f32 {{ return half_at(atomicLoad(&{name}[e >> 1u]), e); }}\n")
-                + &format!(
-                    "fn {name}_st(e: u32, v: f32) {{ let sh = 16u * (e & 1u); \
-                     atomicAnd(&{name}[e >> 1u], ~(0xffffu << sh)); atomicOr(&{name}[e >> 1u], f32_to_bf16(v) << sh); }}\n"
-                ),
+            Io::In16 => {
+                decl("u32")
+                    + &format!("fn {name}_ld(e: u32) -> f32 {{ return half_at({name}[e >> 1u], e); }}\n")
+                    + &format!("fn {name}_st(e: u32, v: f32) {{ {name}[e >> 1u] = f32_to_bf16(v); }}\n")
+                    + &format!("fn {name}_st_stochastic(e: u32, v: f32, seed: u32, i: u32) {{ {name}_st(e, v); }}\n")
+            }
+            Io::Out16 => {
+                decl("atomic<u32>")
+                    + &format!("fn {name}_ld(e: u32) -> f32 {{ return half_at(atomicLoad(&{name}[e >> 1u]), e); }}\n")
+                    + &format!(
+                        "fn {name}_put(e: u32, bits: u32) {{ let sh = 16u * (e & 1u); \
+                     atomicAnd(&{name}[e >> 1u], ~(0xffffu << sh)); atomicOr(&{name}[e >> 1u], bits << sh); }}\n"
+                    )
+                    + &format!("fn {name}_st(e: u32, v: f32) {{ {name}_put(e, f32_to_bf16(v)); }}\n")
+                    + &format!(
+                        "fn {name}_st_stochastic(e: u32, v: f32, seed: u32, i: u32) {{ \
+                     {name}_put(e, f32_to_bf16_stochastic(v, seed, i)); }}\n"
+                    )
+            }
         };
     }
     s
@@ -213,6 +233,10 @@ pub enum K {
     GeluForwardBf16,
     GeluBackwardBf16,
     CopyRowsBf16,
+    /// AdamW of f32 master weights from bf16 gradients; of bf16 parameters.
+    AdamwBf16Grads,
+    AdamwBf16,
+    SumSquaresBf16,
     EncoderForwardBf16,
     CrossentropyForwardBf16,
     CrossentropyBackwardBf16,
@@ -230,7 +254,7 @@ impl K {
     /// The kernel that does this one's work on bf16 activations ([`BF16`]), with `bf16`;
     /// else this one.
     pub fn on(self, bf16: bool) -> K {
-        assert!(self != K::Matmul, "the GEMM's kernel is kernels::gemm's");
+        assert!(self != K::Matmul && self != K::Adamw, "{self:?} has several bf16 variants");
         match BF16.iter().find(|v| v.1 == self) {
             Some(v) if bf16 => v.0,
             _ => self,

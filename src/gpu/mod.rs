@@ -831,6 +831,10 @@ impl Backend for GpuBackend {
         })
     }
     fn global_norm_squared(&mut self, out: Buf, grads: Buf, accumulate: bool) {
+        if all_bf16(&[grads]) && all_f32(&[out]) {
+            // The bf16 gradients read as they are.
+            return self.global_norm_squared_(out, grads, accumulate);
+        }
         let o = if accumulate { InOut } else { Out };
         self.in_f32("global_norm_squared", [(out, o), (grads, In)], Nearest, |s, [out, grads]| {
             s.global_norm_squared_(out, grads, accumulate)
@@ -839,6 +843,10 @@ impl Backend for GpuBackend {
     fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
         // bf16 parameters (no master weights) are rounded back stochastically; a skipped step
         // rounds their exact f32 copies, which leaves them as they were.
+        if all_bf16(&[grads]) && all_f32(&[m, v, stats]) {
+            // bf16 gradients read, and bf16 parameters rounded stochastically, as they are.
+            return self.adamw_update_(params, grads, m, v, stats, h);
+        }
         let bufs = [(params, InOut), (grads, In), (m, InOut), (v, InOut), (stats, In)];
         self.in_f32("adamw_update", bufs, Stochastic(h.seed, h.place), |s, [p, g, m, v, stats]| {
             s.adamw_update_(p, g, m, v, stats, h)

@@ -20,14 +20,14 @@ struct Params {
     max_loss: f32,
     max_norm_sq: f32,
     flags: u32,  // reduce: 1 = add to out
+    seed: u32,   // adamw on bf16 params: the seed of their stochastic rounding
+    first: u32,  // ... and the noise index of this dispatch's first element
 }
 var<immediate> p: Params;
 
-@group(0) @binding(0) var<storage, read_write> b0: array<f32>;
-@group(0) @binding(1) var<storage, read_write> b1: array<f32>;
-@group(0) @binding(2) var<storage, read_write> b2: array<f32>;
-@group(0) @binding(3) var<storage, read_write> b3: array<f32>;
-@group(0) @binding(4) var<storage, read_write> b4: array<f32>;
+// Buffers (declared before this file: src/gpu/kernels.rs): adamw: params, m, v, grads, stats;
+// sum_squares: partials, x; reduce_partials: out, partials.
+
 
 // param -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * param), as llm.c and PyTorch.
 @compute @workgroup_size(WG)
@@ -37,8 +37,8 @@ fn adamw(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
     if (i >= p.n) {
         return;
     }
-    let loss = b4[p.o4];
-    let norm_sq = b4[p.o4 + 1u];
+    let loss = b4_ld(p.o4);
+    let norm_sq = b4_ld(p.o4 + 1u);
     if (!(finite(loss) && finite(norm_sq) && loss <= p.max_loss && norm_sq <= p.max_norm_sq)) {
         return; // a diverged or outlier step: the model stays as it was
     }
@@ -47,15 +47,16 @@ fn adamw(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
     if (p.clip > 0.0 && norm > p.clip) {
         scale = p.clip / norm;
     }
-    let grad = b3[p.o3 + i] * scale;
-    let m = p.beta1 * b1[p.o1 + i] + (1.0 - p.beta1) * grad;
-    let v = p.beta2 * b2[p.o2 + i] + (1.0 - p.beta2) * grad * grad;
-    b1[p.o1 + i] = m;
-    b2[p.o2 + i] = v;
+    let grad = b3_ld(p.o3 + i) * scale;
+    let m = p.beta1 * b1_ld(p.o1 + i) + (1.0 - p.beta1) * grad;
+    let v = p.beta2 * b2_ld(p.o2 + i) + (1.0 - p.beta2) * grad * grad;
+    b1_st(p.o1 + i, m);
+    b2_st(p.o2 + i, v);
     let m_hat = m / p.bc1;
     let v_hat = v / p.bc2;
-    let w = b0[p.o0 + i];
-    b0[p.o0 + i] = w - p.lr * (m_hat / (sqrt(v_hat) + p.eps) + p.wd * w);
+    let w = b0_ld(p.o0 + i);
+    // (Rounded stochastically where the parameters are bf16: the CPU's noise of the element's place.)
+    b0_st_stochastic(p.o0 + i, w - p.lr * (m_hat / (sqrt(v_hat) + p.eps) + p.wd * w), p.seed, p.first + i);
 }
 
 // Elements per workgroup of sum_squares (src/gpu/adamw.rs: SQ_CHUNK).
@@ -73,12 +74,12 @@ fn sum_squares(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let end = min(start + CHUNK, p.n);
     var s = 0.0;
     for (var j = start + tid; j < end; j = j + WG) {
-        let v = b1[p.o1 + j];
+        let v = b1_ld(p.o1 + j);
         s = s + v * v;
     }
     let total = wg_sum(s, tid);
     if (tid == 0u) {
-        b0[p.o0 + g] = total;
+        b0_st(p.o0 + g, total);
     }
 }
 
@@ -87,14 +88,14 @@ fn sum_squares(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 fn reduce_partials(@builtin(local_invocation_index) tid: u32) {
     var s = 0.0;
     for (var j = tid; j < p.n; j = j + WG) {
-        s = s + b1[p.o1 + j];
+        s = s + b1_ld(p.o1 + j);
     }
     let total = wg_sum(s, tid);
     if (tid == 0u) {
         var o = total;
         if ((p.flags & 1u) != 0u) {
-            o = b0[p.o0] + total;
+            o = b0_ld(p.o0) + total;
         }
-        b0[p.o0] = o;
+        b0_st(p.o0, o);
     }
 }

@@ -32,28 +32,6 @@ fn load_bf16(e: u32) -> f32 {
     return bf16_to_f32(h[e >> 1u] >> (16u * (e & 1u)));
 }
 
-// murmur3's 32-bit finalizer (cpu/bf16.rs: mix).
-fn mix(h0: u32) -> u32 {
-    var v = h0;
-    v = v ^ (v >> 16u);
-    v = v * 0x85ebca6bu;
-    v = v ^ (v >> 13u);
-    v = v * 0xc2b2ae35u;
-    return v ^ (v >> 16u);
-}
-
-// f32 to bf16 bits rounded stochastically with the noise of (seed, index), the CPU's bits for
-// an index below 2^32 (cpu/bf16.rs: from_f32_stochastic, whose key of the index's high half
-// is then seed * 0x85ebca6b). An infinity or a NaN rounds to nearest.
-fn f32_to_bf16_stochastic(v: f32, seed: u32, index: u32) -> u32 {
-    let bits = bitcast<u32>(v);
-    if (!finite(v)) {
-        return f32_to_bf16(v);
-    }
-    let noise = mix(index ^ (seed * 0x85ebca6bu));
-    return (bits + (noise & 0xffffu)) >> 16u;
-}
-
 // x[src + i] = h's element dst + i as f32, for i < n.
 @compute @workgroup_size(WG)
 fn widen(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

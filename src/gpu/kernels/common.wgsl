@@ -105,3 +105,25 @@ fn f32_to_bf16(v: f32) -> u32 {
     }
     return (bits + 0x7fffu + ((bits >> 16u) & 1u)) >> 16u;
 }
+
+// murmur3's 32-bit finalizer (cpu/bf16.rs: mix).
+fn mix(h0: u32) -> u32 {
+    var v = h0;
+    v = v ^ (v >> 16u);
+    v = v * 0x85ebca6bu;
+    v = v ^ (v >> 13u);
+    v = v * 0xc2b2ae35u;
+    return v ^ (v >> 16u);
+}
+
+// f32 to bf16 bits rounded stochastically with the noise of (seed, index), the CPU's bits for
+// an index below 2^32 (cpu/bf16.rs: from_f32_stochastic, whose key of the index's high half
+// is then seed * 0x85ebca6b). An infinity or a NaN rounds to nearest.
+fn f32_to_bf16_stochastic(v: f32, seed: u32, index: u32) -> u32 {
+    let bits = bitcast<u32>(v);
+    if (!finite(v)) {
+        return f32_to_bf16(v);
+    }
+    let noise = mix(index ^ (seed * 0x85ebca6bu));
+    return (bits + (noise & 0xffffu)) >> 16u;
+}
