@@ -67,7 +67,7 @@ use Io::{In16, Out16, F32 as F, U32};
 /// (the op sums them into f32 copies of the gradients, rounded once, as the CPU does). The
 /// GEMM has a variant per operand types it is given (see [`gemm`]).
 #[rustfmt::skip]
-const BF16: [(K, K, &[Io]); 27] = [
+const BF16: [(K, K, &[Io]); 29] = [
     (K::CopyRowsBf16, K::CopyRows, &[Out16, In16]),
     // params, m, v, grads, stats: f32 master weights or bf16 parameters (rounded
     // stochastically), bf16 gradients; partials, gradients.
@@ -100,11 +100,13 @@ const BF16: [(K, K, &[Io]); 27] = [
     (K::MatmulBf16ToBf16, K::Matmul, &[Out16, In16, In16, In16]),
     (K::MatmulF32Bf16, K::Matmul, &[F, F, In16, In16]),
     (K::MatmulF32Bf16ToBf16, K::Matmul, &[Out16, F, In16, In16]),
+    (K::MatmulBf16F32, K::Matmul, &[F, In16, F, F]),
+    (K::MatmulToBf16, K::Matmul, &[Out16, F, F, F]),
     (K::BiasBackwardBf16, K::BiasBackward, &[F, In16, F, F]),
 ];
 
 /// The GEMM kernel for A, B (and the bias, B's type) and C of these types: f32 or bf16 each,
-/// but for a bf16 A with an f32 B, which no op has.
+/// but for a bf16 A and an f32 B into a bf16 C, which no op has.
 pub fn gemm(a16: bool, b16: bool, c16: bool) -> K {
     match (a16, b16, c16) {
         (false, false, false) => K::Matmul,
@@ -112,6 +114,8 @@ pub fn gemm(a16: bool, b16: bool, c16: bool) -> K {
         (true, true, true) => K::MatmulBf16ToBf16,
         (false, true, false) => K::MatmulF32Bf16,
         (false, true, true) => K::MatmulF32Bf16ToBf16,
+        (true, false, false) => K::MatmulBf16F32,
+        (false, false, true) => K::MatmulToBf16,
         x => panic!("no GEMM kernel for (A bf16, B bf16, C bf16) = {x:?}"),
     }
 }
@@ -248,6 +252,10 @@ pub enum K {
     /// The GEMM of an f32 A and a bf16 B (and bias) into an f32 C, and into a bf16 C.
     MatmulF32Bf16,
     MatmulF32Bf16ToBf16,
+    /// The GEMM of a bf16 A and an f32 B into an f32 C, and of f32 ones into a bf16 C (a LoRA
+    /// adapter's, on a bf16 base).
+    MatmulBf16F32,
+    MatmulToBf16,
 }
 
 impl K {

@@ -683,6 +683,11 @@ impl Backend for GpuBackend {
         })
     }
     fn lora_forward(&mut self, out: Buf, h: Buf, inp: Buf, a: Buf, b: Buf, sh: LoraShape) {
+        if all_bf16(&[out, inp]) && all_f32(&[a, b]) {
+            // A bf16 base's input read and output added to as they are (fp32 adapters); h
+            // (N, R), scaled after its GEMM, through an f32 copy rounded once.
+            return self.in_f32("lora_forward", [(h, Out)], Nearest, |s, [h]| s.lora_forward_(out, h, inp, a, b, sh));
+        }
         // h is written whole (and rounded back, as on the CPU, which the tests compare).
         let bufs = [(out, InOut), (h, Out), (inp, In), (a, In), (b, In)];
         self.in_f32("lora_forward", bufs, Nearest, |s, [out, h, inp, a, b]| s.lora_forward_(out, h, inp, a, b, sh))
@@ -700,6 +705,13 @@ impl Backend for GpuBackend {
         b: Buf,
         sh: LoraShape,
     ) {
+        if all_bf16(&[dout, inp, opt(dinp)]) && all_f32(&[a, b, da, db]) {
+            // As lora_forward: the base's bf16 tensors as they are, h and dh (N, R) through
+            // f32 copies.
+            return self.in_f32("lora_backward", [(h, Out), (dh, Out)], Nearest, |s, [h, dh]| {
+                s.lora_backward_(dinp, da, db, h, dh, dout, inp, a, b, sh)
+            });
+        }
         #[rustfmt::skip]
         let bufs = [
             (opt(dinp), InOut), (da, InOut), (db, InOut), (h, Out), (dh, Out),
