@@ -1,13 +1,15 @@
-//! bf16 storage on the GPU (kernels/bf16.wgsl): the conversions, and how every op runs on bf16
-//! buffers.
+//! bf16 storage on the GPU (kernels/bf16.wgsl): the conversions, and the f32 copies through
+//! which an op runs on bf16 buffers its kernels do not read and write themselves.
 //!
-//! A bf16 buffer holds two elements in each 32-bit word (WGSL has no 16-bit storage type). An
-//! op given bf16 buffers runs its fp32 kernels on f32 workspace copies: inputs (and outputs it
+//! A bf16 buffer holds two elements in each 32-bit word (WGSL has no 16-bit storage type).
+//! Most ops' kernels have bf16 variants that read and write such buffers as they are
+//! (kernels.rs: BF16). An op that has none for its case (what it sums across dispatches or
+//! pieces, mixed dtypes) runs its fp32 kernels on f32 workspace copies: inputs (and outputs it
 //! adds to) widened first, exactly; outputs rounded back after, once per element, to nearest
-//! even (or stochastically where the CPU rounds so). That is the CPU's bf16 arithmetic
-//! (cpu/backend.rs: `run_rounded`, whose native bf16 paths give the same bits): f32 inside
-//! every op, bf16 between ops. The copies live in a pool that keeps, by best fit, about the
-//! largest op's bf16 buffers; kernels that read bf16 themselves would drop them.
+//! even (or stochastically where the CPU rounds so). Either way that is the CPU's bf16
+//! arithmetic (cpu/backend.rs: `run_rounded`, whose native bf16 paths give the same bits): f32
+//! inside every op, bf16 between ops. The copies live in a pool that keeps, by best fit, about
+//! the largest such op's bf16 buffers.
 
 use super::{f, u, GpuBackend, Threads, K};
 use crate::backend::{Backend, Buf, DType, Noise, SkipAbove};

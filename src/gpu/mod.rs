@@ -1,8 +1,10 @@
 //! The GPU backend: llm.c's layers as WGSL compute kernels run through wgpu, so one binary
 //! trains on Metal (macOS), Vulkan (Linux, Windows: NVIDIA, AMD, Intel) and DX12 (Windows).
 //! The kernels compute in fp32; bf16 buffers (`--precision bf16`) are stored two values to a
-//! 32-bit word and reach the kernels as f32 copies ([`bf16`]). Checked against the CPU backend
-//! op by op and step by step, in both precisions (tests/gpu_ops.rs, tests/gpu.rs).
+//! 32-bit word, which the kernels' bf16 variants read and write themselves ([`kernels`]: a
+//! prelude types each buffer of a module), and the rest reach as f32 copies ([`bf16`]).
+//! Checked against the CPU backend op by op and step by step, in both precisions
+//! (tests/gpu_ops.rs, tests/gpu.rs).
 //!
 //! One file per layer kind, named as the CPU's (`gpu/layernorm.rs` computes the dispatches of
 //! `gpu/kernels/layernorm.wgsl`); the device, memory and command recording are in
@@ -319,7 +321,7 @@ impl Backend for GpuBackend {
     fn describe(&self) -> String {
         let i = &self.ctx.info;
         format!(
-            "gpu: fp32 WGSL kernels (bf16 storage: GEMMs read it, other ops through f32 copies) on {} ({:?} {:?}; {} {})",
+            "gpu: fp32 WGSL kernels (bf16 storage read and written by the kernels) on {} ({:?} {:?}; {} {})",
             i.name, i.device_type, i.backend, i.driver, i.driver_info
         )
     }
@@ -419,13 +421,13 @@ impl Backend for GpuBackend {
         self.rec.profile_totals(&self.ctx)
     }
 
-    // An op whose kernels have bf16 variants (kernels.rs: BF16: the norms, RoPE, SwiGLU, GELU,
-    // the residual add) runs them on its bf16 activations as they are, where all of them are
-    // bf16 (the norms' parameter gradients, C values, still summed in f32 copies and rounded
-    // once, as the CPU does). The GEMMs of bf16 operands read them themselves, and take copies
-    // of their outputs only. Everything else runs through `in_f32` (gpu/bf16.rs): its bf16
-    // buffers reach the fp32 kernels as f32 copies, with each buffer's role as ops.rs gives it
-    // (In, Out, InOut, Scratch).
+    // An op whose kernels have bf16 variants (kernels.rs: BF16) runs them on its bf16 tensors
+    // as they are, where its statistics are f32 and each bf16 output element is one sum of one
+    // dispatch, rounded once where it is stored. What is summed across dispatches or pieces
+    // (the norms' and biases' parameter gradients, the embedding's gradient, a GEMM over more
+    // than a dispatch's K, grouped heads' key and value gradients) goes through `in_f32`
+    // (gpu/bf16.rs): f32 copies, rounded once after, with each buffer's role as ops.rs gives
+    // it (In, Out, InOut, Scratch), as every op of mixed or unusual dtypes does.
 
     fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize) {
         if all_bf16(&[out, wte, opt(wpe)]) {
