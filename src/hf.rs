@@ -14,7 +14,7 @@ use crate::models;
 use crate::params::{HfTensor, Weights};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::TensorView;
-use safetensors::{Dtype as StDtype, SafeTensors};
+use safetensors::Dtype as StDtype;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -116,6 +116,94 @@ fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 }
 
 /// The shape a Hugging Face model (directory or `.safetensors` path) declares in its
+
+/// One safetensors file whose tensors are read one at a time, so that loading never holds a
+/// whole file in memory beside the weights it becomes. Its header is checked as the
+/// safetensors crate checks it: every tensor's bytes inside the file's data, of its dtype and
+/// shape's size.
+struct Shard {
+    path: PathBuf,
+    file: std::fs::File,
+    /// Where the data section starts (after the 8-byte length and the JSON header).
+    data: u64,
+    tensors: HashMap<String, safetensors::tensor::TensorInfo>,
+}
+
+impl Shard {
+    fn open(path: &Path) -> Result<Shard> {
+        use std::io::Read;
+        crate::files::check_regular(path)?;
+        let bad = |why: String| anyhow::anyhow!("{}: not a valid safetensors file: {why}", path.display());
+        let mut file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let len = file.metadata().with_context(|| format!("cannot read {}", path.display()))?.len();
+        let mut n = [0u8; 8];
+        file.read_exact(&mut n).map_err(|_| bad(format!("{len} bytes, shorter than its header's length")))?;
+        let n = u64::from_le_bytes(n);
+        // The crate's limit on a header (100 MB).
+        if n > 100_000_000 || n > len - 8 {
+            bail!(bad(format!("a header of {n} bytes in a file of {len}")));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact(&mut header).map_err(|e| bad(format!("cannot read its header: {e}")))?;
+        let header = std::str::from_utf8(&header).map_err(|_| bad("its header is not UTF-8".into()))?;
+        let map: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(header).map_err(|e| bad(format!("its header is not a JSON object: {e}")))?;
+        let data_len = len - 8 - n;
+        let mut tensors = HashMap::new();
+        for (name, v) in map {
+            if name == "__metadata__" {
+                continue;
+            }
+            let info: safetensors::tensor::TensorInfo =
+                serde_json::from_value(v).map_err(|e| bad(format!("tensor {name}: {e}")))?;
+            let (start, end) = info.data_offsets;
+            let size =
+                info.shape.iter().try_fold(info.dtype.bitsize(), |a, &d| a.checked_mul(d)).map(|bits| bits.div_ceil(8));
+            if start > end || end as u64 > data_len || size != Some(end - start) {
+                bail!(bad(format!(
+                    "tensor {name} ({:?} {:?}) at bytes {start}..{end} of {data_len} does not fit its data",
+                    info.dtype, info.shape
+                )));
+            }
+            tensors.insert(name, info);
+        }
+        Ok(Shard { path: path.to_path_buf(), file, data: 8 + n, tensors })
+    }
+
+    /// Tensor `name`'s values as f32.
+    fn read(&mut self, name: &str) -> Result<Vec<f32>> {
+        let mut x = vec![0f32; self.tensors[name].shape.iter().product()];
+        self.read_into(name, &mut x)?;
+        Ok(x)
+    }
+
+    /// Tensor `name`'s values as f32 into `dst` (its length), read in pieces of at most
+    /// 64 MiB of the file, so that not even one tensor's bytes are held whole.
+    fn read_into(&mut self, name: &str, dst: &mut [f32]) -> Result<()> {
+        use std::io::{Read, Seek, SeekFrom};
+        let info = &self.tensors[name];
+        if !matches!(info.dtype, StDtype::F32 | StDtype::BF16 | StDtype::F16) {
+            bail!("tensor {name} has dtype {:?}; expected F32, BF16 or F16", info.dtype);
+        }
+        // (The header was checked: the tensor's bytes are its shape's, which dst's length is.)
+        let width = info.dtype.bitsize() / 8;
+        assert!(dst.len() * width == info.data_offsets.1 - info.data_offsets.0, "read_into: {name}'s size");
+        let step = ((64 << 20) / width.max(1)).max(1);
+        self.file
+            .seek(SeekFrom::Start(self.data + info.data_offsets.0 as u64))
+            .with_context(|| format!("cannot read tensor {name} of {}", self.path.display()))?;
+        let mut bytes = vec![0u8; step.min(dst.len()) * width];
+        for piece in dst.chunks_mut(step) {
+            let b = &mut bytes[..piece.len() * width];
+            self.file.read_exact(b).with_context(|| format!("cannot read tensor {name} of {}", self.path.display()))?;
+            let view = TensorView::new(info.dtype, vec![piece.len()], b)
+                .map_err(|e| anyhow::anyhow!("{}: tensor {name}: {e}", self.path.display()))?;
+            piece.copy_from_slice(&to_f32(&view, name)?);
+        }
+        Ok(())
+    }
+}
+
 /// config.json, without reading its weights.
 pub fn peek_config(path: &Path) -> Result<ModelConfig> {
     let files = resolve(path)?;
@@ -130,10 +218,13 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
     let cfg_text = String::from_utf8(read_file(&files.config)?)
         .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", files.config.display()))?;
     let cfg = parse_config(&cfg_text, &files.config)?;
-    // The files are read whole beside the fp32 weights they become: refuse what cannot fit
-    // before reading gigabytes.
+    // The files are read a tensor at a time into the fp32 weights they become: refuse what
+    // cannot fit before reading gigabytes.
+    let mut shards: Vec<Shard> = files.shards.iter().map(|p| Shard::open(p)).collect::<Result<_>>()?;
+    let largest = shards.iter().flat_map(|s| s.tensors.values()).map(|t| t.data_offsets.1 - t.data_offsets.0).max();
     let file_bytes: u64 = files.shards.iter().map(|p| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
-    let need = (file_bytes as usize).saturating_add(cfg.num_parameters().saturating_mul(4));
+    // (And a transposed tensor's f32 values: at most the largest's, twice its bf16 bytes.)
+    let need = cfg.num_parameters().saturating_mul(4).saturating_add(largest.unwrap_or(0).saturating_mul(2));
     let what = format!(
         "loading {} ({:.2} GiB of files, {} parameters as fp32)",
         path.display(),
@@ -141,14 +232,7 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
         cfg.num_parameters()
     );
     crate::mem::check_available(need, &what)?;
-    let shards: Vec<Vec<u8>> = files.shards.iter().map(|p| read_file(p)).collect::<Result<_>>()?;
-    let mut parsed = vec![];
-    for (bytes, p) in shards.iter().zip(&files.shards) {
-        let st = SafeTensors::deserialize(bytes)
-            .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", p.display()))?;
-        parsed.push(st);
-    }
-    let names: Vec<String> = parsed.iter().flat_map(|st| st.names().into_iter().map(String::from)).collect();
+    let names: Vec<String> = shards.iter().flat_map(|s| s.tensors.keys().cloned()).collect();
     let arch = models::arch(&cfg);
     let prefix = if !arch.hf_prefix().is_empty() && names.iter().any(|n| n.starts_with(arch.hf_prefix())) {
         arch.hf_prefix()
@@ -179,8 +263,7 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
             cfg.num_layers
         );
     }
-    let stored: usize =
-        parsed.iter().flat_map(|st| st.tensors()).map(|(_, t)| t.shape().iter().product::<usize>()).sum();
+    let stored: usize = shards.iter().flat_map(|s| s.tensors.values()).map(|t| t.shape.iter().product::<usize>()).sum();
     let padding = (cfg.padded_vocab_size - cfg.vocab_size) * cfg.channels;
     let heads = if cfg.tied_head { 1 } else { 2 };
     if stored < cfg.num_parameters() - heads * padding {
@@ -190,30 +273,41 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
             cfg.num_parameters()
         );
     }
-    let find = |name: &str| parsed.iter().zip(&files.shards).find_map(|(st, p)| st.tensor(name).ok().map(|t| (t, p)));
+    let find = |shards: &[Shard], name: &str| shards.iter().position(|s| s.tensors.contains_key(name));
     let mut w = Weights::zeros(cfg)?;
     for e in hf_tensors(&w) {
         let full = format!("{prefix}{}", e.name);
-        let (t, p) =
-            find(&full).ok_or_else(|| anyhow::anyhow!("{}: tensor {full} is missing", files.shards[0].display()))?;
-        if t.shape() != e.shape {
-            bail!("{}: tensor {full} has shape {:?}, config.json implies {:?}", p.display(), t.shape(), e.shape);
+        let i = find(&shards, &full)
+            .ok_or_else(|| anyhow::anyhow!("{}: tensor {full} is missing", files.shards[0].display()))?;
+        let (shard, p) = (&mut shards[i], &files.shards[i]);
+        let shape = &shard.tensors[&full].shape;
+        if *shape != e.shape {
+            bail!("{}: tensor {full} has shape {shape:?}, config.json implies {:?}", p.display(), e.shape);
         }
-        let x = to_f32(&t, &full)?;
-        if let Some((i, v)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        // Straight into the weights, piece by piece (a transposed one, GPT-2's Conv1D, whole).
+        if e.transposed {
+            let x = shard.read(&full)?;
+            w.data[e.range.clone()].copy_from_slice(&transposed(&x, e.shape[0], e.shape[1]));
+        } else {
+            shard.read_into(&full, &mut w.data[e.range.clone()])?;
+        }
+        if let Some((i, v)) = w.data[e.range].iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            // (The element's index as stored.)
+            let i = if e.transposed { (i % e.shape[0]) * e.shape[1] + i / e.shape[0] } else { i };
             bail!(
                 "{}: tensor {full} holds {v} at element {i}: the weights are corrupt or come from a diverged run",
                 p.display()
             );
         }
-        let x = if e.transposed { transposed(&x, e.shape[0], e.shape[1]) } else { x };
-        w.data[e.range].copy_from_slice(&x);
     }
     if cfg.tied_head {
-        if let Some((head, p)) = find("lm_head.weight") {
+        if let Some(i) = find(&shards, "lm_head.weight") {
             // A stored head must be the tied embedding.
             let (v, c) = (cfg.vocab_size, cfg.channels);
-            if head.shape() != [v, c] || to_f32(&head, "lm_head.weight")? != w.tensor(arch.head(&cfg))[..v * c] {
+            let (shard, p) = (&mut shards[i], &files.shards[i]);
+            if shard.tensors["lm_head.weight"].shape != [v, c]
+                || shard.read("lm_head.weight")? != w.tensor(arch.head(&cfg))[..v * c]
+            {
                 bail!(
                     "{}: lm_head.weight differs from the token embedding, but config.json ties them \
                      (tie_word_embeddings)",
@@ -303,8 +397,31 @@ mod tests {
         let st = dir.path().join("model.safetensors");
         let bytes = std::fs::read(&st).unwrap();
         std::fs::write(&st, &bytes[..bytes.len() - 10]).unwrap();
-        assert!(err().contains("not a valid safetensors"));
+        assert!(err().contains("not a valid safetensors") && err().contains("does not fit its data"), "{}", err());
+        // The header is read alone (the tensors one at a time): a length past the file, a
+        // header that is not JSON, a file shorter than the length's 8 bytes.
+        let mut long = (u64::MAX / 2).to_le_bytes().to_vec();
+        long.extend_from_slice(&bytes[8..]);
+        std::fs::write(&st, &long).unwrap();
+        assert!(err().contains("not a valid safetensors") && err().contains("a header of"), "{}", err());
+        let mut junk = 4u64.to_le_bytes().to_vec();
+        junk.extend_from_slice(b"{x:1");
+        std::fs::write(&st, &junk).unwrap();
+        assert!(err().contains("not a valid safetensors") && err().contains("not a JSON object"), "{}", err());
+        std::fs::write(&st, [1u8, 2, 3]).unwrap();
+        assert!(err().contains("not a valid safetensors") && err().contains("shorter than"), "{}", err());
         std::fs::remove_file(&st).unwrap();
         assert!(err().contains("not found"));
+        // A non-finite weight is named by its tensor and its index as stored, in a tensor read
+        // in pieces and in one stored transposed (GPT-2's Conv1D, (in, out)).
+        for transposed in [false, true] {
+            let mut bad = model.clone();
+            let e = hf_tensors(&bad).into_iter().find(|e| e.transposed == transposed).unwrap();
+            bad.data[e.range.start + 7] = f32::NAN;
+            save_hf(&bad, dir.path(), Dtype::F32).unwrap();
+            let at = if transposed { (7 % e.shape[0]) * e.shape[1] + 7 / e.shape[0] } else { 7 };
+            let want = format!("tensor {}{} holds NaN at element {at}", models::arch(&bad.config).hf_prefix(), e.name);
+            assert!(err().contains(&want), "{} (want {want})", err());
+        }
     }
 }
