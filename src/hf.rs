@@ -115,8 +115,6 @@ fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     y
 }
 
-/// The shape a Hugging Face model (directory or `.safetensors` path) declares in its
-
 /// One safetensors file whose tensors are read one at a time, so that loading never holds a
 /// whole file in memory beside the weights it becomes. Its header is checked as the
 /// safetensors crate checks it: every tensor's bytes inside the file's data, of its dtype and
@@ -204,6 +202,7 @@ impl Shard {
     }
 }
 
+/// The shape a Hugging Face model (directory or `.safetensors` path) declares in its
 /// config.json, without reading its weights.
 pub fn peek_config(path: &Path) -> Result<ModelConfig> {
     let files = resolve(path)?;
