@@ -132,8 +132,9 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
 
 /// Run the benchmark as one rank of `comm` (each rank steps its own B*T random tokens).
 pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectives>) -> Result<BenchReport> {
-    // Random weights are drawn into the model once its precision is set (ZeRO-3 shards them:
-    // drawn whole first there), so that a bf16 model's fp32 values never exist whole.
+    // Random weights are drawn, and a Hugging Face checkpoint's read, into the model once its
+    // precision is set (ZeRO-3 shards them: made whole first there), so that a bf16 model's
+    // fp32 values never exist whole.
     let (weights, seed) = match cfg.zero_stage {
         3 => (crate::source::load_any(&cfg.model, 42)?, None),
         _ => crate::source::load_any_deferred(&cfg.model, 42)?,
@@ -155,8 +156,8 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
         model.set_lora(&a)?;
     }
     model.set_precision(cfg.precision, cfg.master_weights)?;
-    if let Some(seed) = seed {
-        model.init_random(seed)?;
+    if let Some(d) = seed {
+        d.make(&mut model)?;
     }
     model.alloc_training_state()?;
     model.set_recompute(cfg.recompute)?;

@@ -171,13 +171,13 @@ impl Shard {
     /// Tensor `name`'s values as f32.
     fn read(&mut self, name: &str) -> Result<Vec<f32>> {
         let mut x = vec![0f32; self.tensors[name].shape.iter().product()];
-        self.read_into(name, &mut x)?;
+        self.read_range(name, 0, &mut x)?;
         Ok(x)
     }
 
-    /// Tensor `name`'s values as f32 into `dst` (its length), read in pieces of at most
-    /// 64 MiB of the file, so that not even one tensor's bytes are held whole.
-    fn read_into(&mut self, name: &str, dst: &mut [f32]) -> Result<()> {
+    /// Tensor `name`'s values `off..off + dst.len()` as f32 into `dst`, read in pieces of at
+    /// most 64 MiB of the file.
+    fn read_range(&mut self, name: &str, off: usize, dst: &mut [f32]) -> Result<()> {
         use std::io::{Read, Seek, SeekFrom};
         let info = &self.tensors[name];
         if !matches!(info.dtype, StDtype::F32 | StDtype::BF16 | StDtype::F16) {
@@ -185,10 +185,11 @@ impl Shard {
         }
         // (The header was checked: the tensor's bytes are its shape's, which dst's length is.)
         let width = info.dtype.bitsize() / 8;
-        assert!(dst.len() * width == info.data_offsets.1 - info.data_offsets.0, "read_into: {name}'s size");
+        let n: usize = info.shape.iter().product();
+        assert!(off + dst.len() <= n, "read_range: {name} has {n} values");
         let step = ((64 << 20) / width.max(1)).max(1);
         self.file
-            .seek(SeekFrom::Start(self.data + info.data_offsets.0 as u64))
+            .seek(SeekFrom::Start(self.data + (info.data_offsets.0 + off * width) as u64))
             .with_context(|| format!("cannot read tensor {name} of {}", self.path.display()))?;
         let mut bytes = vec![0u8; step.min(dst.len()) * width];
         for piece in dst.chunks_mut(step) {
@@ -211,26 +212,23 @@ pub fn peek_config(path: &Path) -> Result<ModelConfig> {
     parse_config(&text, &files.config)
 }
 
-/// Load a Hugging Face model (directory or `.safetensors` path) as llmrs-layout weights.
-pub fn load_hf(path: &Path) -> Result<Weights> {
+/// A Hugging Face checkpoint whose shape and tensor names were checked, its values not read
+/// yet ([`HfCheckpoint::read_into`] reads them into a model or [`Weights`]).
+pub struct HfCheckpoint {
+    cfg: ModelConfig,
+    files: Files,
+    shards: Vec<Shard>,
+    prefix: String,
+}
+
+/// Open a Hugging Face model (directory or `.safetensors` path): its config.json and the
+/// headers of its safetensors files, checked against each other.
+pub fn open_hf(path: &Path) -> Result<HfCheckpoint> {
     let files = resolve(path)?;
     let cfg_text = String::from_utf8(read_file(&files.config)?)
         .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", files.config.display()))?;
     let cfg = parse_config(&cfg_text, &files.config)?;
-    // The files are read a tensor at a time into the fp32 weights they become: refuse what
-    // cannot fit before reading gigabytes.
-    let mut shards: Vec<Shard> = files.shards.iter().map(|p| Shard::open(p)).collect::<Result<_>>()?;
-    let largest = shards.iter().flat_map(|s| s.tensors.values()).map(|t| t.data_offsets.1 - t.data_offsets.0).max();
-    let file_bytes: u64 = files.shards.iter().map(|p| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
-    // (And a transposed tensor's f32 values: at most the largest's, twice its bf16 bytes.)
-    let need = cfg.num_parameters().saturating_mul(4).saturating_add(largest.unwrap_or(0).saturating_mul(2));
-    let what = format!(
-        "loading {} ({:.2} GiB of files, {} parameters as fp32)",
-        path.display(),
-        file_bytes as f64 / (1u64 << 30) as f64,
-        cfg.num_parameters()
-    );
-    crate::mem::check_available(need, &what)?;
+    let shards: Vec<Shard> = files.shards.iter().map(|p| Shard::open(p)).collect::<Result<_>>()?;
     let names: Vec<String> = shards.iter().flat_map(|s| s.tensors.keys().cloned()).collect();
     let arch = models::arch(&cfg);
     let prefix = if !arch.hf_prefix().is_empty() && names.iter().any(|n| n.starts_with(arch.hf_prefix())) {
@@ -272,49 +270,153 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
             cfg.num_parameters()
         );
     }
-    let find = |shards: &[Shard], name: &str| shards.iter().position(|s| s.tensors.contains_key(name));
-    let mut w = Weights::zeros(cfg)?;
-    for e in hf_tensors(&w) {
+    for e in &table {
         let full = format!("{prefix}{}", e.name);
-        let i = find(&shards, &full)
-            .ok_or_else(|| anyhow::anyhow!("{}: tensor {full} is missing", files.shards[0].display()))?;
-        let (shard, p) = (&mut shards[i], &files.shards[i]);
-        let shape = &shard.tensors[&full].shape;
+        let shape = &shards.iter().find_map(|s| s.tensors.get(&full)).expect("checked above").shape;
         if *shape != e.shape {
+            let p = &files.shards[shards.iter().position(|s| s.tensors.contains_key(&full)).expect("checked above")];
             bail!("{}: tensor {full} has shape {shape:?}, config.json implies {:?}", p.display(), e.shape);
         }
-        // Straight into the weights, piece by piece (a transposed one, GPT-2's Conv1D, whole).
-        if e.transposed {
-            let x = shard.read(&full)?;
-            w.data[e.range.clone()].copy_from_slice(&transposed(&x, e.shape[0], e.shape[1]));
-        } else {
-            shard.read_into(&full, &mut w.data[e.range.clone()])?;
-        }
-        if let Some((i, v)) = w.data[e.range].iter().enumerate().find(|(_, v)| !v.is_finite()) {
-            // (The element's index as stored.)
-            let i = if e.transposed { (i % e.shape[0]) * e.shape[1] + i / e.shape[0] } else { i };
-            bail!(
-                "{}: tensor {full} holds {v} at element {i}: the weights are corrupt or come from a diverged run",
-                p.display()
-            );
-        }
     }
-    if cfg.tied_head {
-        if let Some(i) = find(&shards, "lm_head.weight") {
-            // A stored head must be the tied embedding.
-            let (v, c) = (cfg.vocab_size, cfg.channels);
-            let (shard, p) = (&mut shards[i], &files.shards[i]);
-            if shard.tensors["lm_head.weight"].shape != [v, c]
-                || shard.read("lm_head.weight")? != w.tensor(arch.head(&cfg))[..v * c]
-            {
-                bail!(
-                    "{}: lm_head.weight differs from the token embedding, but config.json ties them \
-                     (tie_word_embeddings)",
-                    p.display()
-                );
+    Ok(HfCheckpoint { cfg, files, shards, prefix: prefix.to_string() })
+}
+
+/// Values per piece in which [`HfCheckpoint::read_into`] reads a tensor (64 MiB of f32).
+const PIECE: usize = 1 << 24;
+
+impl HfCheckpoint {
+    /// The model's shape, from config.json.
+    pub fn config(&self) -> ModelConfig {
+        self.cfg
+    }
+
+    /// The largest tensor's bytes in the files.
+    fn largest_bytes(&self) -> usize {
+        self.shards
+            .iter()
+            .flat_map(|s| s.tensors.values())
+            .map(|t| t.data_offsets.1 - t.data_offsets.0)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Every parameter into `sink`, in the order of the flat buffer (the vocabulary's padding
+    /// rows 0), in pieces of at most [`PIECE`] values (a transposed tensor, GPT-2's Conv1D,
+    /// whole), each checked finite: the fp32 values never exist whole unless the sink keeps
+    /// them. Returns their [`crate::lora::weights_hash`].
+    pub fn read_into(&mut self, sink: &mut dyn crate::params::InitSink) -> Result<String> {
+        let cfg = self.cfg;
+        let arch = models::arch(&cfg);
+        let mut table = arch.hf_tensors(&cfg, sink.layout());
+        table.sort_by_key(|e| e.range.start);
+        let mut hash = crate::lora::WeightsHasher::new();
+        let mut at = 0;
+        let mut piece = vec![];
+        for e in &table {
+            let full = format!("{}{}", self.prefix, e.name);
+            let i = self.shards.iter().position(|s| s.tensors.contains_key(&full)).expect("checked by open_hf");
+            let (shard, p) = (&mut self.shards[i], &self.files.shards[i]);
+            if e.range.start > at {
+                sink.fill(at..e.range.start, 0.0);
+                hash.zeros(e.range.start - at);
+            }
+            let non_finite = |x: &[f32], base: usize| {
+                x.iter().position(|v| !v.is_finite()).map(|i| {
+                    let j = base + i;
+                    // (The element's index as stored.)
+                    let j = if e.transposed { (j % e.shape[0]) * e.shape[1] + j / e.shape[0] } else { j };
+                    anyhow::anyhow!(
+                        "{}: tensor {full} holds {} at element {j}: the weights are corrupt or come from a diverged run",
+                        p.display(),
+                        x[i]
+                    )
+                })
+            };
+            if e.transposed {
+                let x = transposed(&shard.read(&full)?, e.shape[0], e.shape[1]);
+                if let Some(err) = non_finite(&x, 0) {
+                    return Err(err);
+                }
+                hash.feed(&x);
+                sink.write(e.range.start, &x);
+            } else {
+                for off in (0..e.range.len()).step_by(PIECE) {
+                    let n = PIECE.min(e.range.len() - off);
+                    piece.resize(n, 0.0);
+                    shard.read_range(&full, off, &mut piece)?;
+                    if let Some(err) = non_finite(&piece, off) {
+                        return Err(err);
+                    }
+                    hash.feed(&piece);
+                    sink.write(e.range.start + off, &piece);
+                }
+            }
+            at = e.range.end;
+        }
+        let total = cfg.num_parameters();
+        if total > at {
+            sink.fill(at..total, 0.0);
+            hash.zeros(total - at);
+        }
+        if cfg.tied_head {
+            self.check_tied_head(&table)?;
+        }
+        Ok(hash.finish())
+    }
+
+    /// A stored head of a model whose config.json ties it must be the token embedding:
+    /// compared piece by piece from the files.
+    fn check_tied_head(&mut self, table: &[crate::params::HfTensor]) -> Result<()> {
+        let Some(i) = self.shards.iter().position(|s| s.tensors.contains_key("lm_head.weight")) else { return Ok(()) };
+        let (v, c) = (self.cfg.vocab_size, self.cfg.channels);
+        let head_range = models::layout(&self.cfg).range(models::arch(&self.cfg).head(&self.cfg));
+        let wte = table.iter().find(|e| e.range.start == head_range.start && !e.transposed);
+        let differs = || {
+            anyhow::anyhow!(
+                "{}: lm_head.weight differs from the token embedding, but config.json ties them \
+                 (tie_word_embeddings)",
+                self.files.shards[i].display()
+            )
+        };
+        let Some(wte) = wte.filter(|_| self.shards[i].tensors["lm_head.weight"].shape == [v, c]) else {
+            return Err(differs());
+        };
+        let wte_name = format!("{}{}", self.prefix, wte.name);
+        let j = self.shards.iter().position(|s| s.tensors.contains_key(&wte_name)).expect("checked by open_hf");
+        let (mut a, mut b) = (vec![], vec![]);
+        for off in (0..v * c).step_by(PIECE) {
+            let n = PIECE.min(v * c - off);
+            a.resize(n, 0.0);
+            b.resize(n, 0.0);
+            self.shards[i].read_range("lm_head.weight", off, &mut a)?;
+            self.shards[j].read_range(&wte_name, off, &mut b)?;
+            if a != b {
+                return Err(differs());
             }
         }
+        Ok(())
     }
+}
+
+/// Load a Hugging Face model (directory or `.safetensors` path) as llmrs-layout weights.
+pub fn load_hf(path: &Path) -> Result<Weights> {
+    // The tensors are read in pieces into the fp32 weights: refuse what cannot fit before
+    // reading gigabytes, or checking the files against a config.json of such a size.
+    let cfg = peek_config(path)?;
+    let file_bytes: u64 = resolve(path)?.shards.iter().map(|p| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
+    let what = format!(
+        "loading {} ({:.2} GiB of files, {} parameters as fp32)",
+        path.display(),
+        file_bytes as f64 / (1u64 << 30) as f64,
+        cfg.num_parameters()
+    );
+    crate::mem::check_available(cfg.num_parameters().saturating_mul(4), &what)?;
+    let mut ck = open_hf(path)?;
+    // (And a transposed tensor's f32 values: at most the largest's, twice its bf16 bytes.)
+    let need = cfg.num_parameters().saturating_mul(4).saturating_add(ck.largest_bytes().saturating_mul(2));
+    crate::mem::check_available(need, &what)?;
+    let mut w = Weights::zeros(cfg)?;
+    ck.read_into(&mut w)?;
     Ok(w)
 }
 

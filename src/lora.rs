@@ -347,12 +347,17 @@ impl BaseId {
     /// The base `source` (`-e`'s spec; a path made absolute, so that a run resumed or merged
     /// from another directory finds it) with `seed`, and its values' hash.
     pub fn of(source: &str, seed: u32, w: &Weights) -> BaseId {
+        BaseId::with_hash(source, seed, weights_hash(w))
+    }
+
+    /// [`BaseId::of`] for values whose [`weights_hash`] is `hash` (a base read into a model).
+    pub fn with_hash(source: &str, seed: u32, hash: String) -> BaseId {
         let p = Path::new(source);
         let source = match p.exists().then(|| std::fs::canonicalize(p)) {
             Some(Ok(abs)) => abs.display().to_string(),
             _ => source.to_string(),
         };
-        BaseId { source, seed, hash: weights_hash(w) }
+        BaseId { source, seed, hash }
     }
 
     /// Load the base: `source` (or `other`, a spec the user gave instead), checked to hash as
@@ -376,16 +381,65 @@ impl BaseId {
 
 /// A hash of the values of `w` (64-bit, over their bits), in hex.
 pub fn weights_hash(w: &Weights) -> String {
-    // FNV-1a's constants over 32-bit words, folded from 4 lanes: fast on gigabytes, and any
-    // changed value changes it with overwhelming likelihood.
-    let mut lanes = [0xcbf29ce484222325u64; 4];
-    for chunk in w.data.chunks(4) {
-        for (l, x) in lanes.iter_mut().zip(chunk) {
-            *l = (*l ^ x.to_bits() as u64).wrapping_mul(0x100000001b3);
+    let mut h = WeightsHasher::new();
+    h.feed(&w.data);
+    h.finish()
+}
+
+/// [`weights_hash`] of values fed in order, in pieces (a base read straight into a model).
+pub struct WeightsHasher {
+    lanes: [u64; 4],
+    n: u64,
+}
+
+impl Default for WeightsHasher {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl WeightsHasher {
+    pub fn new() -> Self {
+        WeightsHasher { lanes: [0xcbf29ce484222325u64; 4], n: 0 }
+    }
+
+    /// FNV-1a's constants over 32-bit words, folded from 4 lanes (value i to lane i % 4): fast
+    /// on gigabytes, and any changed value changes it with overwhelming likelihood.
+    pub fn feed(&mut self, x: &[f32]) {
+        let mut x = x;
+        while !self.n.is_multiple_of(4) && !x.is_empty() {
+            self.one(x[0]);
+            x = &x[1..];
+        }
+        let chunks = x.chunks_exact(4);
+        let rest = chunks.remainder();
+        for chunk in chunks {
+            for (l, v) in self.lanes.iter_mut().zip(chunk) {
+                *l = (*l ^ v.to_bits() as u64).wrapping_mul(0x100000001b3);
+            }
+        }
+        self.n += (x.len() - rest.len()) as u64;
+        rest.iter().for_each(|&v| self.one(v));
+    }
+
+    fn one(&mut self, v: f32) {
+        let l = &mut self.lanes[(self.n % 4) as usize];
+        *l = (*l ^ v.to_bits() as u64).wrapping_mul(0x100000001b3);
+        self.n += 1;
+    }
+
+    /// `n` zeros.
+    pub fn zeros(&mut self, n: usize) {
+        let z = [0f32; 1024];
+        for i in (0..n).step_by(1024) {
+            self.feed(&z[..1024.min(n - i)]);
         }
     }
-    let h = lanes.iter().fold(w.data.len() as u64, |h, l| (h ^ l).wrapping_mul(0x100000001b3).rotate_left(29));
-    format!("{h:016x}")
+
+    pub fn finish(&self) -> String {
+        let h = self.lanes.iter().fold(self.n, |h, l| (h ^ l).wrapping_mul(0x100000001b3).rotate_left(29));
+        format!("{h:016x}")
+    }
 }
 
 /// Whether `path` is a LoRA checkpoint (its magic), without reading the rest.
@@ -580,6 +634,28 @@ impl PeftConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The hash of values fed in pieces of any lengths, and of zeros fed as a count, is the
+    /// hash of the whole.
+    #[test]
+    fn hashing_in_pieces_is_hashing_the_whole() {
+        let cfg = ModelConfig::from_descriptor("2x16:2:8").unwrap();
+        let mut w = Weights::random(cfg, 3).unwrap();
+        w.data[10..50].fill(0.0);
+        let whole = weights_hash(&w);
+        for cut in [1, 3, 7, 33, 1001] {
+            let mut h = WeightsHasher::new();
+            w.data.chunks(cut).for_each(|x| h.feed(x));
+            assert_eq!(h.finish(), whole, "pieces of {cut}");
+        }
+        let mut h = WeightsHasher::new();
+        h.feed(&w.data[..10]);
+        h.zeros(40);
+        h.feed(&w.data[50..]);
+        assert_eq!(h.finish(), whole, "zeros as a count");
+        w.data[3] += 1.0;
+        assert_ne!(weights_hash(&w), whole);
+    }
 
     #[test]
     fn targets_cover_every_projection_and_their_rows() {

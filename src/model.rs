@@ -756,8 +756,39 @@ impl Model {
     /// `Weights::random(config, seed)`, rounded as [`Model::set_precision`] rounds them. Not
     /// under ZeRO-3, whose ranks hold shards: there, build from `Weights::random`.
     pub fn init_random(&mut self, seed: u32) -> Result<()> {
+        let arch = self.arch;
+        self.write_params("a random init in place", |sink| {
+            arch.init(sink, &mut crate::rng::Mt19937::new(seed));
+            Ok(())
+        })
+    }
+
+    /// Read a Hugging Face checkpoint's weights into this model (built from zero weights of its
+    /// shape, as [`Model::init_random`]), in pieces, straight into its precision: a bf16
+    /// model's fp32 values never exist whole. The same values as building from
+    /// [`crate::hf::load_hf`]'s weights, rounded as [`Model::set_precision`] rounds them.
+    /// Returns the weights' [`crate::lora::weights_hash`] (a LoRA base's identity).
+    pub fn load_hf(&mut self, ck: &mut crate::hf::HfCheckpoint) -> Result<String> {
+        if !ck.config().same_shape(&self.config) {
+            bail!("load_hf: a checkpoint of shape {} into a model of {}", ck.config(), self.config);
+        }
+        let mut hash = String::new();
+        self.write_params("reading weights in place", |sink| {
+            hash = ck.read_into(sink)?;
+            Ok(())
+        })?;
+        Ok(hash)
+    }
+
+    /// Write every parameter through `f` (an [`crate::params::InitSink`] over the parameters;
+    /// with master weights, the bf16 working copy is theirs, rounded to nearest after).
+    fn write_params(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&mut dyn crate::params::InitSink) -> Result<()>,
+    ) -> Result<()> {
         if self.zero.stage == 3 {
-            bail!("a random init in place needs the whole parameters on each rank (ZeRO 0-2)");
+            bail!("{what} needs the whole parameters on each rank (ZeRO 0-2)");
         }
         struct Sink<'a> {
             be: &'a mut dyn Backend,
@@ -780,7 +811,7 @@ impl Model {
             }
         }
         let mut sink = Sink { be: &mut *self.be, params: self.params, layout: &self.layout, config: &self.config };
-        self.arch.init(&mut sink, &mut crate::rng::Mt19937::new(seed));
+        f(&mut sink)?;
         if let Some(work) = self.work {
             // Master weights: the bf16 working copy is theirs, rounded to nearest.
             Ops::new(&mut *self.be).convert(work, self.params, None);
@@ -1414,6 +1445,31 @@ mod tests {
                     let p = m.read_all(Slot::Params).unwrap();
                     assert!(bits(&p) == bits(&want.data), "{desc}: the fp32 master weights");
                 }
+            }
+        }
+    }
+
+    /// A Hugging Face checkpoint read in place (in pieces, into the model's precision) gives
+    /// the parameters of the weights load_hf reads, rounded as set_precision rounds them, and
+    /// their hash; tied heads (GPT-2, Qwen3 here) are checked against the embedding.
+    #[test]
+    fn hf_checkpoint_read_in_place_equals_load_hf() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let round =
+            |v: &[f32]| v.iter().map(|&x| crate::cpu::bf16::to_f32(crate::cpu::bf16::from_f32(x))).collect::<Vec<_>>();
+        for desc in ["2x32:2:16", "llama:2x32:4:2", "qwen3:3x24:4:2:8:40:16"] {
+            let dir = tempfile::tempdir().unwrap();
+            let cfg = ModelConfig::from_descriptor(desc).unwrap();
+            crate::hf::save_hf(&Weights::random(cfg, 5).unwrap(), dir.path(), crate::files::Dtype::F32).unwrap();
+            let want = crate::hf::load_hf(dir.path()).unwrap();
+            for (precision, master) in [(Precision::Fp32, true), (Precision::Bf16, true), (Precision::Bf16, false)] {
+                let mut ck = crate::hf::open_hf(dir.path()).unwrap();
+                let mut m = Model::new(Weights::zeros(ck.config()).unwrap(), Device::Cpu).unwrap();
+                m.set_precision(precision, master).unwrap();
+                let hash = m.load_hf(&mut ck).unwrap();
+                assert_eq!(hash, crate::lora::weights_hash(&want), "{desc}");
+                let w = if precision == Precision::Fp32 { want.data.clone() } else { round(&want.data) };
+                assert!(bits(&m.weights().unwrap().data) == bits(&w), "{desc} {precision} -w {master}");
             }
         }
     }

@@ -34,14 +34,53 @@ pub fn load_any(spec: &str, seed: u32) -> Result<Weights> {
     Weights::random(ModelConfig::from_descriptor(spec)?, seed)
 }
 
-/// [`load_any`], except that a descriptor's random weights are not drawn: zero weights
-/// (pages not yet touched) and the seed to draw them with, into the model once its precision
-/// is set ([`crate::model::Model::init_random`]), so that they are made in that precision.
-pub fn load_any_deferred(spec: &str, seed: u32) -> Result<(Weights, Option<u32>)> {
-    match random_descriptor(spec) {
-        Some(cfg) => Ok((Weights::zeros(cfg?)?, Some(seed))),
+/// Weights [`load_any_deferred`] left to be made in the model, once its precision is set.
+pub enum Deferred {
+    /// A descriptor's random weights, with this seed ([`crate::model::Model::init_random`]).
+    Random(u32),
+    /// A Hugging Face checkpoint's, read in pieces ([`crate::model::Model::load_hf`]).
+    Hf(Box<crate::hf::HfCheckpoint>),
+}
+
+impl Deferred {
+    /// Make the weights in `model` (built from the zero weights that came with this). Returns
+    /// a read checkpoint's [`crate::lora::weights_hash`].
+    pub fn make(self, model: &mut crate::model::Model) -> Result<Option<String>> {
+        match self {
+            Deferred::Random(seed) => model.init_random(seed).map(|_| None),
+            Deferred::Hf(mut ck) => model.load_hf(&mut ck).map(Some),
+        }
+    }
+}
+
+/// [`load_any`], except that a descriptor's random weights are not drawn and a Hugging Face
+/// checkpoint's are not read: zero weights (pages not yet touched), and what makes them, in
+/// the model once its precision is set, so that they are made in that precision (a bf16
+/// model's fp32 values never exist whole).
+pub fn load_any_deferred(spec: &str, seed: u32) -> Result<(Weights, Option<Deferred>)> {
+    if let Some(cfg) = random_descriptor(spec) {
+        return Ok((Weights::zeros(cfg?)?, Some(Deferred::Random(seed))));
+    }
+    match load_hf_deferred(spec)? {
+        Some((w, ck)) => Ok((w, Some(Deferred::Hf(Box::new(ck))))),
         None => Ok((load_any(spec, seed)?, None)),
     }
+}
+
+/// For a Hugging Face checkpoint (a directory, a `.safetensors` file, `hf:owner/name`, fetched
+/// as [`load_any`] fetches it): zero weights of its shape and the checkpoint opened and checked,
+/// to be read into the model ([`crate::model::Model::load_hf`]). None for any other spec.
+pub fn load_hf_deferred(spec: &str) -> Result<Option<(Weights, crate::hf::HfCheckpoint)>> {
+    let p = Path::new(spec);
+    let dir = if let Some(hub) = spec.strip_prefix("hf:") {
+        crate::hub::fetch_model(&hub.parse()?, &crate::hub::endpoint(), &crate::hub::hf_cache_dir())?
+    } else if p.is_dir() || spec.ends_with(".safetensors") {
+        p.to_path_buf()
+    } else {
+        return Ok(None);
+    };
+    let ck = crate::hf::open_hf(&dir)?;
+    Ok(Some((Weights::zeros(ck.config())?, ck)))
 }
 
 /// The config of a descriptor that [`load_any`] makes random weights for, or None for what it

@@ -476,13 +476,31 @@ fn load_weights(cfg: &TrainConfig, resume_step: Option<usize>, rank: usize) -> R
 /// The weights to train and, in a LoRA run, its adapters and the base's identity: a resumed
 /// LoRA checkpoint's (its base loaded again and checked by hash), `--lora-from`'s, or new ones
 /// of rank `--lora`.
-fn load_weights_and_adapters(
-    cfg: &TrainConfig,
-    resume_step: Option<usize>,
-    rank: usize,
-) -> Result<(crate::params::Weights, Option<(crate::lora::Adapters, crate::lora::BaseId)>)> {
+/// A LoRA base [`load_weights_and_adapters`] leaves to be read into the model once its
+/// precision is set (a Hugging Face checkpoint, read in pieces: a bf16 base's fp32 values never
+/// exist whole), with the base a `--lora-from` checkpoint's adapters were trained on, whose
+/// hash it must have.
+struct PendingBase {
+    ck: crate::hf::HfCheckpoint,
+    expect: Option<crate::lora::BaseId>,
+}
+
+/// The error of adapters trained on another base than -e.
+fn other_base(from: &Path, base: &crate::lora::BaseId, model: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "--lora-from {}: its adapters were trained on {} (seed {}), not on -e {model}",
+        from.display(),
+        base.source,
+        base.seed
+    )
+}
+
+type Loaded = (crate::params::Weights, Option<(crate::lora::Adapters, crate::lora::BaseId)>, Option<PendingBase>);
+
+fn load_weights_and_adapters(cfg: &TrainConfig, resume_step: Option<usize>, rank: usize) -> Result<Loaded> {
     use crate::lora::{Adapters, BaseId};
     let ckpt = resume_step.map(|s| resume_paths(cfg, s, rank)[0].clone()).filter(|p| crate::lora::is_checkpoint(p));
+    let mut pending = None;
     let (w, lora) = match ckpt {
         Some(p) => {
             let (_, a, base) = crate::lora::load_checkpoint(&p)?;
@@ -497,19 +515,26 @@ fn load_weights_and_adapters(
             (w, Some((a, base)))
         }
         None if resume_step.is_none() && (cfg.lora > 0 || cfg.lora_from.is_some()) => {
-            let w = crate::source::load_any(&cfg.model, cfg.seed)?;
+            // A Hugging Face base is read into the model later, in its precision (not under
+            // ZeRO-3, whose ranks hold shards).
+            let deferred = if cfg.zero_stage < 3 { crate::source::load_hf_deferred(&cfg.model)? } else { None };
+            let w = match deferred {
+                Some((w, ck)) => {
+                    pending = Some(PendingBase { ck, expect: None });
+                    w
+                }
+                None => crate::source::load_any(&cfg.model, cfg.seed)?,
+            };
             let a = match &cfg.lora_from {
                 Some(p) if !p.is_dir() => {
                     // A LoRA checkpoint: its adapters were trained on one base, which -e must be.
                     let (_, a, base) = crate::lora::load_checkpoint(p).context("--lora-from")?;
-                    if base.hash != crate::lora::weights_hash(&w) {
-                        bail!(
-                            "--lora-from {}: its adapters were trained on {} (seed {}), not on -e {}",
-                            p.display(),
-                            base.source,
-                            base.seed,
-                            cfg.model
-                        );
+                    match &mut pending {
+                        Some(pb) => pb.expect = Some(base),
+                        None if base.hash != crate::lora::weights_hash(&w) => {
+                            return Err(other_base(p, &base, &cfg.model))
+                        }
+                        None => {}
                     }
                     a
                 }
@@ -520,7 +545,11 @@ fn load_weights_and_adapters(
                     Adapters::new(cfg.lora, alpha, targets, &mut crate::rng::Mt19937::new(cfg.seed))?
                 }
             };
-            let base = BaseId::of(&cfg.model, cfg.seed, &w);
+            // (A pending base's hash is known once it is read: Trainer::new sets it.)
+            let base = match pending {
+                Some(_) => BaseId::with_hash(&cfg.model, cfg.seed, String::new()),
+                None => BaseId::of(&cfg.model, cfg.seed, &w),
+            };
             (w, Some((a, base)))
         }
         None => {
@@ -534,7 +563,7 @@ fn load_weights_and_adapters(
     if t > max_t {
         bail!("sequence length -t {t} is longer than the model's max_seq_len {max_t}");
     }
-    Ok((w, lora))
+    Ok((w, lora, pending))
 }
 
 /// This rank's train and val loaders. With -a the train loader reads the val split, in order
@@ -661,7 +690,7 @@ impl<'a> Run<'a> {
         resume_step: Option<usize>,
         run_dir: Option<&RunDir>,
     ) -> Result<Self> {
-        let (weights, lora) = load_weights_and_adapters(cfg, resume_step, shape.rank)?;
+        let (weights, mut lora, pending) = load_weights_and_adapters(cfg, resume_step, shape.rank)?;
         let mc = weights.config;
         if let (Some(s), true, 0) = (resume_step, cfg.model_given, shape.rank) {
             // llm.c resumes the checkpoint whatever -e says; say so when -e names another model.
@@ -695,6 +724,15 @@ impl<'a> Run<'a> {
             model.set_lora(a)?;
         }
         model.set_precision(cfg.precision, cfg.master_weights)?;
+        if let Some(mut pb) = pending {
+            let hash = model.load_hf(&mut pb.ck)?;
+            if let (Some(base), Some(from)) = (pb.expect.filter(|b| b.hash != hash), &cfg.lora_from) {
+                return Err(other_base(from, &base, &cfg.model));
+            }
+            if let Some((_, base)) = &mut lora {
+                base.hash = hash;
+            }
+        }
         if let (Some(s), 0, None) = (resume_step, shape.rank, &lora) {
             let [m, st, _] = resume_paths(cfg, s, shape.rank);
             let was = crate::checkpoint::checkpoint_precision(&m, &st)?;

@@ -711,3 +711,58 @@ fn bf16_ranks_train_as_one_process() {
         }
     }
 }
+
+/// A LoRA base given as a Hugging Face directory is read straight into the model, in the
+/// run's precision (tensor by tensor, never whole in fp32 for a bf16 base): the same run, to
+/// the bit, as from the same weights in an llm.c file, the same base identity in its
+/// checkpoint; a `--lora-from` checkpoint trained on another base is refused once it is read.
+#[test]
+fn a_hugging_face_lora_base_is_read_in_place_as_a_file_is() {
+    use llmrs::config::ModelConfig;
+    use llmrs::params::Weights;
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    let w = Weights::random(ModelConfig::from_descriptor("llama:2x32:4:2:16").unwrap(), 9).unwrap();
+    let (hf, bin) = (dir.path().join("hf"), dir.path().join("base.bin"));
+    llmrs::hf::save_hf(&w, &hf, Dtype::F32).unwrap();
+    llmrs::checkpoint::save_model(&w, &bin, Dtype::F32).unwrap();
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        let mut runs = vec![];
+        for (name, model) in [("hf", &hf), ("bin", &bin)] {
+            let out = dir.path().join(format!("{name}_{precision}"));
+            let cfg = TrainConfig {
+                model: model.to_str().unwrap().into(),
+                lora: 4,
+                precision,
+                checkpoint_every: 12,
+                ..small(&out, &train, &val)
+            };
+            let r = run(&cfg).unwrap();
+            let (_, _, base) = llmrs::lora::load_checkpoint(&out.join("model_00000012.bin")).unwrap();
+            runs.push((r.train_losses, r.val_losses, base.hash));
+        }
+        assert!(!runs[0].0.is_empty());
+        assert_eq!(runs[0], runs[1], "{precision}: from the directory and from the file");
+        assert_eq!(runs[0].2, llmrs::lora::weights_hash(&w), "{precision}: the base's hash");
+    }
+    // Adapters trained on another base.
+    let other = dir.path().join("other.bin");
+    let o = Weights::random(ModelConfig::from_descriptor("llama:2x32:4:2:16").unwrap(), 10).unwrap();
+    llmrs::checkpoint::save_model(&o, &other, Dtype::F32).unwrap();
+    let out = dir.path().join("other_run");
+    let cfg = TrainConfig {
+        model: other.to_str().unwrap().into(),
+        lora: 4,
+        checkpoint_every: 12,
+        ..small(&out, &train, &val)
+    };
+    run(&cfg).unwrap();
+    let from = Some(out.join("model_00000012.bin"));
+    let cfg = TrainConfig {
+        model: hf.to_str().unwrap().into(),
+        lora_from: from,
+        ..small(&dir.path().join("x"), &train, &val)
+    };
+    let e = format!("{:#}", run(&cfg).unwrap_err());
+    assert!(e.contains("--lora-from") && e.contains("its adapters were trained on"), "{e}");
+}
