@@ -588,6 +588,28 @@ fn load_with_lora(spec: &str, seed: u32, lora: Option<&Path>) -> Result<llmrs::p
     }
 }
 
+/// `spec`'s model on `device` in `precision`, with `--lora`'s adapters merged in. Without
+/// adapters a descriptor's random weights are drawn, and a Hugging Face checkpoint's read, into
+/// the model once its precision is set, so that a bf16 model's fp32 values never exist whole.
+fn open_model(
+    spec: &str,
+    seed: u32,
+    lora: Option<&Path>,
+    device: llmrs::backend::Device,
+    precision: llmrs::config::Precision,
+) -> Result<llmrs::model::Model> {
+    let (weights, deferred) = match lora {
+        Some(_) => (load_with_lora(spec, seed, lora)?, None),
+        None => llmrs::source::load_any_deferred(spec, seed)?,
+    };
+    let mut model = llmrs::model::Model::new(weights, device)?;
+    model.set_precision(precision, false)?;
+    if let Some(d) = deferred {
+        d.make(&mut model)?;
+    }
+    Ok(model)
+}
+
 /// The model to load from `--hf owner/name` (first) or `-e`.
 fn model_spec(hf: Option<String>, model: Option<String>) -> Result<String> {
     Ok(match (hf, model) {
@@ -603,8 +625,7 @@ fn cmd_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
     let sampler = SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
     sampler.validate()?; // before loading (or downloading) anything
     let spec = model_spec(a.hf, a.model)?;
-    let mut model = llmrs::model::Model::new(load_with_lora(&spec, 0, a.lora.as_deref())?, device)?;
-    model.set_precision(a.precision, false)?;
+    let mut model = open_model(&spec, 0, a.lora.as_deref(), device, a.precision)?;
     model.set_classifier_rows(a.ce_rows)?;
     let tok = llmrs::source::tokenizer_for_text(a.tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let prompt = if a.prompt.is_empty() { vec![tok.doc_start] } else { tok.encode(&a.prompt)? };
@@ -841,8 +862,7 @@ fn cmd_plot(logs: &[PathBuf], out: &Path) -> Result<()> {
 fn cmd_eval(e: EvalCmd, device: llmrs::backend::Device) -> Result<()> {
     let EvalCmd::Hellaswag { model, hf, data, limit, tokenizer, lora, ce_rows, precision } = e;
     let spec = model_spec(hf, model)?;
-    let mut model = llmrs::model::Model::new(load_with_lora(&spec, 42, lora.as_deref())?, device)?;
-    model.set_precision(precision, false)?;
+    let mut model = open_model(&spec, 42, lora.as_deref(), device, precision)?;
     model.set_classifier_rows(ce_rows)?;
     let tok = llmrs::source::tokenizer_for_text(tokenizer.as_deref(), &spec, model.config.vocab_size)?;
     let data = match data {
