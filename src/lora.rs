@@ -366,7 +366,12 @@ impl BaseId {
         let spec = other.unwrap_or(&self.source);
         let w = crate::source::load_any(spec, self.seed)
             .with_context(|| format!("the LoRA base model {spec} (moved? give it with -e)"))?;
-        let h = weights_hash(&w);
+        self.check(spec, &weights_hash(&w))?;
+        Ok(w)
+    }
+
+    /// Refuse base `spec` of hash `h` unless it is this one.
+    pub fn check(&self, spec: &str, h: &str) -> Result<()> {
         if h != self.hash {
             bail!(
                 "base model {spec} (hash {h}) is not the one these adapters were trained on ({} with seed {}, hash {}): give that base with -e",
@@ -375,7 +380,7 @@ impl BaseId {
                 self.hash
             );
         }
-        Ok(w)
+        Ok(())
     }
 }
 

@@ -478,11 +478,29 @@ fn load_weights(cfg: &TrainConfig, resume_step: Option<usize>, rank: usize) -> R
 /// of rank `--lora`.
 /// A LoRA base [`load_weights_and_adapters`] leaves to be read into the model once its
 /// precision is set (a Hugging Face checkpoint, read in pieces: a bf16 base's fp32 values never
-/// exist whole), with the base a `--lora-from` checkpoint's adapters were trained on, whose
-/// hash it must have.
+/// exist whole), with the base its adapters were trained on, whose hash it must have.
 struct PendingBase {
     ck: crate::hf::HfCheckpoint,
-    expect: Option<crate::lora::BaseId>,
+    expect: Option<Expect>,
+}
+
+/// Whose base a pending one must be.
+enum Expect {
+    /// `--lora-from` (this checkpoint)'s.
+    LoraFrom(PathBuf, crate::lora::BaseId),
+    /// The resumed checkpoint's, given as this spec.
+    Resumed(String, crate::lora::BaseId),
+}
+
+impl Expect {
+    /// Refuse a base of hash `h` (-e `model`) that is not the expected one.
+    fn check(&self, h: &str, model: &str) -> Result<()> {
+        match self {
+            Expect::LoraFrom(from, base) if base.hash != h => Err(other_base(from, base, model)),
+            Expect::Resumed(spec, base) => base.check(spec, h),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The error of adapters trained on another base than -e.
@@ -504,8 +522,21 @@ fn load_weights_and_adapters(cfg: &TrainConfig, resume_step: Option<usize>, rank
     let (w, lora) = match ckpt {
         Some(p) => {
             let (_, a, base) = crate::lora::load_checkpoint(&p)?;
-            // -e may name the base another way (a local copy); its values must be the same.
-            let w = base.load(cfg.model_given.then_some(cfg.model.as_str()))?;
+            // -e may name the base another way (a local copy); its values must be the same. A
+            // Hugging Face base is read into the model later (not under ZeRO-3), and checked then.
+            let spec = if cfg.model_given { cfg.model.as_str() } else { base.source.as_str() };
+            let deferred = match cfg.zero_stage < 3 {
+                true => crate::source::load_hf_deferred(spec)
+                    .with_context(|| format!("the LoRA base model {spec} (moved? give it with -e)"))?,
+                false => None,
+            };
+            let w = match deferred {
+                Some((w, ck)) => {
+                    pending = Some(PendingBase { ck, expect: Some(Expect::Resumed(spec.to_string(), base.clone())) });
+                    w
+                }
+                None => base.load(cfg.model_given.then_some(cfg.model.as_str()))?,
+            };
             if (cfg.lora > 0 || cfg.lora_from.is_some()) && rank == 0 {
                 eprintln!(
                     "note: -y 1 resumes the LoRA checkpoint's adapters (rank {}); --lora and --lora-from are not used",
@@ -530,7 +561,7 @@ fn load_weights_and_adapters(cfg: &TrainConfig, resume_step: Option<usize>, rank
                     // A LoRA checkpoint: its adapters were trained on one base, which -e must be.
                     let (_, a, base) = crate::lora::load_checkpoint(p).context("--lora-from")?;
                     match &mut pending {
-                        Some(pb) => pb.expect = Some(base),
+                        Some(pb) => pb.expect = Some(Expect::LoraFrom(p.clone(), base)),
                         None if base.hash != crate::lora::weights_hash(&w) => {
                             return Err(other_base(p, &base, &cfg.model))
                         }
@@ -726,8 +757,8 @@ impl<'a> Run<'a> {
         model.set_precision(cfg.precision, cfg.master_weights)?;
         if let Some(mut pb) = pending {
             let hash = model.load_hf(&mut pb.ck)?;
-            if let (Some(base), Some(from)) = (pb.expect.filter(|b| b.hash != hash), &cfg.lora_from) {
-                return Err(other_base(from, &base, &cfg.model));
+            if let Some(e) = &pb.expect {
+                e.check(&hash, &cfg.model)?;
             }
             if let Some((_, base)) = &mut lora {
                 base.hash = hash;

@@ -766,3 +766,40 @@ fn a_hugging_face_lora_base_is_read_in_place_as_a_file_is() {
     let e = format!("{:#}", run(&cfg).unwrap_err());
     assert!(e.contains("--lora-from") && e.contains("its adapters were trained on"), "{e}");
 }
+
+/// A LoRA run on a Hugging Face base, stopped and resumed, reads its base in place again
+/// (checked by hash once read): bit-identical losses; another base given with -e is refused.
+#[test]
+fn a_lora_run_on_a_hugging_face_base_resumes_bit_identically() {
+    use llmrs::config::ModelConfig;
+    use llmrs::params::Weights;
+    let dir = tempfile::tempdir().unwrap();
+    let (train, val) = make_data(dir.path());
+    let cfg = ModelConfig::from_descriptor("llama:2x32:4:2:16").unwrap();
+    let (hf, other) = (dir.path().join("hf"), dir.path().join("other"));
+    llmrs::hf::save_hf(&Weights::random(cfg, 9).unwrap(), &hf, Dtype::F32).unwrap();
+    llmrs::hf::save_hf(&Weights::random(cfg, 10).unwrap(), &other, Dtype::F32).unwrap();
+    let out = dir.path().join("run");
+    let cfg = TrainConfig {
+        model: hf.to_str().unwrap().into(),
+        model_given: true,
+        lora: 4,
+        precision: Precision::Bf16,
+        checkpoint_every: 5,
+        schedule: ScheduleKind::Cosine,
+        ..small(&out, &train, &val)
+    };
+    let full = run(&cfg).unwrap();
+    for s in [10, 12] {
+        for f in [format!("DONE_{s:08}"), format!("model_{s:08}.bin"), format!("state_{s:08}_00000.bin")] {
+            std::fs::remove_file(out.join(f)).unwrap();
+        }
+    }
+    let resumed = run(&TrainConfig { resume: true, ..cfg.clone() }).unwrap();
+    assert_eq!(resumed.train_losses.len(), 7, "steps 5..11 run again");
+    let bits = |v: &[(usize, f32)]| v.iter().map(|(s, l)| (*s, l.to_bits())).collect::<Vec<_>>();
+    assert_eq!(bits(&full.train_losses[5..]), bits(&resumed.train_losses));
+    let bad = TrainConfig { resume: true, model: other.to_str().unwrap().into(), ..cfg.clone() };
+    let e = format!("{:#}", run(&bad).unwrap_err());
+    assert!(e.contains("is not the one these adapters were trained on"), "{e}");
+}
