@@ -423,37 +423,78 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
 /// Export to a directory with `model.safetensors` and `config.json` that transformers'
 /// `from_pretrained` loads. The padded vocab rows are dropped.
 pub fn save_hf(w: &Weights, dir: &Path, dtype: Dtype) -> Result<()> {
-    let table = hf_tensors(w);
     let st_dtype = match dtype {
         Dtype::F32 => StDtype::F32,
         Dtype::BF16 => StDtype::BF16,
     };
-    let bytes: Vec<Vec<u8>> = table
-        .iter()
+    let prefix = models::arch(&w.config).hf_prefix();
+    // Each tensor's bytes are made when the writer reaches it, so the file never exists whole
+    // in memory beside the weights.
+    let views: Vec<(String, Lazy)> = hf_tensors(w)
+        .into_iter()
         .map(|e| {
             let x = &w.data[e.range.clone()];
-            // Conv1D (in, out) from llm.c's (out, in) = (shape[1], shape[0]).
-            let x = if e.transposed { transposed(x, e.shape[1], e.shape[0]) } else { x.to_vec() };
-            let mut b = vec![];
-            match dtype {
-                Dtype::F32 => f32s_to_le(&x, &mut b),
-                Dtype::BF16 => f32s_to_bf16_le(&x, &mut b),
-            }
-            b
+            (format!("{prefix}{}", e.name), Lazy { x, shape: e.shape, transposed: e.transposed, dtype, st_dtype })
         })
         .collect();
-    let prefix = models::arch(&w.config).hf_prefix();
-    let views = table
-        .iter()
-        .zip(&bytes)
-        .map(|(e, b)| Ok((format!("{prefix}{}", e.name), TensorView::new(st_dtype, e.shape.clone(), b)?)))
-        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let out = safetensors::serialize(views, Some(meta))?;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    write_atomic(&dir.join("model.safetensors"), &[&out])?;
+    let path = dir.join("model.safetensors");
+    // The crate writes a temporary file beside it and renames it into place (a crash never
+    // leaves half a file under the name); then the data and the rename are made durable.
+    safetensors::serialize_to_file(views, Some(meta), &path)
+        .with_context(|| format!("cannot write {} (is the disk full?)", path.display()))?;
+    std::fs::File::open(&path).and_then(|f| f.sync_all()).with_context(|| format!("cannot sync {}", path.display()))?;
+    // (Its temporary file was private, 0600: readable as the files llmrs writes are.)
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
+            .with_context(|| format!("cannot set the permissions of {}", path.display()))?;
+    }
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
     write_atomic(&dir.join("config.json"), &[config_json(&w.config, dtype).as_bytes()])?;
     Ok(())
+}
+
+/// A tensor for [`safetensors::serialize_to_file`] whose bytes are made when it is written.
+struct Lazy<'a> {
+    x: &'a [f32],
+    /// As stored.
+    shape: Vec<usize>,
+    /// Stored as GPT-2's Conv1D (in, out), from llm.c's (out, in) = (shape[1], shape[0]).
+    transposed: bool,
+    dtype: Dtype,
+    st_dtype: StDtype,
+}
+
+impl safetensors::View for Lazy<'_> {
+    fn dtype(&self) -> StDtype {
+        self.st_dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        let t;
+        let x = if self.transposed {
+            t = transposed(self.x, self.shape[1], self.shape[0]);
+            &t[..]
+        } else {
+            self.x
+        };
+        let mut b = Vec::with_capacity(self.data_len());
+        match self.dtype {
+            Dtype::F32 => f32s_to_le(x, &mut b),
+            Dtype::BF16 => f32s_to_bf16_le(x, &mut b),
+        }
+        std::borrow::Cow::Owned(b)
+    }
+    fn data_len(&self) -> usize {
+        self.x.len() * self.dtype.bytes()
+    }
 }
 
 #[cfg(test)]
