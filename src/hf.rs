@@ -221,13 +221,24 @@ pub struct HfCheckpoint {
     prefix: String,
 }
 
-/// Open a Hugging Face model (directory or `.safetensors` path): its config.json and the
-/// headers of its safetensors files, checked against each other.
-pub fn open_hf(path: &Path) -> Result<HfCheckpoint> {
+/// Open a Hugging Face model (directory or `.safetensors` path) to be read into parameters of
+/// `dtype`: its config.json and the headers of its safetensors files, checked against each
+/// other.
+pub fn open_hf(path: &Path, dtype: Dtype) -> Result<HfCheckpoint> {
     let files = resolve(path)?;
     let cfg_text = String::from_utf8(read_file(&files.config)?)
         .map_err(|_| anyhow::anyhow!("{} is not UTF-8 text", files.config.display()))?;
     let cfg = parse_config(&cfg_text, &files.config)?;
+    // Refuse what cannot fit (its parameters in `dtype`) before checking the files against a
+    // config.json of such a size, or reading gigabytes.
+    let file_bytes: u64 = files.shards.iter().map(|p| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
+    let what = format!(
+        "loading {} ({:.2} GiB of files, {} parameters as {dtype})",
+        path.display(),
+        file_bytes as f64 / (1u64 << 30) as f64,
+        cfg.num_parameters()
+    );
+    crate::mem::check_available(cfg.num_parameters().saturating_mul(dtype.bytes()), &what)?;
     let shards: Vec<Shard> = files.shards.iter().map(|p| Shard::open(p)).collect::<Result<_>>()?;
     let names: Vec<String> = shards.iter().flat_map(|s| s.tensors.keys().cloned()).collect();
     let arch = models::arch(&cfg);
@@ -400,21 +411,14 @@ impl HfCheckpoint {
 
 /// Load a Hugging Face model (directory or `.safetensors` path) as llmrs-layout weights.
 pub fn load_hf(path: &Path) -> Result<Weights> {
-    // The tensors are read in pieces into the fp32 weights: refuse what cannot fit before
-    // reading gigabytes, or checking the files against a config.json of such a size.
-    let cfg = peek_config(path)?;
-    let file_bytes: u64 = resolve(path)?.shards.iter().map(|p| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
-    let what = format!(
-        "loading {} ({:.2} GiB of files, {} parameters as fp32)",
-        path.display(),
-        file_bytes as f64 / (1u64 << 30) as f64,
-        cfg.num_parameters()
-    );
-    crate::mem::check_available(cfg.num_parameters().saturating_mul(4), &what)?;
-    let mut ck = open_hf(path)?;
+    let mut ck = open_hf(path, Dtype::F32)?;
+    let cfg = ck.config();
     // (And a transposed tensor's f32 values: at most the largest's, twice its bf16 bytes.)
     let need = cfg.num_parameters().saturating_mul(4).saturating_add(ck.largest_bytes().saturating_mul(2));
-    crate::mem::check_available(need, &what)?;
+    crate::mem::check_available(
+        need,
+        &format!("loading {} ({} parameters as fp32)", path.display(), cfg.num_parameters()),
+    )?;
     let mut w = Weights::zeros(cfg)?;
     ck.read_into(&mut w)?;
     Ok(w)

@@ -1463,7 +1463,7 @@ mod tests {
             crate::hf::save_hf(&Weights::random(cfg, 5).unwrap(), dir.path(), crate::files::Dtype::F32).unwrap();
             let want = crate::hf::load_hf(dir.path()).unwrap();
             for (precision, master) in [(Precision::Fp32, true), (Precision::Bf16, true), (Precision::Bf16, false)] {
-                let mut ck = crate::hf::open_hf(dir.path()).unwrap();
+                let mut ck = crate::hf::open_hf(dir.path(), crate::files::Dtype::F32).unwrap();
                 let mut m = Model::new(Weights::zeros(ck.config()).unwrap(), Device::Cpu).unwrap();
                 m.set_precision(precision, master).unwrap();
                 let hash = m.load_hf(&mut ck).unwrap();

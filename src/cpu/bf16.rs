@@ -206,6 +206,29 @@ pub fn narrow(dst: &mut [u16], src: &[f32]) {
     team::chunks_mut(dst, CHUNK, |i, d| narrow_chunk(d, &src[i * CHUNK..i * CHUNK + d.len()]));
 }
 
+/// The input gradient of a row-wise layer (a norm) on bf16 tensors: each row of dinp (N, C),
+/// `rows` per task, is widened, added to in f32 by `f(row, dinp_row, dout_row, inp_row)` (those
+/// rows widened too) and rounded once: the f32 op's bits on widened values, without f32 copies
+/// of the activations.
+pub fn add_rows_widened(
+    dinp: &mut [u16],
+    dout: &[u16],
+    inp: &[u16],
+    (n, c, rows): (usize, usize, usize),
+    f: impl Fn(usize, &mut [f32], &[f32], &[f32]) + Sync,
+) {
+    team::chunks_mut(&mut dinp[..n * c], rows * c, |i, dinp| {
+        let (mut di, mut d, mut x) = (vec![0f32; c], vec![0f32; c], vec![0f32; c]);
+        for (k, drow) in dinp.chunks_exact_mut(c).enumerate() {
+            let row = i * rows + k;
+            widen(&mut di, drow);
+            widen(&mut d, &dout[row * c..(row + 1) * c]);
+            widen(&mut x, &inp[row * c..(row + 1) * c]);
+            f(row, &mut di, &d, &x);
+            narrow(drow, &di);
+        }
+    });
+}
 /// dst = src rounded stochastically; element i's noise is that of (seed, `first` + i), so a
 /// buffer converted in pieces rounds as when converted whole.
 pub fn narrow_stochastic(dst: &mut [u16], src: &[f32], seed: u32, first: u64) {

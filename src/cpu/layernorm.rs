@@ -162,17 +162,8 @@ pub fn layernorm_backward_bf16(
 ) {
     let mut w = vec![0f32; c];
     bf16::widen(&mut w, &weight[..c]);
-    team::chunks_mut(&mut dinp[..n * c], ROWS * c, |i, dinp| {
-        let row0 = i * ROWS;
-        let (mut di, mut d, mut x) = (vec![0f32; c], vec![0f32; c], vec![0f32; c]);
-        for (k, drow) in dinp.chunks_exact_mut(c).enumerate() {
-            let row = row0 + k;
-            bf16::widen(&mut di, drow);
-            bf16::widen(&mut d, &dout[row * c..(row + 1) * c]);
-            bf16::widen(&mut x, &inp[row * c..(row + 1) * c]);
-            backward_rows(&mut di, &d, &x, &w, &mean[row..row + 1], &rstd[row..row + 1], c);
-            bf16::narrow(drow, &di);
-        }
+    bf16::add_rows_widened(dinp, dout, inp, (n, c, ROWS), |row, di, d, x| {
+        backward_rows(di, d, x, &w, &mean[row..row + 1], &rstd[row..row + 1], c)
     });
     dparam_cols(dweight, dbias, dout, inp, mean, rstd, n, c);
 }
