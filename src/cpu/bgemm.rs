@@ -269,8 +269,8 @@ pub unsafe fn bgemm_on(
         unsafe {
             match engine {
                 Engine::Amx => serial_amx(m, n, k, c, dst_rs, accumulate, bias, a, b),
-                Engine::Dpbf16 => serial(kernel, m, n, k, c, dst_rs, accumulate, bias, a, b),
-                Engine::Portable => serial(kernel_portable, m, n, k, c, dst_rs, accumulate, bias, a, b),
+                Engine::Dpbf16 => serial(Tiles::Dpbf16, m, n, k, c, dst_rs, accumulate, bias, a, b),
+                Engine::Portable => serial(Tiles::Portable, m, n, k, c, dst_rs, accumulate, bias, a, b),
             }
         }
     };
@@ -280,12 +280,15 @@ pub unsafe fn bgemm_on(
     // Split the longer side of C, so that each part packs only its share of the larger
     // operand (the smaller one is packed by every part). Every element sums its k blocks in
     // the same order whatever the split, so the bits do not depend on it.
-    let (long, unit) = if m > n { (m, MC_AMX) } else { (n, NR) };
+    let rows = if engine == Engine::Amx { MC_AMX } else { MR };
+    let (long, unit) = if m > n { (m, rows) } else { (n, NR) };
     let tiles = long.div_ceil(unit);
     // AMX's tiles outrun the packing of the operand every part packs again, so AMX takes one
     // part per thread; the vdpbf16ps tiles take up to four, for balance.
     let most = if engine == Engine::Amx { threads } else { 4 * threads };
-    let parts = (long / 256).clamp(threads, most).min(tiles);
+    // A whole number of parts per thread: the parts are near equal, so a remainder would leave
+    // threads waiting on the last one (3 parts on 2 threads run at two thirds of the speed).
+    let parts = ((long / 256).clamp(threads, most) / threads * threads).min(tiles);
     team::for_ranges(parts, 1, 1, |range| {
         for p in range {
             let (x0, x1) = (tiles * p / parts * unit, (tiles * (p + 1) / parts * unit).min(long));
@@ -318,10 +321,18 @@ fn aligned(v: &mut Vec<u32>, len: usize) -> *mut u32 {
     unsafe { v.as_mut_ptr().add(off) }
 }
 
+/// The register tiles [`serial`] runs: `vdpbf16ps`'s (which also packs on AVX-512, as the host
+/// that has them has it) or the portable ones (scalar packing).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tiles {
+    Dpbf16,
+    Portable,
+}
+
 /// The single-threaded blocked GEMM.
 #[allow(clippy::too_many_arguments)]
 unsafe fn serial(
-    kern: Kernel,
+    tiles: Tiles,
     m: usize,
     n: usize,
     k: usize,
@@ -332,6 +343,10 @@ unsafe fn serial(
     a: View,
     b: View,
 ) {
+    let (kern, fast): (Kernel, bool) = match tiles {
+        Tiles::Dpbf16 => (kernel, true),
+        Tiles::Portable => (kernel_portable, false),
+    };
     PACKS.with(|packs| {
         let packs = &mut *packs.borrow_mut();
         let ap = aligned(&mut packs.a, MC * KC / 2);
@@ -357,15 +372,32 @@ unsafe fn serial(
                 let pairs = kc.div_ceil(2);
                 let acc = accumulate || pc > 0;
                 let bias = if pc == 0 { bias } else { std::ptr::null() };
+                let kend = pc + kc;
                 for (jr, j0) in (0..nc).step_by(NR).enumerate() {
-                    // SAFETY: panel jr lies inside bp (NC x KC/2 values).
-                    unsafe { pack_b(pairs, pc, k, jc + j0, n.min(jc + j0 + NR), b, bp.add(jr * NR * pairs)) };
+                    let (j1, d) = (n.min(jc + j0 + NR), bp.add(jr * NR * pairs));
+                    // SAFETY: panel jr lies inside bp (NC x KC/2 values); the fast packers only
+                    // with vdpbf16ps's tiles, whose host has AVX-512 (`available`). A panel
+                    // holds the same values whichever packer made it.
+                    unsafe {
+                        if fast {
+                            pack_b_fast(pairs, pc, kend, jc + j0, j1, b, d)
+                        } else {
+                            pack_b(pairs, pc, k, jc + j0, j1, b, d)
+                        }
+                    };
                 }
                 for ic in (0..m).step_by(MC) {
                     let mc = MC.min(m - ic);
                     for (ir, i0) in (0..mc).step_by(MR).enumerate() {
-                        // SAFETY: panel ir lies inside ap (MC x KC/2 values).
-                        unsafe { pack_a(pairs, pc, k, ic + i0, m.min(ic + i0 + MR), a, ap.add(ir * MR * pairs)) };
+                        let (i1, d) = (m.min(ic + i0 + MR), ap.add(ir * MR * pairs));
+                        // SAFETY: panel ir lies inside ap (MC x KC/2 values); AVX-512 as above.
+                        unsafe {
+                            if fast {
+                                pack_a_fast(pairs, pc, kend, ic + i0, i1, a, d)
+                            } else {
+                                pack_a(pairs, pc, k, ic + i0, i1, a, d)
+                            }
+                        };
                     }
                     for (jr, j0) in (0..nc).step_by(NR).enumerate() {
                         let cols = NR.min(nc - j0);
@@ -404,6 +436,38 @@ unsafe fn pack_a(pairs: usize, pc: usize, k: usize, i0: usize, i1: usize, a: Vie
             let (kk, row) = (pc + 2 * p, i0 + i);
             // SAFETY: get() reads only inside the matrix; d holds MR*pairs values.
             unsafe { *d.add(p * MR + i) = a.get(row, kk, i1, k) | (a.get(row, kk + 1, i1, k) << 16) };
+        }
+    }
+}
+
+/// [`pack_a`] on AVX-512 for whole panels (MR rows) whose pairs are adjacent in memory (A
+/// row-major: a forward's input, a backward's output gradient) or whose rows are adjacent (A
+/// read through a transpose: a weight gradient's output gradient); [`pack_a`] otherwise.
+///
+/// # Safety
+/// As [`pack_a`]'s with k = kend (the view covers A's rows i0..i1 and k values pc..kend, and
+/// pairs = (kend - pc).div_ceil(2)); the host has AVX-512F.
+unsafe fn pack_a_fast(pairs: usize, pc: usize, kend: usize, i0: usize, i1: usize, a: View, d: *mut u32) {
+    let (whole, odd) = ((kend - pc) / 2, (kend - pc) % 2 == 1);
+    debug_assert_eq!(pairs, whole + odd as usize);
+    // SAFETY (all blocks): reads stay inside A's rows i0..i1 and k values pc..kend; d holds
+    // MR*pairs values; AVX-512F as the caller guarantees.
+    unsafe {
+        #[cfg(target_arch = "x86_64")]
+        let first = if i1 - i0 == MR && a.cs == 1 {
+            vpack::a_rows12(whole, a.ptr.offset(i0 as isize * a.rs + pc as isize), a.rs, d)
+        } else if i1 - i0 == MR && a.rs == 1 {
+            vpack::a_cols12(whole, a.ptr.offset(pc as isize * a.cs + i0 as isize), a.cs, d)
+        } else {
+            0
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let first = 0;
+        for p in first..pairs {
+            for i in 0..MR {
+                let (kk, row) = (pc + 2 * p, i0 + i);
+                *d.add(p * MR + i) = a.get(row, kk, i1, kend) | (a.get(row, kk + 1, i1, kend) << 16);
+            }
         }
     }
 }
@@ -485,7 +549,7 @@ unsafe fn serial_amx(
 ) {
     if k == 0 {
         // SAFETY: as the caller guarantees; with k = 0 no tile runs.
-        return unsafe { serial(kernel_portable, m, n, k, c, ldc, accumulate, bias, a, b) };
+        return unsafe { serial(Tiles::Portable, m, n, k, c, ldc, accumulate, bias, a, b) };
     }
     PACKS.with(|packs| {
         let packs = &mut *packs.borrow_mut();
@@ -562,13 +626,14 @@ unsafe fn put(
     }
 }
 
-/// [`pack_b`] for AMX (pairs up to `kend`, zero past it), with straight loops where B's pairs
+/// [`pack_b`] for AMX and `vdpbf16ps` (pairs up to `kend`, zero past it up to `pairs`), with straight loops where B's pairs
 /// are adjacent in memory (W^T of a forward: row stride 1) or B is row-major (column stride
 /// 1: two rows interleaved), for whole panels; those run on AVX-512 ([`vpack`]).
 ///
 /// # Safety
 /// The view covers B's rows pc..kend and columns j0..j1; d holds NR*pairs values; the host
-/// has AVX-512 (AMX runs only where the kernels may use it, [`amx_available`]).
+/// has AVX-512 (AMX and `vdpbf16ps` run only where the kernels may use it, [`amx_available`],
+/// [`available`]).
 unsafe fn pack_b_fast(pairs: usize, pc: usize, kend: usize, j0: usize, j1: usize, b: View, d: *mut u32) {
     let (whole, odd) = ((kend - pc) / 2, (kend - pc) % 2 == 1);
     // SAFETY (all blocks): reads stay inside B's rows pc..kend and columns j0..j1 (the caller's
@@ -780,6 +845,61 @@ mod vpack {
                     let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r1.add(j) as *const _));
                     _mm512_storeu_si512(d.add(p * ld + j) as *mut _, _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi)));
                 }
+            }
+        }
+        whole
+    }
+
+    /// [`super::pack_a`]'s panel from A row-major (row i's k values at `row0 + i*rs`, its pairs
+    /// adjacent): `d[p*MR + i]` = row i's pair p, for MR rows and the first `whole / 16 * 16`
+    /// pairs, 16 pairs of the 12 rows at a time through the 16 x 16 transpose (4 zero rows).
+    ///
+    /// # Safety
+    /// Rows 0..MR at `row0 + i*rs` hold `2*whole` readable bf16 each; d holds MR*whole values;
+    /// the host has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn a_rows12(whole: usize, row0: *const u16, rs: isize, d: *mut u32) -> usize {
+        const MR: usize = super::MR;
+        let done = whole / 16 * 16;
+        // SAFETY: as the caller guarantees: 16 pairs (64 bytes) of each row from pair p0 < done;
+        // each store writes MR values of pair p0 + q (the mask keeps the rest).
+        unsafe {
+            for p0 in (0..done).step_by(16) {
+                let r: [__m512i; 16] = std::array::from_fn(|i| {
+                    if i < MR {
+                        _mm512_loadu_si512(row0.offset(i as isize * rs).add(2 * p0) as *const _)
+                    } else {
+                        _mm512_setzero_si512()
+                    }
+                });
+                for (q, v) in transpose16(r).into_iter().enumerate() {
+                    _mm512_mask_storeu_epi32(d.add((p0 + q) * MR) as *mut _, (1 << MR) - 1, v);
+                }
+            }
+        }
+        done
+    }
+
+    /// [`super::pack_a`]'s panel from A read through a transpose (k value kk of row i at
+    /// `base + kk*cs + i`): `d[p*MR + i]` = row i's pair p for MR rows and the first `whole`
+    /// pairs, two masked loads of MR bf16 interleaved per pair.
+    ///
+    /// # Safety
+    /// k values 0..2*whole of rows 0..MR are readable; d holds MR*whole values; the host has
+    /// AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn a_cols12(whole: usize, base: *const u16, cs: isize, d: *mut u32) -> usize {
+        const MR: usize = super::MR;
+        // MR bf16 are MR/2 32-bit words: the masked loads read only them.
+        const WORDS: __mmask16 = (1 << (MR / 2)) - 1;
+        // SAFETY: as the caller guarantees; masked-off lanes are neither read nor written.
+        unsafe {
+            for p in 0..whole {
+                let k0 = base.offset(2 * p as isize * cs);
+                let lo = _mm512_castsi512_si256(_mm512_maskz_loadu_epi32(WORDS, k0 as *const _));
+                let hi = _mm512_castsi512_si256(_mm512_maskz_loadu_epi32(WORDS, k0.offset(cs) as *const _));
+                let v = _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi)));
+                _mm512_mask_storeu_epi32(d.add(p * MR) as *mut _, (1 << MR) - 1, v);
             }
         }
         whole
@@ -1072,14 +1192,14 @@ mod tests {
     use super::*;
     use crate::cpu::testutil::TestRng;
 
-    /// The AMX packers (whose whole panels take the AVX-512 paths) fill their panels exactly as
-    /// element-by-element packing does: B read through a transpose and row-major, A row-major
+    /// The vector packers (AMX's, and vdpbf16ps's A panels: whole panels take the AVX-512
+    /// paths) fill their panels exactly as element-by-element packing does: B read through a transpose and row-major, A row-major
     /// and through a transpose; k blocks with and without an odd value, shorter and longer than
     /// the 16-pair vector blocks, at odd offsets.
     #[test]
-    fn amx_packers_match_element_by_element_packing() {
+    fn vector_packers_match_element_by_element_packing() {
         if super::super::simd::isa() != super::super::simd::Isa::Avx512 {
-            eprintln!("SKIPPED amx_packers_match_element_by_element_packing: the kernels are not AVX-512 here");
+            eprintln!("SKIPPED vector_packers_match_element_by_element_packing: the kernels are not AVX-512 here");
             return;
         }
         let (rows, cols) = (70, 69); // the stored matrix; panels start at odd offsets in it
@@ -1126,6 +1246,15 @@ mod tests {
                         );
                     }
                 }
+                // vdpbf16ps's A panels: MR rows, exactly the block's pairs.
+                let pairs = (kend - pc).div_ceil(2);
+                let (mut got, mut want) = (vec![u32::MAX; MR * pairs], vec![u32::MAX; MR * pairs]);
+                // SAFETY: as above, for rows i0..i0+MR; both buffers hold MR*pairs values.
+                unsafe {
+                    pack_a_fast(pairs, pc, kend, i0, i0 + MR, a, got.as_mut_ptr());
+                    pack_a(pairs, pc, kend, i0, i0 + MR, a, want.as_mut_ptr());
+                }
+                assert!(got == want, "pack_a_fast: k {pc}..{kend}, strides ({}, {})", a.rs, a.cs);
             }
         }
     }
