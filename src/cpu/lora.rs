@@ -24,6 +24,12 @@ pub fn lora_forward(out: Dest, h: &mut [f32], inp: Operand, a: &[f32], b: &[f32]
 /// Backward of [`lora_forward`]: h is recomputed; with g = dout[:, row0..row0+ROWS],
 /// db (ROWS, R) += g^T @ h, dh (N, R) = scale * g @ b, da (R, C) += dh^T @ inp and
 /// dinp (N, C) += dh @ a. The adapter's gradients always add (they are zeroed per step).
+///
+/// The products whose result has R columns (h, dh, db) are computed as their transposes, R
+/// rows by N or ROWS columns, into a scratch and transposed back: the kernels' 12-row tiles
+/// then hold R = 8 at two thirds full instead of a quarter of their 32 columns (1.4x faster
+/// adapters on Llama 3.2 1B's shape). Each element is the same sum in the same order either
+/// way, so the bits do not change.
 #[allow(clippy::too_many_arguments)]
 pub fn lora_backward(
     dinp: Option<Dest>,
@@ -48,11 +54,15 @@ pub fn lora_backward(
         Operand::Bf16(d) => Operand::Bf16(&d[row0..]),
     };
     let h = Operand::F32(&h[..n * r]);
-    // db (ROWS, R) += g^T (ROWS, N) @ h (N, R)
-    gemm_strided_any(rows, r, n, Dest::F32(&mut db[..rows * r]), r, true, g, (1, oc_), h, (r_, 1));
-    // dh (N, R) = scale * g (N, ROWS) @ b (ROWS, R)
+    // db (ROWS, R) += g^T (ROWS, N) @ h (N, R), as db^T (R, ROWS) += h^T (R, N) @ g (N, ROWS)
+    transposed(&mut db[..rows * r], rows, true, |dbt| {
+        gemm_strided_any(r, rows, n, Dest::F32(dbt), rows, true, h, (1, r_), g, (oc_, 1))
+    });
+    // dh (N, R) = scale * g (N, ROWS) @ b (ROWS, R), as dh^T (R, N) = b^T (R, ROWS) @ g^T (ROWS, N)
     let dh = &mut dh[..n * r];
-    gemm_strided_any(n, r, rows, Dest::F32(dh), r, false, g, (oc_, 1), Operand::F32(b), (r_, 1));
+    transposed(dh, n, false, |dht| {
+        gemm_strided_any(r, n, rows, Dest::F32(dht), n, false, Operand::F32(b), (1, r_), g, (1, oc_))
+    });
     dh.iter_mut().for_each(|x| *x *= scale);
     let dh = Operand::F32(dh);
     // da (R, C) += dh^T (R, N) @ inp (N, C)
@@ -63,13 +73,46 @@ pub fn lora_backward(
     }
 }
 
-/// h (N, R) = scale * inp (N, C) @ a (R, C)^T.
+/// h (N, R) = scale * inp (N, C) @ a (R, C)^T, as h^T (R, N) = a (R, C) @ inp^T (C, N).
 fn down(h: &mut [f32], inp: Operand, a: &[f32], s: LoraShape) {
     let LoraShape { n, c, r, scale, .. } = s;
     let h = &mut h[..n * r];
     let (c_, a) = (c as isize, Operand::F32(a));
-    gemm_strided_any(n, r, c, Dest::F32(h), r, false, inp, (c_, 1), a, (1, c_));
+    transposed(h, n, false, |ht| gemm_strided_any(r, n, c, Dest::F32(ht), n, false, a, (c_, 1), inp, (1, c_)));
     h.iter_mut().for_each(|x| *x *= scale);
+}
+
+/// Run `f` on the transpose of `x` (rows, R), R = x.len() / rows, held row-major as (R, rows)
+/// in a per-thread scratch (grown as needed and kept; filled from x first when `load`), and
+/// write the result back into x.
+fn transposed(x: &mut [f32], rows: usize, load: bool, f: impl FnOnce(&mut [f32])) {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    if x.is_empty() {
+        return;
+    }
+    let r = x.len() / rows;
+    SCRATCH.with(|v| {
+        let mut v = v.borrow_mut();
+        if v.len() < x.len() {
+            v.resize(x.len(), 0.0);
+        }
+        let t = &mut v[..x.len()];
+        if load {
+            for (o, row) in x.chunks_exact(r).enumerate() {
+                for (j, v) in row.iter().enumerate() {
+                    t[j * rows + o] = *v;
+                }
+            }
+        }
+        f(t);
+        for (o, row) in x.chunks_exact_mut(r).enumerate() {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = t[j * rows + o];
+            }
+        }
+    })
 }
 
 /// `out` from its element `off` on.
@@ -83,6 +126,38 @@ fn shift(out: Dest, off: usize) -> Dest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// h, dh and db, computed as their transposes, are the bits of the products computed
+    /// directly ((N, R) and (ROWS, R) results): the same sums in the same order. Shapes past
+    /// a k block (N, ROWS, C > 384) and across the threaded GEMM's limits, odd sizes, N = 1.
+    #[test]
+    fn transposed_products_give_the_direct_bits() {
+        let mut rng = crate::cpu::testutil::TestRng(5);
+        let mut rand = |k: usize| rng.vec(k);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        for (n, c, oc, r, row0, rows) in [(1, 9, 5, 1, 0, 5), (17, 33, 40, 8, 31, 9), (700, 401, 900, 8, 100, 777)] {
+            let s = LoraShape { n, c, oc, r, row0, rows, scale: 1.75 };
+            let (x, a, b, dout, db0) = (rand(n * c), rand(r * c), rand(rows * r), rand(n * oc), rand(rows * r));
+            let (mut h, mut dh, mut da, mut db) =
+                (vec![0f32; n * r], vec![0f32; n * r], vec![0f32; r * c], db0.clone());
+            let mut dx = vec![0f32; n * c];
+            let (xo, g) = (Operand::F32(&x), Operand::F32(&dout));
+            lora_backward(Some(Dest::F32(&mut dx)), &mut da, &mut db, &mut h, &mut dh, g, xo, &a, &b, s);
+            let (c_, oc_, r_) = (c as isize, oc as isize, r as isize);
+            let mut want_h = vec![0f32; n * r];
+            gemm_strided_any(n, r, c, Dest::F32(&mut want_h), r, false, xo, (c_, 1), Operand::F32(&a), (1, c_));
+            want_h.iter_mut().for_each(|v| *v *= 1.75);
+            assert_eq!(bits(&h), bits(&want_h), "h {s:?}");
+            let gr = Operand::F32(&dout[row0..]);
+            let mut want_dh = vec![0f32; n * r];
+            gemm_strided_any(n, r, rows, Dest::F32(&mut want_dh), r, false, gr, (oc_, 1), Operand::F32(&b), (r_, 1));
+            want_dh.iter_mut().for_each(|v| *v *= 1.75);
+            assert_eq!(bits(&dh), bits(&want_dh), "dh {s:?}");
+            let mut want_db = db0.clone();
+            gemm_strided_any(rows, r, n, Dest::F32(&mut want_db), r, true, gr, (1, oc_), Operand::F32(&h), (r_, 1));
+            assert_eq!(bits(&db), bits(&want_db), "db {s:?}");
+        }
+    }
 
     /// The adapter's forward and backward against f64 loops, on a fused output's middle rows,
     /// with odd sizes and N = 1.
