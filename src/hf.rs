@@ -427,6 +427,18 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
 /// Export to a directory with `model.safetensors` and `config.json` that transformers'
 /// `from_pretrained` loads. The padded vocab rows are dropped.
 pub fn save_hf(w: &Weights, dir: &Path, dtype: Dtype) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    write_safetensors(
+        &dir.join("model.safetensors"),
+        hf_views(w, dtype),
+        HashMap::from([("format".into(), "pt".into())]),
+    )?;
+    write_atomic(&dir.join("config.json"), &[config_json(&w.config, dtype).as_bytes()])?;
+    Ok(())
+}
+
+/// The tensors of a Hugging Face export, by their names there.
+fn hf_views(w: &Weights, dtype: Dtype) -> Vec<(String, Lazy<'_>)> {
     let st_dtype = match dtype {
         Dtype::F32 => StDtype::F32,
         Dtype::BF16 => StDtype::BF16,
@@ -434,36 +446,49 @@ pub fn save_hf(w: &Weights, dir: &Path, dtype: Dtype) -> Result<()> {
     let prefix = models::arch(&w.config).hf_prefix();
     // Each tensor's bytes are made when the writer reaches it, so the file never exists whole
     // in memory beside the weights.
-    let views: Vec<(String, Lazy)> = hf_tensors(w)
+    hf_tensors(w)
         .into_iter()
         .map(|e| {
             let x = &w.data[e.range.clone()];
             (format!("{prefix}{}", e.name), Lazy { x, shape: e.shape, transposed: e.transposed, dtype, st_dtype })
         })
-        .collect();
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let path = dir.join("model.safetensors");
-    // The crate writes a temporary file beside it and renames it into place (a crash never
-    // leaves half a file under the name); then the data and the rename are made durable.
-    safetensors::serialize_to_file(views, Some(meta), &path)
-        .with_context(|| format!("cannot write {} (is the disk full?)", path.display()))?;
-    std::fs::File::open(&path).and_then(|f| f.sync_all()).with_context(|| format!("cannot sync {}", path.display()))?;
-    // (Its temporary file was private, 0600: readable as the files llmrs writes are.)
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
-            .with_context(|| format!("cannot set the permissions of {}", path.display()))?;
-    }
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    write_atomic(&dir.join("config.json"), &[config_json(&w.config, dtype).as_bytes()])?;
-    Ok(())
+        .collect()
 }
 
-/// A tensor for [`safetensors::serialize_to_file`] whose bytes are made when it is written.
+/// Write `tensors` to `path` in safetensors' format, the bytes `safetensors::serialize` gives
+/// (the crate's own header: its `Metadata` as JSON, padded with spaces to 8 bytes; tensors in
+/// its order, by dtype then name), each tensor's bytes made as the writer reaches it. Through
+/// [`crate::files::write_atomic_with`] rather than the crate's `serialize_to_file`, whose
+/// temporary file has a random name: a killed export leaves a temporary that the next write
+/// of the file knows as llmrs's and removes.
+fn write_safetensors<V: safetensors::View>(
+    path: &Path,
+    mut tensors: Vec<(String, V)>,
+    meta: HashMap<String, String>,
+) -> Result<()> {
+    use safetensors::tensor::{Metadata, TensorInfo};
+    tensors.sort_by(|(ln, l), (rn, r)| r.dtype().cmp(&l.dtype()).then(ln.cmp(rn)));
+    let mut infos = Vec::with_capacity(tensors.len());
+    let mut offset = 0;
+    for (name, t) in &tensors {
+        let n = t.data_len();
+        infos.push((
+            name.clone(),
+            TensorInfo { dtype: t.dtype(), shape: t.shape().to_vec(), data_offsets: (offset, offset + n) },
+        ));
+        offset += n;
+    }
+    let metadata = Metadata::new(Some(meta), infos).map_err(|e| anyhow::anyhow!("safetensors header: {e}"))?;
+    let mut header = serde_json::to_string(&metadata)?.into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    crate::files::write_atomic_with(path, |w| {
+        w.write_all(&(header.len() as u64).to_le_bytes())?;
+        w.write_all(&header)?;
+        tensors.iter().try_for_each(|(_, t)| w.write_all(&t.data()))
+    })
+}
+
+/// A tensor for [`write_safetensors`] whose bytes are made when it is written.
 struct Lazy<'a> {
     x: &'a [f32],
     /// As stored.
@@ -504,6 +529,33 @@ impl safetensors::View for Lazy<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The export is the bytes of `safetensors::serialize` on the same tensors (GPT-2's and
+    /// Llama's names and shapes, fp32 and bf16), written under llmrs's temporary name: one a
+    /// killed writer left is removed by the next export.
+    #[test]
+    fn export_is_the_crates_bytes_and_leaves_no_temporary() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        for desc in ["2x16:2:8", "llama:2x16:4:2"] {
+            let dir = tempfile::tempdir().unwrap();
+            let stale = dir.path().join(format!(".model.safetensors.tmp{dead}_0"));
+            std::fs::write(&stale, b"half an export").unwrap();
+            let model = Weights::random(ModelConfig::from_descriptor(desc).unwrap(), 7).unwrap();
+            for dtype in [Dtype::F32, Dtype::BF16] {
+                save_hf(&model, dir.path(), dtype).unwrap();
+                let want = safetensors::serialize(
+                    hf_views(&model, dtype),
+                    Some(HashMap::from([("format".into(), "pt".into())])),
+                )
+                .unwrap();
+                assert!(std::fs::read(dir.path().join("model.safetensors")).unwrap() == want, "{desc} {dtype:?}");
+            }
+            let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+            assert_eq!(left.len(), 2, "{desc}: {left:?}");
+        }
+    }
 
     #[test]
     fn export_import_round_trip() {
