@@ -1,6 +1,7 @@
 //! GFLOP/s of the GEMM shapes in a GPT-2 124M training step at B=4, T=64 (n = 256 rows), then
 //! the forward GEMMs on one thread, alone and two side by side (one per core): what the cores
-//! lose to each other through the shared cache and memory.
+//! lose to each other through the shared cache and memory; last, the kernel on a block in
+//! cache against the measured FMA peak.
 //! `cargo run --release --example gemm_shapes` (`-- --json`: the first part only, as JSON, for
 //! `scripts/bench_compare.py --gemm`; `-- --bf16`: each shape with f32 buffers and with bf16
 //! ones, interleaved, as `--precision bf16` runs them)
@@ -90,6 +91,19 @@ fn main() {
             2.0 * flops / pair / 1e9
         );
     }
+    // The kernel on a block that stays in cache (one MC x KC block of A, B panels of 512
+    // columns), against one thread's share of the measured FMA peak: what the micro-kernel
+    // itself reaches, before packing and memory take their part.
+    let (m, nn, k) = (264, 512, 384);
+    let (a, b, mut c) = (vec![0.01f32; m * k], vec![0.02f32; nn * k], vec![0f32; m * nn]);
+    let (ki, ni) = (k as isize, nn as isize);
+    let t = best(&mut || gemm_strided_serial(m, nn, k, &mut c, (ni, 1), false, &a, (ki, 1), &b, (1, ki)));
+    let (peak, how) = llmrs::cpu::peak::measure();
+    let (got, share) = (2.0 * (m * nn * k) as f64 / t / 1e9, peak / rayon::current_num_threads() as f64);
+    println!(
+        "in cache ({m}x{nn}x{k}) on one thread: {got:.1} GFLOP/s, {:.0}% of one thread's share of {peak:.1} GFLOP/s ({how})",
+        100.0 * got / share
+    );
 }
 
 /// Each shape's forward and backward (dinp, dW overwritten as after a zero_grad, db) with every
