@@ -6,7 +6,7 @@
 
 use crate::config::ModelConfig;
 use crate::files::{
-    bf16s_from_le, f32s_from_le, f32s_to_bf16_le, f32s_to_le, parse_header, read_file, write_atomic_with, Dtype,
+    f32s_from_le, f32s_to_bf16_le, f32s_to_le, parse_header, read_file, write_atomic_with, Dtype, ModelFile,
     HEADER_BYTES, HEADER_INTS,
 };
 use crate::model::{Model, Slot};
@@ -116,26 +116,26 @@ fn read_file_prefix(path: &Path, n: usize) -> Result<Vec<u8>> {
 /// 20240326; the llama3 branch's, 20240803), llmrs's own for the others. Non-finite weights are
 /// refused, naming the tensor.
 pub fn load_model(path: &Path) -> Result<Weights> {
-    let bytes = read_file(path)?;
-    let h = parse_header(&bytes, path, "model")?;
+    let mut f = ModelFile::open(path)?;
+    let h = parse_header(&f.head, path, "model")?;
     let w = match family_of(h[0], path)? {
-        Some(a) => a.llmc_read(&bytes, path)?,
+        Some(a) => a.llmc_read(&mut f)?,
         None => {
-            let (cfg, dtype, at) = llmrs_header(&bytes, path)?;
+            // The header and the config after it (llmrs_header checks the length field).
+            let cfg_len = usize::try_from(h[2]).unwrap_or(0).min(1 << 20);
+            let head = f.bytes(0, (HEADER_BYTES + cfg_len).min(usize::try_from(f.len).unwrap_or(usize::MAX)))?;
+            let (cfg, dtype, at) = llmrs_header(&head, path)?;
             let n = cfg.num_parameters();
             let want = at + n * dtype.bytes();
-            if bytes.len() != want {
+            if f.len != want as u64 {
                 bail!(
                     "{}: file is {} bytes but a {dtype} model of this shape needs {want}: the file is truncated or corrupt",
                     path.display(),
-                    bytes.len()
+                    f.len
                 );
             }
             let mut w = Weights::zeros(cfg)?;
-            match dtype {
-                Dtype::F32 => f32s_from_le(&bytes[at..], &mut w.data),
-                Dtype::BF16 => bf16s_from_le(&bytes[at..], &mut w.data),
-            }
+            f.values(at as u64, dtype, &mut w.data)?;
             w
         }
     };

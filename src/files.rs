@@ -55,6 +55,106 @@ pub fn read_file(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))
 }
 
+/// Bytes of a model file converted per piece by [`ModelFile::values`] (8 MiB): the file is
+/// never in memory whole beside the weights it fills.
+const PIECE: usize = 8 << 20;
+
+/// A model file read front to back: its first bytes (`head`: llm.c's header and the llama3
+/// branch's second one, 2 KiB, or less for a shorter file) read at open, then its values read
+/// in pieces straight into the caller's buffers ([`ModelFile::values`]). Loading a model so
+/// needs the model's memory and a piece, not the file's size besides.
+pub struct ModelFile<'a> {
+    pub head: Vec<u8>,
+    /// The file's size in bytes.
+    pub len: u64,
+    pub path: &'a Path,
+    reader: Box<dyn std::io::Read + 'a>,
+    /// Bytes taken from `reader` so far (`head` included).
+    pos: u64,
+}
+
+impl<'a> ModelFile<'a> {
+    /// Open `path` (a regular file) and read its head.
+    pub fn open(path: &'a Path) -> Result<ModelFile<'a>> {
+        check_regular(path)?;
+        let f = File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let len = f.metadata().with_context(|| format!("cannot read {}", path.display()))?.len();
+        Self::new(Box::new(std::io::BufReader::with_capacity(1 << 20, f)), len, path)
+    }
+
+    /// The same over bytes in memory (tests, and files already read).
+    pub fn from_bytes(bytes: &'a [u8], path: &'a Path) -> Result<ModelFile<'a>> {
+        Self::new(Box::new(bytes), bytes.len() as u64, path)
+    }
+
+    fn new(mut reader: Box<dyn std::io::Read + 'a>, len: u64, path: &'a Path) -> Result<ModelFile<'a>> {
+        let mut head = Vec::with_capacity(2 * HEADER_BYTES);
+        std::io::Read::read_to_end(&mut std::io::Read::take(&mut reader, 2 * HEADER_BYTES as u64), &mut head)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let pos = head.len() as u64;
+        Ok(ModelFile { head, len, path, reader, pos })
+    }
+
+    /// The `n` bytes from `offset` on, which must lie inside the head or be the next ones the
+    /// file gives (offsets only go forward); an error names the file if it ends first.
+    pub fn bytes(&mut self, offset: u64, n: usize) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; n];
+        self.read_into(offset, &mut out)?;
+        Ok(out)
+    }
+
+    /// `out.len()` values stored as `dtype` from byte `offset` on (offsets only go forward),
+    /// read and converted a piece at a time.
+    pub fn values(&mut self, offset: u64, dtype: Dtype, out: &mut [f32]) -> Result<()> {
+        let per = PIECE / dtype.bytes();
+        let mut buf = vec![0u8; per.min(out.len()) * dtype.bytes()];
+        let mut at = offset;
+        for o in out.chunks_mut(per.max(1)) {
+            let b = &mut buf[..o.len() * dtype.bytes()];
+            self.read_into(at, b)?;
+            match dtype {
+                Dtype::F32 => f32s_from_le(b, o),
+                Dtype::BF16 => bf16s_from_le(b, o),
+            }
+            at += b.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn read_into(&mut self, offset: u64, out: &mut [u8]) -> Result<()> {
+        use std::io::Read;
+        let (n, path) = (out.len(), self.path);
+        let truncated = |e: std::io::Error| {
+            let what = if e.kind() == std::io::ErrorKind::UnexpectedEof { "it is truncated" } else { "read error" };
+            anyhow::anyhow!("{}: cannot read {n} bytes at {offset} ({what}: {e})", path.display())
+        };
+        let mut done = 0;
+        // From the head first.
+        if offset < self.head.len() as u64 {
+            let h = &self.head[offset as usize..];
+            done = h.len().min(out.len());
+            out[..done].copy_from_slice(&h[..done]);
+        }
+        if done == out.len() {
+            return Ok(());
+        }
+        let from = offset + done as u64;
+        if from < self.pos {
+            bail!("{}: internal error: a read at {from} after {} was read", self.path.display(), self.pos);
+        }
+        let skip = from - self.pos;
+        let skipped =
+            std::io::copy(&mut Read::take(&mut self.reader, skip), &mut std::io::sink()).map_err(truncated)?;
+        self.pos += skipped;
+        if skipped < skip {
+            return Err(truncated(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        self.reader.read_exact(&mut out[done..]).map_err(truncated)?;
+        self.pos += (out.len() - done) as u64;
+        Ok(())
+    }
+}
+
 /// Refuse anything but a regular file (after symlinks): reading a FIFO or a device would block
 /// or never end, and a directory is a mistake worth naming.
 pub fn check_regular(path: &Path) -> Result<()> {
@@ -223,6 +323,44 @@ pub fn remove_dead_temps(dir: &Path, name: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Values read in pieces from any offset past the head, across the head's end and past
+    /// a piece (8 MiB), in both dtypes, equal the whole-buffer conversion; a file that ends
+    /// first and a read behind the last one are errors naming the file.
+    #[test]
+    fn model_files_are_read_in_pieces_as_a_whole() {
+        let n = PIECE / 4 * 2 + 37; // f32s: two pieces and a bit
+        let vals: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut bytes = vec![7u8; 1500]; // "headers": the values start inside the 2 KiB head
+        f32s_to_le(&vals, &mut bytes);
+        f32s_to_bf16_le(&vals, &mut bytes);
+        let path = Path::new("m.bin");
+        let mut f = ModelFile::from_bytes(&bytes, path).unwrap();
+        assert_eq!((f.head.len(), f.len), (2 * HEADER_BYTES, bytes.len() as u64));
+        assert_eq!(f.bytes(1496, 4).unwrap(), &bytes[1496..1500]);
+        let mut got = vec![0f32; n];
+        f.values(1500, Dtype::F32, &mut got).unwrap();
+        assert!(got == vals);
+        let mut want16 = vec![0f32; n];
+        bf16s_from_le(&bytes[1500 + 4 * n..], &mut want16);
+        let mut got16 = vec![0f32; n];
+        f.values((1500 + 4 * n) as u64, Dtype::BF16, &mut got16).unwrap();
+        assert!(got16 == want16);
+        // Skipping forward: the last 3 values of the f32 part from a fresh file.
+        let mut f = ModelFile::from_bytes(&bytes, path).unwrap();
+        let mut tail = [0f32; 3];
+        f.values((1500 + 4 * (n - 3)) as u64, Dtype::F32, &mut tail).unwrap();
+        assert_eq!(&tail[..], &vals[n - 3..]);
+        let e = f.values(4096, Dtype::F32, &mut tail).unwrap_err().to_string();
+        assert!(e.contains("m.bin"), "{e}");
+        // A file shorter than its values, and one shorter than the head.
+        let short = &bytes[..bytes.len() - 1];
+        let mut f = ModelFile::from_bytes(short, path).unwrap();
+        let e = f.values((1500 + 4 * n) as u64, Dtype::BF16, &mut got16).unwrap_err().to_string();
+        assert!(e.contains("m.bin") && e.contains("truncated"), "{e}");
+        let f = ModelFile::from_bytes(&bytes[..100], path).unwrap();
+        assert_eq!((f.head.len(), f.len), (100, 100));
+    }
 
     #[test]
     fn temporary_files_of_dead_writers_are_removed_and_live_ones_kept() {

@@ -156,9 +156,9 @@ pub trait Arch: Sync {
     fn llmc_write<'a>(&self, _w: &'a Weights, _dtype: Dtype) -> Result<(Vec<u8>, std::borrow::Cow<'a, [f32]>)> {
         bail!("llm.c has no model file for the {} family", self.name())
     }
-    /// Read llm.c's model file (its magic recognised).
-    fn llmc_read(&self, _bytes: &[u8], path: &Path) -> Result<Weights> {
-        bail!("{}: llm.c has no model file for the {} family", path.display(), self.name())
+    /// Read llm.c's model file (its magic recognised), its values a piece at a time.
+    fn llmc_read(&self, f: &mut crate::files::ModelFile) -> Result<Weights> {
+        bail!("{}: llm.c has no model file for the {} family", f.path.display(), self.name())
     }
     /// The shape in llm.c's header (its first 2 KiB), without the values.
     fn llmc_config(&self, _bytes: &[u8], path: &Path) -> Result<(ModelConfig, Dtype)> {

@@ -7,7 +7,7 @@ use crate::acts::{ActPlan, ActSpec, BackActs, BlockActs, NormActs, Width};
 use crate::backend::ops::{Heads, Mat, Ops, Rows, Seq};
 use crate::backend::Buf;
 use crate::config::{Family, ModelConfig, Rope, GPT2_PADDED_VOCAB, GPT2_VOCAB};
-use crate::files::{bf16s_from_le, f32s_from_le, parse_header, Dtype, HEADER_BYTES, HEADER_INTS};
+use crate::files::{parse_header, Dtype, ModelFile, HEADER_BYTES, HEADER_INTS};
 use crate::params::{HfTensor, InitSink, ParamLayout, TensorId, TensorSpec, View, Weights};
 use crate::rng::Mt19937;
 use anyhow::{bail, Context, Result};
@@ -582,24 +582,20 @@ impl Arch for Gpt2 {
         Ok((cfg, dtype))
     }
 
-    fn llmc_read(&self, bytes: &[u8], path: &Path) -> Result<Weights> {
-        let (cfg, dtype) = self.llmc_config(bytes, path)?;
+    fn llmc_read(&self, f: &mut ModelFile) -> Result<Weights> {
+        let (cfg, dtype) = self.llmc_config(&f.head, f.path)?;
         // Check the size before allocating anything the header asks for.
         let n = cfg.num_parameters();
         let want = HEADER_BYTES + n * dtype.bytes();
-        if bytes.len() != want {
+        if f.len != want as u64 {
             bail!(
                 "{}: file is {} bytes but a {dtype} model of this shape needs {want}: the file is truncated or corrupt",
-                path.display(),
-                bytes.len(),
+                f.path.display(),
+                f.len,
             );
         }
         let mut w = Weights::zeros(cfg)?;
-        let body = &bytes[HEADER_BYTES..];
-        match dtype {
-            Dtype::F32 => f32s_from_le(body, &mut w.data),
-            Dtype::BF16 => bf16s_from_le(body, &mut w.data),
-        }
+        f.values(HEADER_BYTES as u64, dtype, &mut w.data)?;
         Ok(w)
     }
 }

@@ -12,7 +12,7 @@ use crate::acts::{ActPlan, ActSpec, BackActs, BlockActs, NormActs, Width};
 use crate::backend::ops::{Heads, Mat, Ops, Rows, Seq};
 use crate::backend::Buf;
 use crate::config::{Family, Llama3Scaling, ModelConfig, Rope, GPT2_VOCAB};
-use crate::files::{bf16s_from_le, f32s_from_le, Dtype, HEADER_BYTES};
+use crate::files::{Dtype, ModelFile, HEADER_BYTES};
 use crate::params::{HfTensor, InitSink, ParamLayout, TensorId, TensorSpec, View, Weights};
 use crate::rng::Mt19937;
 use anyhow::{anyhow, bail, Context, Result};
@@ -561,8 +561,8 @@ impl Arch for Llama {
         llmc_write(w, dtype).map(|(h, v)| (h, std::borrow::Cow::Owned(v)))
     }
 
-    fn llmc_read(&self, bytes: &[u8], path: &Path) -> Result<Weights> {
-        llmc_read(bytes, path)
+    fn llmc_read(&self, f: &mut ModelFile) -> Result<Weights> {
+        llmc_read(f)
     }
 
     fn llmc_config(&self, bytes: &[u8], path: &Path) -> Result<(ModelConfig, Dtype)> {
@@ -824,25 +824,23 @@ pub fn llmc_write(w: &Weights, dtype: Dtype) -> Result<(Vec<u8>, Vec<f32>)> {
 
 /// Read an llm.c llama3 model file ([`llmc_write`]'s layout) into weights in transformers'
 /// layout: the untied head and the biases are kept only when non-zero and distinct.
-pub fn llmc_read(bytes: &[u8], path: &Path) -> Result<Weights> {
-    let (mut cfg, dtype) = read_header(bytes, path)?;
+pub fn llmc_read(f: &mut ModelFile) -> Result<Weights> {
+    let path = f.path;
+    let (mut cfg, dtype) = read_header(&f.head, path)?;
     let (v, l, c) = (cfg.vocab_size, cfg.num_layers, cfg.channels);
     let slots = slots(&cfg);
     // The file's values: wte, head, then the 12 block slots and lnf w, b.
     let n = 2 * v * c + slots.iter().map(|s| l * s.2).sum::<usize>() + 2 * c;
     let want = 2 * HEADER_BYTES + n * dtype.bytes();
-    if bytes.len() != want {
+    if f.len != want as u64 {
         bail!(
             "{}: file is {} bytes but a {dtype} llama3 model of this shape needs {want}: truncated or corrupt",
             path.display(),
-            bytes.len()
+            f.len
         );
     }
     let mut vals = crate::mem::zeroed::<f32>(n);
-    match dtype {
-        Dtype::F32 => f32s_from_le(&bytes[2 * HEADER_BYTES..], &mut vals),
-        Dtype::BF16 => bf16s_from_le(&bytes[2 * HEADER_BYTES..], &mut vals),
-    }
+    f.values(2 * HEADER_BYTES as u64, dtype, &mut vals)?;
     let mut at = 0;
     let mut take = |k: usize| {
         at += k;
@@ -1106,6 +1104,11 @@ fn read_header(bytes: &[u8], path: &Path) -> Result<(ModelConfig, Dtype)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`llmc_read`] of a file's bytes in memory.
+    fn read_bytes(bytes: &[u8]) -> Result<Weights> {
+        llmc_read(&mut ModelFile::from_bytes(bytes, std::path::Path::new("x.bin"))?)
+    }
     use crate::config::Rope;
 
     #[test]
@@ -1127,11 +1130,11 @@ mod tests {
                 let (h, vals) = llmc_write(&w, Dtype::F32).unwrap();
                 let mut bytes = h.clone();
                 crate::files::f32s_to_le(&vals, &mut bytes);
-                let back = llmc_read(&bytes, std::path::Path::new("x.bin")).unwrap();
+                let back = read_bytes(&bytes).unwrap();
                 assert_eq!(back, w, "{desc} tied={tied}");
                 let (h2, vals2) = llmc_write(&back, Dtype::F32).unwrap();
                 assert!(h2 == h && vals2 == vals, "byte-exact");
-                assert!(llmc_read(&bytes[..bytes.len() - 4], std::path::Path::new("x.bin")).is_err());
+                assert!(read_bytes(&bytes[..bytes.len() - 4]).is_err());
             }
         }
         // A rope scaling llm.c's file cannot name (neither 3.1's nor 3.2's) is written out in
@@ -1149,7 +1152,7 @@ mod tests {
         let (h, vals) = llmc_write(&w, Dtype::F32).unwrap();
         let mut bytes = h.clone();
         crate::files::f32s_to_le(&vals, &mut bytes);
-        assert_eq!(llmc_read(&bytes, std::path::Path::new("x.bin")).unwrap(), w);
+        assert_eq!(read_bytes(&bytes).unwrap(), w);
         let huge = Llama3Scaling { original_max_position_embeddings: 1 << 40, ..custom };
         let e = llmc_header(&ModelConfig { rope: Rope { theta: 1e4, scaling: Some(huge) }, ..base }, Dtype::F32);
         assert!(e.unwrap_err().to_string().contains("original_max_position_embeddings"));
