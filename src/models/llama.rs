@@ -846,35 +846,38 @@ pub fn llmc_read(f: &mut ModelFile) -> Result<Weights> {
         at += k;
         &vals[at - k..at]
     };
-    let (wte, head) = (take(v * c).to_vec(), take(v * c).to_vec());
-    let blocks: Vec<(&str, Option<T>, usize, Vec<f32>)> =
-        slots.iter().map(|&(name, t, len)| (name, t, len, take(l * len).to_vec())).collect();
-    let (lnf_w, lnf_b) = (take(c).to_vec(), take(c).to_vec());
+    // Views into the values (no copies: the file's values and the weights are the peak).
+    let (wte, head) = (take(v * c), take(v * c));
+    let blocks: Vec<(&str, Option<T>, usize, &[f32])> =
+        slots.iter().map(|&(name, t, len)| (name, t, len, take(l * len))).collect();
+    let (lnf_w, lnf_b) = (take(c), take(c));
     let zero = |x: &[f32]| x.iter().all(|&y| y == 0.0);
     for (name, t, _, x) in &blocks {
         if t.is_none() && !zero(x) {
             bail!("{}: the {name} slot holds non-zero values, but a Llama model has no such bias", path.display());
         }
     }
-    if !zero(&lnf_b) {
+    if !zero(lnf_b) {
         bail!("{}: the lnfb slot holds non-zero values, but a Llama model has no such bias", path.display());
     }
-    let slot = |t: T| &blocks.iter().find(|b| b.1 == Some(t)).unwrap().3;
+    let slot = |t: T| blocks.iter().find(|b| b.1 == Some(t)).unwrap().3;
     let bias = !(zero(slot(T::QkvB)) && zero(slot(T::AttProjB)));
     (cfg.qkv_bias, cfg.out_bias) = (bias, bias);
     cfg.tied_head = head == wte;
     let mut w = Weights::zeros(cfg)?;
-    w.tensor_mut(T::Wte)[..v * c].copy_from_slice(&wte);
+    w.tensor_mut(T::Wte)[..v * c].copy_from_slice(wte);
     if !cfg.tied_head {
-        w.tensor_mut(T::LmHead)[..v * c].copy_from_slice(&head);
+        w.tensor_mut(T::LmHead)[..v * c].copy_from_slice(head);
     }
-    w.tensor_mut(T::LnfW).copy_from_slice(&lnf_w);
+    w.tensor_mut(T::LnfW).copy_from_slice(lnf_w);
     for (_, t, len, x) in blocks {
         let Some(t) = t.filter(|&t| w.layout.spec(t).numel_per_layer() > 0) else { continue };
         for (layer, xl) in x.chunks_exact(len).enumerate() {
-            let y =
-                if matches!(t, T::QkvW | T::QkvB) { interleave_qk(&cfg, xl, t == T::QkvW, true) } else { xl.to_vec() };
-            w.layer_mut(t, layer).copy_from_slice(&y);
+            if matches!(t, T::QkvW | T::QkvB) {
+                w.layer_mut(t, layer).copy_from_slice(&interleave_qk(&cfg, xl, t == T::QkvW, true));
+            } else {
+                w.layer_mut(t, layer).copy_from_slice(xl);
+            }
         }
     }
     Ok(w)
