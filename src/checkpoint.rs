@@ -37,17 +37,6 @@ fn write_values(w: &mut dyn Write, vals: &[f32], dtype: Dtype) -> std::io::Resul
 /// family's layout order.
 pub const LLMRS_MAGIC: i32 = 20261203;
 
-/// The first 2 KiB of a file (llm.c's headers), read without the rest.
-fn read_head(path: &Path) -> Result<Vec<u8>> {
-    use std::io::Read;
-    crate::files::check_regular(path)?;
-    let mut bytes = Vec::with_capacity(2 * HEADER_BYTES);
-    std::fs::File::open(path)
-        .and_then(|f| f.take(2 * HEADER_BYTES as u64).read_to_end(&mut bytes))
-        .with_context(|| format!("cannot read {}", path.display()))?;
-    Ok(bytes)
-}
-
 /// A model file's magic, as a family that reads it, or llmrs's own file (None).
 fn family_of(magic: i32, path: &Path) -> Result<Option<&'static dyn crate::models::family::Arch>> {
     if magic == LLMRS_MAGIC {
@@ -70,9 +59,11 @@ fn family_of(magic: i32, path: &Path) -> Result<Option<&'static dyn crate::model
     }
 }
 
-/// llmrs's own model file: its config and dtype, and where the values start.
-fn llmrs_header(bytes: &[u8], path: &Path) -> Result<(ModelConfig, Dtype, usize)> {
-    let h = parse_header(bytes, path, "model")?;
+/// llmrs's own model file: its config and dtype, and where the values start (the header and
+/// the config after it, read from `f`).
+fn llmrs_header(f: &mut ModelFile) -> Result<(ModelConfig, Dtype, usize)> {
+    let path = f.path;
+    let h = parse_header(&f.head, path, "model")?;
     let dtype = match h[1] {
         3 => Dtype::F32,
         5 => Dtype::BF16,
@@ -80,9 +71,12 @@ fn llmrs_header(bytes: &[u8], path: &Path) -> Result<(ModelConfig, Dtype, usize)
     };
     let len = usize::try_from(h[2]).ok().filter(|&n| n > 0 && n < 1 << 20);
     let len = len.with_context(|| format!("{}: header field config length {} is invalid", path.display(), h[2]))?;
+    if f.len < (HEADER_BYTES + len) as u64 {
+        bail!("{}: truncated header", path.display());
+    }
+    let text = f.bytes(HEADER_BYTES as u64, len)?;
     let text =
-        bytes.get(HEADER_BYTES..HEADER_BYTES + len).with_context(|| format!("{}: truncated header", path.display()))?;
-    let text = std::str::from_utf8(text).map_err(|_| anyhow::anyhow!("{}: its config is not UTF-8", path.display()))?;
+        std::str::from_utf8(&text).map_err(|_| anyhow::anyhow!("{}: its config is not UTF-8", path.display()))?;
     let cfg = crate::hf::parse_config(text, path)?;
     Ok((cfg, dtype, HEADER_BYTES + len))
 }
@@ -91,15 +85,11 @@ fn llmrs_header(bytes: &[u8], path: &Path) -> Result<(ModelConfig, Dtype, usize)
 /// head counts as untied and its biases as present (the values decide those;
 /// [`crate::config::ModelConfig::same_shape`] ignores them).
 pub fn peek_config(path: &Path) -> Result<ModelConfig> {
-    let mut bytes = read_head(path)?;
-    let h = parse_header(&bytes, path, "model")?;
+    let mut f = ModelFile::open(path)?;
+    let h = parse_header(&f.head, path, "model")?;
     match family_of(h[0], path)? {
-        Some(a) => Ok(a.llmc_config(&bytes, path)?.0),
-        None => {
-            let len = usize::try_from(h[2]).unwrap_or(0).min(1 << 20);
-            bytes = read_file_prefix(path, HEADER_BYTES + len)?;
-            Ok(llmrs_header(&bytes, path)?.0)
-        }
+        Some(a) => Ok(a.llmc_config(&f.head, path)?.0),
+        None => Ok(llmrs_header(&mut f)?.0),
     }
 }
 
@@ -121,10 +111,7 @@ pub fn load_model(path: &Path) -> Result<Weights> {
     let w = match family_of(h[0], path)? {
         Some(a) => a.llmc_read(&mut f)?,
         None => {
-            // The header and the config after it (llmrs_header checks the length field).
-            let cfg_len = usize::try_from(h[2]).unwrap_or(0).min(1 << 20);
-            let head = f.bytes(0, (HEADER_BYTES + cfg_len).min(usize::try_from(f.len).unwrap_or(usize::MAX)))?;
-            let (cfg, dtype, at) = llmrs_header(&head, path)?;
+            let (cfg, dtype, at) = llmrs_header(&mut f)?;
             let n = cfg.num_parameters();
             let want = at + n * dtype.bytes();
             if f.len != want as u64 {

@@ -79,7 +79,8 @@ impl<'a> ModelFile<'a> {
         check_regular(path)?;
         let f = File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
         let len = f.metadata().with_context(|| format!("cannot read {}", path.display()))?.len();
-        Self::new(Box::new(std::io::BufReader::with_capacity(1 << 20, f)), len, path)
+        // Unbuffered: the reads are the 2 KiB head, a config, and pieces of 8 MiB.
+        Self::new(Box::new(f), len, path)
     }
 
     /// The same over bytes in memory (tests, and files already read).

@@ -428,13 +428,14 @@ pub fn load_hf(path: &Path) -> Result<Weights> {
 /// `from_pretrained` loads. The padded vocab rows are dropped.
 pub fn save_hf(w: &Weights, dir: &Path, dtype: Dtype) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    write_safetensors(
-        &dir.join("model.safetensors"),
-        hf_views(w, dtype),
-        HashMap::from([("format".into(), "pt".into())]),
-    )?;
+    write_safetensors(&dir.join("model.safetensors"), hf_views(w, dtype), pt_metadata())?;
     write_atomic(&dir.join("config.json"), &[config_json(&w.config, dtype).as_bytes()])?;
     Ok(())
+}
+
+/// The metadata transformers expects in a PyTorch checkpoint's safetensors header.
+fn pt_metadata() -> HashMap<String, String> {
+    HashMap::from([("format".into(), "pt".into())])
 }
 
 /// The tensors of a Hugging Face export, by their names there.
@@ -545,11 +546,7 @@ mod tests {
             let model = Weights::random(ModelConfig::from_descriptor(desc).unwrap(), 7).unwrap();
             for dtype in [Dtype::F32, Dtype::BF16] {
                 save_hf(&model, dir.path(), dtype).unwrap();
-                let want = safetensors::serialize(
-                    hf_views(&model, dtype),
-                    Some(HashMap::from([("format".into(), "pt".into())])),
-                )
-                .unwrap();
+                let want = safetensors::serialize(hf_views(&model, dtype), Some(pt_metadata())).unwrap();
                 assert!(std::fs::read(dir.path().join("model.safetensors")).unwrap() == want, "{desc} {dtype:?}");
             }
             let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();

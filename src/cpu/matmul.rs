@@ -265,7 +265,7 @@ fn gemm_dest(
 /// back. The window starts on a 64-byte line: the AMX tiles load and store C's rows of 16
 /// floats there, and a row split over two lines costs both (whether an allocation happened to
 /// be aligned moved a 1B model's bf16 step by 8%).
-fn with_window<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+pub(super) fn with_window<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     let mut pool = WINDOWS.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default();
     if pool.len() < len + 16 {
         pool = vec![0.0; len + 16];

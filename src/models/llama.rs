@@ -1107,12 +1107,12 @@ fn read_header(bytes: &[u8], path: &Path) -> Result<(ModelConfig, Dtype)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Rope;
 
     /// [`llmc_read`] of a file's bytes in memory.
     fn read_bytes(bytes: &[u8]) -> Result<Weights> {
         llmc_read(&mut ModelFile::from_bytes(bytes, std::path::Path::new("x.bin"))?)
     }
-    use crate::config::Rope;
 
     #[test]
     fn llmc_file_round_trip() {
