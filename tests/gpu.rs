@@ -119,7 +119,7 @@ fn gpu_bf16_stays_near_llmcs_fp32_run() {
 /// multiple of llm.c's 10); every loss within `tol` of llm.c's (fp32) ones. Returns the
 /// largest difference.
 fn follow_llmc(dev: Device, precision: Precision, steps: usize, val_every: usize, tol: f32) -> f32 {
-    assert!(val_every % 10 == 0, "llm.c validates every 10 steps");
+    assert!(val_every.is_multiple_of(10), "llm.c validates every 10 steps");
     let text = std::fs::read_to_string(fixture("llmc_train_gpt2c.txt")).unwrap();
     let mut want_val = vec![];
     let mut want_train = vec![];
