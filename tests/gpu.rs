@@ -455,6 +455,50 @@ fn gpu_a_shader_that_does_not_build_is_a_one_line_error() {
     assert_eq!(e.lines().count(), 1, "{e}");
 }
 
+/// `LLMRS_GPU_GEMM` picks the GEMM kernel (`bench` names the subgroup one in its backend line)
+/// and refuses a value it does not know in one line.
+#[test]
+fn gpu_gemm_kernel_is_chosen_by_llmrs_gpu_gemm() {
+    let Some(_) = gpu("gpu_gemm_kernel_is_chosen_by_llmrs_gpu_gemm") else { return };
+    let sub = llmrs::gpu::GpuBackend::open(Default::default()).unwrap().subgroup_gemm();
+    let bench = |gemm: &str| {
+        let out = llmrs()
+            .env("LLMRS_GPU_GEMM", gemm)
+            .args([
+                "--device",
+                "gpu",
+                "bench",
+                "-e",
+                "1x16:2:16",
+                "-b",
+                "2",
+                "-t",
+                "8",
+                "--steps",
+                "2",
+                "--warmup",
+                "0",
+            ])
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let line = |out: &str, key: &str| out.lines().find(|l| l.starts_with(key)).unwrap_or_default().to_string();
+    let (ok, tiled, err) = bench("tiled");
+    assert!(ok, "{err}");
+    assert!(!line(&tiled, "backend").contains("subgroups"), "{tiled}");
+    let (ok, auto, err) = bench("auto");
+    assert!(ok, "{err}");
+    assert_eq!(line(&auto, "backend").contains("the GEMM through subgroups"), sub, "{auto}");
+    let (ok, _, err) = bench("fast");
+    assert!(!ok && err.contains("LLMRS_GPU_GEMM=fast: use tiled or auto"), "{err}");
+    assert_eq!(err.lines().filter(|l| l.contains("LLMRS_GPU_GEMM")).count(), 1, "{err}");
+}
+
 fn llmrs() -> Command {
     Command::new(env!("CARGO_BIN_EXE_llmrs"))
 }

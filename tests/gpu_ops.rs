@@ -973,3 +973,134 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
         }
     }
 }
+
+/// The two GEMM kernels (kernels/matmul.wgsl's tiled one, and kernels/matmul_subgroup.wgsl's,
+/// which an adapter such as lavapipe runs instead) give the same bits, through every op built
+/// on the GEMM: matmul, attention (batched, causal, grouped-query) and LoRA, f32 and bf16, with
+/// the adapter's grids and with grids of 4 workgroups and sums of 16 per dispatch (a GEMM cut
+/// into parts of rows, columns and k).
+#[test]
+fn gpu_gemm_kernels_give_the_same_bits() {
+    let name = "gpu_gemm_kernels_give_the_same_bits";
+    let small = Options { max_groups: Some(4), k_per_dispatch: Some(16), ..Default::default() };
+    for opts in [Options::default(), small] {
+        let Some(sub) = backend(name, opts) else { return };
+        if !sub.subgroup_gemm() {
+            let why = "the adapter runs the tiled GEMM only (no Vulkan CPU driver with subgroups of 8 or more)";
+            assert!(
+                std::env::var(common::gpu::REQUIRE_ENV).as_deref() != Ok("1"),
+                "{name}: {why}, so CI would not test it"
+            );
+            return llmrs::testdata::skipped(name, why);
+        }
+        let Some(tiled) = backend(name, Options { tiled_gemm: true, ..opts }) else { return };
+        assert!(!tiled.subgroup_gemm());
+        let mut pair = [sub, tiled];
+        for dtype in [DType::F32, DType::BF16] {
+            let mut t = Twins { g: pair, rng: 0x2545_F491_4F6C_DD1D, dtype };
+            let what = format!("{dtype:?}, {opts:?}");
+            for &(n, c, oc) in &[(1, 1, 1), (3, 5, 7), (70, 33, 65), (33, 64, 130), (100, 17, 40)] {
+                let [out, inp, w, bias, dinp, dw, db] = t.parts([n * oc, n * c, oc * c, oc, n * c, oc * c, oc]);
+                let w_ = format!("matmul n={n} c={c} oc={oc}, {what}");
+                t.run(
+                    |g, [out, inp, w, bias]| g.matmul_forward(out, inp, w, Some(bias), n, c, oc),
+                    [out, inp, w, bias],
+                );
+                t.same(out, &w_);
+                for accumulate in [false, true] {
+                    t.run(
+                        |g, [dinp, dw, db, out, inp, w]| {
+                            g.matmul_backward(Some(dinp), Some(dw), Some(db), out, inp, w, n, c, oc, accumulate)
+                        },
+                        [dinp, dw, db, out, inp, w],
+                    );
+                    [dinp, dw, db].into_iter().for_each(|x| t.same(x, &format!("{w_} backward acc={accumulate}")));
+                }
+            }
+            // (The softmax's grid, one workgroup per row, holds at most 4^3 rows in small grids.)
+            let shapes: &[_] = match opts.max_groups {
+                Some(_) => &[(1, 1, 4, 2, 2), (2, 9, 12, 3, 1)],
+                None => &[(1, 1, 4, 2, 2), (2, 9, 12, 3, 1), (2, 70, 16, 2, 2), (1, 97, 24, 6, 2)],
+            };
+            for &(b, tt, c, nh, nkv) in shapes {
+                let qd = c + 2 * nkv * (c / nh);
+                let [out, stats, ws, qkv, dout, dqkv, ws3] = t.parts([
+                    b * tt * c,
+                    b * nh * tt * 2,
+                    b * tt * c,
+                    b * tt * qd,
+                    b * tt * c,
+                    b * tt * qd,
+                    b * tt * 3 * c,
+                ]);
+                let w_ = format!("attention b={b} t={tt} c={c} nh={nh} nkv={nkv}, {what}");
+                t.run(
+                    |g, [out, stats, ws, qkv]| g.attention_forward(out, stats, ws, qkv, b, tt, c, nh, nkv),
+                    [out, stats, ws, qkv],
+                );
+                t.same(out, &w_);
+                t.same(stats, &w_);
+                t.run(
+                    |g, [dqkv, ws3, dout, qkv, stats]| {
+                        g.attention_backward(dqkv, ws3, dout, qkv, stats, b, tt, c, nh, nkv)
+                    },
+                    [dqkv, ws3, dout, qkv, stats],
+                );
+                t.same(dqkv, &format!("{w_} backward"));
+            }
+            let s = llmrs::backend::LoraShape { n: 70, c: 33, oc: 60, r: 8, row0: 4, rows: 50, scale: 1.75 };
+            let [out, h, inp, a, b, dinp, da, db, dh] =
+                t.parts([70 * 60, 70 * 8, 70 * 33, 8 * 33, 50 * 8, 70 * 33, 8 * 33, 50 * 8, 70 * 8]);
+            t.run(|g, [out, h, inp, a, b]| g.lora_forward(out, h, inp, a, b, s), [out, h, inp, a, b]);
+            t.same(out, &format!("lora, {what}"));
+            t.run(
+                |g, [dinp, da, db, h, dh, out, inp, a, b]| {
+                    g.lora_backward(Some(dinp), da, db, h, dh, out, inp, a, b, s)
+                },
+                [dinp, da, db, h, dh, out, inp, a, b],
+            );
+            [dinp, da, db, dh].into_iter().for_each(|x| t.same(x, &format!("lora backward, {what}")));
+            pair = t.g;
+        }
+    }
+}
+
+/// Two GPU backends (the subgroup GEMM's and the tiled one's) with the same tensors.
+struct Twins {
+    g: [llmrs::gpu::GpuBackend; 2],
+    rng: u64,
+    dtype: DType,
+}
+
+impl Twins {
+    /// Tensors of these lengths, one allocation on each backend, with the same random values.
+    fn parts<const K: usize>(&mut self, lens: [usize; K]) -> [[Buf; 2]; K] {
+        let all = self.g.each_mut().map(|g| g.alloc_parts(&lens, self.dtype).unwrap());
+        let data = random_values(&mut self.rng, all[0].len);
+        for (g, &x) in self.g.iter_mut().zip(&all) {
+            g.upload(x, &data);
+        }
+        let mut off = 0;
+        lens.map(|n| {
+            off += n;
+            all.map(|x| x.slice(off - n..off))
+        })
+    }
+
+    fn run<const N: usize>(&mut self, f: impl Fn(&mut dyn Backend, [Buf; N]), bufs: [[Buf; 2]; N]) {
+        for (i, g) in self.g.iter_mut().enumerate() {
+            f(g, bufs.map(|b| b[i]));
+        }
+    }
+
+    /// x holds the same bits on both.
+    fn same(&mut self, x: [Buf; 2], what: &str) {
+        let [a, b] = [0, 1].map(|i| {
+            let mut v = vec![0f32; x[i].len];
+            self.g[i].download(x[i], &mut v).unwrap();
+            v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
+        });
+        let first = a.iter().zip(&b).position(|(x, y)| x != y);
+        assert!(first.is_none(), "{what}: element {first:?} differs (subgroup GEMM vs tiled)");
+    }
+}

@@ -25,6 +25,9 @@ pub struct Context {
     pub limits: wgpu::Limits,
     /// The adapter can time passes (TIMESTAMP_QUERY): `llmrs bench` times each layer kind.
     pub timestamps: bool,
+    /// The GEMM runs as kernels/matmul_subgroup.wgsl (see [`subgroup_gemm`]), not as the tiled
+    /// kernel of kernels/matmul.wgsl.
+    pub subgroup_gemm: bool,
     faults: Arc<Mutex<Faults>>,
 }
 
@@ -107,10 +110,22 @@ pub fn describe_adapters() -> Vec<String> {
         .collect()
 }
 
+/// Whether the GEMM on this adapter runs as kernels/matmul_subgroup.wgsl: on a Vulkan driver
+/// that runs shaders on the CPU (lavapipe; the one kind of device where that kernel was
+/// measured faster: 2.5x a step of a small GPT-2 on a Zen 1), with subgroup operations and
+/// subgroups of at least 8 lanes (the kernel shares A through lanes 0..7).
+fn subgroup_gemm(info: &wgpu::AdapterInfo, features: wgpu::Features) -> bool {
+    info.backend == wgpu::Backend::Vulkan
+        && info.device_type == wgpu::DeviceType::Cpu
+        && features.contains(wgpu::Features::SUBGROUP)
+        && info.subgroup_min_size >= 8
+}
+
 impl Context {
     /// Open a device on `adapter` with every limit the adapter has (wgpu's defaults are lower:
-    /// fewer storage buffers, smaller bindings).
-    pub fn open(adapter: wgpu::Adapter) -> Result<Self> {
+    /// fewer storage buffers, smaller bindings). `tiled_gemm`: the tiled GEMM even where the
+    /// subgroup one would run (tests that compare the two).
+    pub fn open(adapter: wgpu::Adapter, tiled_gemm: bool) -> Result<Self> {
         let info = adapter.get_info();
         let name = format!("{} ({:?})", info.name, info.backend);
         let features = adapter.features();
@@ -135,6 +150,10 @@ impl Context {
         let mut required_features = wgpu::Features::IMMEDIATES;
         if timestamps {
             required_features |= wgpu::Features::TIMESTAMP_QUERY;
+        }
+        let subgroup_gemm = !tiled_gemm && subgroup_gemm(&info, features);
+        if subgroup_gemm {
+            required_features |= wgpu::Features::SUBGROUP;
         }
         let desc = wgpu::DeviceDescriptor {
             label: Some("llmrs"),
@@ -161,7 +180,7 @@ impl Context {
                 if msg.is_empty() { String::new() } else { format!(": {msg}") }
             ));
         });
-        Ok(Context { device, queue, info, limits, timestamps, faults })
+        Ok(Context { device, queue, info, limits, timestamps, subgroup_gemm, faults })
     }
 
     /// The adapter's name and API, for messages.

@@ -1,6 +1,6 @@
 //! The WGSL kernels: their sources (one file per layer kind, named as the CPU layer), which entry
-//! point each kernel is and how many buffers it binds, and their pipelines, all built once when
-//! the backend opens.
+//! point each kernel is and how many buffers it binds, and their pipelines: the modules built
+//! when the backend opens, each pipeline at its first use.
 
 use super::context::Context;
 use anyhow::{bail, Result};
@@ -20,6 +20,12 @@ const FILES: [(&str, &[&str]); 3] = [
     ("attention", &[include_str!("kernels/attention.wgsl")]),
     ("lora", &[include_str!("kernels/lora.wgsl")]),
 ];
+
+/// The GEMM for CPU-run Vulkan drivers (kernels/matmul_subgroup.wgsl): appended to the matmul
+/// module and its bf16 variants, whose `matmul` kernels then run its entry point instead, when
+/// the device chose it ([`Context::subgroup_gemm`]). It needs subgroup operations, so the
+/// modules without it are what every other device builds.
+const SUBGROUP_GEMM: &str = include_str!("kernels/matmul_subgroup.wgsl");
 
 /// A module's buffers, by name, as its f32 kernels hold them.
 type Buffers = &'static [(&'static str, Io)];
@@ -162,13 +168,20 @@ fn prelude(names: &[&str], io: &[Io]) -> String {
 }
 
 /// The complete WGSL of every module (common helpers included), by name: what the
-/// pipelines are built from, and what the tests translate for Metal, Vulkan and DX12.
-pub fn wgsl_modules() -> Vec<(String, String)> {
+/// pipelines are built from, and what the tests translate for Metal, Vulkan and DX12. With
+/// `subgroup_gemm`, the matmul module (then named matmul_subgroup, as the file it adds) and
+/// its bf16 variants carry [`SUBGROUP_GEMM`] too.
+pub fn wgsl_modules(subgroup_gemm: bool) -> Vec<(String, String)> {
     let own = FILES.iter().map(|(name, parts)| (name.to_string(), parts.join("\n")));
     let names = |b: &'static [(&'static str, Io)]| b.iter().map(|x| x.0).collect::<Vec<_>>();
+    let with_gemm = |module: &str, src: &str| match module {
+        "matmul" if subgroup_gemm => format!("{src}\n{SUBGROUP_GEMM}"),
+        _ => src.to_string(),
+    };
     let typed = TYPED.iter().map(|(name, src, b)| {
         let io: Vec<Io> = b.iter().map(|x| x.1).collect();
-        (name.to_string(), prelude(&names(b), &io) + src)
+        let src = prelude(&names(b), &io) + &with_gemm(name, src);
+        (module_name(name, subgroup_gemm).to_string(), src)
     });
     let bf16 = BF16.iter().map(|&(k, f32_kernel, io)| {
         let (_, module, ..) = TABLE[index(f32_kernel)];
@@ -176,9 +189,27 @@ pub fn wgsl_modules() -> Vec<(String, String)> {
         assert!(b.len() == io.len(), "{k:?}: one Io per buffer of {module}");
         let same_u32 = b.iter().zip(io).all(|(x, io)| (x.1 == Io::U32) == (*io == Io::U32));
         assert!(same_u32, "{k:?}: the u32 buffers of {module} stay u32");
-        (format!("{k:?}"), prelude(&names(b), io) + src)
+        (format!("{k:?}"), prelude(&names(b), io) + &with_gemm(module, src))
     });
     own.chain(typed).chain(bf16).map(|(name, src)| (name, format!("{COMMON}\n{src}"))).collect()
+}
+
+/// The name of the module `name` of [`TABLE`] when built with or without the subgroup GEMM.
+fn module_name(name: &str, subgroup_gemm: bool) -> &str {
+    if name == "matmul" && subgroup_gemm {
+        "matmul_subgroup"
+    } else {
+        name
+    }
+}
+
+/// The entry point a kernel of [`rows`] runs: the subgroup GEMM's for the GEMM, when chosen.
+fn entry_point(entry: &'static str, subgroup_gemm: bool) -> &'static str {
+    if entry == "matmul" && subgroup_gemm {
+        "matmul_subgroup"
+    } else {
+        entry
+    }
 }
 
 /// One compute kernel: an entry point of a module.
@@ -314,9 +345,21 @@ const TABLE: [(K, &str, &str, usize, u8, u8); 36] = [
 /// Most buffers any kernel binds.
 pub const MAX_BINDINGS: usize = 6;
 
-/// The pipelines, and one bind group layout per number of bound buffers.
+/// The kernels' modules, their pipelines (built on first use), and one bind group layout per
+/// number of bound buffers.
 pub struct Kernels {
-    pipelines: Vec<wgpu::ComputePipeline>, // in TABLE order
+    device: wgpu::Device,
+    /// Every module, validated when the backend opened.
+    modules: Vec<wgpu::ShaderModule>,
+    /// Per kernel, in [`rows`] order: its module (an index into `modules`), its entry point, and
+    /// its pipeline once built. A driver compiles a pipeline when it is created: lavapipe takes
+    /// 1.6 s for all of them (2.5 s with the subgroup GEMM), of which a run uses a few, and
+    /// tests open many backends. (A pipeline that fails to build is a device error, reported at
+    /// the next host read.)
+    pipelines: Vec<(usize, &'static str, std::sync::OnceLock<wgpu::ComputePipeline>)>,
+    /// (rows, columns) of C per workgroup of the GEMM: 64 x 64 for the tiled kernel, 32 x 32
+    /// for the subgroup one.
+    pub gemm_tile: (usize, usize),
     /// layouts[n]: n read-write storage buffers at bindings 0..n.
     pub layouts: Vec<wgpu::BindGroupLayout>,
     /// The pipeline layout of each bind group layout, with the immediates.
@@ -324,8 +367,8 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// Build every pipeline, failing with one line that names the kernel and the adapter when a
-    /// shader does not build on this driver.
+    /// Build every module, failing with one line that names it and the adapter when a shader
+    /// does not build on this driver.
     pub fn build(ctx: &Context) -> Result<Self> {
         let dev = &ctx.device;
         let layouts: Vec<wgpu::BindGroupLayout> = (0..=MAX_BINDINGS)
@@ -355,23 +398,29 @@ impl Kernels {
                 })
             })
             .collect();
-        let mut pipelines = Vec::with_capacity(rows().len());
-        for (name, src) in wgsl_modules() {
-            let entries: Vec<_> = rows().iter().filter(|t| t.1 == name).map(|t| (t.2, t.3)).collect();
-            let built = build_module(ctx, &pipeline_layouts, &name, &src, &entries)?;
-            let kinds = rows().iter().filter(|t| t.1 == name).map(|t| t.0);
-            pipelines.extend(kinds.zip(built));
+        let sg = ctx.subgroup_gemm;
+        let mut modules = vec![];
+        let mut pipelines: Vec<_> =
+            rows().iter().map(|t| (usize::MAX, entry_point(t.2, sg), Default::default())).collect();
+        for (name, src) in wgsl_modules(sg) {
+            for (i, _) in rows().iter().enumerate().filter(|(_, t)| module_name(&t.1, sg) == name) {
+                pipelines[i].0 = modules.len();
+            }
+            modules.push(create_module(ctx, &name, &src)?);
         }
-        // Back to the order of rows().
-        let pipelines = rows()
-            .iter()
-            .map(|t| pipelines.iter().find(|p| p.0 == t.0).expect("every kernel was built").1.clone())
-            .collect();
-        Ok(Kernels { pipelines, layouts, pipeline_layouts })
+        assert!(pipelines.iter().all(|p| p.0 < modules.len()), "every kernel is in a module");
+        let gemm_tile = if sg { (32, 32) } else { (64, 64) };
+        Ok(Kernels { device: dev.clone(), modules, pipelines, gemm_tile, layouts, pipeline_layouts })
     }
 
+    /// The pipeline of `k`, built now if it is its first use.
     pub fn pipeline(&self, k: K) -> &wgpu::ComputePipeline {
-        &self.pipelines[position(k)]
+        let i = position(k);
+        let (module, entry, pipeline) = &self.pipelines[i];
+        pipeline.get_or_init(|| {
+            let layout = &self.pipeline_layouts[rows()[i].3];
+            create_pipeline(&self.device, layout, &self.modules[*module], entry)
+        })
     }
 
     /// Buffers `k` binds.
@@ -422,8 +471,44 @@ fn kernel(k: K) -> &'static Row {
     &rows()[position(k)]
 }
 
-/// The pipelines of the given (entry point, buffers bound) of one WGSL module, or a one-line
-/// error naming the module and the adapter when it does not build on this driver.
+/// One WGSL module, or a one-line error naming it and the adapter when it does not build on
+/// this driver.
+fn create_module(ctx: &Context, name: &str, src: &str) -> Result<wgpu::ShaderModule> {
+    let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
+    // With wgpu's run-time checks: a kernel cannot reach outside its bindings.
+    let module = ctx.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some(name),
+        source: wgpu::ShaderSource::Wgsl(src.into()),
+    });
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        bail!(
+            "the GPU kernels in {name}.wgsl do not build on {}: {}; run on the CPU with --device cpu (and please \
+             report this with the output of `llmrs devices`)",
+            ctx.name(),
+            one_line(&e.to_string())
+        );
+    }
+    Ok(module)
+}
+
+fn create_pipeline(
+    dev: &wgpu::Device,
+    layout: &wgpu::PipelineLayout,
+    module: &wgpu::ShaderModule,
+    entry: &str,
+) -> wgpu::ComputePipeline {
+    dev.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(entry),
+        layout: Some(layout),
+        module,
+        entry_point: Some(entry),
+        compilation_options: Default::default(),
+        cache: None,
+    })
+}
+
+/// The pipelines of the given (entry point, buffers bound) of one WGSL module, built now, or a
+/// one-line error naming the module and the adapter when it does not build on this driver.
 pub fn build_module(
     ctx: &Context,
     pipeline_layouts: &[wgpu::PipelineLayout],
@@ -431,26 +516,10 @@ pub fn build_module(
     src: &str,
     entries: &[(&str, usize)],
 ) -> Result<Vec<wgpu::ComputePipeline>> {
-    let dev = &ctx.device;
-    let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
-    // With wgpu's run-time checks: a kernel cannot reach outside its bindings.
-    let module = dev.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some(name),
-        source: wgpu::ShaderSource::Wgsl(src.into()),
-    });
-    let built: Vec<_> = entries
-        .iter()
-        .map(|&(entry, n)| {
-            dev.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(entry),
-                layout: Some(&pipeline_layouts[n]),
-                module: &module,
-                entry_point: Some(entry),
-                compilation_options: Default::default(),
-                cache: None,
-            })
-        })
-        .collect();
+    let module = create_module(ctx, name, src)?;
+    let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let built: Vec<_> =
+        entries.iter().map(|&(entry, n)| create_pipeline(&ctx.device, &pipeline_layouts[n], &module, entry)).collect();
     if let Some(e) = pollster::block_on(scope.pop()) {
         bail!(
             "the GPU kernels in {name}.wgsl do not build on {}: {}; run on the CPU with --device cpu (and please \

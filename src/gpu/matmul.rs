@@ -102,11 +102,12 @@ impl GpuBackend {
         }
         // More tiles than a grid dimension holds: the rows or columns in parts (never those of
         // a causal GEMM, whose tiles know their place in the plane).
-        let most = self.cuts.max_groups * 64;
-        if m > most || n > most {
+        let (tile_rows, tile_cols) = self.kernels.gemm_tile;
+        let (most_rows, most_cols) = (self.cuts.max_groups * tile_rows, self.cuts.max_groups * tile_cols);
+        if m > most_rows || n > most_cols {
             assert!(flags & CAUSAL == 0, "a causal GEMM of {m} x {n}");
-            for r in super::cut(0..m, most) {
-                for j in super::cut(0..n, most) {
+            for r in super::cut(0..m, most_rows) {
+                for j in super::cut(0..n, most_cols) {
                     let (a, b, c) = (a.at(r.start * a.rs), b.at(j.start * b.cs), c.at(r.start * c.rs + j.start));
                     let bias = bias.map(|x| x.slice(j.clone()));
                     self.gemm((r.len(), j.len(), k), a, b, c, bias, flags, z);
@@ -138,7 +139,7 @@ impl GpuBackend {
             None => self.mem.dummy.clone(),
         };
         let flags = flags | if bias.is_some() { BIAS } else { 0 };
-        let groups = Xyz([u(n.div_ceil(64)), u(m.div_ceil(64)), u(z.count)]);
+        let groups = Xyz([u(n.div_ceil(tile_cols)), u(m.div_ceil(tile_rows)), u(z.count)]);
         // Dispatches of at most k_per_dispatch of the sum; the first adds the bias, the rest
         // add to what the ones before wrote.
         for kb in (0..k.max(1)).step_by(step) {

@@ -72,6 +72,9 @@ pub struct Options {
     pub loop_rows: Option<usize>,
     /// Most workgroups in one dimension of a grid (default: the adapter's, at most 65535).
     pub max_groups: Option<usize>,
+    /// Run the GEMM as the tiled kernel even on a device that would take the subgroup one
+    /// (kernels/matmul_subgroup.wgsl): the tests that compare their bits.
+    pub tiled_gemm: bool,
 }
 
 /// Most of the sum dimension K one GEMM dispatch covers; a longer sum (the classifier's Vp) is
@@ -107,9 +110,16 @@ use Grid::{Groups, Threads, Xyz};
 use crate::env::GPU_TEST_FAULT;
 
 impl Options {
-    /// `adapter`, with a fault from [`GPU_TEST_FAULT`] when set.
+    /// `adapter`, with the GEMM [`crate::env::GPU_GEMM`] asks for, and a fault from
+    /// [`GPU_TEST_FAULT`] when set.
     pub fn from_env(adapter: Option<usize>) -> anyhow::Result<Self> {
-        let mut o = Options { adapter, ..Default::default() };
+        let gemm = crate::env::GPU_GEMM;
+        let tiled_gemm = match crate::env::text(gemm).as_deref() {
+            None | Some("auto") => false,
+            Some("tiled") => true,
+            Some(v) => anyhow::bail!("{gemm}={v}: use tiled or auto (the default)"),
+        };
+        let mut o = Options { adapter, tiled_gemm, ..Default::default() };
         let Some(v) = crate::env::text(GPU_TEST_FAULT) else { return Ok(o) };
         let num = |s: &str| s.parse::<u64>().map_err(|_| anyhow::anyhow!("{GPU_TEST_FAULT}={v}: not a number"));
         match v.split_once('=') {
@@ -148,7 +158,7 @@ pub struct GpuBackend {
 impl GpuBackend {
     /// Open the adapter `opts.adapter` (or the best one) and build every kernel.
     pub fn open(opts: Options) -> Result<Self> {
-        let ctx = Context::open(context::choose(opts.adapter)?)?;
+        let ctx = Context::open(context::choose(opts.adapter)?, opts.tiled_gemm)?;
         let kernels = Kernels::build(&ctx)?;
         let l = &ctx.limits;
         let max_binding =
@@ -188,6 +198,11 @@ impl GpuBackend {
     pub fn build_wgsl(&self, name: &str, src: &str, entries: &[(&str, usize)]) -> Result<()> {
         let src = format!("{}\n{src}", kernels::COMMON);
         self.kernels.build_extra(&self.ctx, name, &src, entries)
+    }
+
+    /// Whether the GEMM runs as the subgroup kernel (kernels/matmul_subgroup.wgsl).
+    pub fn subgroup_gemm(&self) -> bool {
+        self.ctx.subgroup_gemm
     }
 
     /// Free the pool of f32 copies of bf16 buffers (gpu/bf16.rs) that earlier ops left, so
@@ -320,8 +335,9 @@ use crate::backend::lens;
 impl Backend for GpuBackend {
     fn describe(&self) -> String {
         let i = &self.ctx.info;
+        let gemm = if self.ctx.subgroup_gemm { "; the GEMM through subgroups" } else { "" };
         format!(
-            "gpu: fp32 WGSL kernels (bf16 storage read and written by the kernels) on {} ({:?} {:?}; {} {})",
+            "gpu: fp32 WGSL kernels (bf16 storage read and written by the kernels{gemm}) on {} ({:?} {:?}; {} {})",
             i.name, i.device_type, i.backend, i.driver, i.driver_info
         )
     }
