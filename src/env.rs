@@ -22,7 +22,8 @@ pub const CPU_ISA: &str = "LLMRS_CPU_ISA";
 pub const BF16_GEMM: &str = "LLMRS_BF16_GEMM";
 /// `tiled`: the GPU's GEMM runs as the tiled kernel (kernels/matmul.wgsl) on every adapter;
 /// `auto` (the default): as the subgroup one (kernels/matmul_subgroup.wgsl) on Vulkan drivers
-/// that run on the CPU (lavapipe), where it is faster. Both give the same bits.
+/// that run on the CPU (lavapipe), where it is faster. Both give the same bits (but for the sign
+/// of a sum that underflows to zero: kernels/matmul_subgroup.wgsl).
 pub const GPU_GEMM: &str = "LLMRS_GPU_GEMM";
 /// Test hook: `lose-device-after=N` or `memory-limit=BYTES` makes the GPU backend fail on cue.
 pub const GPU_TEST_FAULT: &str = "LLMRS_GPU_TEST_FAULT";

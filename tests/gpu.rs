@@ -453,6 +453,14 @@ fn gpu_a_shader_that_does_not_build_is_a_one_line_error() {
     let e = format!("{:#}", be.build_wgsl("bad", bad, &[("f", 1)]).unwrap_err());
     assert!(e.contains("bad.wgsl do not build on") && e.contains("--device cpu"), "{e}");
     assert_eq!(e.lines().count(), 1, "{e}");
+    // A module that validates but whose pipeline the device refuses (more invocations per
+    // workgroup than any device has): the error of the step where the backend builds its own
+    // pipelines, at their first dispatch.
+    let big = "@group(0) @binding(0) var<storage, read_write> x: array<f32>;\n\
+               @compute @workgroup_size(1024, 1024) fn f() { x[0] = 1.0; }";
+    let e = format!("{:#}", be.build_wgsl("big", big, &[("f", 1)]).unwrap_err());
+    assert!(e.contains("big.wgsl do not build on") && e.contains("--device cpu"), "{e}");
+    assert_eq!(e.lines().count(), 1, "{e}");
 }
 
 /// `LLMRS_GPU_GEMM` picks the GEMM kernel (`bench` names the subgroup one in its backend line)

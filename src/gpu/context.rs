@@ -121,6 +121,18 @@ fn subgroup_gemm(info: &wgpu::AdapterInfo, features: wgpu::Features) -> bool {
         && info.subgroup_min_size >= 8
 }
 
+/// Every Vulkan adapter of the CPU type (lavapipe), by index (as `--device gpu:N`), with
+/// whether its GEMM runs as the subgroup kernel.
+pub fn software_vulkan_adapters() -> Vec<(usize, bool)> {
+    adapters()
+        .iter()
+        .enumerate()
+        .map(|(i, a)| (i, a.get_info(), a.features()))
+        .filter(|(_, info, _)| info.backend == wgpu::Backend::Vulkan && info.device_type == wgpu::DeviceType::Cpu)
+        .map(|(i, info, f)| (i, subgroup_gemm(&info, f)))
+        .collect()
+}
+
 impl Context {
     /// Open a device on `adapter` with every limit the adapter has (wgpu's defaults are lower:
     /// fewer storage buffers, smaller bindings). `tiled_gemm`: the tiled GEMM even where the

@@ -3,7 +3,7 @@
 //! when the backend opens, each pipeline at its first use.
 
 use super::context::Context;
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 /// Bytes of immediates every kernel gets (its `Params` struct fits in them): the smallest limit
 /// of the three APIs (Vulkan guarantees 128 bytes of push constants, DX12's root constants in
@@ -348,17 +348,15 @@ pub const MAX_BINDINGS: usize = 6;
 /// The kernels' modules, their pipelines (built on first use), and one bind group layout per
 /// number of bound buffers.
 pub struct Kernels {
-    device: wgpu::Device,
-    /// Every module, validated when the backend opened.
-    modules: Vec<wgpu::ShaderModule>,
+    /// Every module, by name, validated when the backend opened.
+    modules: Vec<(String, wgpu::ShaderModule)>,
     /// Per kernel, in [`rows`] order: its module (an index into `modules`), its entry point, and
-    /// its pipeline once built. A driver compiles a pipeline when it is created: lavapipe takes
-    /// 1.6 s for all of them (2.5 s with the subgroup GEMM), of which a run uses a few, and
-    /// tests open many backends. (A pipeline that fails to build is a device error, reported at
-    /// the next host read.)
+    /// its pipeline once built ([`Kernels::prepare`]). The driver compiles a kernel when its
+    /// pipeline is created: lavapipe took 1.6 s to compile all of them (2.5 s with the subgroup
+    /// GEMM), of which a run uses a few, and the tests open many backends.
     pipelines: Vec<(usize, &'static str, std::sync::OnceLock<wgpu::ComputePipeline>)>,
     /// (rows, columns) of C per workgroup of the GEMM: 64 x 64 for the tiled kernel, 32 x 32
-    /// for the subgroup one.
+    /// for the subgroup one (kernels/matmul_subgroup.wgsl: SG_ROWS, SG_COLS).
     pub gemm_tile: (usize, usize),
     /// layouts[n]: n read-write storage buffers at bindings 0..n.
     pub layouts: Vec<wgpu::BindGroupLayout>,
@@ -367,8 +365,8 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// Build every module, failing with one line that names it and the adapter when a shader
-    /// does not build on this driver.
+    /// Build and validate every module, failing with one line that names it and the adapter
+    /// when a shader does not build on this driver.
     pub fn build(ctx: &Context) -> Result<Self> {
         let dev = &ctx.device;
         let layouts: Vec<wgpu::BindGroupLayout> = (0..=MAX_BINDINGS)
@@ -406,21 +404,31 @@ impl Kernels {
             for (i, _) in rows().iter().enumerate().filter(|(_, t)| module_name(&t.1, sg) == name) {
                 pipelines[i].0 = modules.len();
             }
-            modules.push(create_module(ctx, &name, &src)?);
+            let module = create_module(ctx, &name, &src)?;
+            modules.push((name, module));
         }
         assert!(pipelines.iter().all(|p| p.0 < modules.len()), "every kernel is in a module");
         let gemm_tile = if sg { (32, 32) } else { (64, 64) };
-        Ok(Kernels { device: dev.clone(), modules, pipelines, gemm_tile, layouts, pipeline_layouts })
+        Ok(Kernels { modules, pipelines, gemm_tile, layouts, pipeline_layouts })
     }
 
-    /// The pipeline of `k`, built now if it is its first use.
-    pub fn pipeline(&self, k: K) -> &wgpu::ComputePipeline {
+    /// Build `k`'s pipeline if this is its first use: the driver compiles the kernel now. An
+    /// error is one line naming the module and the adapter (the backend reports it at the next
+    /// host read, and records nothing of that dispatch).
+    pub fn prepare(&self, ctx: &Context, k: K) -> Result<()> {
         let i = position(k);
         let (module, entry, pipeline) = &self.pipelines[i];
-        pipeline.get_or_init(|| {
-            let layout = &self.pipeline_layouts[rows()[i].3];
-            create_pipeline(&self.device, layout, &self.modules[*module], entry)
-        })
+        if pipeline.get().is_none() {
+            let (name, module) = &self.modules[*module];
+            let built = create_pipeline(ctx, &self.pipeline_layouts[rows()[i].3], name, module, entry)?;
+            let _ = pipeline.set(built);
+        }
+        Ok(())
+    }
+
+    /// The pipeline of `k`, which [`Kernels::prepare`] built.
+    pub fn pipeline(&self, k: K) -> &wgpu::ComputePipeline {
+        self.pipelines[position(k)].2.get().expect("a kernel's pipeline is prepared before its first dispatch")
     }
 
     /// Buffers `k` binds.
@@ -471,44 +479,57 @@ fn kernel(k: K) -> &'static Row {
     &rows()[position(k)]
 }
 
-/// One WGSL module, or a one-line error naming it and the adapter when it does not build on
-/// this driver.
+/// The one-line error for a module `name` that does not build on this driver.
+fn does_not_build(ctx: &Context, name: &str, e: &wgpu::Error) -> anyhow::Error {
+    anyhow::anyhow!(
+        "the GPU kernels in {name}.wgsl do not build on {}: {}; run on the CPU with --device cpu (and please \
+         report this with the output of `llmrs devices`)",
+        ctx.name(),
+        one_line(&e.to_string())
+    )
+}
+
+/// One WGSL module, parsed and validated (with wgpu's run-time checks: a kernel cannot reach
+/// outside its bindings), or a one-line error naming it and the adapter.
 fn create_module(ctx: &Context, name: &str, src: &str) -> Result<wgpu::ShaderModule> {
     let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
-    // With wgpu's run-time checks: a kernel cannot reach outside its bindings.
     let module = ctx.device.create_shader_module(wgpu::ShaderModuleDescriptor {
         label: Some(name),
         source: wgpu::ShaderSource::Wgsl(src.into()),
     });
-    if let Some(e) = pollster::block_on(scope.pop()) {
-        bail!(
-            "the GPU kernels in {name}.wgsl do not build on {}: {}; run on the CPU with --device cpu (and please \
-             report this with the output of `llmrs devices`)",
-            ctx.name(),
-            one_line(&e.to_string())
-        );
+    match pollster::block_on(scope.pop()) {
+        Some(e) => Err(does_not_build(ctx, name, &e)),
+        None => Ok(module),
     }
-    Ok(module)
 }
 
+/// The pipeline of one entry point of module `name`: where the driver translates and compiles
+/// it (on Vulkan, Metal and DX12 alike), or a one-line error naming the module and the adapter.
 fn create_pipeline(
-    dev: &wgpu::Device,
+    ctx: &Context,
     layout: &wgpu::PipelineLayout,
+    name: &str,
     module: &wgpu::ShaderModule,
     entry: &str,
-) -> wgpu::ComputePipeline {
-    dev.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+) -> Result<wgpu::ComputePipeline> {
+    let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let pipeline = ctx.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
         label: Some(entry),
         layout: Some(layout),
         module,
         entry_point: Some(entry),
         compilation_options: Default::default(),
         cache: None,
-    })
+    });
+    match pollster::block_on(scope.pop()) {
+        Some(e) => Err(does_not_build(ctx, name, &e)),
+        None => Ok(pipeline),
+    }
 }
 
-/// The pipelines of the given (entry point, buffers bound) of one WGSL module, built now, or a
-/// one-line error naming the module and the adapter when it does not build on this driver.
+/// The pipelines of the given (entry point, buffers bound) of one WGSL module, built now as
+/// the backend builds its own (module, then each pipeline), or a one-line error naming the
+/// module and the adapter when it does not build on this driver.
 pub fn build_module(
     ctx: &Context,
     pipeline_layouts: &[wgpu::PipelineLayout],
@@ -517,22 +538,12 @@ pub fn build_module(
     entries: &[(&str, usize)],
 ) -> Result<Vec<wgpu::ComputePipeline>> {
     let module = create_module(ctx, name, src)?;
-    let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
-    let built: Vec<_> =
-        entries.iter().map(|&(entry, n)| create_pipeline(&ctx.device, &pipeline_layouts[n], &module, entry)).collect();
-    if let Some(e) = pollster::block_on(scope.pop()) {
-        bail!(
-            "the GPU kernels in {name}.wgsl do not build on {}: {}; run on the CPU with --device cpu (and please \
-             report this with the output of `llmrs devices`)",
-            ctx.name(),
-            one_line(&e.to_string())
-        );
-    }
-    Ok(built)
+    entries.iter().map(|&(entry, n)| create_pipeline(ctx, &pipeline_layouts[n], name, &module, entry)).collect()
 }
 
 impl Kernels {
-    /// Build one more module as the backend's own are built (tests of the error path).
+    /// Build one more module and its pipelines through the functions that build the backend's
+    /// own (tests of the error path).
     pub fn build_extra(&self, ctx: &Context, name: &str, src: &str, entries: &[(&str, usize)]) -> Result<()> {
         build_module(ctx, &self.pipeline_layouts, name, src, entries).map(|_| ())
     }

@@ -41,7 +41,7 @@ use memory::{Memory, Sizes, Win};
 use record::Recorder;
 use std::collections::HashMap;
 
-pub use context::{describe_adapters, LOOKED_FOR};
+pub use context::{describe_adapters, software_vulkan_adapters, LOOKED_FOR};
 
 /// Threads per workgroup of the elementwise and row kernels (kernels/common.wgsl: WG).
 const WG: usize = 256;
@@ -156,7 +156,8 @@ pub struct GpuBackend {
 }
 
 impl GpuBackend {
-    /// Open the adapter `opts.adapter` (or the best one) and build every kernel.
+    /// Open the adapter `opts.adapter` (or the best one) and build every kernel module (each
+    /// pipeline is built at its first dispatch).
     pub fn open(opts: Options) -> Result<Self> {
         let ctx = Context::open(context::choose(opts.adapter)?, opts.tiled_gemm)?;
         let kernels = Kernels::build(&ctx)?;
@@ -192,9 +193,10 @@ impl GpuBackend {
         })
     }
 
-    /// Build a WGSL module on this device the way the backend's own kernels are built (the
-    /// common helpers prepended; `entries`: entry points and the buffers each binds): how the
-    /// tests see that a shader that does not build on a driver is a clear error.
+    /// Build a WGSL module and its pipelines on this device through the functions that build
+    /// the backend's own kernels (the common helpers prepended; `entries`: entry points and the
+    /// buffers each binds): how the tests see that a shader that does not build on a driver is
+    /// a clear error.
     pub fn build_wgsl(&self, name: &str, src: &str, entries: &[(&str, usize)]) -> Result<()> {
         let src = format!("{}\n{src}", kernels::COMMON);
         self.kernels.build_extra(&self.ctx, name, &src, entries)
@@ -253,6 +255,10 @@ impl GpuBackend {
                 "{k:?}: binding {i} holds {:?}, the kernel reads {want:?}",
                 w.dtype
             );
+        }
+        if let Err(e) = self.kernels.prepare(&self.ctx, k) {
+            self.fault.get_or_insert(format!("{e:#}"));
+            return;
         }
         self.rec.dispatch(&self.ctx, &self.kernels, k, wins, imm, xyz);
     }
