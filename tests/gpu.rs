@@ -94,9 +94,9 @@ fn gpu_ten_adamw_steps_follow_pytorch() {
 
 /// llm.c's train_gpt2.c run that tests/llmc_reference.rs checks on the CPU, on the GPU: B=4,
 /// T=64, Tiny Shakespeare from the same model file; its first 4 steps and the validation at
-/// step 0 (lavapipe takes 5-12 s a step on 2 cores, most of it in the 50,304-column classifier;
-/// the bf16 test below runs all 41 steps, the CPU checks all 41 in fp32, and the GPU is held to
-/// the CPU step by step elsewhere).
+/// step 0 (lavapipe takes 2.5-3 s a step on 2 cores of a Zen 1, most of it in the 50,304-column
+/// classifier; the bf16 test below runs all 41 steps, the CPU checks all 41 in fp32, and the GPU
+/// is held to the CPU step by step elsewhere).
 #[test]
 fn gpu_follows_the_first_4_steps_of_llmcs_41_step_run() {
     let Some(dev) = gpu("gpu_follows_the_first_4_steps_of_llmcs_41_step_run") else { return };
