@@ -502,6 +502,10 @@ fn gpu_gemm_kernel_is_chosen_by_llmrs_gpu_gemm() {
     let (ok, auto, err) = bench("auto");
     assert!(ok, "{err}");
     assert_eq!(line(&auto, "backend").contains("the GEMM through subgroups"), sub, "{auto}");
+    // `llmrs devices` says which GEMM each adapter runs.
+    let devices = String::from_utf8_lossy(&llmrs().arg("devices").output().unwrap().stdout).to_string();
+    let gemm = if sub { "GEMM subgroup" } else { "GEMM tiled" };
+    assert!(devices.lines().nth(1).is_some_and(|l| l.contains(gemm)), "{gemm}: {devices}");
     let (ok, _, err) = bench("fast");
     assert!(!ok && err.contains("LLMRS_GPU_GEMM=fast: use tiled or auto"), "{err}");
     assert_eq!(err.lines().filter(|l| l.contains("LLMRS_GPU_GEMM")).count(), 1, "{err}");

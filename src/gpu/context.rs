@@ -80,7 +80,8 @@ pub fn choose(index: Option<usize>) -> Result<wgpu::Adapter> {
     }
 }
 
-/// One line per adapter for `llmrs devices`: index, backend, name, type, driver, limits.
+/// One line per adapter for `llmrs devices`: index, backend, name, type, driver, limits, and
+/// the GEMM kernel it runs (unless `LLMRS_GPU_GEMM=tiled`).
 pub fn describe_adapters() -> Vec<String> {
     adapters()
         .iter()
@@ -91,7 +92,7 @@ pub fn describe_adapters() -> Vec<String> {
             let yes = |x: bool| if x { "yes" } else { "no" };
             format!(
                 "gpu:{i}  {:?}  {} ({:?}; {} {})\n        largest buffer {:.0} MiB, largest binding {:.0} MiB, \
-                 workgroup memory {} KiB, immediates {} B; timestamps {}, f16 {}, subgroups {}{}",
+                 workgroup memory {} KiB, immediates {} B; timestamps {}, f16 {}, subgroups {}; GEMM {}{}",
                 info.backend,
                 info.name,
                 info.device_type,
@@ -104,6 +105,7 @@ pub fn describe_adapters() -> Vec<String> {
                 yes(f.contains(wgpu::Features::TIMESTAMP_QUERY)),
                 yes(f.contains(wgpu::Features::SHADER_F16)),
                 yes(f.contains(wgpu::Features::SUBGROUP)),
+                if subgroup_gemm(&info, f) { "subgroup" } else { "tiled" },
                 if f.contains(wgpu::Features::IMMEDIATES) { "" } else { "; NO immediates: llmrs cannot use it" },
             )
         })
