@@ -181,7 +181,7 @@ pub fn wgsl_modules(subgroup_gemm: bool) -> Vec<(String, String)> {
     let typed = TYPED.iter().map(|(name, src, b)| {
         let io: Vec<Io> = b.iter().map(|x| x.1).collect();
         let src = prelude(&names(b), &io) + &with_gemm(name, src);
-        (module_name(name, subgroup_gemm).to_string(), src)
+        (with_subgroup_gemm(name, subgroup_gemm).to_string(), src)
     });
     let bf16 = BF16.iter().map(|&(k, f32_kernel, io)| {
         let (_, module, ..) = TABLE[index(f32_kernel)];
@@ -194,21 +194,13 @@ pub fn wgsl_modules(subgroup_gemm: bool) -> Vec<(String, String)> {
     own.chain(typed).chain(bf16).map(|(name, src)| (name, format!("{COMMON}\n{src}"))).collect()
 }
 
-/// The name of the module `name` of [`TABLE`] when built with or without the subgroup GEMM.
-fn module_name(name: &str, subgroup_gemm: bool) -> &str {
+/// A module or entry point's name with or without the subgroup GEMM: the matmul module and
+/// its `matmul` entry point become `matmul_subgroup` with it (its file and kernel).
+fn with_subgroup_gemm(name: &str, subgroup_gemm: bool) -> &str {
     if name == "matmul" && subgroup_gemm {
         "matmul_subgroup"
     } else {
         name
-    }
-}
-
-/// The entry point a kernel of [`rows`] runs: the subgroup GEMM's for the GEMM, when chosen.
-fn entry_point(entry: &'static str, subgroup_gemm: bool) -> &'static str {
-    if entry == "matmul" && subgroup_gemm {
-        "matmul_subgroup"
-    } else {
-        entry
     }
 }
 
@@ -399,9 +391,9 @@ impl Kernels {
         let sg = ctx.subgroup_gemm;
         let mut modules = vec![];
         let mut pipelines: Vec<_> =
-            rows().iter().map(|t| (usize::MAX, entry_point(t.2, sg), Default::default())).collect();
+            rows().iter().map(|t| (usize::MAX, with_subgroup_gemm(t.2, sg), Default::default())).collect();
         for (name, src) in wgsl_modules(sg) {
-            for (i, _) in rows().iter().enumerate().filter(|(_, t)| module_name(&t.1, sg) == name) {
+            for (i, _) in rows().iter().enumerate().filter(|(_, t)| with_subgroup_gemm(&t.1, sg) == name) {
                 pipelines[i].0 = modules.len();
             }
             let module = create_module(ctx, &name, &src)?;

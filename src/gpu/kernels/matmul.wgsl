@@ -45,25 +45,18 @@ var<workgroup> Bs: array<vec4<f32>, 256>; // [k][64 columns as 16 vectors]
 @compute @workgroup_size(8, 8)
 fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>,
           @builtin(local_invocation_index) li: u32) {
-    let z = p.z0 + wid.z;
-    let zo = z / p.inner - p.z0 / p.inner;
-    let zi = z % p.inner;
-    let a0 = p.a + zo * p.a_bo + zi * p.a_bi + wid.z * p.a_bz;
-    let b0 = p.b + zo * p.b_bo + zi * p.b_bi + wid.z * p.b_bz;
-    let c0 = p.c + zo * p.c_bo + zi * p.c_bi + wid.z * p.c_bz;
+    let base = operands_at(wid.z);
+    let a0 = base.x;
+    let b0 = base.y;
+    let c0 = base.z;
     let row0 = wid.y * 64u;
     let col0 = wid.x * 64u;
     if ((p.flags & 4u) != 0u && col0 > row0 + 63u) {
         return;
     }
-    var k_lo = p.kb;
-    var k_hi = p.k;
-    if ((p.flags & 8u) != 0u) {
-        k_hi = min(k_hi, row0 + 64u);
-    }
-    if ((p.flags & 16u) != 0u) {
-        k_lo = max(k_lo, row0);
-    }
+    let ks = k_range(row0);
+    let k_lo = ks.x;
+    let k_hi = ks.y;
     let a_kc = p.a_cs == 1u;
     let b_kc = p.b_rs == 1u;
     // 16 accumulators as separate variables: an array indexed at run time anywhere would
@@ -141,6 +134,30 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) l
     store_row(c0, r1 + 1u, col0 + lid.x * 4u, acc10, acc11);
     store_row(c0, r1 + 2u, col0 + lid.x * 4u, acc12, acc13);
     store_row(c0, r1 + 3u, col0 + lid.x * 4u, acc14, acc15);
+}
+
+// Where A, B and C start for workgroup z of the dispatch (batch index p.z0 + z).
+fn operands_at(wz: u32) -> vec3<u32> {
+    let z = p.z0 + wz;
+    let zo = z / p.inner - p.z0 / p.inner;
+    let zi = z % p.inner;
+    return vec3<u32>(p.a + zo * p.a_bo + zi * p.a_bi + wz * p.a_bz,
+                     p.b + zo * p.b_bo + zi * p.b_bi + wz * p.b_bz,
+                     p.c + zo * p.c_bo + zi * p.c_bi + wz * p.c_bz);
+}
+
+// The k this dispatch sums for the 64-row tile from row0 (a multiple of 64): [kb, k), cut to
+// the tile's last row + 1 (flag 8) and from its first row (flag 16).
+fn k_range(row0: u32) -> vec2<u32> {
+    var k_lo = p.kb;
+    var k_hi = p.k;
+    if ((p.flags & 8u) != 0u) {
+        k_hi = min(k_hi, row0 + 64u);
+    }
+    if ((p.flags & 16u) != 0u) {
+        k_lo = max(k_lo, row0);
+    }
+    return vec2<u32>(k_lo, k_hi);
 }
 
 // A[r..r+4, k] (zero past the matrix or past k_hi).

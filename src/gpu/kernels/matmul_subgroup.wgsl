@@ -27,28 +27,20 @@ const SG_COLS: u32 = 32u;
 @compute @workgroup_size(8)
 fn matmul_subgroup(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32,
                    @builtin(subgroup_invocation_id) lane: u32) {
-    let z = p.z0 + wid.z;
-    let zo = z / p.inner - p.z0 / p.inner;
-    let zi = z % p.inner;
-    let a0 = p.a + zo * p.a_bo + zi * p.a_bi + wid.z * p.a_bz;
-    let b0 = p.b + zo * p.b_bo + zi * p.b_bi + wid.z * p.b_bz;
-    let c0 = p.c + zo * p.c_bo + zi * p.c_bi + wid.z * p.c_bz;
+    let base = operands_at(wid.z);
+    let a0 = base.x;
+    let b0 = base.y;
+    let c0 = base.z;
     let row0 = wid.y * SG_ROWS;
     let col0 = wid.x * SG_COLS;
     // Every output of the tile above the diagonal (j > i): skipped, as the tiled kernel's.
     if ((p.flags & 4u) != 0u && col0 > row0 + SG_ROWS - 1u) {
         return;
     }
-    // The k range of the 64-row tile of the tiled kernel that holds these rows.
-    let tile64 = row0 & ~63u;
-    var k_lo = p.kb;
-    var k_hi = p.k;
-    if ((p.flags & 8u) != 0u) {
-        k_hi = min(k_hi, tile64 + 64u);
-    }
-    if ((p.flags & 16u) != 0u) {
-        k_lo = max(k_lo, tile64);
-    }
+    // The k range of the tiled kernel's 64-row tile that holds these rows.
+    let ks = k_range(row0 & ~63u);
+    let k_lo = ks.x;
+    let k_hi = ks.y;
     let col = col0 + li * 4u;
     let arow = row0 + lane * 4u;
     // Separate variables, not an array: an array would live in memory on lavapipe.
