@@ -344,8 +344,8 @@ pub struct Kernels {
     modules: Vec<(String, wgpu::ShaderModule)>,
     /// Per kernel, in [`rows`] order: its module (an index into `modules`), its entry point, and
     /// its pipeline once built ([`Kernels::prepare`]). The driver compiles a kernel when its
-    /// pipeline is created: lavapipe took 1.6 s to compile all of them (2.5 s with the subgroup
-    /// GEMM), of which a run uses a few, and the tests open many backends.
+    /// pipeline is created, and a run uses a few of them (tests/gpu_ops.rs, which opens many
+    /// backends, took 81 s on lavapipe compiling them all at every open, 32 s at first use).
     pipelines: Vec<(usize, &'static str, std::sync::OnceLock<wgpu::ComputePipeline>)>,
     /// (rows, columns) of C per workgroup of the GEMM: 64 x 64 for the tiled kernel, 32 x 32
     /// for the subgroup one (kernels/matmul_subgroup.wgsl: SG_ROWS, SG_COLS).
