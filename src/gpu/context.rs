@@ -117,10 +117,12 @@ pub fn describe_adapters() -> Vec<String> {
 /// measured faster: 2.5x a step of a small GPT-2 on a Zen 1), with subgroup operations and
 /// subgroups of at least 8 lanes (the kernel shares A through lanes 0..7).
 fn subgroup_gemm(info: &wgpu::AdapterInfo, features: wgpu::Features) -> bool {
-    info.backend == wgpu::Backend::Vulkan
-        && info.device_type == wgpu::DeviceType::Cpu
-        && features.contains(wgpu::Features::SUBGROUP)
-        && info.subgroup_min_size >= 8
+    software_vulkan(info) && features.contains(wgpu::Features::SUBGROUP) && info.subgroup_min_size >= 8
+}
+
+/// A Vulkan driver that runs shaders on the CPU (lavapipe, SwiftShader).
+fn software_vulkan(info: &wgpu::AdapterInfo) -> bool {
+    info.backend == wgpu::Backend::Vulkan && info.device_type == wgpu::DeviceType::Cpu
 }
 
 /// Every Vulkan adapter of the CPU type (lavapipe), by index (as `--device gpu:N`), with
@@ -130,7 +132,7 @@ pub fn software_vulkan_adapters() -> Vec<(usize, bool)> {
         .iter()
         .enumerate()
         .map(|(i, a)| (i, a.get_info(), a.features()))
-        .filter(|(_, info, _)| info.backend == wgpu::Backend::Vulkan && info.device_type == wgpu::DeviceType::Cpu)
+        .filter(|(_, info, _)| software_vulkan(info))
         .map(|(i, info, f)| (i, subgroup_gemm(&info, f)))
         .collect()
 }
