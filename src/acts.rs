@@ -169,6 +169,11 @@ pub struct BackActs {
     pub dres: Buf, // (N, C) the gradient of the residual stream
     /// The family's backward buffers ([`ActPlan::back`]), indexed by its names.
     pub d: View<Buf>,
+    /// Whether the block's backward must leave d(res_in) in `dres`. False only for the first
+    /// block of a LoRA run: its embedding is frozen, so nothing reads that gradient, and its
+    /// norms are frozen, so the block skips its first norm's backward and the input gradient
+    /// of the projection that norm feeds (PyTorch's autograd skips them too).
+    pub input_grad: bool,
 }
 
 /// The final norm's buffers for N positions (LayerNorm's mean is unused by RMSNorm).
@@ -334,7 +339,7 @@ impl Acts {
     pub fn back(&self, b: usize, t: usize) -> BackActs {
         let n = b * t;
         let d = self.plan.back.iter().zip(&self.back).map(|(s, &x)| x.prefix(len_of(s.width, n, self.nh))).collect();
-        BackActs { dres: self.dres.prefix(n * self.c), d: View(d) }
+        BackActs { dres: self.dres.prefix(n * self.c), d: View(d), input_grad: true }
     }
 }
 

@@ -350,7 +350,7 @@ impl Model {
         let (n, s) = (b * t, Seq { b, t });
         let (inp, tgt) = a.tokens(n);
         let norm = a.norm(n);
-        let d = a.back(b, t);
+        let mut d = a.back(b, t);
         let mut ops = Ops::new(&mut *self.be);
         let (head, dhead) = (o[arch.head(&cfg)], d_o[arch.head(&cfg)]);
         // The classifier's backward, chunk by chunk as its forward: a chunked pass first
@@ -380,6 +380,8 @@ impl Model {
             let (w, dw) = (self.block_weights(l)?, self.block_grads(l));
             let x = a.layer(l, b, t);
             let lora = self.lora.as_ref().map(|lo| &lo.blocks[l]);
+            // A LoRA run's embedding is frozen: nothing reads the first block's input gradient.
+            d.input_grad = l > 0 || self.lora.is_none();
             let mut ops = Ops::new(&mut *self.be).with_lora(lora);
             arch.block_backward(&mut ops, &cfg, &self.consts, &w, &dw, &x, &d, s, acc);
             self.reduce_grads(&self.layout.block_ids(), l)?;

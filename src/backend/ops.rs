@@ -380,9 +380,11 @@ impl<'a> Ops<'a> {
         }
         let grad = |b: Buf| if acc { Rw(b) } else { W(b) };
         let outs = [W(dx.unwrap_or(NONE)), grad(dw.unwrap_or(NONE)), grad(db.unwrap_or(NONE))];
-        self.run("matmul_backward", Kind::Matmul, &outs, &[dout, x, w], |be| {
-            be.matmul_backward(dx, dw, db, dout, x, w, n, c, oc, acc)
-        });
+        if dx.is_some() || dw.is_some() || db.is_some() {
+            self.run("matmul_backward", Kind::Matmul, &outs, &[dout, x, w], |be| {
+                be.matmul_backward(dx, dw, db, dout, x, w, n, c, oc, acc)
+            });
+        }
         for ad in self.adapters(w) {
             let Some((da, dbl)) = ad.grads else { panic!("matmul_backward: a LoRA adapter without gradients") };
             let (s, h) = self.lora_shape(&ad, m);

@@ -91,8 +91,9 @@ pub trait Arch: Sync {
         attn: Attn,
     );
     /// Backward of [`Arch::block_forward`] (training): d.dres holds d(res_out) on entry and
-    /// d(res_in) on return; parameter gradients go to `dw` (added to, or overwritten when not
-    /// `acc`, for the tensors backward writes whole).
+    /// d(res_in) on return (unless not `d.input_grad`: then what it holds is never read);
+    /// parameter gradients go to `dw` (added to, or overwritten when not `acc`, for the tensors
+    /// backward writes whole).
     #[allow(clippy::too_many_arguments)]
     fn block_backward(
         &self,

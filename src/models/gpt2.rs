@@ -368,8 +368,9 @@ impl Arch for Gpt2 {
         if x.recompute >= 2 {
             ops.layernorm_forward(a[A::Ln1], mean, rstd, x.res_in, w[T::Ln1W], w[T::Ln1B], Rows { n, c });
         }
+        let dln = d.input_grad.then_some(scratch);
         ops.matmul_backward(
-            Some(scratch),
+            dln,
             dw[T::QkvW],
             Some(dw[T::QkvB]),
             d.d[D::DQkv],
@@ -378,17 +379,19 @@ impl Arch for Gpt2 {
             Mat { n, c, oc: 3 * c },
             acc,
         );
-        ops.layernorm_backward(
-            dres,
-            dw[T::Ln1W],
-            dw[T::Ln1B],
-            scratch,
-            x.res_in,
-            w[T::Ln1W],
-            mean,
-            rstd,
-            Rows { n, c },
-        );
+        if let Some(dln) = dln {
+            ops.layernorm_backward(
+                dres,
+                dw[T::Ln1W],
+                dw[T::Ln1B],
+                dln,
+                x.res_in,
+                w[T::Ln1W],
+                mean,
+                rstd,
+                Rows { n, c },
+            );
+        }
     }
 
     fn final_norm(&self, ops: &mut Ops, cfg: &ModelConfig, w: &View<Buf>, a: &NormActs, x: Buf, n: usize) {

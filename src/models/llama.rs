@@ -376,8 +376,11 @@ pub fn block_backward(
     if x.recompute >= 2 {
         ops.rmsnorm_forward(a[A::Ln1], a[A::Ln1Rstd], x.res_in, w.ln1, Rows { n, c }, cfg.norm_eps);
     }
-    ops.matmul_backward(Some(dln), dw.qkv, dw.qkv_b, dqkv, a[A::Ln1], w.qkv, Mat { n, c, oc: qkv }, acc);
-    ops.rmsnorm_backward(dres, dw.ln1, dln, x.res_in, w.ln1, a[A::Ln1Rstd], Rows { n, c });
+    let dln = d.input_grad.then_some(dln);
+    ops.matmul_backward(dln, dw.qkv, dw.qkv_b, dqkv, a[A::Ln1], w.qkv, Mat { n, c, oc: qkv }, acc);
+    if let Some(dln) = dln {
+        ops.rmsnorm_backward(dres, dw.ln1, dln, x.res_in, w.ln1, a[A::Ln1Rstd], Rows { n, c });
+    }
 }
 
 /// The embedding (no learned positions).
