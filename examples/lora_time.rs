@@ -48,7 +48,7 @@ fn main() {
         let f = best_ms(|| lora_forward(Dest::F32(&mut out), &mut h, Operand::F32(&x), &a, &b, s));
         let bk = best_ms(|| {
             let (g, xo) = (Operand::F32(&dout), Operand::F32(&x));
-            lora_backward(Some(Dest::F32(&mut dx)), &mut da, &mut db, &mut h, &mut dh, g, xo, &a, &b, s)
+            lora_backward(Some(Dest::F32(&mut dx)), &mut da, &mut db, &h, &mut dh, g, xo, &a, &b, s)
         });
         // The GEMMs as lora_backward runs them (R-column results as their transposes).
         let (c_, oc_, r_) = (c as isize, oc as isize, r as isize);

@@ -91,14 +91,14 @@ pub struct BenchReport {
 
 /// FLOPs per token of a training step (forward + backward), llm.c's `gpt2_estimate_mfu` count:
 /// 6N + 6LCT; with LoRA the frozen base costs 4N (no weight gradients) and each adapter of rank
-/// R on an (out, in) projection 8R*in + 6R*out (its forward's two GEMMs, then h again and four
-/// GEMMs in the backward).
+/// R on an (out, in) projection 6R*in + 6R*out (its forward's two GEMMs, and four in the
+/// backward, which reads the forward's h).
 pub fn flops_per_token(model: &Model, t: usize) -> f64 {
     let c = &model.config;
     let attn = 6.0 * (c.num_layers * c.channels * t) as f64;
     match model.lora() {
         Some(a) => {
-            let per = |x: &crate::lora::Target| (8 * a.r * x.cols + 6 * a.r * x.rows) as f64;
+            let per = |x: &crate::lora::Target| (6 * a.r * (x.cols + x.rows)) as f64;
             4.0 * model.num_parameters() as f64 + a.targets.iter().map(per).sum::<f64>() + attn
         }
         None => 6.0 * model.num_parameters() as f64 + attn,

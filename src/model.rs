@@ -70,6 +70,9 @@ struct LoraState {
     /// The workspaces of every block's adapters, h then dh, for the activations' positions or
     /// a KV cache's (N = the larger).
     scratch: Buf, // (2, N, R)
+    /// Each adapter's h from a pass over the training activations, which its backward reads
+    /// (allocated with them: N = their B*T).
+    kept: Option<Buf>, // (targets, N, R)
 }
 
 /// ZeRO-3: the full parameters gathered for the current pass, in one allocation: the
@@ -643,7 +646,7 @@ impl Model {
         m.buffers += self.consts_buf.map_or(0, bytes) + self.be.workspace_bytes();
         if let Some(lo) = &self.lora {
             m.params += bytes(lo.params);
-            m.buffers += bytes(lo.sink) + bytes(lo.scratch);
+            m.buffers += bytes(lo.sink) + bytes(lo.scratch) + lo.kept.map_or(0, bytes);
         }
         if let Some(tr) = self.train {
             m.grads = bytes(tr.grads);
@@ -888,7 +891,7 @@ impl Model {
         let n = self.acts.as_ref().map_or(0, |a| a.cap_b * a.cap_t).max(self.config.max_seq_len);
         let scratch = self.be.alloc(2 * n * adapters.r, DType::F32)?;
         let meta = crate::lora::Adapters { data: vec![], ..adapters.clone() };
-        self.lora = Some(LoraState { meta, params, blocks: vec![], sink, scratch });
+        self.lora = Some(LoraState { meta, params, blocks: vec![], sink, scratch, kept: None });
         self.wire_lora();
         self.last = Last::default();
         Ok(())
@@ -917,6 +920,7 @@ impl Model {
         let Some(lo) = &mut self.lora else { return };
         let scratch = lo.scratch;
         let (h, dh) = (scratch.prefix(scratch.len / 2), scratch.slice(scratch.len / 2..scratch.len));
+        let per_target = lo.kept.map_or(0, |k| k.len / lo.meta.targets.len().max(1));
         let mut blocks: Vec<BlockLora> =
             (0..self.config.num_layers).map(|_| BlockLora { adapters: vec![], h, dh }).collect();
         for (i, t) in lo.meta.targets.iter().enumerate() {
@@ -929,6 +933,7 @@ impl Model {
                 a: lo.params.slice(ra.clone()),
                 b: lo.params.slice(rb.clone()),
                 grads: grads.map(|g| (g.slice(ra), g.slice(rb))),
+                kept_h: lo.kept.map(|k| k.slice(i * per_target..(i + 1) * per_target)),
                 r: lo.meta.r,
                 row0: t.row0,
                 rows: t.rows,
@@ -1000,6 +1005,17 @@ impl Model {
                 self.be.free(old);
                 let scratch = self.be.alloc(2 * n * r, DType::F32)?;
                 self.lora.as_mut().expect("checked").scratch = scratch;
+                self.wire_lora();
+            }
+            // Each adapter's h for the backward: (B*T, R) a target.
+            let targets = self.lora.as_ref().expect("checked").meta.targets.len();
+            let kept = self.lora.as_ref().expect("checked").kept;
+            if backward && kept.is_none_or(|k| k.len < targets * cb * ct * r) {
+                if let Some(k) = kept {
+                    self.be.free(k);
+                }
+                let k = self.be.alloc(targets * cb * ct * r, DType::F32)?;
+                self.lora.as_mut().expect("checked").kept = Some(k);
                 self.wire_lora();
             }
         }

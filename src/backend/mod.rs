@@ -415,9 +415,9 @@ pub trait Backend {
     /// (out), and out[:, row0..row0+ROWS] (N, OC) += h @ b (ROWS, R)^T (inout).
     #[allow(clippy::too_many_arguments)]
     fn lora_forward(&mut self, out: Buf, h: Buf, inp: Buf, a: Buf, b: Buf, s: LoraShape);
-    /// Its backward: h recomputed (out); with g = dout[:, row0..row0+ROWS]: db (ROWS, R) +=
-    /// g^T @ h, dh (N, R) = scale * g @ b (out), da (R, C) += dh^T @ inp, dinp (N, C) += dh @ a
-    /// (all inout but h and dh).
+    /// Its backward, from the forward's h (in): with g = dout[:, row0..row0+ROWS]: db (ROWS, R)
+    /// += g^T @ h, dh (N, R) = scale * g @ b (out), da (R, C) += dh^T @ inp, dinp (N, C) +=
+    /// dh @ a (inout).
     #[allow(clippy::too_many_arguments)]
     fn lora_backward(
         &mut self,

@@ -106,13 +106,17 @@ pub struct Adapter {
     pub b: Buf,
     /// (da, db), in a training pass.
     pub grads: Option<(Buf, Buf)>,
+    /// Where a pass over the training activations keeps this adapter's h (N, R) for the
+    /// backward (at their capacity; None before training). Other passes use the block's h.
+    pub kept_h: Option<Buf>,
     pub r: usize,
     pub row0: usize,
     pub rows: usize,
     pub scale: f32,
 }
 
-/// The adapters of one block, and the two (N, R) workspaces their ops use.
+/// The adapters of one block, and the two (N, R) workspaces their ops use: h for a pass
+/// whose h no backward reads (an adapter's own `kept_h` otherwise), dh for the backward.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockLora {
     pub adapters: Vec<Adapter>,
@@ -343,7 +347,9 @@ impl<'a> Ops<'a> {
             be.matmul_forward(out, x, w, bias, n, c, oc)
         });
         for ad in self.adapters(w) {
-            let (s, h) = self.lora_shape(&ad, m);
+            let (s, shared) = self.lora_shape(&ad, m);
+            // Kept for the backward when the pass is over the training activations.
+            let h = ad.kept_h.filter(|k| k.len >= n * ad.r).map_or(shared, |k| k.prefix(n * ad.r));
             lens!("lora_forward"; ad.a => ad.r * c, ad.b => ad.rows * ad.r);
             self.run("lora_forward", Kind::Lora, &[Rw(out), Scratch(h)], &[x, ad.a, ad.b], |be| {
                 be.lora_forward(out, h, x, ad.a, ad.b, s)
@@ -387,11 +393,13 @@ impl<'a> Ops<'a> {
         }
         for ad in self.adapters(w) {
             let Some((da, dbl)) = ad.grads else { panic!("matmul_backward: a LoRA adapter without gradients") };
-            let (s, h) = self.lora_shape(&ad, m);
-            let dh = self.lora.expect("adapters").dh.prefix(n * ad.r);
+            let (s, _) = self.lora_shape(&ad, m);
+            let h =
+                ad.kept_h.filter(|k| k.len >= n * ad.r).expect("matmul_backward: a LoRA adapter without its kept h");
+            let (h, dh) = (h.prefix(n * ad.r), self.lora.expect("adapters").dh.prefix(n * ad.r));
             lens!("lora_backward"; ad.a => ad.r * c, ad.b => ad.rows * ad.r, da => ad.r * c, dbl => ad.rows * ad.r);
-            let outs = [Rw(dx.unwrap_or(NONE)), Rw(da), Rw(dbl), Scratch(h), Scratch(dh)];
-            self.run("lora_backward", Kind::Lora, &outs, &[dout, x, ad.a, ad.b], |be| {
+            let outs = [Rw(dx.unwrap_or(NONE)), Rw(da), Rw(dbl), Scratch(dh)];
+            self.run("lora_backward", Kind::Lora, &outs, &[dout, x, ad.a, ad.b, h], |be| {
                 be.lora_backward(dx, da, dbl, h, dh, dout, x, ad.a, ad.b, s)
             });
         }

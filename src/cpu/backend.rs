@@ -958,20 +958,20 @@ impl Backend for CpuBackend {
         let has_dinp = dinp.is_some();
         let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
         let r = Rounding::Nearest;
-        let outs = [dinp.map_or(W(NONE), Rw), Rw(da), Rw(db), W(h), W(dh)];
-        let native_outs = [out_native, false, false, false, false];
-        let native_ins = [native, native, false, false];
+        let outs = [dinp.map_or(W(NONE), Rw), Rw(da), Rw(db), W(dh)];
+        let native_outs = [out_native, false, false, false];
+        let native_ins = [native, native, false, false, false];
         self.run_native(
             "lora_backward",
             outs,
-            [dout, inp, a, b],
+            [dout, inp, a, b, h],
             [],
             r,
             native_outs,
             native_ins,
-            |[di, da, db, h, dh], [d, x, a, b], []| {
-                let (da, db, h, dh) = (f32_dest(da), f32_dest(db), f32_dest(h), f32_dest(dh));
-                let (a, b) = (f32_operand(a), f32_operand(b));
+            |[di, da, db, dh], [d, x, a, b, h], []| {
+                let (da, db, dh) = (f32_dest(da), f32_dest(db), f32_dest(dh));
+                let (a, b, h) = (f32_operand(a), f32_operand(b), f32_operand(h));
                 lora::lora_backward(has_dinp.then_some(di), da, db, h, dh, d, x, a, b, s)
             },
         );

@@ -21,9 +21,11 @@ pub fn lora_forward(out: Dest, h: &mut [f32], inp: Operand, a: &[f32], b: &[f32]
     gemm_strided_any(n, rows, r, shift(out, row0), oc, true, h, (r as isize, 1), b, (1, r as isize));
 }
 
-/// Backward of [`lora_forward`]: h is recomputed; with g = dout[:, row0..row0+ROWS],
-/// db (ROWS, R) += g^T @ h, dh (N, R) = scale * g @ b, da (R, C) += dh^T @ inp and
-/// dinp (N, C) += dh @ a. The adapter's gradients always add (they are zeroed per step).
+/// Backward of [`lora_forward`], from the forward's h (N, R) (kept, as PEFT's autograd keeps
+/// lora_A's output, rather than computed again: one GEMM over inp fewer); with
+/// g = dout[:, row0..row0+ROWS], db (ROWS, R) += g^T @ h, dh (N, R) = scale * g @ b,
+/// da (R, C) += dh^T @ inp and dinp (N, C) += dh @ a. The adapter's gradients always add (they
+/// are zeroed per step).
 ///
 /// The products whose result has R columns (h, dh, db) are computed as their transposes, R
 /// rows by N or ROWS columns, into a window and transposed back: the kernels' 12-row tiles
@@ -35,7 +37,7 @@ pub fn lora_backward(
     dinp: Option<Dest>,
     da: &mut [f32],
     db: &mut [f32],
-    h: &mut [f32],
+    h: &[f32],
     dh: &mut [f32],
     dout: Operand,
     inp: Operand,
@@ -47,7 +49,6 @@ pub fn lora_backward(
     if n == 0 {
         return;
     }
-    down(h, inp, a, s);
     let (c_, oc_, r_) = (c as isize, oc as isize, r as isize);
     let g = match dout {
         Operand::F32(d) => Operand::F32(&d[row0..]),
@@ -135,7 +136,8 @@ mod tests {
                 (vec![0f32; n * r], vec![0f32; n * r], vec![0f32; r * c], db0.clone());
             let mut dx = vec![0f32; n * c];
             let (xo, g) = (Operand::F32(&x), Operand::F32(&dout));
-            lora_backward(Some(Dest::F32(&mut dx)), &mut da, &mut db, &mut h, &mut dh, g, xo, &a, &b, s);
+            down(&mut h, xo, &a, s);
+            lora_backward(Some(Dest::F32(&mut dx)), &mut da, &mut db, &h, &mut dh, g, xo, &a, &b, s);
             let (c_, oc_, r_) = (c as isize, oc as isize, r as isize);
             let mut want_h = vec![0f32; n * r];
             gemm_strided_any(n, r, c, Dest::F32(&mut want_h), r, false, xo, (c_, 1), Operand::F32(&a), (1, c_));
@@ -183,7 +185,7 @@ mod tests {
                 Some(Dest::F32(&mut dx)),
                 &mut da,
                 &mut db,
-                &mut h,
+                &h,
                 &mut dh,
                 Operand::F32(&dout),
                 Operand::F32(&x),
@@ -247,7 +249,7 @@ mod tests {
                 Some(Dest::F32(&mut dx)),
                 &mut da,
                 &mut db,
-                &mut h,
+                &h,
                 &mut dh,
                 Operand::F32(&d),
                 Operand::F32(&xw),
@@ -257,7 +259,7 @@ mod tests {
             );
             let (mut da16, mut db16, mut dh16, mut dx16) = (da0.clone(), db0.clone(), vec![0f32; n * r], dx0.clone());
             let (g, xb) = (Operand::Bf16(&dout), Operand::Bf16(&x));
-            lora_backward(Some(Dest::Bf16(&mut dx16)), &mut da16, &mut db16, &mut h16, &mut dh16, g, xb, &a, &b, s);
+            lora_backward(Some(Dest::Bf16(&mut dx16)), &mut da16, &mut db16, &h16, &mut dh16, g, xb, &a, &b, s);
             assert_eq!(narrow(&dx), dx16, "dinp {s:?}");
             assert_eq!(bits(&da), bits(&da16), "da {s:?}");
             assert_eq!(bits(&db), bits(&db16), "db {s:?}");

@@ -22,8 +22,8 @@ impl GpuBackend {
         }
     }
 
-    /// Its backward: h recomputed; with g = dout[:, row0..row0+ROWS]: db (ROWS, R) += g^T @ h,
-    /// dh (N, R) = scale * g @ b, da (R, C) += dh^T @ inp, dinp (N, C) += dh @ a.
+    /// Its backward, from the forward's h: with g = dout[:, row0..row0+ROWS]: db (ROWS, R) +=
+    /// g^T @ h, dh (N, R) = scale * g @ b, da (R, C) += dh^T @ inp, dinp (N, C) += dh @ a.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn lora_backward_(
         &mut self,
@@ -38,14 +38,14 @@ impl GpuBackend {
         b: Buf,
         s: LoraShape,
     ) {
-        let outs: Vec<Buf> = [Some(da), Some(db), Some(h), Some(dh), dinp].into_iter().flatten().collect();
-        Self::disjoint("lora_backward", &outs, &[dout, inp, a, b]);
+        let outs: Vec<Buf> = [Some(da), Some(db), Some(dh), dinp].into_iter().flatten().collect();
+        Self::disjoint("lora_backward", &outs, &[dout, inp, a, b, h]);
         let LoraShape { n, c, oc, r, row0, rows, scale } = s;
         let cols = row0..row0 + rows;
         let row_bufs: Vec<_> =
             [(dout, oc), (inp, c), (h, r), (dh, r)].into_iter().chain(dinp.map(|d| (d, c))).collect();
         for p in self.mem.row_pieces(n, &row_bufs) {
-            let hp = self.lora_down(h, inp, a, &p, s);
+            let hp = h.slice(p.start * r..p.end * r);
             let g = block(dout, oc, &p, &cols); // (len, ROWS), rows OC apart
             let dhp = dh.slice(p.start * r..p.end * r);
             let xp = inp.slice(p.start * c..p.end * c);

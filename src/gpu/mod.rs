@@ -732,13 +732,13 @@ impl Backend for GpuBackend {
         if all_bf16(&[dout, inp, opt(dinp)]) && all_f32(&[a, b, da, db]) {
             // As lora_forward: the base's bf16 tensors as they are, h and dh (N, R) through
             // f32 copies.
-            return self.in_f32("lora_backward", [(h, Out), (dh, Out)], Nearest, |s, [h, dh]| {
+            return self.in_f32("lora_backward", [(h, In), (dh, Out)], Nearest, |s, [h, dh]| {
                 s.lora_backward_(dinp, da, db, h, dh, dout, inp, a, b, sh)
             });
         }
         #[rustfmt::skip]
         let bufs = [
-            (opt(dinp), InOut), (da, InOut), (db, InOut), (h, Out), (dh, Out),
+            (opt(dinp), InOut), (da, InOut), (db, InOut), (h, In), (dh, Out),
             (dout, In), (inp, In), (a, In), (b, In),
         ];
         self.in_f32("lora_backward", bufs, Nearest, |s, [dx, da, db, h, dh, dout, inp, a, b]| {
