@@ -530,9 +530,10 @@ unsafe fn tile<TC: Elem>(
 /// its own waits on memory). A short A block (at most [`GROUP_PANELS`] panels: the adapters'
 /// R-row products of a LoRA step, `(8, 8192)` from 512 k) has too few kernel calls to hide
 /// those reads, so a row-major B is packed [`GROUP_COLS`] columns at a time instead, row by
-/// row, each row's 4 KiB read in one run ([`pack_b_group`]): on a 2-core Zen 1, a `(8, 8192)`
-/// product of depth 512 took 3.4-3.6 ms instead of 5.2-5.8. The panels hold the same values
-/// either way, so the bits do not change.
+/// row, each row's 4 KiB of f32 read in one run ([`pack_b_group`]): on a 2-core Zen 1, such a
+/// `(8, 8192)` product of depth 512 takes 2.8-2.9 ms instead of 5.6-5.8 (the db column of
+/// `cargo run --release --example lora_time`). The panels hold the same values either way, so
+/// the bits do not change.
 ///
 /// # Safety
 /// The A panels hold `kc` steps; `bp` has room for `(j1 - j0)/NR` panels (and holds them packed
