@@ -91,8 +91,8 @@ const MC: usize = 264;
 /// Columns of B per packed block (a multiple of every NR): `KC_MAX x NC` is 6 MiB, a share of L3.
 const NC: usize = 4096;
 
-/// A block of A with at most this many MR-row panels packs row-major B a group of panels at a
-/// time ([`sweep`]), [`GROUP_COLS`] columns read row by row.
+/// A block of A with at most this many MR-row panels packs a row-major B wider than 4 panels a
+/// group of panels at a time ([`sweep`]), [`GROUP_COLS`] columns read row by row.
 const GROUP_PANELS: usize = 8;
 /// Columns of row-major B packed together when the A block is short (a multiple of every NR).
 const GROUP_COLS: usize = 1024;
@@ -529,7 +529,8 @@ unsafe fn tile<TC: Elem>(
 /// cache, a share per kernel call (packing reads a line from each of up to KC_MAX rows, which on
 /// its own waits on memory). A short A block (at most [`GROUP_PANELS`] panels: the adapters'
 /// R-row products of a LoRA step, `(8, 8192)` from 512 k) has too few kernel calls to hide
-/// those reads, so a row-major B is packed [`GROUP_COLS`] columns at a time instead, row by
+/// those reads, so a row-major B of more than 4 panels (not attention's head-wide B, whose
+/// packing stays as it was) is packed [`GROUP_COLS`] columns at a time, row by
 /// row, each row's 4 KiB of f32 read in one run ([`pack_b_group`]): on a 2-core Zen 1, such a
 /// `(8, 8192)` product of depth 512 takes 2.8-2.9 ms instead of 5.6-5.8 (the db column of
 /// `cargo run --release --example lora_time`). The panels hold the same values either way, so
@@ -559,7 +560,7 @@ unsafe fn sweep<TB: Elem, TC: Elem>(
 ) {
     let (tmr, tnr) = (t.mr(), t.nr());
     let shares = mc.div_ceil(tmr);
-    let grouped = pack.filter(|b| b.cs == 1 && shares <= GROUP_PANELS);
+    let grouped = pack.filter(|b| b.cs == 1 && shares <= GROUP_PANELS && j1 - j0 > 4 * tnr);
     let pack = if grouped.is_some() { None } else { pack };
     for jr in (j0..j1).step_by(tnr) {
         let nr = tnr.min(j1 - jr);
