@@ -8,18 +8,8 @@ use llmrs::backend::LoraShape;
 use llmrs::cpu::bf16::{Dest, Operand};
 use llmrs::cpu::lora::{lora_backward, lora_forward};
 use llmrs::cpu::matmul::gemm_strided_any;
-use std::time::Instant;
-
-/// Best of five runs of `f`, in ms (this machine's noise only ever adds time).
-fn best_ms(mut f: impl FnMut()) -> f64 {
-    (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .fold(f64::MAX, f64::min)
-}
+mod common;
+use common::best_ms;
 
 fn main() {
     let (n, r, layers) = (512usize, 8usize, 16.0);

@@ -8,18 +8,8 @@ use llmrs::cpu::attention::{attention_backward, attention_forward};
 use llmrs::cpu::classifier::{crossentropy_forward, crossentropy_softmax_backward_inplace};
 use llmrs::cpu::gelu::{gelu_backward_inplace, gelu_forward};
 use llmrs::cpu::layernorm::{layernorm_backward, layernorm_forward};
-use std::time::Instant;
-
-/// Best of five runs of `f`, in ms (this machine's noise only ever adds time).
-fn best_ms(mut f: impl FnMut()) -> f64 {
-    (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .fold(f64::MAX, f64::min)
-}
+mod common;
+use common::best_ms;
 
 fn main() {
     let (n, v, vp) = (256, 50257, 50304);
