@@ -655,6 +655,29 @@ fn load_tokenizer(model: &str) -> Result<Tokenizer> {
     })
 }
 
+/// The samples (`-s`) start from the tokenizer's document token: refused before the run starts
+/// when the model's vocabulary lacks it (a model file of a small vocabulary, with GPT-2's
+/// tokenizer as the fallback), which would otherwise stop the run at its first sample.
+fn check_sample_start(cfg: &TrainConfig, mc: &crate::config::ModelConfig, spec: &str, tok: &Tokenizer) -> Result<()> {
+    // A sample of at most one token runs no forward pass (see `sample_cache`).
+    let samples = cfg.sample_every > 0 && cfg.gen_tokens.min(mc.max_seq_len + 1) > 1;
+    if samples && tok.doc_start as usize >= mc.vocab_size {
+        bail!(
+            "-s {}: the samples start from the tokenizer's document token, id {}, outside {spec}'s vocabulary of {} \
+             tokens (its tokenizer: {}): give -s 0 to sample nothing, or put the model's tokenizer.json beside it",
+            cfg.sample_every,
+            tok.doc_start,
+            mc.vocab_size,
+            if crate::source::tokenizer_path(spec)?.is_some() {
+                "its tokenizer.json"
+            } else {
+                "GPT-2's, as it has no tokenizer.json"
+            }
+        );
+    }
+    Ok(())
+}
+
 /// Rank 0's `log.jsonl` in the output directory: appended to when resuming (`open_output`
 /// trimmed it to the checkpoint), else started empty.
 fn open_log(cfg: &TrainConfig, rank: usize, resuming: bool) -> Result<Option<std::fs::File>> {
@@ -746,6 +769,9 @@ impl<'a> Run<'a> {
         if cfg.output_dir.is_some() && cfg.checkpoint_every > 0 && lora.is_none() {
             crate::checkpoint::check_model_file(&mc, cfg.save_dtype)?;
         }
+        let tok_spec = tokenizer_spec(cfg, resume_step);
+        let tokenizer = load_tokenizer(&tok_spec)?;
+        check_sample_start(cfg, &mc, &tok_spec, &tokenizer)?;
         if let (Some(rd), Some(s)) = (run_dir, resume_step) {
             rd.trim_log(s)?;
         }
@@ -782,8 +808,6 @@ impl<'a> Run<'a> {
         };
         let (kind, max_lr, warmup, final_frac) = (cfg.schedule, cfg.learning_rate, cfg.warmup, cfg.final_lr_frac);
         let sched = LrSchedule { kind, max_lr, warmup, total_steps: steps, final_frac };
-        let tok_spec = tokenizer_spec(cfg, resume_step);
-        let tokenizer = load_tokenizer(&tok_spec)?;
         if let (Some(dir), 0, None) = (cfg.output_dir.as_deref(), shape.rank, resume_step) {
             crate::source::keep_side_files(&cfg.model, dir)?;
         }

@@ -138,6 +138,33 @@ fn bad_settings_and_data_are_refused_clearly() {
     llmrs::checkpoint::save_model(&llmrs::params::Weights::random(cfg, 1).unwrap(), &m, llmrs::files::Dtype::F32)
         .unwrap();
     assert!(err(TrainConfig { model: m.to_str().unwrap().into(), ..base.clone() }).contains("out of range"));
+    // Data that fits that vocabulary, but samples that would start from GPT-2's <|endoftext|>
+    // (id 50256, the tokenizer's as the model has no tokenizer.json): refused before the first
+    // step, with nothing written, where the run used to stop at its first sample.
+    let (tr50, va50) = (dir.path().join("train50.bin"), dir.path().join("val50.bin"));
+    llmrs::data::write_shard(&tr50, &(0..3000).map(|i| (i * 7 % 50) as u32).collect::<Vec<_>>()).unwrap();
+    llmrs::data::write_shard(&va50, &(0..600).map(|i| (i * 3 % 50) as u32).collect::<Vec<_>>()).unwrap();
+    let out = dir.path().join("sampling");
+    let fits = TrainConfig {
+        model: m.to_str().unwrap().into(),
+        train_data: tr50.to_str().unwrap().into(),
+        val_data: va50.to_str().unwrap().into(),
+        sample_every: 4,
+        checkpoint_every: 2,
+        output_dir: Some(out.clone()),
+        ..base.clone()
+    };
+    let e = err(fits.clone());
+    assert!(
+        e.contains("-s 4") && e.contains("id 50256") && e.contains("vocabulary of 50") && e.contains("-s 0"),
+        "{e}"
+    );
+    assert_eq!(llmrs::train::latest_checkpoint(&out), None, "a refused run wrote a checkpoint");
+    // Without samples (or with one token, which needs no forward pass) it trains.
+    for (sample_every, gen_tokens) in [(0, 64), (4, 1)] {
+        let s = run(&TrainConfig { sample_every, gen_tokens, overwrite: true, ..fits.clone() }).unwrap();
+        assert_eq!(s.train_losses.len(), 12);
+    }
     // A learning rate that blows up is reported, not trained through.
     let e = err(TrainConfig {
         learning_rate: 1e30,
