@@ -13,6 +13,22 @@ fn make_data(dir: &Path) -> (String, String) {
     common::make_data(dir, 12345, 3000, 600)
 }
 
+/// In `dir`: a model file of descriptor `desc`'s shape with a vocabulary of 600, its tokenizer
+/// beside it (a byte-level BPE of 600 tokens, whose samples start from its id 1), and data
+/// below 600. The same sharding, classifier and sampling paths as with GPT-2's 50,257 tokens,
+/// whose classifier took most of the time of the tests that compare ranks with one process.
+/// (model, train, val).
+fn small_vocab(dir: &Path, desc: &str) -> (String, String, String) {
+    let (train, val) = common::make_data_below(dir, 12345, 3000, 600, 600);
+    let mut mc = llmrs::config::ModelConfig::from_descriptor(desc).unwrap();
+    (mc.vocab_size, mc.padded_vocab_size) = (600, 640);
+    let model = dir.join("model.bin");
+    llmrs::checkpoint::save_model(&llmrs::params::Weights::random(mc, 42).unwrap(), &model, Dtype::F32).unwrap();
+    let tokenizer = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizers/bytelevel.json");
+    std::fs::copy(tokenizer, dir.join("tokenizer.json")).unwrap();
+    (model.to_str().unwrap().into(), train, val)
+}
+
 fn small(dir: &Path, train: &str, val: &str) -> TrainConfig {
     TrainConfig {
         train_data: train.into(),
@@ -300,7 +316,7 @@ fn ranks_equal_one_process(model: &str, worlds: &[usize]) {
 
 fn ranks_equal_one_process_with(model: &str, worlds: &[usize], recompute: u8, ce_rows: usize) {
     let dir = tempfile::tempdir().unwrap();
-    let (train, val) = make_data(dir.path());
+    let (file, train, val) = small_vocab(dir.path(), model);
     let base = TrainConfig {
         batch_size: 2,
         total_batch_size: Some(128), // 2 micro-batches per step with 2 ranks, 1 with 4
@@ -309,7 +325,7 @@ fn ranks_equal_one_process_with(model: &str, worlds: &[usize], recompute: u8, ce
         checkpoint_every: 20,
         sample_every: 10,
         gen_tokens: 6,
-        model: model.into(),
+        model: file,
         recompute,
         ce_rows,
         ..small(dir.path(), &train, &val)
@@ -555,9 +571,9 @@ fn a_lora_run_trains_only_its_adapters_and_resumes_bit_identically() {
 fn lora_ranks_train_as_one_process_at_every_zero_stage() {
     for model in ["2x32:2:32", "llama:2x32:4:2:16"] {
         let dir = tempfile::tempdir().unwrap();
-        let (train, val) = make_data(dir.path());
+        let (file, train, val) = small_vocab(dir.path(), model);
         let base = TrainConfig {
-            model: model.into(),
+            model: file,
             total_batch_size: Some(128),
             max_steps: Some(10),
             checkpoint_every: 10,

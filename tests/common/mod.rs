@@ -7,6 +7,13 @@ use std::path::Path;
 /// fourth token random), so a model can learn something quickly. `seed` picks the noise.
 /// Returns their paths.
 pub fn make_data(dir: &Path, seed: u64, train_tokens: usize, val_tokens: usize) -> (String, String) {
+    make_data_below(dir, seed, train_tokens, val_tokens, 50257)
+}
+
+/// [`make_data`] with every token id below `vocab` (above 288, the repeated pattern's largest).
+#[allow(dead_code)] // not every test file uses it
+pub fn make_data_below(dir: &Path, seed: u64, train_tokens: usize, val_tokens: usize, vocab: u64) -> (String, String) {
+    assert!(vocab > 288, "the pattern's ids go up to 288");
     let mut x = seed;
     let mut toks = |n: usize| -> Vec<u32> {
         (0..n)
@@ -15,7 +22,7 @@ pub fn make_data(dir: &Path, seed: u64, train_tokens: usize, val_tokens: usize) 
                 x ^= x >> 7;
                 x ^= x << 17;
                 if i % 4 == 3 {
-                    (x % 50257) as u32
+                    (x % vocab) as u32
                 } else {
                     (i % 97) as u32 * 3
                 }
