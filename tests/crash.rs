@@ -83,10 +83,7 @@ fn sigkills_of_a_bf16_run_resume_to_the_uninterrupted_run() {
 fn sigkills_resume_to_the_uninterrupted_run(total_kills: usize, desc: &str, extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     common::make_data_below(dir.path(), 99, 4000, 800, 600);
-    let mut mc = llmrs::config::ModelConfig::from_descriptor(desc).unwrap();
-    (mc.vocab_size, mc.padded_vocab_size) = (600, 640);
-    let w = llmrs::params::Weights::random(mc, 42).unwrap();
-    llmrs::checkpoint::save_model(&w, &dir.path().join("model.bin"), llmrs::files::Dtype::F32).unwrap();
+    common::small_vocab_model(dir.path(), desc);
     let t0 = Instant::now();
     let o = train(dir.path(), "ref", extra).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

@@ -20,13 +20,10 @@ fn make_data(dir: &Path) -> (String, String) {
 /// (model, train, val).
 fn small_vocab(dir: &Path, desc: &str) -> (String, String, String) {
     let (train, val) = common::make_data_below(dir, 12345, 3000, 600, 600);
-    let mut mc = llmrs::config::ModelConfig::from_descriptor(desc).unwrap();
-    (mc.vocab_size, mc.padded_vocab_size) = (600, 640);
-    let model = dir.join("model.bin");
-    llmrs::checkpoint::save_model(&llmrs::params::Weights::random(mc, 42).unwrap(), &model, Dtype::F32).unwrap();
+    let model = common::small_vocab_model(dir, desc);
     let tokenizer = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizers/bytelevel.json");
     std::fs::copy(tokenizer, dir.join("tokenizer.json")).unwrap();
-    (model.to_str().unwrap().into(), train, val)
+    (model, train, val)
 }
 
 fn small(dir: &Path, train: &str, val: &str) -> TrainConfig {

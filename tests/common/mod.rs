@@ -67,3 +67,16 @@ pub mod gpu;
 
 #[allow(dead_code)] // not every test file uses it
 pub mod trajectory;
+
+/// A model file `dir/model.bin` of descriptor `desc`'s shape with a vocabulary of 600 (padded
+/// to 640), random weights: the tests' small models without GPT-2's 50,257-token classifier,
+/// which took most of their time. Returns its path.
+#[allow(dead_code)] // not every test file uses it
+pub fn small_vocab_model(dir: &Path, desc: &str) -> String {
+    let mut mc = llmrs::config::ModelConfig::from_descriptor(desc).unwrap();
+    (mc.vocab_size, mc.padded_vocab_size) = (600, 640);
+    let model = dir.join("model.bin");
+    let w = llmrs::params::Weights::random(mc, 42).unwrap();
+    llmrs::checkpoint::save_model(&w, &model, llmrs::files::Dtype::F32).unwrap();
+    model.to_str().unwrap().into()
+}
