@@ -20,6 +20,10 @@ pub const CPU_ISA: &str = "LLMRS_CPU_ISA";
 /// the host runs it, else `vdpbf16ps` on AMD, else bf16 widened into the fp32 GEMM; see
 /// [`crate::cpu::bgemm::model_engine`]).
 pub const BF16_GEMM: &str = "LLMRS_BF16_GEMM";
+/// `blocks` or `runs`: how the CPU's fp32 GEMM walks k when C is wide (default: runs for the
+/// AVX-512 tile on Intel CPUs, blocks elsewhere; both give the same bits; see
+/// [`crate::cpu::sgemm::Order`]).
+pub const SGEMM_ORDER: &str = "LLMRS_SGEMM_ORDER";
 /// `tiled`: the GPU's GEMM runs as the tiled kernel (kernels/matmul.wgsl) on every adapter;
 /// `auto` (the default): as the subgroup one (kernels/matmul_subgroup.wgsl) on Vulkan drivers
 /// that run on the CPU (lavapipe), where it is faster. Both give the same bits (but for the sign

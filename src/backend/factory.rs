@@ -6,10 +6,11 @@ use super::{Backend, Device};
 use anyhow::{bail, Result};
 
 /// Settle what every backend's host side relies on, once at start-up: the CPU kernels'
-/// instruction set and its bf16 GEMM (so a bad `LLMRS_CPU_ISA` or `LLMRS_BF16_GEMM` is an error
-/// here, not a panic in a kernel).
+/// instruction set, its fp32 GEMM's order and its bf16 GEMM (so a bad `LLMRS_CPU_ISA`,
+/// `LLMRS_SGEMM_ORDER` or `LLMRS_BF16_GEMM` is an error here, not a panic in a kernel).
 pub fn init_host() -> Result<()> {
     crate::cpu::simd::init()?;
+    crate::cpu::sgemm::init()?;
     crate::cpu::bgemm::init().map(|_| ())
 }
 

@@ -430,9 +430,10 @@ impl CpuBackend {
 impl Backend for CpuBackend {
     fn describe(&self) -> String {
         let gemm = if super::sgemm::fast_path_available() {
-            super::sgemm::Tile::current().describe()
+            let t = super::sgemm::Tile::current();
+            format!("{} (wide C by k {})", t.describe(), super::sgemm::Order::for_tile(t).name())
         } else {
-            "portable GEMM (the gemm crate)"
+            "portable GEMM (the gemm crate)".into()
         };
         let check = if self.nan_check { ", NaN-checking mode" } else { "" };
         let isa = super::simd::isa().name();

@@ -127,27 +127,11 @@ pub fn init() -> anyhow::Result<Option<Engine>> {
 fn default_engine() -> Option<Engine> {
     if amx_available() {
         Some(Engine::Amx)
-    } else if available() && is_amd() {
+    } else if available() && super::simd::is_amd() {
         Some(Engine::Dpbf16)
     } else {
         None
     }
-}
-
-fn is_amd() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[allow(unused_unsafe)]
-        // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
-        let r = unsafe { std::arch::x86_64::__cpuid(0) };
-        let mut v = [0u8; 12];
-        v[..4].copy_from_slice(&r.ebx.to_le_bytes());
-        v[4..8].copy_from_slice(&r.edx.to_le_bytes());
-        v[8..].copy_from_slice(&r.ecx.to_le_bytes());
-        &v == b"AuthenticAMD"
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }
 
 fn choose_engine() -> anyhow::Result<Option<Engine>> {

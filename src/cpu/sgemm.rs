@@ -8,10 +8,11 @@
 //! ever copied whole.
 //!
 //! Every element of C sums its k products in the same order whatever the thread count, the
-//! split or the tile (one FMA chain per k block, the blocks added in order), so results do not
-//! depend on scheduling or on the instruction set. Threads split C into column (or row) ranges
-//! that are multiples of the tile (see [`parallel`]); the packing buffers, thread-local and
-//! shared, are allocated once and reused: nothing is allocated in the training loop.
+//! split, the order of the loops ([`Order`]) or the tile (one FMA chain per k block, the blocks
+//! added in order), so results do not depend on scheduling or on the instruction set. Threads
+//! split C into column (or row) ranges that are multiples of the tile (see [`parallel`]); the
+//! packing buffers, thread-local and shared, are allocated once and reused: nothing is
+//! allocated in the training loop.
 //!
 //! Without AVX2+FMA (or with a C whose columns are not contiguous) the call falls back to the
 //! `gemm` crate.
@@ -287,6 +288,48 @@ pub unsafe fn sgemm<TA: Elem, TB: Elem, TC: Elem>(
     (rhs_rs, rhs_cs): (isize, isize),
     threads: usize,
 ) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        sgemm_in(
+            t,
+            m,
+            n,
+            k,
+            dst,
+            (dst_rs, dst_cs),
+            accumulate,
+            bias,
+            lhs,
+            (lhs_rs, lhs_cs),
+            rhs,
+            (rhs_rs, rhs_cs),
+            threads,
+            Order::for_tile(t),
+        )
+    }
+}
+
+/// [`sgemm`] with the shared-A GEMM's order given (tests run both on every host).
+///
+/// # Safety
+/// As [`sgemm`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn sgemm_in<TA: Elem, TB: Elem, TC: Elem>(
+    t: Tile,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut TC,
+    (dst_rs, dst_cs): (isize, isize),
+    accumulate: bool,
+    bias: *const f32,
+    lhs: *const TA,
+    (lhs_rs, lhs_cs): (isize, isize),
+    rhs: *const TB,
+    (rhs_rs, rhs_cs): (isize, isize),
+    threads: usize,
+    order: Order,
+) {
     let bias = if accumulate { std::ptr::null() } else { bias };
     assert!(
         TC::f32_ptr(dst).is_some() || k <= KC_MAX,
@@ -305,7 +348,7 @@ pub unsafe fn sgemm<TA: Elem, TB: Elem, TC: Elem>(
         return unsafe { serial(t, m, n, k, c, accumulate, bias, a, b) };
     }
     // SAFETY: forwarded from the caller.
-    unsafe { parallel(t, m, n, k, c, accumulate, bias, a, b, threads) }
+    unsafe { parallel(t, m, n, k, c, accumulate, bias, a, b, threads, order) }
 }
 
 /// Buffers for the shared packed operand, taken by one threaded GEMM at a time and put back:
@@ -320,10 +363,71 @@ fn with_shared<R>(len: usize, f: impl FnOnce(*mut f32) -> R) -> R {
     r
 }
 
+/// Most depth of the run of k blocks whose partial sums one C tile takes back to back in the
+/// shared-A GEMM's [`Order::Runs`] ([`sweep_runs`]): the run's A panel (MR x DEEP, 96 KiB at 12
+/// rows) and [`GROUP_B_COLS`] columns of packed B (512 KiB) stay in a 1 MiB L2 while the tile
+/// stays in L1. Block by block, every k block re-reads and re-writes all of a wide C from
+/// memory: a 12x32 tile of a C 16,384 columns wide cost the AVX-512 kernel about a tenth of
+/// its speed against a tile in L2 (measured on the Xeon of [`Order::for_tile`]). The shared A
+/// buffer grows with it: a run of blocks instead of one (4.2 MiB at 512 rows, k = 2048).
+const DEEP: usize = 2048;
+/// Columns of B a thread packs through a run and sweeps together in the shared-A GEMM: 512 KiB
+/// of packed B at DEEP (a multiple of every NR).
+const GROUP_B_COLS: usize = 64;
+
+/// How the shared-A GEMM (a wide C) walks k; both give the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// One k block at a time across the whole C, each B panel packed just before its first
+    /// use while the next one's lines are prefetched ([`sweep`]).
+    Blocks,
+    /// Runs of k blocks, each C tile through a run's blocks back to back ([`sweep_runs`]).
+    Runs,
+}
+
+impl Order {
+    /// The order for tile `t`: `$LLMRS_SGEMM_ORDER` when set, else runs for the AVX-512 tile
+    /// on Intel CPUs and blocks elsewhere. On a 2-core Intel Xeon with AMX (two 512-bit FMA
+    /// units a core) runs made Llama 3.2 1B's LoRA GEMMs about a tenth faster
+    /// (`cargo run --release --example llama_gemms`, README); block by block is what was
+    /// measured and tuned on AMD's Zen 1 to Zen 4, and stays theirs until measured there.
+    pub fn for_tile(t: Tile) -> Order {
+        let forced = *ORDER.get_or_init(|| choose_order().unwrap_or(None));
+        forced.unwrap_or(if t == Tile::Avx512 && !super::simd::is_amd() { Order::Runs } else { Order::Blocks })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Order::Blocks => "blocks",
+            Order::Runs => "runs",
+        }
+    }
+}
+
+static ORDER: std::sync::OnceLock<Option<Order>> = std::sync::OnceLock::new();
+
+fn choose_order() -> anyhow::Result<Option<Order>> {
+    use crate::env::SGEMM_ORDER;
+    Ok(match crate::env::text(SGEMM_ORDER).as_deref() {
+        None => None,
+        Some("blocks") => Some(Order::Blocks),
+        Some("runs") => Some(Order::Runs),
+        Some(s) => anyhow::bail!("{SGEMM_ORDER}={s}: use blocks or runs"),
+    })
+}
+
+/// Settle [`Order::for_tile`]'s override at start-up, so that a bad `LLMRS_SGEMM_ORDER` is an
+/// error, not a silent default.
+pub fn init() -> anyhow::Result<()> {
+    let want = choose_order()?;
+    ORDER.get_or_init(|| want);
+    Ok(())
+}
+
 /// Columns from which a GEMM at least as wide as tall shares its packed A.
 const WIDE: usize = 2048;
 
-/// The threaded GEMM, on the [`team`]. Three ways to split it:
+/// The threaded GEMM, on the [`team`]. Three ways to split it (and two orders for the second):
 /// - taller than wide: B is packed once per k block, by all threads together, into a shared
 ///   buffer; the threads claim guided chunks of C's rows and pack their own A blocks (the
 ///   weight gradients: dW = dY^T X);
@@ -347,6 +451,7 @@ unsafe fn parallel<TA: Elem, TB: Elem, TC: Elem>(
     a: View<TA>,
     b: View<TB>,
     threads: usize,
+    order: Order,
 ) {
     debug_assert!(k > 0, "sgemm sends k = 0 to serial");
     let (mr, nr) = (t.mr(), t.nr());
@@ -381,7 +486,7 @@ unsafe fn parallel<TA: Elem, TB: Elem, TC: Elem>(
                 }
             }
         });
-    } else if n >= m {
+    } else if n >= m && order == Order::Blocks {
         // Shared A, one k block at a time (panel r at its own stride: the vector packer's
         // overhang must not reach a panel another thread is writing). Each thread reads the
         // block into its L2 and sweeps it with the B panels of the columns it claims.
@@ -417,6 +522,63 @@ unsafe fn parallel<TA: Elem, TB: Elem, TC: Elem>(
                                 sweep(t, ic, MC.min(m - ic), j0, j1, kc, pc, ablock, stride, bp, pack, c, acc, bias)
                             };
                         }
+                    })
+                });
+            }
+        })
+    } else if n >= m {
+        // Order::Runs: shared A packed a run of k blocks at a time (about DEEP deep; panel r of
+        // block s at its own stride, as above). Each thread packs GROUP_B_COLS columns of B
+        // through the run's blocks and sweeps every A panel across them, the run's blocks of
+        // one C tile back to back, so that the tile stays in L1 from one block to the next
+        // instead of making a round trip to memory per k block (see DEEP).
+        let panels = m.div_ceil(mr);
+        let stride = mr * kcb + A_SLACK;
+        // Runs of equal length, as few as keep each about DEEP deep (k = 2048 is one run of 6).
+        let run = nb.div_ceil(k.div_ceil(DEEP));
+        with_shared(run * panels * stride, |sa| {
+            let sa_addr = sa as usize;
+            for pb0 in (0..nb).step_by(run) {
+                let blocks = run.min(nb - pb0);
+                team::for_ranges(blocks * panels, 4, usize::MAX, |range| {
+                    for x in range {
+                        let (s, r) = (x / panels, x % panels);
+                        let (pc, kc) = block(pb0 + s);
+                        let dst = (sa_addr as *mut f32).wrapping_add(x * stride);
+                        // SAFETY: panel r's rows and block s's columns lie inside A; the
+                        // panel's slot (MR*kc + A_SLACK floats) lies inside the shared buffer.
+                        unsafe { pack_a(t, mr.min(m - r * mr), kc, View { ptr: a.at(r * mr, pc), ..a }, dst) };
+                    }
+                });
+                // Chunks of at least 2 tiles and at most NC columns.
+                team::for_ranges(n.div_ceil(nr), 2, NC / nr, |tiles| {
+                    let (j0, j1) = (tiles.start * nr, (tiles.end * nr).min(n));
+                    PACKS.with(|packs| {
+                        let bp = aligned(&mut packs.borrow_mut().b, KC_MAX * NC);
+                        let a = sa_addr as *const f32;
+                        // SAFETY: the shared A blocks are packed (the loop above has ended);
+                        // GROUP_B_COLS columns of the run's blocks (at most DEEP + KC_MAX deep)
+                        // fit the KC_MAX x NC buffer; the tiles lie inside C.
+                        unsafe {
+                            sweep_runs(
+                                t,
+                                m,
+                                j0,
+                                j1,
+                                pb0,
+                                blocks,
+                                kcb,
+                                k,
+                                a,
+                                panels,
+                                stride,
+                                bp,
+                                b,
+                                c,
+                                accumulate,
+                                bias_addr as *const f32,
+                            )
+                        };
                     })
                 });
             }
@@ -582,6 +744,76 @@ unsafe fn sweep<TB: Elem, TC: Elem>(
             let apanel = a.wrapping_add(share * a_stride);
             // SAFETY: as the caller guarantees: (ic + ir, jr) is a tile inside C.
             unsafe { tile(t, tmr.min(mc - ir), nr, kc, apanel, bpanel, c.at(ic + ir, jr), c.rs, acc, bias) };
+        }
+    }
+}
+
+/// The shared-A macro-kernel: every A panel of a run of `blocks` k blocks (from block `pb0`,
+/// each `kcb` deep but the last of k; panel r of block s at `a + (s*panels + r)*a_stride`)
+/// against the B panels of columns `j0..j1`, GROUP_B_COLS columns at a time packed through the run
+/// into `bp` (panel q of block s at `bp + (q*blocks + s)*NR*kcb`). For each C tile the run's
+/// blocks follow one another, so the tile stays in L1 through them; each block still adds its
+/// own FMA chain to C in order, as [`serial`] does, so the bits do not change. (No prefetch of
+/// the next group's lines while the A panels sweep this one: on the Xeon that chose this order
+/// they made the step's GEMMs slower, 8.95 s against 8.12 s.)
+///
+/// # Safety
+/// The A panels are packed as above; `bp` has room for GROUP_B_COLS columns of the run; rows `0..m`
+/// and columns `j0..j1` lie inside C, and the run's rows of B with columns `j0..j1` inside B.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn sweep_runs<TB: Elem, TC: Elem>(
+    t: Tile,
+    m: usize,
+    j0: usize,
+    j1: usize,
+    pb0: usize,
+    blocks: usize,
+    kcb: usize,
+    k: usize,
+    a: *const f32,
+    panels: usize,
+    a_stride: usize,
+    bp: *mut f32,
+    b: View<TB>,
+    c: View<TC>,
+    accumulate: bool,
+    bias: *const f32,
+) {
+    let (tmr, tnr) = (t.mr(), t.nr());
+    let block = |s: usize| {
+        let pc = (pb0 + s) * kcb;
+        (pc, kcb.min(k - pc))
+    };
+    let group = GROUP_B_COLS;
+    for jg in (j0..j1).step_by(group) {
+        let jg1 = (jg + group).min(j1);
+        // SAFETY (the packing and the kernels): as the caller guarantees.
+        for jr in (jg..jg1).step_by(tnr) {
+            let q = (jr - jg) / tnr;
+            for s in 0..blocks {
+                let (pc, kc) = block(s);
+                let dst = bp.wrapping_add((q * blocks + s) * tnr * kcb);
+                unsafe { pack_b_panel(t, kc, tnr.min(j1 - jr), View { ptr: b.at(pc, jr), ..b }, dst) };
+            }
+        }
+        for r in 0..panels {
+            let ir = r * tmr;
+            for jr in (jg..jg1).step_by(tnr) {
+                let q = (jr - jg) / tnr;
+                let bias = if bias.is_null() { bias } else { bias.wrapping_add(jr) };
+                for s in 0..blocks {
+                    let (_, kc) = block(s);
+                    let pb = pb0 + s;
+                    let apanel = a.wrapping_add((s * panels + r) * a_stride);
+                    let bpanel = bp.wrapping_add((q * blocks + s) * tnr * kcb);
+                    let bias = if pb == 0 { bias } else { std::ptr::null() };
+                    let acc = accumulate || pb > 0;
+                    unsafe {
+                        tile(t, tmr.min(m - ir), tnr.min(j1 - jr), kc, apanel, bpanel, c.at(ir, jr), c.rs, acc, bias)
+                    };
+                }
+            }
         }
     }
 }
@@ -1101,11 +1333,12 @@ mod tests {
         b: &[f32],
         b_s: (isize, isize),
         threads: usize,
+        order: Order,
     ) {
         let bias = bias.map_or(std::ptr::null(), |b| b.as_ptr());
         // SAFETY: every caller sizes the buffers for the shapes and strides it passes.
         unsafe {
-            sgemm(
+            sgemm_in(
                 tile,
                 m,
                 n,
@@ -1119,6 +1352,7 @@ mod tests {
                 b.as_ptr(),
                 b_s,
                 threads,
+                order,
             )
         }
     }
@@ -1154,6 +1388,7 @@ mod tests {
                             &b,
                             (brs, bcs),
                             threads,
+                            Order::for_tile(tile),
                         );
                         c
                     };
@@ -1248,8 +1483,16 @@ mod tests {
         }
         let to16 = |v: Vec<f32>| v.iter().map(|x| crate::cpu::bf16::from_f32(*x)).collect::<Vec<u16>>();
         let wide = |v: &[u16]| v.iter().map(|x| crate::cpu::bf16::to_f32(*x)).collect::<Vec<f32>>();
-        let shapes =
-            [(1, 1, 1), (5, 17, 3), (13, 47, 300), (12, 32, 513), (25, 97, 385), (97, 301, 270), (700, 50, 40)];
+        let shapes = [
+            (1, 1, 1),
+            (5, 17, 3),
+            (13, 47, 300),
+            (12, 32, 513),
+            (25, 97, 385),
+            (97, 301, 270),
+            (700, 50, 40),
+            (20, WIDE + 45, 600),
+        ];
         for (si, &(m, n, k)) in shapes.iter().enumerate() {
             let mut rng = TestRng(90 + si as u64);
             for a_kind in 0..3 {
@@ -1262,13 +1505,13 @@ mod tests {
                     for (accumulate, with_bias) in [(false, true), (true, false)] {
                         let bias = if with_bias { bias.as_ptr() } else { std::ptr::null() };
                         for tile in tiles() {
-                            for threads in [1, 2] {
+                            for (threads, order) in [(1, Order::Blocks), (2, Order::Blocks), (2, Order::Runs)] {
                                 let (mut want, mut got, mut mixed) = (c0.clone(), c0.clone(), c0.clone());
                                 // SAFETY: the buffers are sized for the shapes and strides (layout).
                                 unsafe {
                                     let (a_s, b_s, c_s) = ((ars, acs), (brs, bcs), (n as isize, 1));
                                     let (wp, gp, xp) = (want.as_mut_ptr(), got.as_mut_ptr(), mixed.as_mut_ptr());
-                                    sgemm(
+                                    sgemm_in(
                                         tile,
                                         m,
                                         n,
@@ -1282,8 +1525,9 @@ mod tests {
                                         bf.as_ptr(),
                                         b_s,
                                         threads,
+                                        order,
                                     );
-                                    sgemm(
+                                    sgemm_in(
                                         tile,
                                         m,
                                         n,
@@ -1297,8 +1541,9 @@ mod tests {
                                         b.as_ptr(),
                                         b_s,
                                         threads,
+                                        order,
                                     );
-                                    sgemm(
+                                    sgemm_in(
                                         tile,
                                         m,
                                         n,
@@ -1312,10 +1557,11 @@ mod tests {
                                         b.as_ptr(),
                                         b_s,
                                         threads,
+                                        order,
                                     );
                                 }
                                 let what = format!(
-                                    "({m},{n},{k}) layouts {a_kind}/{b_kind} acc={accumulate} {tile:?} t={threads}"
+                                    "({m},{n},{k}) layouts {a_kind}/{b_kind} acc={accumulate} {tile:?} {order:?} t={threads}"
                                 );
                                 assert!(bits(&want) == bits(&got), "{what}: bf16 operands differ from their widening");
                                 assert!(bits(&want) == bits(&mixed), "{what}: f32 A with bf16 B differs");
@@ -1387,6 +1633,9 @@ mod tests {
             (700, 50, 800),
             (5000, NC + 20, 3),
             (10, 2 * GROUP_COLS + 37, 600),
+            // Wide with a shared A past one run of k blocks (DEEP), the last block short, a
+            // partial A panel, a partial B panel and a partial group of them.
+            (37, WIDE + 45, 2 * DEEP + 100),
         ];
         for (si, &(m, n, k)) in shapes.iter().enumerate() {
             let mut rng = TestRng(5 + si as u64);
@@ -1395,19 +1644,22 @@ mod tests {
             for b_rows in [true, false] {
                 let bs = if b_rows { (n as isize, 1) } else { (1, k as isize) };
                 for (accumulate, with_bias) in [(false, true), (true, false)] {
-                    let with_threads = |tile, threads| {
+                    let with_threads = |tile, threads, order| {
                         let mut c = c0.clone();
                         let bias = with_bias.then_some(&bias[..]);
-                        run(tile, (m, n, k), &mut c, n, accumulate, bias, &a, (k as isize, 1), &b, bs, threads);
+                        let (a_s, m_n_k) = ((k as isize, 1), (m, n, k));
+                        run(tile, m_n_k, &mut c, n, accumulate, bias, &a, a_s, &b, bs, threads, order);
                         c
                     };
-                    let one = with_threads(Tile::Avx2, 1);
+                    let one = with_threads(Tile::Avx2, 1, Order::Blocks);
                     for tile in tiles() {
                         for t in [1, 2, 3] {
-                            assert!(
-                                bits(&one) == bits(&with_threads(tile, t)),
-                                "({m},{n},{k}) b_rows={b_rows} acc={accumulate}: {tile:?} on {t} threads differs"
-                            );
+                            for order in [Order::Blocks, Order::Runs] {
+                                assert!(
+                                    bits(&one) == bits(&with_threads(tile, t, order)),
+                                    "({m},{n},{k}) b_rows={b_rows} acc={accumulate}: {tile:?} {order:?} on {t} threads differs"
+                                );
+                            }
                         }
                     }
                 }

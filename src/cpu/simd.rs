@@ -73,6 +73,26 @@ impl std::str::FromStr for Isa {
     }
 }
 
+/// Whether the CPU is AMD's (some kernels choose between paths measured per vendor). Asked once.
+pub fn is_amd() -> bool {
+    static AMD: OnceLock<bool> = OnceLock::new();
+    *AMD.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[allow(unused_unsafe)]
+            // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
+            let r = unsafe { std::arch::x86_64::__cpuid(0) };
+            let mut v = [0u8; 12];
+            v[..4].copy_from_slice(&r.ebx.to_le_bytes());
+            v[4..8].copy_from_slice(&r.edx.to_le_bytes());
+            v[8..].copy_from_slice(&r.ecx.to_le_bytes());
+            &v == b"AuthenticAMD"
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
+}
+
 static CHOSEN: OnceLock<Isa> = OnceLock::new();
 
 /// Choose the instruction set: `$LLMRS_CPU_ISA` if set (it must be one the CPU has), else the
