@@ -367,9 +367,9 @@ fn with_shared<R>(len: usize, f: impl FnOnce(*mut f32) -> R) -> R {
 /// shared-A GEMM's [`Order::Runs`] ([`sweep_runs`]): the run's A panel (MR x DEEP, 96 KiB at 12
 /// rows) and [`GROUP_B_COLS`] columns of packed B (512 KiB) stay in a 1 MiB L2 while the tile
 /// stays in L1. Block by block, every k block re-reads and re-writes all of a wide C from
-/// memory: a 12x32 tile of a C 16,384 columns wide cost the AVX-512 kernel about a tenth of
-/// its speed against a tile in L2 (measured on the Xeon of [`Order::for_tile`]). The shared A
-/// buffer grows with it: a run of blocks instead of one (4.2 MiB at 512 rows, k = 2048).
+/// memory, a round trip that weighs most where the kernel is fastest (two 512-bit FMA units a
+/// core: see [`Order::for_tile`] for what runs gained there). The shared A buffer grows with
+/// it: a run of blocks instead of one (4.2 MiB at 512 rows, k = 2048).
 const DEEP: usize = 2048;
 /// Columns of B a thread packs through a run and sweeps together in the shared-A GEMM: 512 KiB
 /// of packed B at DEEP (a multiple of every NR).
@@ -388,7 +388,7 @@ pub enum Order {
 impl Order {
     /// The order for tile `t`: `$LLMRS_SGEMM_ORDER` when set, else runs for the AVX-512 tile
     /// on Intel CPUs and blocks elsewhere. On a 2-core Intel Xeon with AMX (two 512-bit FMA
-    /// units a core) runs made Llama 3.2 1B's LoRA GEMMs about a tenth faster
+    /// units a core) runs made Llama 3.2 1B's LoRA GEMMs 8-9% faster
     /// (`cargo run --release --example llama_gemms`, README); block by block is what was
     /// measured and tuned on AMD's Zen 1 to Zen 4, and stays theirs until measured there.
     pub fn for_tile(t: Tile) -> Order {
@@ -754,8 +754,8 @@ unsafe fn sweep<TB: Elem, TC: Elem>(
 /// into `bp` (panel q of block s at `bp + (q*blocks + s)*NR*kcb`). For each C tile the run's
 /// blocks follow one another, so the tile stays in L1 through them; each block still adds its
 /// own FMA chain to C in order, as [`serial`] does, so the bits do not change. (No prefetch of
-/// the next group's lines while the A panels sweep this one: on the Xeon that chose this order
-/// they made the step's GEMMs slower, 8.95 s against 8.12 s.)
+/// the next group's lines while the A panels sweep this one: tried on the Xeon that chose this
+/// order, it made the GEMMs slower.)
 ///
 /// # Safety
 /// The A panels are packed as above; `bp` has room for GROUP_B_COLS columns of the run; rows `0..m`
@@ -785,9 +785,8 @@ unsafe fn sweep_runs<TB: Elem, TC: Elem>(
         let pc = (pb0 + s) * kcb;
         (pc, kcb.min(k - pc))
     };
-    let group = GROUP_B_COLS;
-    for jg in (j0..j1).step_by(group) {
-        let jg1 = (jg + group).min(j1);
+    for jg in (j0..j1).step_by(GROUP_B_COLS) {
+        let jg1 = (jg + GROUP_B_COLS).min(j1);
         // SAFETY (the packing and the kernels): as the caller guarantees.
         for jr in (jg..jg1).step_by(tnr) {
             let q = (jr - jg) / tnr;
