@@ -5,6 +5,7 @@ interleaved (llmrs, then PEFT), each engine in a fresh process so that its peak 
     pip install torch transformers peft
     python scripts/bench_lora.py --threads 2                       # Llama 3.2 1B's shape
     python scripts/bench_lora.py --model smollm2-135m -b 4 -t 256  # a smaller one
+    python scripts/bench_lora.py --rounds 3 --variant LLMRS_SGEMM_ORDER=blocks --variant LLMRS_SGEMM_ORDER=runs
 
 Model: `llama:<model>`'s shape with random weights (speed and memory do not depend on them):
 llama3.2-1b (L=16, C=2048, NH=32, KV=8, F=8192, V=128256, tied head, rope 5e5 with Llama 3's
@@ -18,7 +19,10 @@ and the step under bf16 autocast, the adapters fp32 as PEFT keeps them), SDPA at
 (foreach). llmrs: `llmrs bench -e llama:<model> --lora R --precision P` with --extra flags (e.g.
 "-r 2"); in bf16 its frozen base is bf16 too and its adapters fp32.
 Per round: each engine's median seconds per step over --steps after --warmup, and its peak RSS
-(VmHWM of its process); the speed-up and the RSS ratio are taken per round.
+(VmHWM of its process); the speed-up and the RSS ratio are taken per round. Each --variant
+NAME=VALUE runs llmrs once more per round with that environment variable set (the GEMM's
+order, say: `LLMRS_SGEMM_ORDER`), each against the same round's PEFT step, so that two builds'
+settings are compared on one host in one interleaved run.
 """
 
 import argparse
@@ -42,6 +46,8 @@ ap.add_argument("--warmup", type=int, default=1)
 ap.add_argument("--rounds", type=int, default=2)
 ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
 ap.add_argument("--extra", default="", help="more llmrs bench flags, e.g. \"-r 2\"")
+ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
+                help="run llmrs once per round per variant, with this environment variable set (repeatable)")
 ap.add_argument("--peft-child", action="store_true", help=argparse.SUPPRESS)
 args = ap.parse_args()
 
@@ -114,11 +120,15 @@ print(f"CPU: {cpu[0] if cpu else '?'} ({isa}); {args.threads} threads; llama:{ar
       f"B={args.b} T={args.t}, {args.precision}")
 
 
-def llmrs_round():
+def llmrs_round(variant):
     cmd = [args.llmrs, "--threads", str(args.threads), "bench", "-e", f"llama:{args.model}", "--lora", str(args.lora),
            "-b", str(args.b), "-t", str(args.t), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--precision", args.precision, "--json"] + args.extra.split()
-    r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    env = dict(os.environ)
+    if variant:
+        name, value = variant.split("=", 1)
+        env[name] = value
+    r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout)
     return r["ms_median"] / 1e3, r["peak_rss_mib"], r["trainable_parameters"]
 
 
@@ -129,14 +139,22 @@ def peft_round():
     return r["s_per_step"], r["peak_rss_mib"], f'{r["trainable"]} trainable, {"/".join(r["adapter_dtypes"])}'
 
 
-speed, mem = [], []
+for v in args.variant:
+    if "=" not in v or not v.split("=", 1)[0]:
+        sys.exit(f"--variant {v!r}: give NAME=VALUE, e.g. LLMRS_SGEMM_ORDER=runs")
+variants = args.variant or [""]
+speed, mem = {v: [] for v in variants}, {v: [] for v in variants}
 for rnd in range(args.rounds):
-    a = llmrs_round()
+    runs = [(v, llmrs_round(v)) for v in variants]
     b = peft_round()
-    speed.append(b[0] / a[0])
-    mem.append(a[1] / b[1])
-    print(f"round {rnd}: llmrs {a[0]:.2f} s/step, peak RSS {a[1]:.0f} MiB ({a[2]} trainable) | PyTorch+PEFT "
-          f"{b[0]:.2f} s/step, peak RSS {b[1]:.0f} MiB ({b[2]}) | speed-up {speed[-1]:.2f}x, "
-          f"RSS ratio {mem[-1]:.2f}")
-print(f"median: llmrs steps {statistics.median(speed):.2f}x PyTorch+PEFT's speed at {statistics.median(mem):.2f}x "
-      f"its peak RSS ({args.precision}; llmrs flags: {args.extra or 'defaults'})")
+    for v, a in runs:
+        speed[v].append(b[0] / a[0])
+        mem[v].append(a[1] / b[1])
+        label = f" [{v}]" if v else ""
+        print(f"round {rnd}{label}: llmrs {a[0]:.2f} s/step, peak RSS {a[1]:.0f} MiB ({a[2]} trainable) | "
+              f"PyTorch+PEFT {b[0]:.2f} s/step, peak RSS {b[1]:.0f} MiB ({b[2]}) | speed-up {speed[v][-1]:.2f}x, "
+              f"RSS ratio {mem[v][-1]:.2f}")
+for v in variants:
+    label = f" [{v}]" if v else ""
+    print(f"median{label}: llmrs steps {statistics.median(speed[v]):.2f}x PyTorch+PEFT's speed at "
+          f"{statistics.median(mem[v]):.2f}x its peak RSS ({args.precision}; llmrs flags: {args.extra or 'defaults'})")
