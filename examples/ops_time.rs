@@ -2,7 +2,8 @@
 //! cross-entropy forward and backward over the 50257-token vocabulary, GELU forward and
 //! backward over the 12 layers' (256, 3072) activations, and the 25 LayerNorms forward and
 //! backward over (256, 768), and the 12 layers' attention forward and backward (B=4, T=64 and
-//! B=1, T=1024, 12 heads). Best of five, all threads.
+//! B=1, T=1024, 12 heads), then the 16 of Llama 3.2 1B's LoRA benchmark (B=1, T=512, 32 query
+//! heads on 8 key heads), with the rate of their causal GEMM FLOPs. Best of five, all threads.
 //! `cargo run --release --example ops_time`
 use llmrs::cpu::attention::{attention_backward, attention_forward};
 use llmrs::cpu::classifier::{crossentropy_forward, crossentropy_softmax_backward_inplace};
@@ -50,19 +51,28 @@ fn main() {
     });
     println!("LayerNorm (25 x {n} x {c}): forward {fwd:.1} ms, backward {bwd:.1} ms");
 
-    // The step's shape, and one long sequence (where the probabilities of old did not fit a cache).
-    for (b, t, nh) in [(4, 64, 12), (1, 1024, 12)] {
-        let qkv: Vec<f32> = (0..b * t * 3 * c).map(|i| ((i * 7919) % 1000) as f32 * 0.002 - 1.0).collect();
+    // The step's shape, one long sequence (where the probabilities of old did not fit a cache),
+    // and the 16 layers of Llama 3.2 1B's LoRA benchmark (B=1, T=512, 32 query and 8 key heads).
+    for (l, b, t, c, nh, nkv) in [(12, 4, 64, 768, 12, 12), (12, 1, 1024, 768, 12, 12), (16, 1, 512, 2048, 32, 8)] {
+        let qd = c + 2 * nkv * (c / nh);
+        let qkv: Vec<f32> = (0..b * t * qd).map(|i| ((i * 7919) % 1000) as f32 * 0.002 - 1.0).collect();
         let (mut out, mut stats, mut heads) =
             (vec![0f32; b * t * c], vec![0f32; b * nh * t * 2], vec![0f32; b * t * c]);
         let fwd = best_ms(|| {
-            (0..12).for_each(|_| attention_forward(&mut out, &mut stats, &mut heads, &qkv, b, t, c, nh, nh))
+            (0..l).for_each(|_| attention_forward(&mut out, &mut stats, &mut heads, &qkv, b, t, c, nh, nkv))
         });
-        let mut dqkv = vec![0f32; b * t * 3 * c];
-        let mut heads = vec![0f32; b * t * 4 * c]; // the model lends dfch (B, T, 4*C) here
+        let mut dqkv = vec![0f32; b * t * qd];
+        let mut heads = vec![0f32; b * t * 3 * c]; // the model lends a (B, T, >= 3*C) buffer here
         let bwd = best_ms(|| {
-            (0..12).for_each(|_| attention_backward(&mut dqkv, &mut heads, &out, &qkv, &stats, b, t, c, nh, nh))
+            (0..l).for_each(|_| attention_backward(&mut dqkv, &mut heads, &out, &qkv, &stats, b, t, c, nh, nkv))
         });
-        println!("attention (12 x B={b} T={t} NH={nh}): forward {fwd:.1} ms, backward {bwd:.1} ms");
+        // Causal GEMM FLOPs: 2 (forward) and 5 (backward, P again) products of T^2/2 x HS per head.
+        let flop = |g: f64| (l * b * nh) as f64 * g * 2.0 * (t * t) as f64 / 2.0 * (c / nh) as f64;
+        let rate = |g: f64, ms: f64| flop(g) / ms / 1e6;
+        println!(
+            "attention ({l} x B={b} T={t} NH={nh} KV={nkv}): forward {fwd:.1} ms ({:.0} GFLOP/s), backward {bwd:.1} ms ({:.0} GFLOP/s)",
+            rate(2.0, fwd),
+            rate(5.0, bwd)
+        );
     }
 }
