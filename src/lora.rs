@@ -171,6 +171,21 @@ impl Adapters {
     }
 
     /// The distinct last names of the targets, as `target_modules`.
+    /// `target_modules` for PEFT's `adapter_config.json`: the projections' last names when
+    /// those name exactly these targets on a base of shape `cfg` (every layer's, and for
+    /// GPT-2's `c_proj` both the attention's and the MLP's), else each target's full module
+    /// name, which PEFT matches exactly (a run on `--lora-targets layers.1.self_attn.q_proj`
+    /// or `attn.c_proj`).
+    pub fn target_modules(&self, cfg: &ModelConfig) -> Vec<String> {
+        let short = self.target_names();
+        let modules = |ts: &[Target]| ts.iter().map(|t| t.module.clone()).collect::<Vec<_>>();
+        match select(cfg, &short) {
+            Ok(ts) if modules(&ts) == modules(&self.targets) => short,
+            _ => modules(&self.targets),
+        }
+    }
+
+    /// The projections' last names (q_proj, ...), each once, in the targets' order.
     pub fn target_names(&self) -> Vec<String> {
         let mut names: Vec<String> = vec![];
         for t in &self.targets {
@@ -207,9 +222,9 @@ impl Adapters {
     }
 
     /// Write a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors` in
-    /// fp32) for the base its targets came from, which PEFT's `PeftModel.from_pretrained` loads onto
-    /// that base. `base` names the base model in the config.
-    pub fn save_peft(&self, dir: &Path, base: &str) -> Result<()> {
+    /// fp32) for the base its targets came from (of shape `cfg`), which PEFT's
+    /// `PeftModel.from_pretrained` loads onto that base. `base` names the base model in the config.
+    pub fn save_peft(&self, dir: &Path, base: &str, cfg: &ModelConfig) -> Result<()> {
         let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = vec![];
         for (i, t) in self.targets.iter().enumerate() {
             for (part, range, shape) in
@@ -233,7 +248,7 @@ impl Adapters {
             "base_model_name_or_path": base,
             "r": self.r,
             "lora_alpha": self.alpha,
-            "target_modules": self.target_names(),
+            "target_modules": self.target_modules(cfg),
             "lora_dropout": 0.0,
             "bias": "none",
             "fan_in_fan_out": conv1d,
@@ -374,7 +389,7 @@ impl BaseId {
     pub fn check(&self, spec: &str, h: &str) -> Result<()> {
         if h != self.hash {
             bail!(
-                "base model {spec} (hash {h}) is not the one these adapters were trained on ({} with seed {}, hash {}): give that base with -e",
+                "base model {spec} (hash {h}) is not the one these adapters were trained on ({} with seed {}, hash {}): give that base instead",
                 self.source,
                 self.seed,
                 self.hash
@@ -477,6 +492,11 @@ pub fn save_checkpoint(path: &Path, cfg: &ModelConfig, a: &Adapters, base: &Base
 /// Read a LoRA checkpoint: the base's shape, the adapters, and the base's identity.
 pub fn load_checkpoint(path: &Path) -> Result<(ModelConfig, Adapters, BaseId)> {
     let p = path.display();
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if name == WEIGHTS_FILE || name == CONFIG_FILE || name.ends_with(".safetensors") {
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        bail!("{p} is one file of a PEFT adapter: give its directory ({})", dir.display());
+    }
     let bytes = read_file(path)?;
     let h = crate::files::parse_header(&bytes, path, "LoRA checkpoint")?;
     if h[0] != LORA_MAGIC {
@@ -533,16 +553,25 @@ pub fn load_adapters(path: &Path, cfg: &ModelConfig, training: bool) -> Result<A
 }
 
 /// The merged model (PEFT's `merge_and_unload`) of base `spec` and the adapters at `lora` (a
-/// PEFT directory, or a LoRA checkpoint, whose base `spec` must be: its seed is the one used).
-pub fn load_merged(spec: &str, seed: u32, lora: &Path) -> Result<Weights> {
+/// PEFT directory, or a LoRA checkpoint, whose base `spec` must be). A descriptor's random base
+/// is drawn with `seed`, or for a checkpoint with the checkpoint's own seed unless `seed_given`
+/// (a seed the user chose, then checked like any other base by the values' hash).
+pub fn load_merged(spec: &str, seed: u32, seed_given: bool, lora: &Path) -> Result<Weights> {
     let (mut w, a) = if lora.is_dir() {
         let w = crate::source::load_any(spec, seed)?;
         let a = Adapters::load_peft(&w.config, lora, false)?;
         (w, a)
     } else {
         // Its base is checked by hash, so the adapters fit it.
-        let (_, a, base) = load_checkpoint(lora)?;
-        (base.load(Some(spec)).with_context(|| format!("--lora {}", lora.display()))?, a)
+        let (_, a, mut base) = load_checkpoint(lora)?;
+        let want = base.clone();
+        if seed_given {
+            base.seed = seed;
+        }
+        let w = crate::source::load_any(spec, base.seed)
+            .with_context(|| format!("--lora {}: its base model {spec}", lora.display()))?;
+        want.check(spec, &weights_hash(&w)).with_context(|| format!("--lora {}", lora.display()))?;
+        (w, a)
     };
     a.merge_into(&mut w);
     Ok(w)
@@ -576,12 +605,24 @@ impl PeftConfig {
             Some("LORA") | None => {}
             Some(other) => bail!("{p}: peft_type {other:?}: llmrs reads LoRA adapters only"),
         }
-        let r = field("r").and_then(|x| x.as_u64()).with_context(|| format!("{p}: no integer field r (the rank)"))?
-            as usize;
-        if r == 0 {
-            bail!("{p}: r is 0");
-        }
-        let alpha = field("lora_alpha").and_then(|x| x.as_f64()).unwrap_or(8.0) as f32;
+        let r = match field("r") {
+            None => bail!("{p}: no field r (the rank)"),
+            Some(x) => match x.as_u64() {
+                Some(0) => bail!("{p}: r is 0"),
+                Some(r) => usize::try_from(r).with_context(|| format!("{p}: r {r} is too large"))?,
+                None => bail!("{p}: r {x} is not a positive integer (the rank)"),
+            },
+        };
+        // PEFT's default alpha is 8. A scale of 0 would leave the model unchanged, and an
+        // infinite or NaN one (a float past f32's range reads as infinity) would make every
+        // output NaN: both are refused here rather than met as a silent no-op or a NaN loss.
+        let alpha = match field("lora_alpha") {
+            None => 8.0,
+            Some(x) => match x.as_f64().map(|a| a as f32) {
+                Some(a) if a.is_finite() && a > 0.0 => a,
+                _ => bail!("{p}: lora_alpha {x}: must be a finite number > 0"),
+            },
+        };
         let bool_field = |k: &str| field(k).and_then(|x| x.as_bool()).unwrap_or(false);
         for k in ["use_dora", "use_rslora", "lora_bias", "use_qalora"] {
             if bool_field(k) {
@@ -619,6 +660,11 @@ impl PeftConfig {
             }
         }
         let targets = match field("target_modules") {
+            // (PEFT refuses an empty list too; llmrs's own empty --lora-targets means every
+            // projection, which this file would not have said.)
+            Some(serde_json::Value::Array(a)) if a.is_empty() => {
+                bail!("{p}: target_modules is empty; list the adapted projections (e.g. [\"q_proj\", \"v_proj\"])")
+            }
             Some(serde_json::Value::Array(a)) => a
                 .iter()
                 .map(|x| {
@@ -704,6 +750,15 @@ mod tests {
             ("target_modules", serde_json::json!(".*proj"), "regular expression"),
             ("peft_type", serde_json::json!("IA3"), "peft_type"),
             ("layer_replication", serde_json::json!([[0, 2]]), "layer_replication"),
+            ("target_modules", serde_json::json!([]), "target_modules is empty"),
+            ("lora_alpha", serde_json::json!(0), "lora_alpha 0"),
+            ("lora_alpha", serde_json::json!(-8), "lora_alpha -8"),
+            ("lora_alpha", serde_json::json!(1e300), "finite number"),
+            ("lora_alpha", serde_json::json!("16"), "lora_alpha"),
+            ("r", serde_json::json!(0), "r is 0"),
+            ("r", serde_json::json!(-4), "not a positive integer"),
+            ("r", serde_json::json!(2.5), "not a positive integer"),
+            ("r", serde_json::json!(1.2e21), "not a positive integer"),
         ] {
             let mut bad = ok.clone();
             bad[k] = v;
@@ -720,13 +775,42 @@ mod tests {
             let cfg = ModelConfig::from_descriptor(desc).unwrap();
             let mut a = Adapters::new(3, 5.0, select(&cfg, &[]).unwrap(), &mut Mt19937::new(1)).unwrap();
             a.data.iter_mut().enumerate().for_each(|(i, x)| *x += i as f32 * 1e-3);
-            a.save_peft(&dir, "base").unwrap();
+            a.save_peft(&dir, "base", &cfg).unwrap();
             assert_eq!(Adapters::load_peft(&cfg, &dir, true).unwrap(), a);
             let other =
                 ModelConfig::from_descriptor(if desc.starts_with("llama") { "llama:2x24:4:2" } else { "2x24:2:8" })
                     .unwrap();
             let e = Adapters::load_peft(&other, &dir, true).unwrap_err().to_string();
             assert!(e.contains("another base"), "{e}");
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Adapters on some of a family's projections (one layer's, or GPT-2's attention c_proj
+    /// and not the MLP's) come back from their PEFT files on the same targets: the config
+    /// names them in full where their last names would adapt more.
+    #[test]
+    fn peft_files_keep_a_subset_of_targets() {
+        let dir = std::env::temp_dir().join(format!("llmrs-lora-sub-{}", std::process::id()));
+        for (desc, wanted, names) in [
+            ("llama:2x16:4:2", vec!["q_proj", "v_proj"], vec!["q_proj", "v_proj"]),
+            ("llama:2x16:4:2", vec!["layers.1.self_attn.q_proj", "v_proj"], vec![]),
+            ("2x16:2:8", vec!["attn.c_proj"], vec![]),
+            ("2x16:2:8", vec!["c_proj"], vec!["c_proj"]),
+        ] {
+            let cfg = ModelConfig::from_descriptor(desc).unwrap();
+            let wanted: Vec<String> = wanted.into_iter().map(String::from).collect();
+            let a = Adapters::new(2, 4.0, select(&cfg, &wanted).unwrap(), &mut Mt19937::new(1)).unwrap();
+            a.save_peft(&dir, "base", &cfg).unwrap();
+            let back = Adapters::load_peft(&cfg, &dir, true).unwrap();
+            assert_eq!(back, a, "{desc} {wanted:?}");
+            let written = a.target_modules(&cfg);
+            if names.is_empty() {
+                // Full module names, one per target.
+                assert_eq!(written.len(), a.targets.len(), "{desc} {wanted:?}: {written:?}");
+            } else {
+                assert_eq!(written, names, "{desc} {wanted:?}");
+            }
         }
         std::fs::remove_dir_all(&dir).ok();
     }

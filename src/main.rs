@@ -115,9 +115,10 @@ enum Cmd {
         /// Output precision: fp32 or bf16.
         #[arg(long, default_value = dtype_name(Dtype::F32))]
         dtype: String,
-        /// Seed when the input is a descriptor for random init (e.g. d12).
-        #[arg(long, default_value_t = 42)]
-        seed: u32,
+        /// Seed when the input is a descriptor for random init (e.g. d12) [default: 42; with
+        /// --lora CKPT, the seed its base was drawn with].
+        #[arg(long)]
+        seed: Option<u32>,
         /// INPUT is a LoRA run's checkpoint: write the merged model (base + adapters) instead
         /// of the PEFT adapter directory.
         #[arg(long)]
@@ -580,10 +581,11 @@ fn train_config(a: TrainArgs, device: llmrs::backend::Device) -> Result<TrainCon
     Ok(cfg)
 }
 
-/// `spec`'s weights, with `--lora`'s adapters merged in.
-fn load_with_lora(spec: &str, seed: u32, lora: Option<&Path>) -> Result<llmrs::params::Weights> {
+/// `spec`'s weights, with `--lora`'s adapters merged in (a LoRA checkpoint's random base drawn
+/// with its own seed unless `seed_given`).
+fn load_with_lora(spec: &str, seed: u32, seed_given: bool, lora: Option<&Path>) -> Result<llmrs::params::Weights> {
     match lora {
-        Some(p) => llmrs::lora::load_merged(spec, seed, p),
+        Some(p) => llmrs::lora::load_merged(spec, seed, seed_given, p),
         None => llmrs::source::load_any(spec, seed),
     }
 }
@@ -599,7 +601,7 @@ fn open_model(
     precision: llmrs::config::Precision,
 ) -> Result<llmrs::model::Model> {
     let (weights, deferred) = match lora {
-        Some(_) => (load_with_lora(spec, seed, lora)?, None),
+        Some(_) => (load_with_lora(spec, seed, false, lora)?, None),
         None => llmrs::source::load_any_deferred(spec, seed)?,
     };
     let mut model = llmrs::model::Model::new(weights, device)?;
@@ -888,10 +890,11 @@ fn cmd_convert(
     paths: &[String],
     hf: Option<String>,
     dtype: &str,
-    seed: u32,
+    seed: Option<u32>,
     merge: bool,
     lora: Option<PathBuf>,
 ) -> Result<()> {
+    let (seed_given, seed) = (seed.is_some(), seed.unwrap_or(42));
     let dtype = parse_dtype(dtype)?;
     let (spec, output) = match (hf, paths) {
         (Some(h), [out]) => (format!("hf:{h}"), PathBuf::from(out)),
@@ -901,17 +904,21 @@ fn cmd_convert(
     };
     let is_bin = output.extension().is_some_and(|e| e == "bin");
     let input = Path::new(&spec);
+    check_convert_output(input, lora.as_deref(), &output)?;
+    if llmrs::lora::is_checkpoint(input) && lora.is_some() {
+        bail!(
+            "{spec} holds LoRA adapters and --lora names more: give --merge {spec} for its own merged model, \
+             or its base as INPUT with --lora"
+        );
+    }
     if llmrs::lora::is_checkpoint(input) && !merge {
         // A LoRA run's checkpoint: its adapters as a PEFT adapter directory.
-        if lora.is_some() {
-            bail!("--lora merges adapters into the model: give --merge too, or no --lora for {spec}'s PEFT files");
-        }
         if is_bin {
             bail!("{spec} holds LoRA adapters: give a directory for PEFT's adapter files, or --merge for the merged model");
         }
-        let (_, a, base) = llmrs::lora::load_checkpoint(input)?;
+        let (cfg, a, base) = llmrs::lora::load_checkpoint(input)?;
         let name = base.source.strip_prefix("hf:").unwrap_or(&base.source);
-        a.save_peft(&output, name)?;
+        a.save_peft(&output, name, &cfg)?;
         eprintln!(
             "wrote {} (PEFT LoRA adapter: rank {}, alpha {}, {} projections, {} parameters; base {name})",
             output.display(),
@@ -926,13 +933,53 @@ fn cmd_convert(
         bail!("--merge merges a LoRA run's checkpoint into its base: {spec} is not one (or give --lora DIR)");
     }
     // A LoRA checkpoint loads as its base with the adapters merged (llmrs::source::load_any).
-    let weights = load_with_lora(&spec, seed, lora.as_deref())?;
+    let weights = load_with_lora(&spec, seed, seed_given, lora.as_deref())?;
     if is_bin {
         llmrs::checkpoint::save_model(&weights, &output, dtype)?;
     } else {
         llmrs::hf::save_hf(&weights, &output, dtype)?;
     }
     eprintln!("wrote {} ({} parameters, {dtype})", output.display(), weights.num_parameters());
+    Ok(())
+}
+
+/// Refuse an OUTPUT that would replace what the conversion reads or what a run still needs:
+/// INPUT itself, the `--lora` adapters, the base of a LoRA checkpoint among them (its adapters
+/// would then fit no base), or a checkpoint of a training run (`model_%08d.bin` beside its
+/// state files or DONE marker). Writing is atomic, so such an OUTPUT would be replaced whole
+/// and its old contents lost.
+fn check_convert_output(input: &Path, lora: Option<&Path>, output: &Path) -> Result<()> {
+    let Ok(out) = std::fs::canonicalize(output) else { return Ok(()) }; // a new path
+    let same = |p: &Path| std::fs::canonicalize(p).is_ok_and(|p| p == out);
+    let mut read = vec![(input.to_path_buf(), "INPUT")];
+    read.extend(lora.map(|l| (l.to_path_buf(), "the --lora adapters")));
+    for (p, _) in read.clone() {
+        if p.is_file() && llmrs::lora::is_checkpoint(&p) {
+            if let Ok((_, _, base)) = llmrs::lora::load_checkpoint(&p) {
+                read.push((PathBuf::from(base.source), "the base of those LoRA adapters"));
+            }
+        }
+    }
+    if let Some((p, what)) = read.iter().find(|(p, _)| same(p)) {
+        bail!(
+            "OUTPUT {} is {what} ({}): the conversion would replace it; write to another path",
+            output.display(),
+            p.display()
+        );
+    }
+    let name = output.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let step = name.strip_prefix("model_").and_then(|n| n.strip_suffix(".bin")).filter(|n| n.len() == 8);
+    if let Some(step) = step.filter(|n| n.bytes().all(|b| b.is_ascii_digit())) {
+        let dir = output.parent().map(|d| if d.as_os_str().is_empty() { Path::new(".") } else { d });
+        let run_file = |f: &str| dir.is_some_and(|d| d.join(f).exists());
+        if run_file(&format!("DONE_{step}")) || run_file(&format!("state_{step}_00000.bin")) {
+            bail!(
+                "OUTPUT {} is checkpoint {} of a training run (its state files sit beside it): write to another path",
+                output.display(),
+                step.parse::<u64>().unwrap_or(0)
+            );
+        }
+    }
     Ok(())
 }
 

@@ -22,7 +22,11 @@ pub fn load_any(spec: &str, seed: u32) -> Result<Weights> {
     if crate::lora::is_checkpoint(p) {
         let (_, a, base) = crate::lora::load_checkpoint(p)?;
         let mut w = base.load(None).with_context(|| {
-            format!("{spec} holds LoRA adapters of base {}: give that base as -e BASE --lora {spec}", base.source)
+            format!(
+                "{spec} holds LoRA adapters of base {}: give the base and the adapters apart (-e BASE --lora {spec}; \
+                 llmrs convert BASE OUT --lora {spec})",
+                base.source
+            )
         })?;
         a.merge_into(&mut w);
         return Ok(w);

@@ -283,6 +283,19 @@ fn prune_checkpoints(dir: &Path, step: usize, cfg: &TrainConfig, world: usize) {
     }
 }
 
+/// What to say before an error reading checkpoint `step` for -y 1: which one failed, and how
+/// to go on from the one before it if this one's files are damaged (-y 1 takes the newest
+/// complete checkpoint, so it has to be moved away; nothing is deleted for the user).
+fn resume_hint(cfg: &TrainConfig, step: usize) -> String {
+    let Some(dir) = cfg.output_dir.as_deref() else { return format!("-y 1: checkpoint {step}") };
+    let earlier = checkpoint_steps(dir, false).into_iter().filter(|&s| s < step).max();
+    let how = match earlier {
+        Some(e) => format!("; if its files are damaged, move DONE_{step:08} out of the way to resume checkpoint {e}"),
+        None => String::new(),
+    };
+    format!("-y 1: checkpoint {step} in {}{how}", dir.display())
+}
+
 /// Steps of the newest complete checkpoint (`DONE_%08d`) in `dir`.
 pub fn latest_checkpoint(dir: &Path) -> Option<usize> {
     checkpoint_steps(dir, false).into_iter().max()
@@ -537,6 +550,12 @@ fn load_weights_and_adapters(cfg: &TrainConfig, resume_step: Option<usize>, rank
                 }
                 None => base.load(cfg.model_given.then_some(cfg.model.as_str()))?,
             };
+            // The base as -e gives it (a moved or renamed copy, checked to hold the same
+            // values): the checkpoints this run writes, and the commands it prints, name it.
+            let mut base = base;
+            if cfg.model_given {
+                base.source = BaseId::with_hash(&cfg.model, base.seed, String::new()).source;
+            }
             if (cfg.lora > 0 || cfg.lora_from.is_some()) && rank == 0 {
                 eprintln!(
                     "note: -y 1 resumes the LoRA checkpoint's adapters (rank {}); --lora and --lora-from are not used",
@@ -584,10 +603,13 @@ fn load_weights_and_adapters(cfg: &TrainConfig, resume_step: Option<usize>, rank
             (w, Some((a, base)))
         }
         None => {
+            // (Said once the checkpoint has read as one: an empty or damaged LoRA checkpoint is
+            // not recognised as LoRA's, and its error is the one to see.)
+            let w = load_weights(cfg, resume_step, rank)?;
             if resume_step.is_some() && (cfg.lora > 0 || cfg.lora_from.is_some()) && rank == 0 {
                 eprintln!("note: -y 1 resumes a full fine-tune's checkpoint; --lora and --lora-from are not used");
             }
-            (load_weights(cfg, resume_step, rank)?, None)
+            (w, None)
         }
     };
     let (t, max_t) = (cfg.seq_len, w.config.max_seq_len);
@@ -744,7 +766,11 @@ impl<'a> Run<'a> {
         resume_step: Option<usize>,
         run_dir: Option<&RunDir>,
     ) -> Result<Self> {
-        let (weights, mut lora, pending) = load_weights_and_adapters(cfg, resume_step, shape.rank)?;
+        let (weights, mut lora, pending) =
+            load_weights_and_adapters(cfg, resume_step, shape.rank).map_err(|e| match resume_step {
+                Some(s) => e.context(resume_hint(cfg, s)),
+                None => e,
+            })?;
         let mc = weights.config;
         if let (Some(s), true, 0) = (resume_step, cfg.model_given, shape.rank) {
             // llm.c resumes the checkpoint whatever -e says; say so when -e names another model.

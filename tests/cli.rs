@@ -713,3 +713,97 @@ fn bf16_gemm_tiles_are_chosen_and_named() {
         }
     }
 }
+
+/// `convert` never replaces what it reads or what a run still needs (the LoRA checkpoint
+/// itself, its base, another checkpoint of the run) and refuses to stack two adapters; an
+/// explicit `--seed` for a LoRA checkpoint's random base is checked, not ignored; adapters on
+/// one layer's projection export names PEFT (and llmrs) read back as the same targets; a
+/// resume from a moved base names it in later checkpoints; a damaged newest checkpoint says
+/// how to resume the one before; a PEFT adapter's file given for its directory says so.
+#[test]
+fn lora_files_are_kept_and_named_right() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
+    llmrs::data::write_shard(&d.join("train.bin"), &toks).unwrap();
+    llmrs::data::write_shard(&d.join("val.bin"), &toks[..400]).unwrap();
+    let run = |args: &[&str]| {
+        let (code, out, err) = call(d, &[args, &["--threads", "1"]].concat());
+        assert_eq!(code, Some(0), "{args:?}: {err}");
+        (out, err)
+    };
+    let train = ["train", "-i", "train.bin", "-j", "val.bin", "-b", "2", "-t", "16", "-v", "100", "-s", "0"];
+    run(&["convert", "llama:2x32:4:2:16", "base"]);
+    run(&[&train[..], &["-e", "base", "-x", "4", "-n", "2", "-o", "run", "--lora", "4"]].concat());
+    let ck = "run/model_00000004.bin";
+    let before = std::fs::read(d.join(ck)).unwrap();
+    refused_with(d, &["convert", "--merge", ck, ck], &["is INPUT", "another path"]);
+    refused_with(d, &["convert", "--merge", ck, "base"], &["the base of those LoRA adapters"]);
+    refused_with(d, &["convert", "--merge", ck, "run/model_00000002.bin"], &["checkpoint 2 of a training run"]);
+    refused_with(d, &["convert", "--merge", ck, "m", "--lora", "run/model_00000002.bin"], &["--lora names more"]);
+    assert_eq!(std::fs::read(d.join(ck)).unwrap(), before, "the checkpoint is untouched");
+    assert!(d.join("base/model.safetensors").exists() && !d.join("m").exists());
+
+    // A random base: the checkpoint's seed unless --seed says another, which is checked.
+    let desc = "llama:2x32:4:2:16";
+    run(&[&train[..], &["-e", desc, "-x", "2", "-n", "2", "-o", "rd", "--lora", "2", "--seed", "7"]].concat());
+    run(&["convert", desc, "m7.bin", "--lora", "rd/model_00000002.bin"]);
+    run(&["convert", desc, "m7b.bin", "--lora", "rd/model_00000002.bin", "--seed", "7"]);
+    assert_eq!(std::fs::read(d.join("m7.bin")).unwrap(), std::fs::read(d.join("m7b.bin")).unwrap());
+    refused_with(
+        d,
+        &["convert", desc, "m8.bin", "--lora", "rd/model_00000002.bin", "--seed", "8"],
+        &["not the one these adapters were trained on", "seed 7"],
+    );
+
+    // One layer's q_proj and every v_proj: full module names in the PEFT config.
+    let targets = "layers.1.self_attn.q_proj,v_proj";
+    run(&[&train[..], &["-e", "base", "-x", "2", "-n", "2", "-o", "rl", "--lora", "2", "--lora-targets", targets]]
+        .concat());
+    run(&["convert", "rl/model_00000002.bin", "ad"]);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("ad/adapter_config.json")).unwrap()).unwrap();
+    let names: Vec<&str> = cfg["target_modules"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert!(
+        names.contains(&"model.layers.1.self_attn.q_proj") && !names.iter().any(|n| n.contains("layers.0.self_attn.q"))
+    );
+    let gen = |lora: &str| {
+        run(&[
+            "generate",
+            "-e",
+            "base",
+            "--lora",
+            lora,
+            "-n",
+            "6",
+            "--temperature",
+            "0",
+            "--no-stop",
+            "--tokenizer",
+            "gpt2",
+        ])
+        .0
+    };
+    assert_eq!(gen("ad"), gen("rl/model_00000002.bin"));
+    refused_with(
+        d,
+        &["generate", "-e", "base", "--lora", "ad/adapter_model.safetensors"],
+        &["give its directory (ad)"],
+    );
+
+    // Resumed from a moved copy of the base: the next checkpoint names the copy.
+    std::fs::rename(d.join("base"), d.join("moved")).unwrap();
+    run(&[&train[..], &["-e", "moved", "-x", "6", "-n", "2", "-o", "run", "-y", "1"]].concat());
+    let (_, _, base) = llmrs::lora::load_checkpoint(&d.join("run/model_00000006.bin")).unwrap();
+    assert!(base.source.ends_with("moved"), "{}", base.source);
+    // The newest checkpoint damaged: which one, and how to resume the one before.
+    std::fs::write(d.join("run/model_00000006.bin"), b"").unwrap();
+    let resume = [&train[..], &["-e", "moved", "-x", "8", "-n", "2", "-o", "run", "-y", "1", "--lora", "4"]].concat();
+    refused_with(d, &resume, &["checkpoint 6", "move DONE_00000006 out of the way to resume checkpoint 4"]);
+    let (_, _, err) = call(d, &resume);
+    assert!(!err.contains("full fine-tune"), "{err}");
+    std::fs::rename(d.join("run/DONE_00000006"), d.join("DONE_00000006")).unwrap();
+    run(&resume);
+    assert!(llmrs::lora::load_checkpoint(&d.join("run/model_00000008.bin")).is_ok());
+}

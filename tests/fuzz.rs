@@ -86,7 +86,7 @@ fn valid() -> &'static Valid {
         let lora = dir.path().join("lora.bin");
         llmrs::lora::save_checkpoint(&lora, &cfg, &a, &llmrs::lora::BaseId::of("1x8:2:8", 1, &w)).unwrap();
         let peft_dir = dir.path().join("peft");
-        a.save_peft(&peft_dir, "base").unwrap();
+        a.save_peft(&peft_dir, "base", &cfg).unwrap();
         Valid { _dir: dir, model, state, shard, tokenizer, hf_dir, lora, peft_dir }
     })
 }

@@ -627,7 +627,7 @@ fn lora_settings_that_cannot_work_are_refused_clearly() {
     let targets = llmrs::lora::select(&other, &[]).unwrap();
     let a = llmrs::lora::Adapters::new(2, 4.0, targets, &mut llmrs::rng::Mt19937::new(1)).unwrap();
     let peft = dir.path().join("other_adapter");
-    a.save_peft(&peft, "x").unwrap();
+    a.save_peft(&peft, "x", &other).unwrap();
     let e = err(TrainConfig { lora: 0, lora_from: Some(peft), ..base.clone() });
     assert!(e.contains("--lora-from") && e.contains("another base"), "{e}");
     // A PEFT config llmrs cannot honour.
@@ -635,7 +635,7 @@ fn lora_settings_that_cannot_work_are_refused_clearly() {
     let dora = dir.path().join("dora");
     llmrs::lora::Adapters::new(2, 4.0, llmrs::lora::select(&cfg, &[]).unwrap(), &mut llmrs::rng::Mt19937::new(1))
         .unwrap()
-        .save_peft(&dora, "x")
+        .save_peft(&dora, "x", &cfg)
         .unwrap();
     let j = std::fs::read_to_string(dora.join("adapter_config.json"))
         .unwrap()
