@@ -283,8 +283,10 @@ impl Adapters {
         let targets = select(cfg, &pc.targets).with_context(|| format!("{}: target_modules", cpath.display()))?;
         let wpath = dir.join(WEIGHTS_FILE);
         let bytes = read_file(&wpath)?;
-        let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", wpath.display()))?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+            let why = safetensors_damage(&bytes).map_or(String::new(), |d| format!(" ({d})"));
+            anyhow::anyhow!("{}: not a valid safetensors file: {e}{why}", wpath.display())
+        })?;
         let len = values(pc.r, &targets).with_context(|| format!("{}: r {}", cpath.display(), pc.r))?;
         // Refused before allocating: a file smaller than the adapters' values in bf16 (the
         // smallest dtype read) cannot hold them.
@@ -326,7 +328,7 @@ impl Adapters {
                         t.module
                     );
                 }
-                let vals = to_f32(&x, &name)?;
+                let vals = to_f32(&x, &name).with_context(|| wpath.display().to_string())?;
                 if let Some(v) = vals.iter().find(|v| !v.is_finite()) {
                     bail!("{}: tensor {name} holds {v}", wpath.display());
                 }
@@ -335,6 +337,23 @@ impl Adapters {
             }
         }
         if let Some(n) = st.names().into_iter().find(|n| !used.contains(*n)) {
+            // A projection of this base that target_modules leaves out (a config edited, or
+            // files from two adapters): say that, rather than blame the base.
+            let module = n
+                .strip_prefix("base_model.model.")
+                .and_then(|m| m.strip_suffix(".lora_A.weight").or_else(|| m.strip_suffix(".lora_B.weight")));
+            let all = linear_modules(cfg);
+            if let Some(t) =
+                module.and_then(|m| all.iter().find(|t| t.module == m || t.module.strip_prefix(prefix) == Some(m)))
+            {
+                bail!(
+                    "{}: tensor {n} adapts {}, which {} does not list in target_modules ({}): the two files do not belong together",
+                    wpath.display(),
+                    t.module,
+                    cpath.display(),
+                    pc.targets.join(", ")
+                );
+            }
             bail!(
                 "{}: tensor {n} is not a LoRA A or B of this base's projections (the adapter was made for another \
                  base, or holds what llmrs does not implement: biases, DoRA, modules_to_save)",
@@ -550,6 +569,41 @@ pub fn load_adapters(path: &Path, cfg: &ModelConfig, training: bool) -> Result<A
         bail!("{}: adapters for a base of shape {c}, not {cfg}", path.display());
     }
     Ok(a)
+}
+
+/// What is wrong with a safetensors file the library refuses, where its header says: a tensor
+/// whose dtype and shape do not fill its byte range (named), or tensors reaching past the end
+/// of the file (truncated). None when the header itself cannot be read.
+fn safetensors_damage(bytes: &[u8]) -> Option<String> {
+    let n = usize::try_from(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(bytes.get(8..8usize.checked_add(n)?)?).ok()?;
+    let data = bytes.len() - 8 - n;
+    let mut end = 0usize;
+    for (name, t) in header.iter().filter(|(k, _)| *k != "__metadata__") {
+        let size = match t["dtype"].as_str()? {
+            "F64" | "I64" | "U64" => 8,
+            "F32" | "I32" | "U32" => 4,
+            "F16" | "BF16" | "I16" | "U16" => 2,
+            "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
+            other => return Some(format!("tensor {name} has dtype {other}")),
+        };
+        let shape: Option<Vec<u64>> = t["shape"].as_array()?.iter().map(|d| d.as_u64()).collect();
+        let numel = shape?.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let offs: Option<Vec<u64>> = t["data_offsets"].as_array()?.iter().map(|d| d.as_u64()).collect();
+        let [a, b] = offs?[..] else { return None };
+        if numel.and_then(|k| k.checked_mul(size)) != b.checked_sub(a) {
+            return Some(format!(
+                "tensor {name}: {} of shape {} needs {} bytes, its offsets give {}",
+                t["dtype"],
+                t["shape"],
+                numel.map_or("too many".into(), |k| (k as u128 * size as u128).to_string()),
+                b as i128 - a as i128
+            ));
+        }
+        end = end.max(usize::try_from(b).ok()?);
+    }
+    (end > data).then(|| format!("truncated: its tensors need {end} bytes after the header, the file holds {data}"))
 }
 
 /// The merged model (PEFT's `merge_and_unload`) of base `spec` and the adapters at `lora` (a
@@ -783,6 +837,44 @@ mod tests {
             let e = Adapters::load_peft(&other, &dir, true).unwrap_err().to_string();
             assert!(e.contains("another base"), "{e}");
         }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A PEFT adapter's damaged or mismatched files are refused naming what is wrong: a
+    /// truncated safetensors file, a tensor whose dtype does not fit its bytes, a tensor of a
+    /// projection the config does not list.
+    #[test]
+    fn damaged_peft_files_say_what_is_wrong() {
+        let dir = std::env::temp_dir().join(format!("llmrs-lora-dmg-{}", std::process::id()));
+        let cfg = ModelConfig::from_descriptor("llama:2x16:4:2").unwrap();
+        let a = Adapters::new(2, 4.0, select(&cfg, &[]).unwrap(), &mut Mt19937::new(1)).unwrap();
+        let err = |edit: &dyn Fn(&Path)| {
+            a.save_peft(&dir, "base", &cfg).unwrap();
+            edit(&dir);
+            Adapters::load_peft(&cfg, &dir, true).unwrap_err().to_string()
+        };
+        let wf = dir.join(WEIGHTS_FILE);
+        let e = err(&|_| {
+            let b = std::fs::read(&wf).unwrap();
+            std::fs::write(&wf, &b[..b.len() - 100]).unwrap();
+        });
+        assert!(e.contains("truncated: its tensors need") && !e.contains('\n'), "{e}");
+        let e = err(&|_| {
+            // The first tensor's dtype in the header, F32 -> F64 (same length).
+            let b = std::fs::read(&wf).unwrap();
+            let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+            let h = String::from_utf8(b[8..8 + n].to_vec()).unwrap().replacen("\"F32\"", "\"F64\"", 1);
+            std::fs::write(&wf, [&b[..8], h.as_bytes(), &b[8 + n..]].concat()).unwrap();
+        });
+        assert!(e.contains("lora_") && e.contains("\"F64\" of shape") && e.contains("needs"), "{e}");
+        let e = err(&|d| {
+            let c = d.join(CONFIG_FILE);
+            let j = std::fs::read_to_string(&c).unwrap();
+            let mut v: serde_json::Value = serde_json::from_str(&j).unwrap();
+            v["target_modules"] = serde_json::json!(["q_proj"]);
+            std::fs::write(&c, v.to_string()).unwrap();
+        });
+        assert!(e.contains("does not list in target_modules (q_proj)"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 
