@@ -21,8 +21,8 @@ and the step under bf16 autocast, the adapters fp32 as PEFT keeps them), SDPA at
 Per round: each engine's median seconds per step over --steps after --warmup, and its peak RSS
 (VmHWM of its process); the speed-up and the RSS ratio are taken per round. Each --variant
 NAME=VALUE runs llmrs once more per round with that environment variable set (the GEMM's
-order, say: `LLMRS_SGEMM_ORDER`), each against the same round's PEFT step, so that two builds'
-settings are compared on one host in one interleaved run.
+order, say: `LLMRS_SGEMM_ORDER`), each against the same round's PEFT step, so that settings of
+one binary are compared on one host in one interleaved run.
 """
 
 import argparse
@@ -142,7 +142,7 @@ def peft_round():
 for v in args.variant:
     if "=" not in v or not v.split("=", 1)[0]:
         sys.exit(f"--variant {v!r}: give NAME=VALUE, e.g. LLMRS_SGEMM_ORDER=runs")
-variants = args.variant or [""]
+variants = list(dict.fromkeys(args.variant)) or [""]  # (each once, in the order given)
 speed, mem = {v: [] for v in variants}, {v: [] for v in variants}
 for rnd in range(args.rounds):
     runs = [(v, llmrs_round(v)) for v in variants]

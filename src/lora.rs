@@ -170,7 +170,6 @@ impl Adapters {
         s..s + self.r * self.targets[i].rows
     }
 
-    /// The distinct last names of the targets, as `target_modules`.
     /// `target_modules` for PEFT's `adapter_config.json`: the projections' last names when
     /// those name exactly these targets on a base of shape `cfg` (every layer's, and for
     /// GPT-2's `c_proj` both the attention's and the MLP's), else each target's full module
@@ -282,12 +281,28 @@ impl Adapters {
         let pc = PeftConfig::parse(&v, &cpath, training)?;
         let targets = select(cfg, &pc.targets).with_context(|| format!("{}: target_modules", cpath.display()))?;
         let wpath = dir.join(WEIGHTS_FILE);
+        let len = values(pc.r, &targets).with_context(|| format!("{}: r {}", cpath.display(), pc.r))?;
+        // Refused before reading: a file far larger than these adapters in fp32 (the widest
+        // dtype read) with a generous header is not theirs, and reading it whole could take
+        // all memory.
+        let most = len.saturating_mul(4).saturating_add(targets.len().saturating_mul(4096)).saturating_add(1 << 20);
+        if let Ok(m) = std::fs::metadata(&wpath) {
+            if m.len() > most as u64 {
+                bail!(
+                    "{}: {} bytes, where fp32 adapters of rank {} on this base's {} projections take {}: the adapter was made for another base",
+                    wpath.display(),
+                    m.len(),
+                    pc.r,
+                    targets.len(),
+                    4 * len
+                );
+            }
+        }
         let bytes = read_file(&wpath)?;
         let st = SafeTensors::deserialize(&bytes).map_err(|e| {
             let why = safetensors_damage(&bytes).map_or(String::new(), |d| format!(" ({d})"));
             anyhow::anyhow!("{}: not a valid safetensors file: {e}{why}", wpath.display())
         })?;
-        let len = values(pc.r, &targets).with_context(|| format!("{}: r {}", cpath.display(), pc.r))?;
         // Refused before allocating: a file smaller than the adapters' values in bf16 (the
         // smallest dtype read) cannot hold them.
         if len.saturating_mul(2) > bytes.len() {
@@ -343,15 +358,19 @@ impl Adapters {
                 .strip_prefix("base_model.model.")
                 .and_then(|m| m.strip_suffix(".lora_A.weight").or_else(|| m.strip_suffix(".lora_B.weight")));
             let all = linear_modules(cfg);
-            if let Some(t) =
-                module.and_then(|m| all.iter().find(|t| t.module == m || t.module.strip_prefix(prefix) == Some(m)))
-            {
+            let base_module =
+                module.and_then(|m| all.iter().find(|t| t.module == m || t.module.strip_prefix(prefix) == Some(m)));
+            // (One of the targets, named twice, with and without the prefix, is not this case.)
+            if let Some(t) = base_module.filter(|t| !a.targets.iter().any(|x| x.module == t.module)) {
+                let mut listed = pc.targets.iter().take(6).cloned().collect::<Vec<_>>().join(", ");
+                if pc.targets.len() > 6 {
+                    listed += &format!(", and {} more", pc.targets.len() - 6);
+                }
                 bail!(
-                    "{}: tensor {n} adapts {}, which {} does not list in target_modules ({}): the two files do not belong together",
+                    "{}: tensor {n} adapts {}, which {} does not list in target_modules ({listed}): the two files do not belong together",
                     wpath.display(),
                     t.module,
                     cpath.display(),
-                    pc.targets.join(", ")
                 );
             }
             bail!(
@@ -512,9 +531,14 @@ pub fn save_checkpoint(path: &Path, cfg: &ModelConfig, a: &Adapters, base: &Base
 pub fn load_checkpoint(path: &Path) -> Result<(ModelConfig, Adapters, BaseId)> {
     let p = path.display();
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    if name == WEIGHTS_FILE || name == CONFIG_FILE || name.ends_with(".safetensors") {
+    if name == WEIGHTS_FILE || name == CONFIG_FILE {
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
         bail!("{p} is one file of a PEFT adapter: give its directory ({})", dir.display());
+    }
+    if name.ends_with(".safetensors") {
+        bail!(
+            "{p} is a safetensors file, not LoRA adapters: give a PEFT adapter's directory or a LoRA run's checkpoint"
+        );
     }
     let bytes = read_file(path)?;
     let h = crate::files::parse_header(&bytes, path, "LoRA checkpoint")?;
@@ -586,13 +610,14 @@ fn safetensors_damage(bytes: &[u8]) -> Option<String> {
             "F32" | "I32" | "U32" => 4,
             "F16" | "BF16" | "I16" | "U16" => 2,
             "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
-            other => return Some(format!("tensor {name} has dtype {other}")),
+            _ => 0, // (another dtype: its size is not checked, only where it ends)
         };
         let shape: Option<Vec<u64>> = t["shape"].as_array()?.iter().map(|d| d.as_u64()).collect();
         let numel = shape?.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         let offs: Option<Vec<u64>> = t["data_offsets"].as_array()?.iter().map(|d| d.as_u64()).collect();
         let [a, b] = offs?[..] else { return None };
-        if numel.and_then(|k| k.checked_mul(size)) != b.checked_sub(a) {
+        let (need, have) = (numel.and_then(|k| k.checked_mul(size)), b.checked_sub(a));
+        if size > 0 && (need.is_none() || have.is_none() || need != have) {
             return Some(format!(
                 "tensor {name}: {} of shape {} needs {} bytes, its offsets give {}",
                 t["dtype"],
@@ -624,7 +649,10 @@ pub fn load_merged(spec: &str, seed: u32, seed_given: bool, lora: &Path) -> Resu
         }
         let w = crate::source::load_any(spec, base.seed)
             .with_context(|| format!("--lora {}: its base model {spec}", lora.display()))?;
-        want.check(spec, &weights_hash(&w)).with_context(|| format!("--lora {}", lora.display()))?;
+        want.check(spec, &weights_hash(&w)).with_context(|| match seed_given && seed != want.seed {
+            true => format!("--lora {} with --seed {seed} (leave --seed out to draw its base's seed)", lora.display()),
+            false => format!("--lora {}", lora.display()),
+        })?;
         (w, a)
     };
     a.merge_into(&mut w);
@@ -842,7 +870,7 @@ mod tests {
 
     /// A PEFT adapter's damaged or mismatched files are refused naming what is wrong: a
     /// truncated safetensors file, a tensor whose dtype does not fit its bytes, a tensor of a
-    /// projection the config does not list.
+    /// projection the config does not list, a file far too large to be these adapters.
     #[test]
     fn damaged_peft_files_say_what_is_wrong() {
         let dir = std::env::temp_dir().join(format!("llmrs-lora-dmg-{}", std::process::id()));
@@ -875,6 +903,9 @@ mod tests {
             std::fs::write(&c, v.to_string()).unwrap();
         });
         assert!(e.contains("does not list in target_modules (q_proj)"), "{e}");
+        // Far larger than these adapters could be (sparse: no disk is used): refused unread.
+        let e = err(&|_| std::fs::File::options().write(true).open(&wf).unwrap().set_len(1 << 30).unwrap());
+        assert!(e.contains("1073741824 bytes, where fp32 adapters of rank 2"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 

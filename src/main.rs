@@ -116,7 +116,7 @@ enum Cmd {
         #[arg(long, default_value = dtype_name(Dtype::F32))]
         dtype: String,
         /// Seed when the input is a descriptor for random init (e.g. d12) [default: 42; with
-        /// --lora CKPT, the seed its base was drawn with].
+        /// --lora CKPT or --merge CKPT, the seed its base was drawn with].
         #[arg(long)]
         seed: Option<u32>,
         /// INPUT is a LoRA run's checkpoint: write the merged model (base + adapters) instead
@@ -904,7 +904,15 @@ fn cmd_convert(
     };
     let is_bin = output.extension().is_some_and(|e| e == "bin");
     let input = Path::new(&spec);
-    check_convert_output(input, lora.as_deref(), &output)?;
+    let in_dir = |names: &[&str]| names.iter().map(|n| output.join(n)).collect::<Vec<_>>();
+    let written = if is_bin {
+        vec![output.clone()]
+    } else if llmrs::lora::is_checkpoint(input) && !merge {
+        in_dir(&[llmrs::lora::CONFIG_FILE, llmrs::lora::WEIGHTS_FILE])
+    } else {
+        in_dir(&["model.safetensors", "config.json"])
+    };
+    check_convert_output(input, lora.as_deref(), &output, &written)?;
     if llmrs::lora::is_checkpoint(input) && lora.is_some() {
         bail!(
             "{spec} holds LoRA adapters and --lora names more: give --merge {spec} for its own merged model, \
@@ -933,7 +941,13 @@ fn cmd_convert(
         bail!("--merge merges a LoRA run's checkpoint into its base: {spec} is not one (or give --lora DIR)");
     }
     // A LoRA checkpoint loads as its base with the adapters merged (llmrs::source::load_any).
-    let weights = load_with_lora(&spec, seed, seed_given, lora.as_deref())?;
+    let weights = if merge && seed_given && llmrs::lora::is_checkpoint(input) {
+        // Its base drawn with the seed given, checked by hash, rather than the seed ignored.
+        let (_, _, base) = llmrs::lora::load_checkpoint(input)?;
+        llmrs::lora::load_merged(&base.source, seed, true, input)?
+    } else {
+        load_with_lora(&spec, seed, seed_given, lora.as_deref())?
+    };
     if is_bin {
         llmrs::checkpoint::save_model(&weights, &output, dtype)?;
     } else {
@@ -944,13 +958,13 @@ fn cmd_convert(
 }
 
 /// Refuse an OUTPUT that would replace what the conversion reads or what a run still needs:
-/// INPUT itself, the `--lora` adapters, the base of a LoRA checkpoint among them (its adapters
-/// would then fit no base), or a checkpoint of a training run (`model_%08d.bin` beside its
-/// state files or DONE marker). Writing is atomic, so such an OUTPUT would be replaced whole
-/// and its old contents lost.
-fn check_convert_output(input: &Path, lora: Option<&Path>, output: &Path) -> Result<()> {
-    let Ok(out) = std::fs::canonicalize(output) else { return Ok(()) }; // a new path
-    let same = |p: &Path| std::fs::canonicalize(p).is_ok_and(|p| p == out);
+/// one of the files it writes (`written`: OUT itself, or the files it puts in the directory
+/// OUT) is INPUT, the `--lora` adapters or the base of a LoRA checkpoint among them, or an
+/// existing file inside one of those that is a directory (a Hugging Face model or a PEFT
+/// adapter); or it is a checkpoint of a training run (`model_%08d.bin` beside its state files
+/// or DONE marker). Writing is atomic, so such a file would be replaced whole and its old
+/// contents lost.
+fn check_convert_output(input: &Path, lora: Option<&Path>, output: &Path, written: &[PathBuf]) -> Result<()> {
     let mut read = vec![(input.to_path_buf(), "INPUT")];
     read.extend(lora.map(|l| (l.to_path_buf(), "the --lora adapters")));
     for (p, _) in read.clone() {
@@ -960,24 +974,38 @@ fn check_convert_output(input: &Path, lora: Option<&Path>, output: &Path) -> Res
             }
         }
     }
-    if let Some((p, what)) = read.iter().find(|(p, _)| same(p)) {
-        bail!(
-            "OUTPUT {} is {what} ({}): the conversion would replace it; write to another path",
-            output.display(),
-            p.display()
-        );
-    }
-    let name = output.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    let step = name.strip_prefix("model_").and_then(|n| n.strip_suffix(".bin")).filter(|n| n.len() == 8);
-    if let Some(step) = step.filter(|n| n.bytes().all(|b| b.is_ascii_digit())) {
-        let dir = output.parent().map(|d| if d.as_os_str().is_empty() { Path::new(".") } else { d });
-        let run_file = |f: &str| dir.is_some_and(|d| d.join(f).exists());
-        if run_file(&format!("DONE_{step}")) || run_file(&format!("state_{step}_00000.bin")) {
-            bail!(
-                "OUTPUT {} is checkpoint {} of a training run (its state files sit beside it): write to another path",
-                output.display(),
-                step.parse::<u64>().unwrap_or(0)
-            );
+    let read: Vec<_> =
+        read.into_iter().filter_map(|(p, what)| Some((std::fs::canonicalize(&p).ok()?, p, what))).collect();
+    for w in written {
+        // (A new file replaces nothing; an existing one is compared by where it really is.)
+        let Ok(abs) = std::fs::canonicalize(w) else { continue };
+        let hit = read.iter().find(|(r, _, _)| if r.is_dir() { abs.parent() == Some(r.as_path()) } else { abs == *r });
+        if let Some((_, p, what)) = hit {
+            let o = output.display();
+            match w.as_path() == output {
+                true => bail!(
+                    "OUTPUT {o} is {what} ({}): the conversion would replace it; write to another path",
+                    p.display()
+                ),
+                false => bail!(
+                    "OUTPUT {o}: writing {} would replace {what} ({}) or a file of it; write to another path",
+                    w.display(),
+                    p.display()
+                ),
+            }
+        }
+        let name = w.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let step = name.strip_prefix("model_").and_then(|n| n.strip_suffix(".bin")).filter(|n| n.len() == 8);
+        if let Some(step) = step.filter(|n| n.bytes().all(|b| b.is_ascii_digit())) {
+            let dir = w.parent().map(|d| if d.as_os_str().is_empty() { Path::new(".") } else { d });
+            let run_file = |f: &str| dir.is_some_and(|d| d.join(f).exists());
+            if run_file(&format!("DONE_{step}")) || run_file(&format!("state_{step}_00000.bin")) {
+                bail!(
+                    "OUTPUT {} is checkpoint {} of a training run (its state files sit beside it): write to another path",
+                    w.display(),
+                    step.parse::<u64>().unwrap_or(0)
+                );
+            }
         }
     }
     Ok(())

@@ -743,6 +743,16 @@ fn lora_files_are_kept_and_named_right() {
     refused_with(d, &["convert", "--merge", ck, "m", "--lora", "run/model_00000002.bin"], &["--lora names more"]);
     assert_eq!(std::fs::read(d.join(ck)).unwrap(), before, "the checkpoint is untouched");
     assert!(d.join("base/model.safetensors").exists() && !d.join("m").exists());
+    // A Hugging Face directory's files, as INPUT or as a LoRA base given by its file.
+    refused_with(
+        d,
+        &["convert", "base/model.safetensors", "base"],
+        &["writing base/model.safetensors would replace INPUT"],
+    );
+    run(&["convert", "base", "b2"]);
+    run(&[&train[..], &["-e", "b2/model.safetensors", "-x", "2", "-n", "2", "-o", "rb", "--lora", "2"]].concat());
+    refused_with(d, &["convert", "--merge", "rb/model_00000002.bin", "b2"], &["the base of those LoRA adapters"]);
+    refused_with(d, &["generate", "-e", "base", "--lora", "b2/model.safetensors"], &["not LoRA adapters"]);
 
     // A random base: the checkpoint's seed unless --seed says another, which is checked.
     let desc = "llama:2x32:4:2:16";
@@ -753,8 +763,11 @@ fn lora_files_are_kept_and_named_right() {
     refused_with(
         d,
         &["convert", desc, "m8.bin", "--lora", "rd/model_00000002.bin", "--seed", "8"],
-        &["not the one these adapters were trained on", "seed 7"],
+        &["not the one these adapters were trained on", "seed 7", "--seed 8"],
     );
+    run(&["convert", "--merge", "rd/model_00000002.bin", "m7c.bin", "--seed", "7"]);
+    assert_eq!(std::fs::read(d.join("m7.bin")).unwrap(), std::fs::read(d.join("m7c.bin")).unwrap());
+    refused_with(d, &["convert", "--merge", "rd/model_00000002.bin", "m8.bin", "--seed", "8"], &["--seed 8", "seed 7"]);
 
     // One layer's q_proj and every v_proj: full module names in the PEFT config.
     let targets = "layers.1.self_attn.q_proj,v_proj";
