@@ -244,6 +244,9 @@ impl DataLoader {
         if split.world == 0 || split.rank >= split.world {
             bail!("process rank {} is not below the number of processes {}", split.rank, split.world);
         }
+        // One batch of every process, plus the last target: checked, so that an absurd -b or -t
+        // is an error naming the data rather than an overflow or a huge allocation.
+        let need = split.world.checked_mul(b).and_then(|x| x.checked_mul(t)).and_then(|x| x.checked_add(1));
         let n = files.len();
         let mut dl = DataLoader {
             b,
@@ -261,21 +264,25 @@ impl DataLoader {
             shard_num_samples: 0,
             file: None,
             width: 2,
-            buffer: vec![0u8; 4 * (b * t + 1)],
-            inputs: vec![0; b * t],
-            targets: vec![0; b * t],
+            // (Allocated once every shard is known to hold a batch.)
+            buffer: vec![],
+            inputs: vec![],
+            targets: vec![],
         };
         for i in 0..n {
             let ntok = dl.load_shard(i)?;
-            if ntok < split.world * b * t + 1 {
+            if need.is_none_or(|need| ntok < need) {
                 bail!(
                     "{} holds {ntok} tokens, fewer than one batch needs (processes*B*T+1 = {}): use a smaller -b/-t or more data",
                     dl.file_name(),
-                    split.world * b * t + 1
+                    need.map_or(format!("{} x {b} x {t} + 1", split.world), |x| x.to_string())
                 );
             }
             dl.num_tokens += ntok;
         }
+        dl.buffer = vec![0u8; 4 * (b * t + 1)];
+        dl.inputs = vec![0; b * t];
+        dl.targets = vec![0; b * t];
         dl.reset()?;
         Ok(dl)
     }

@@ -120,7 +120,7 @@ pub fn generate(
     let mut scratch = Vec::with_capacity(model.config.vocab_size);
     let mut toks = prompt.to_vec();
     let mut out = vec![];
-    let positions = (prompt.len() + g.max_new_tokens).min(max_t);
+    let positions = prompt.len().saturating_add(g.max_new_tokens).min(max_t);
     let mut cache = if g.use_cache { Some(model.kv_cache(positions, PREFILL_CHUNK)?) } else { None };
     let mut feed: Vec<u32> = prompt.to_vec();
     let mut run = || -> Result<()> {

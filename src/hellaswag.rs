@@ -188,10 +188,15 @@ fn argmin(x: &[f32; 4]) -> usize {
 pub fn score(model: &mut Model, examples: &[Example], mut on_progress: impl FnMut(usize)) -> Result<Vec<Scored>> {
     check(examples)?;
     let max_t = model.config.max_seq_len;
-    let longest =
-        examples.iter().flat_map(|e| e.endings.iter().map(move |end| e.ctx.len() + end.len())).max().unwrap_or(1);
-    if longest > max_t {
-        bail!("an example has {longest} tokens, more than the model's context of {max_t}");
+    let len = |e: &Example| e.endings.iter().map(|end| e.ctx.len() + end.len()).max().unwrap_or(1);
+    let longest = examples.iter().map(len).max().unwrap_or(1);
+    if let Some(i) = examples.iter().position(|e| len(e) > max_t) {
+        bail!(
+            "example {} of the data has {} tokens, more than the model's context of {max_t}: give a model with a \
+             longer context",
+            i + 1,
+            len(&examples[i])
+        );
     }
     model.reserve(4 * EXAMPLES_PER_BATCH, longest)?;
     let mut out = Vec::with_capacity(examples.len());

@@ -101,9 +101,10 @@ pub fn select(cfg: &ModelConfig, wanted: &[String]) -> Result<Vec<Target>> {
     };
     if let Some(w) = wanted.iter().find(|w| !all.iter().any(|t| hits(t, w))) {
         bail!(
-            "LoRA target {w:?}: the {} family has no such projection (it has {})",
+            "LoRA target {w:?}: the {} family has no such projection (it has {}, in layers 0 to {})",
             models::arch(cfg).name(),
-            module_names(cfg).join(", ")
+            module_names(cfg).join(", "),
+            cfg.num_layers.saturating_sub(1)
         );
     }
     Ok(all.into_iter().filter(|t| wanted.iter().any(|w| hits(t, w))).collect())

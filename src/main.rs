@@ -460,9 +460,10 @@ struct TrainArgs {
 }
 
 /// llm.c spells some flags with two letters after one dash (-nk, -nm, -sl, -sg); map them to long names.
-/// GPU-only llm.c flags are accepted and ignored on the CPU, with a note.
+/// GPU-only llm.c flags are accepted and ignored on the CPU, with a note. (`-w`, master
+/// weights, is not one of them: llmrs's bf16 runs honour it on every device.)
 fn translate_llmc_args(args: Vec<String>) -> Vec<String> {
-    const GPU_ONLY: [&str; 4] = ["-f", "-w", "-ge", "-lg"];
+    const GPU_ONLY: [&str; 3] = ["-f", "-ge", "-lg"];
     // llm.c's process-group flags (processes, rank, GPUs per node, init method, paths): llmrs
     // takes its ranks from the MPI launcher.
     const PROCESS_GROUP: [&str; 6] = ["-pn", "-pr", "-pg", "-pi", "-pf", "-ps"];
@@ -500,13 +501,13 @@ fn check_train_flags(a: &TrainArgs) -> Result<()> {
         }
     }
     // -1 means "the default" (one epoch, the whole val split, B*T); -m 0 is refused by validate.
-    for (flag, v, min) in [
-        ("-x/--max-steps", a.max_steps, 0),
-        ("-m/--val-max-steps", a.val_max_steps, 0),
-        ("-d/--total-batch-size", a.total_batch_size, 1),
+    for (flag, v, min, minus_one) in [
+        ("-x/--max-steps", a.max_steps, 0, "one epoch of the train data"),
+        ("-m/--val-max-steps", a.val_max_steps, 0, "the whole val split"),
+        ("-d/--total-batch-size", a.total_batch_size, 1, "B*T"),
     ] {
         if v < min && v != -1 {
-            bail!("{flag} {v}: give a number >= {min}, or -1 for the default");
+            bail!("{flag} {v}: give a number >= {min}, or -1 for {minus_one}");
         }
     }
     Ok(())
@@ -640,7 +641,7 @@ fn cmd_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
         },
     };
     let max_t = model.config.max_seq_len;
-    if prompt.len() < max_t && prompt.len() + a.max_new_tokens > max_t {
+    if prompt.len() < max_t && prompt.len().saturating_add(a.max_new_tokens) > max_t {
         eprintln!(
             "note: the model's context is {max_t} positions: after the {}-token prompt, at most {} new tokens (-n {})",
             prompt.len(),
@@ -787,7 +788,15 @@ fn run_command(cli: Cli, comm: Comm) -> Result<()> {
             precision,
             master_weights,
         }) => {
-            let steps = steps.max(1);
+            if batch_size == 0 || seq_len == 0 {
+                bail!("-b {batch_size} -t {seq_len}: the batch size and sequence length must be at least 1");
+            }
+            if steps == 0 {
+                bail!("--steps 0: measure at least 1 step");
+            }
+            if master_weights > 1 {
+                bail!("-w {master_weights}: use 1 (fp32 master weights, the default) or 0 (bf16 parameters only)");
+            }
             let cfg = llmrs::bench::BenchConfig {
                 model,
                 batch_size,
@@ -863,6 +872,9 @@ fn cmd_plot(logs: &[PathBuf], out: &Path) -> Result<()> {
 
 fn cmd_eval(e: EvalCmd, device: llmrs::backend::Device) -> Result<()> {
     let EvalCmd::Hellaswag { model, hf, data, limit, tokenizer, lora, ce_rows, precision } = e;
+    if limit == Some(0) {
+        bail!("--limit 0: score at least 1 example");
+    }
     let spec = model_spec(hf, model)?;
     let mut model = open_model(&spec, 42, lora.as_deref(), device, precision)?;
     model.set_classifier_rows(ce_rows)?;

@@ -172,6 +172,9 @@ impl TrainConfig {
     /// allocated or read (a NaN or negative learning rate would otherwise show up steps later
     /// as a diverged run, or train by gradient ascent).
     pub fn validate(&self) -> Result<()> {
+        if self.hellaswag_limit == Some(0) {
+            bail!("--hellaswag-limit 0: score at least 1 example");
+        }
         let finite = |x: f32, flag: &str, what: &str, ok: bool| -> Result<()> {
             if !x.is_finite() || !ok {
                 bail!("{flag} {x}: must be {what}");
@@ -801,6 +804,13 @@ impl<'a> Run<'a> {
         if let (Some(rd), Some(s)) = (run_dir, resume_step) {
             rd.trim_log(s)?;
         }
+        if shape.world == 1 && cfg.zero_stage > 0 {
+            // (Said, not refused: a script may pass -z to every launch, mpirun's or not.)
+            eprintln!(
+                "note: -z {} shards over the processes of an mpirun launch; with one process it changes nothing",
+                cfg.zero_stage
+            );
+        }
         let mut model =
             Model::with_collectives(weights, crate::backend::factory::open(cfg.device)?, comm, cfg.zero_stage)?;
         if let Some((a, _)) = &lora {
@@ -1112,7 +1122,10 @@ fn check_diverged(step: usize, loss: f32, norm: f32, exploded: f32) -> Result<()
         );
     }
     if !norm.is_finite() {
-        bail!("the gradient norm is {norm} at step {step}: training diverged. Lower the learning rate (-l) and resume from the last checkpoint with -y 1");
+        bail!(
+            "the gradient norm is {norm} at step {step}: training diverged. Lower the learning rate (-l) (or a LoRA run's \
+             --lora-alpha) and start again, or resume from the last checkpoint with -y 1 if the run wrote one"
+        );
     }
     if loss > exploded {
         bail!(

@@ -820,3 +820,37 @@ fn lora_files_are_kept_and_named_right() {
     run(&resume);
     assert!(llmrs::lora::load_checkpoint(&d.join("run/model_00000008.bin")).is_ok());
 }
+
+/// Flags that were swallowed, overflowed or went unchecked: llm.c's `-w 0` reaches the bf16
+/// run (it was taken for a GPU-only flag and dropped); bench's zero sizes and steps and
+/// `-w 2` are one-line errors (a panic, a silent 1, a silent yes before); a batch too big for
+/// any data is the data's error (an abort in the allocator, or an overflow, before); `-x -2`
+/// says what -1 means; `eval --limit 0` is refused (it printed NaN); `-n` near 2^64 is
+/// clamped with the usual note; `-z` without mpirun says it changes nothing.
+#[test]
+fn probed_flags_are_honoured_or_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
+    llmrs::data::write_shard(&d.join("train.bin"), &toks).unwrap();
+    llmrs::data::write_shard(&d.join("val.bin"), &toks[..400]).unwrap();
+    let tiny = "llama:2x32:4:2:16";
+    let train = ["train", "-i", "train.bin", "-j", "val.bin", "-e", tiny, "-t", "16", "-v", "100", "-s", "0"];
+    let (code, out, err) = call(d, &[&train[..], &["-b", "2", "-x", "1", "--precision", "bf16", "-w", "0"]].concat());
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("no master weights (-w 0)") && !err.contains("GPU setting"), "{out}\n{err}");
+    let (code, _, err) = call(d, &[&train[..], &["-b", "2", "-x", "1", "-z", "2"]].concat());
+    assert!(code == Some(0) && err.contains("-z 2 shards over the processes of an mpirun launch"), "{err}");
+    for b in ["4294967296", "18446744073709551615"] {
+        refused_with(d, &[&train[..], &["-b", b]].concat(), &["fewer than one batch needs"]);
+    }
+    refused_with(d, &[&train[..], &["-x", "-2"]].concat(), &["-1 for one epoch"]);
+    let bench = ["bench", "-e", tiny, "--threads", "1"];
+    refused_with(d, &[&bench[..], &["-b", "0"]].concat(), &["-b 0", "at least 1"]);
+    refused_with(d, &[&bench[..], &["-t", "0"]].concat(), &["-t 0", "at least 1"]);
+    refused_with(d, &[&bench[..], &["--steps", "0"]].concat(), &["--steps 0"]);
+    refused_with(d, &[&bench[..], &["-w", "2"]].concat(), &["-w 2"]);
+    refused_with(d, &["eval", "hellaswag", "-e", tiny, "--limit", "0"], &["--limit 0"]);
+    let (code, _, err) = call(d, &["generate", "-e", tiny, "-n", "18446744073709551615", "--tokenizer", "gpt2"]);
+    assert!(code == Some(0) && err.contains("at most 1023 new tokens"), "{err}");
+}
