@@ -100,6 +100,48 @@ fn len_of(w: Width, positions: usize, nh: usize) -> usize {
 /// stacked ones).
 type ViewSpec = (usize, usize, DType);
 
+/// The views of [`Acts::new`] for `n` = B*T positions, in its order: the encoded input and the
+/// residual stream, the plan's forward activations, the final norm's, the logits
+/// (`logit_rows`, between 1 and n), the losses and log-sum-exps, scratch, then the backward's.
+fn views(
+    cfg: &ModelConfig,
+    plan: &ActPlan,
+    n: usize,
+    backward: bool,
+    logit_rows: usize,
+    dtype: DType,
+) -> Vec<ViewSpec> {
+    let (c, l, nh, vp) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size);
+    let f32 = DType::F32;
+    let dt = |s: &ActSpec| if s.stat { f32 } else { dtype };
+    let one = |len: usize| (1, len, dtype);
+    let stat = |len: usize| (1, len, f32);
+    let mut views = vec![one(n * c), (l, n * c, dtype)];
+    views.extend(plan.fwd.iter().map(|s| (if s.per_layer { l } else { 1 }, len_of(s.width, n, nh), dt(s))));
+    views.extend([one(n * c), stat(n), stat(n), one(logit_rows * vp), stat(n), stat(n), one(n * c)]);
+    let bw = |len: usize, dtype| (1, if backward { len } else { 0 }, dtype);
+    views.push(bw(n * c, dtype));
+    views.extend(plan.back.iter().map(|s| bw(len_of(s.width, n, nh), dt(s))));
+    views
+}
+
+/// The bytes [`Acts::new`] would allocate for a pass over `b` x `t` (the same views, and the
+/// tokens), computed before anything is: None past 2^32 positions, which no machine holds.
+pub fn planned_bytes(
+    cfg: &ModelConfig,
+    plan: &ActPlan,
+    b: usize,
+    t: usize,
+    backward: bool,
+    logit_rows: usize,
+    dtype: DType,
+) -> Option<u128> {
+    let n = b.checked_mul(t).filter(|&n| n > 0 && n <= 1 << 32)?;
+    let vs = views(cfg, plan, n, backward, logit_rows.clamp(1, n), dtype);
+    let bytes = vs.iter().map(|&(count, len, dt)| count as u128 * len as u128 * dt.bytes() as u128).sum::<u128>();
+    Some(bytes + 2 * n as u128 * 4)
+}
+
 /// Cut consecutive views out of new allocations, one per dtype: the backend is told each
 /// tensor, so that none straddles two of a device's memory chunks. Returns the allocations
 /// and the views in the order asked.
@@ -227,19 +269,9 @@ impl Acts {
         logit_rows: usize,
         dtype: DType,
     ) -> Result<Self> {
-        let (c, l, nh, vp) = (cfg.channels, cfg.num_layers, cfg.num_heads, cfg.padded_vocab_size);
-        let n = b * t;
+        let (c, nh, n) = (cfg.channels, cfg.num_heads, b * t);
         let logit_rows = logit_rows.clamp(1, n);
-        let f32 = DType::F32;
-        let dt = |s: &ActSpec| if s.stat { f32 } else { dtype };
-        let one = |len: usize| (1, len, dtype);
-        let stat = |len: usize| (1, len, f32);
-        let mut views = vec![one(n * c), (l, n * c, dtype)];
-        views.extend(plan.fwd.iter().map(|s| (if s.per_layer { l } else { 1 }, len_of(s.width, n, nh), dt(s))));
-        views.extend([one(n * c), stat(n), stat(n), one(logit_rows * vp), stat(n), stat(n), one(n * c)]);
-        let bw = |len: usize, dtype| (1, if backward { len } else { 0 }, dtype);
-        views.push(bw(n * c, dtype));
-        views.extend(plan.back.iter().map(|s| bw(len_of(s.width, n, nh), dt(s))));
+        let views = views(cfg, plan, n, backward, logit_rows, dtype);
         let (wholes, v) = carve(be, &views)?;
         let tokens = be.alloc(2 * n, DType::U32)?;
         let k = plan.fwd.len();

@@ -135,6 +135,10 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
     // Random weights are drawn, and a Hugging Face checkpoint's read, into the model once its
     // precision is set (ZeRO-3 shards them: made whole first there), so that a bf16 model's
     // fp32 values never exist whole.
+    if let (1, Ok(Some(mc))) = (comm.world(), crate::source::peek_config(&cfg.model)) {
+        let (p, w, lora) = (cfg.precision, cfg.master_weights, cfg.lora > 0);
+        crate::model::check_fits(&mc, cfg.batch_size, cfg.seq_len, cfg.recompute, cfg.ce_rows, p, w, lora)?;
+    }
     let (weights, seed) = match cfg.zero_stage {
         3 => (crate::source::load_any(&cfg.model, 42)?, None),
         _ => crate::source::load_any_deferred(&cfg.model, 42)?,

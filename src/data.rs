@@ -547,5 +547,14 @@ mod tests {
         }
         assert!(DataLoader::new_split(p, 1, 6, 100, false, Split { rank: 2, world: 2 }).is_err());
         assert!(DataLoader::new_split(p, 4, 6, 100, false, Split { rank: 0, world: 2 }).is_err(), "too few tokens");
+        // A batch no data holds is the data's error, before any buffer is made for it (an
+        // abort in the allocator, or an overflow, before).
+        for (b, t) in [(1 << 32, 7), (usize::MAX, 7), (usize::MAX / 2, 3)] {
+            let Err(e) = DataLoader::new_split(p, b, t, 100, false, Split { rank: 0, world: 2 }) else {
+                panic!("B={b} T={t} was taken")
+            };
+            let e = e.to_string();
+            assert!(e.contains("fewer than one batch needs"), "B={b} T={t}: {e}");
+        }
     }
 }

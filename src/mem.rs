@@ -122,8 +122,8 @@ pub fn check_available(bytes: usize, what: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// MemAvailable + SwapFree from /proc/meminfo.
-fn available_bytes() -> Option<u64> {
+/// MemAvailable + SwapFree from /proc/meminfo (None where the OS does not say).
+pub fn available_bytes() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let field = |name: &str| -> Option<u64> {
         let line = info.lines().find(|l| l.starts_with(name))?;

@@ -177,6 +177,127 @@ pub struct Model {
     lora: Option<LoraState>,
 }
 
+/// What a training run will hold before its first step, by part, from the shapes alone:
+/// [`plan_training`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PlannedMemory {
+    pub weights: u128,
+    pub master: u128,
+    pub grads: u128,
+    pub adamw: u128,
+    pub activations: u128,
+}
+
+impl PlannedMemory {
+    pub fn total(&self) -> u128 {
+        self.weights + self.master + self.grads + self.adamw + self.activations
+    }
+}
+
+/// The memory one process of a training run of `cfg` at B x T allocates (its parts as
+/// [`Model::memory`] counts them, less the small workspaces and the adapters), computed before
+/// anything is: the weights in `precision`, fp32 master weights (bf16 with `-w 1`, not under
+/// LoRA), and for a full fine-tune the gradients (in the activations' dtype) and AdamW's two
+/// fp32 moments; the activations of `-r recompute` with `ce_rows` rows of logits (0 = all).
+/// None when B*T is beyond any machine.
+#[allow(clippy::too_many_arguments)]
+pub fn plan_training(
+    cfg: &ModelConfig,
+    b: usize,
+    t: usize,
+    recompute: u8,
+    ce_rows: usize,
+    precision: Precision,
+    master_weights: bool,
+    lora: bool,
+) -> Option<PlannedMemory> {
+    let n = cfg.num_parameters() as u128;
+    let (act, act_bytes) = match precision {
+        Precision::Fp32 => (DType::F32, 4),
+        Precision::Bf16 => (DType::BF16, 2),
+    };
+    let plan = cfg.arch().acts(cfg).with_recompute(recompute);
+    let rows = if ce_rows == 0 { usize::MAX } else { ce_rows };
+    let activations = crate::acts::planned_bytes(cfg, &plan, b, t, true, rows, act)?;
+    let full = !lora;
+    Some(PlannedMemory {
+        weights: n * act_bytes,
+        master: if precision == Precision::Bf16 && master_weights && full { 4 * n } else { 0 },
+        grads: if full { n * act_bytes } else { 0 },
+        adamw: if full { 8 * n } else { 0 },
+        activations,
+    })
+}
+
+/// Refuse, before anything is read or allocated, a training run of one process that this
+/// machine cannot hold: its [`plan_training`] against the memory available, with the parts and
+/// the flags that shrink the big ones. (The allocations check again as they are made; this
+/// saves the wait and the memory of building a model that cannot train.)
+#[allow(clippy::too_many_arguments)]
+pub fn check_fits(
+    cfg: &ModelConfig,
+    b: usize,
+    t: usize,
+    recompute: u8,
+    ce_rows: usize,
+    precision: Precision,
+    master_weights: bool,
+    lora: bool,
+) -> Result<()> {
+    let Some(plan) = plan_training(cfg, b, t, recompute, ce_rows, precision, master_weights, lora) else {
+        bail!("B={b} x T={t} is far more than any machine can hold activations for; lower -b or -t");
+    };
+    let Some(avail) = crate::mem::available_bytes() else { return Ok(()) };
+    if plan.total() <= avail as u128 {
+        return Ok(());
+    }
+    let gib = |x: u128| format!("{:.2} GiB", x as f64 / (1u64 << 30) as f64);
+    let mut parts = vec![format!("weights {}", gib(plan.weights))];
+    for (what, x) in [("master weights", plan.master), ("gradients", plan.grads), ("AdamW", plan.adamw)] {
+        if x > 0 {
+            parts.push(format!("{what} {}", gib(x)));
+        }
+    }
+    parts.push(format!("activations {} at B={b} T={t}", gib(plan.activations)));
+    // Each flag that would shrink the run, with what the run would need then.
+    let with = |r: u8, rows: usize, p: Precision, w: bool, lo: bool| plan_training(cfg, b, t, r, rows, p, w, lo);
+    let mut ways: Vec<(String, Option<PlannedMemory>)> = vec![];
+    if !lora {
+        let what = "--lora R (adapters on frozen weights: no gradients or AdamW state)";
+        ways.push((what.into(), with(recompute, ce_rows, precision, master_weights, true)));
+    }
+    if precision == Precision::Fp32 {
+        ways.push(("--precision bf16".into(), with(recompute, ce_rows, Precision::Bf16, master_weights, lora)));
+    }
+    if precision == Precision::Fp32 || master_weights {
+        ways.push(("--precision bf16 -w 0".into(), with(recompute, ce_rows, Precision::Bf16, false, lora)));
+    }
+    if recompute < crate::acts::MAX_RECOMPUTE {
+        ways.push(("-r 2".into(), with(crate::acts::MAX_RECOMPUTE, ce_rows, precision, master_weights, lora)));
+    }
+    if ce_rows == 0 || ce_rows > 1024 {
+        ways.push(("--ce-rows 1024".into(), with(recompute, 1024, precision, master_weights, lora)));
+    }
+    // (Only those that save a tenth or more, each total once.)
+    let mut seen = vec![];
+    let ways: Vec<String> = ways
+        .into_iter()
+        .filter_map(|(what, p)| {
+            let p = p.filter(|p| p.total() * 10 <= plan.total() * 9 && !seen.contains(&p.total()))?;
+            seen.push(p.total());
+            Some(format!("{what}: {}", gib(p.total())))
+        })
+        .chain(std::iter::once("a smaller -b or -t".to_string()))
+        .collect();
+    bail!(
+        "this run needs {} before its first step ({}), but this machine has {} available; try {}",
+        gib(plan.total()),
+        parts.join(", "),
+        gib(avail as u128),
+        ways.join("; ")
+    )
+}
+
 impl Model {
     /// The model with these weights on `device`, as a single process.
     pub fn new(weights: Weights, device: Device) -> Result<Self> {
@@ -1623,6 +1744,59 @@ mod tests {
         assert_eq!(classifier_chunks(5, 5), [(0, 5)]);
         let mut m = model("1x16:2:16", 1);
         assert!(m.set_classifier_rows(2).unwrap_err().to_string().contains("at least 3 rows"));
+    }
+
+    /// The memory planned from the shapes alone is what a model of those settings allocates,
+    /// part by part (weights, master weights, gradients, AdamW, activations), in fp32 and bf16,
+    /// full and LoRA, at each recompute level and with chunked and whole logits.
+    #[test]
+    fn planned_memory_is_what_the_model_allocates() {
+        use crate::config::Precision::{Bf16, Fp32};
+        let (b, t) = (3, 5);
+        for desc in ["2x32:2:16", "llama:2x24:4:2:40:16"] {
+            let cfg = ModelConfig::from_descriptor(desc).unwrap();
+            for (precision, master, lora, r, rows) in [
+                (Fp32, true, false, 1, 0),
+                (Fp32, true, true, 2, 4),
+                (Bf16, true, false, 0, 7),
+                (Bf16, false, false, 2, 0),
+                (Bf16, true, true, 1, 3),
+            ] {
+                let mut m = Model::new(Weights::random(cfg, 1).unwrap(), Device::Cpu).unwrap();
+                if lora {
+                    let targets = crate::lora::select(&cfg, &[]).unwrap();
+                    let a = crate::lora::Adapters::new(2, 4.0, targets, &mut crate::rng::Mt19937::new(1)).unwrap();
+                    m.set_lora(&a).unwrap();
+                }
+                m.set_precision(precision, master).unwrap();
+                m.set_recompute(r).unwrap();
+                m.set_classifier_rows(rows).unwrap();
+                m.alloc_training_state().unwrap();
+                m.reserve(b, t).unwrap();
+                let got = m.memory();
+                let plan = plan_training(&cfg, b, t, r, rows, precision, master, lora).unwrap();
+                let what = format!("{desc} {precision} -w {master} lora {lora} -r {r} --ce-rows {rows}");
+                // (A LoRA run's parameters count its adapters too; the plan leaves them out.)
+                let adapters = m.lora.as_ref().map_or(0, |lo| lo.params.len * 4) as u128;
+                assert_eq!(plan.weights, got.params as u128 - adapters, "{what}: weights");
+                assert_eq!(plan.master, got.master as u128, "{what}: master weights");
+                assert_eq!(plan.activations, got.activations as u128, "{what}: activations");
+                if !lora {
+                    assert_eq!((plan.grads, plan.adamw), (got.grads as u128, got.adamw as u128), "{what}");
+                }
+            }
+        }
+        assert!(plan_training(
+            &ModelConfig::from_descriptor("2x32:2:16").unwrap(),
+            1 << 20,
+            1 << 20,
+            0,
+            0,
+            Fp32,
+            true,
+            false
+        )
+        .is_none());
     }
 
     /// The fused micro-step is the two passes: the same losses, step loss and gradients, bit

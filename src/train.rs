@@ -286,6 +286,22 @@ fn prune_checkpoints(dir: &Path, step: usize, cfg: &TrainConfig, world: usize) {
     }
 }
 
+/// [`crate::model::check_fits`] for the model this run trains (a checkpoint's when resuming),
+/// from its shape alone. A model whose shape cannot be read without fetching it (a Hub model
+/// not in the cache) or whose files are damaged is left to the loader, which says why.
+fn check_fits(cfg: &TrainConfig, resume_step: Option<usize>, shape: &Shape) -> Result<()> {
+    let (spec, lora) = match resume_step {
+        Some(s) => {
+            let p = resume_paths(cfg, s, 0)[0].clone();
+            (p.display().to_string(), crate::lora::is_checkpoint(&p))
+        }
+        None => (cfg.model.clone(), cfg.lora > 0 || cfg.lora_from.is_some()),
+    };
+    let Ok(Some(mc)) = crate::source::peek_config(&spec) else { return Ok(()) };
+    let (p, w) = (cfg.precision, cfg.master_weights);
+    crate::model::check_fits(&mc, shape.b, shape.t, cfg.recompute, cfg.ce_rows, p, w, lora)
+}
+
 /// What to say before an error reading checkpoint `step` for -y 1: which one failed, and how
 /// to go on from the one before it if this one's files are damaged (-y 1 takes the newest
 /// complete checkpoint, so it has to be moved away; nothing is deleted for the user).
@@ -769,6 +785,9 @@ impl<'a> Run<'a> {
         resume_step: Option<usize>,
         run_dir: Option<&RunDir>,
     ) -> Result<Self> {
+        if shape.world == 1 {
+            check_fits(cfg, resume_step, &shape)?;
+        }
         let (weights, mut lora, pending) =
             load_weights_and_adapters(cfg, resume_step, shape.rank).map_err(|e| match resume_step {
                 Some(s) => e.context(resume_hint(cfg, s)),

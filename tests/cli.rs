@@ -347,6 +347,17 @@ fn a_model_bigger_than_memory_is_refused_in_one_line() {
     (v["num_key_value_heads"], v["intermediate_size"], v["head_dim"]) = (8.into(), 28672.into(), 128.into());
     std::fs::write(&cfg, v.to_string()).unwrap();
     refused_with(d, &["generate", "-e", "big", "-n", "1"], &["loading big", "needs", "GiB", "available"]);
+    // Training (and bench) a run no machine holds: refused from the shapes, before the model is
+    // made (at once, where making it took a minute and most of the memory), with its parts
+    // and what the flags that shrink it would leave.
+    let start = std::time::Instant::now();
+    let huge = ["-e", "llama:llama3.2-1b", "-b", "4096", "-t", "131072"];
+    for cmd in [&["bench"][..], &["train", "-i", "none.bin", "-j", "none.bin"][..]] {
+        let want =
+            ["before its first step", "weights 4.60 GiB", "activations", "at B=4096 T=131072", "a smaller -b or -t"];
+        refused_with(d, &[cmd, &huge[..]].concat(), &want);
+    }
+    assert!(start.elapsed().as_secs() < 20, "took {:?}", start.elapsed());
 }
 
 /// Weights holding a NaN or an infinity are refused where they are loaded, naming the tensor,
@@ -824,7 +835,7 @@ fn lora_files_are_kept_and_named_right() {
 /// Flags that were swallowed, overflowed or went unchecked: llm.c's `-w 0` reaches the bf16
 /// run (it was taken for a GPU-only flag and dropped); bench's zero sizes and steps and
 /// `-w 2` are one-line errors (a panic, a silent 1, a silent yes before); a batch too big for
-/// any data is the data's error (an abort in the allocator, or an overflow, before); `-x -2`
+/// any machine is refused in one line (an abort in the allocator, or an overflow, before); `-x -2`
 /// says what -1 means; `eval --limit 0` is refused (it printed NaN); `-n` near 2^64 is
 /// clamped with the usual note; `-z` without mpirun says it changes nothing.
 #[test]
@@ -841,8 +852,9 @@ fn probed_flags_are_honoured_or_refused() {
     assert!(out.contains("no master weights (-w 0)") && !err.contains("GPU setting"), "{out}\n{err}");
     let (code, _, err) = call(d, &[&train[..], &["-b", "2", "-x", "1", "-z", "2"]].concat());
     assert!(code == Some(0) && err.contains("-z 2 shards over the processes of an mpirun launch"), "{err}");
+    // (Refused from the shapes before the data is read; the loader's own check is data.rs's.)
     for b in ["4294967296", "18446744073709551615"] {
-        refused_with(d, &[&train[..], &["-b", b]].concat(), &["fewer than one batch needs"]);
+        refused_with(d, &[&train[..], &["-b", b]].concat(), &["lower -b or -t"]);
     }
     refused_with(d, &[&train[..], &["-x", "-2"]].concat(), &["-1 for one epoch"]);
     let bench = ["bench", "-e", tiny, "--threads", "1"];
