@@ -132,13 +132,16 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport> {
 
 /// Run the benchmark as one rank of `comm` (each rank steps its own B*T random tokens).
 pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectives>) -> Result<BenchReport> {
-    // Random weights are drawn, and a Hugging Face checkpoint's read, into the model once its
-    // precision is set (ZeRO-3 shards them: made whole first there), so that a bf16 model's
-    // fp32 values never exist whole.
-    if let (1, Ok(Some(mc))) = (comm.world(), crate::source::peek_config(&cfg.model)) {
+    // A run on the CPU that this machine cannot hold is refused from its shapes (a GPU's
+    // memory is not the host's; each rank of several checks its shards as it allocates them).
+    let cpu = cfg.device == crate::backend::Device::Cpu;
+    if let (true, 1, Ok(Some(mc))) = (cpu, comm.world(), crate::source::peek_config(&cfg.model)) {
         let (p, w, lora) = (cfg.precision, cfg.master_weights, cfg.lora > 0);
         crate::model::check_fits(&mc, cfg.batch_size, cfg.seq_len, cfg.recompute, cfg.ce_rows, p, w, lora)?;
     }
+    // Random weights are drawn, and a Hugging Face checkpoint's read, into the model once its
+    // precision is set (ZeRO-3 shards them: made whole first there), so that a bf16 model's
+    // fp32 values never exist whole.
     let (weights, seed) = match cfg.zero_stage {
         3 => (crate::source::load_any(&cfg.model, 42)?, None),
         _ => crate::source::load_any_deferred(&cfg.model, 42)?,

@@ -785,7 +785,9 @@ impl<'a> Run<'a> {
         resume_step: Option<usize>,
         run_dir: Option<&RunDir>,
     ) -> Result<Self> {
-        if shape.world == 1 {
+        // (On the CPU: a GPU's memory is not the host's. Under mpirun each rank checks its
+        // shards as it allocates them.)
+        if shape.world == 1 && cfg.device == crate::backend::Device::Cpu {
             check_fits(cfg, resume_step, &shape)?;
         }
         let (weights, mut lora, pending) =
