@@ -136,8 +136,16 @@ pub fn run_with(cfg: &BenchConfig, comm: Box<dyn crate::backend::comm::Collectiv
     // memory is not the host's; each rank of several checks its shards as it allocates them).
     let cpu = cfg.device == crate::backend::Device::Cpu;
     if let (true, 1, Ok(Some(mc))) = (cpu, comm.world(), crate::source::peek_config(&cfg.model)) {
-        let (p, w, lora) = (cfg.precision, cfg.master_weights, cfg.lora > 0);
-        crate::model::check_fits(&mc, cfg.batch_size, cfg.seq_len, cfg.recompute, cfg.ce_rows, p, w, lora)?;
+        let run = crate::model::RunMemory {
+            b: cfg.batch_size,
+            t: cfg.seq_len,
+            recompute: cfg.recompute,
+            ce_rows: cfg.ce_rows,
+            precision: cfg.precision,
+            master_weights: cfg.master_weights,
+            lora: cfg.lora > 0,
+        };
+        crate::model::check_fits(&mc, run)?;
     }
     // Random weights are drawn, and a Hugging Face checkpoint's read, into the model once its
     // precision is set (ZeRO-3 shards them: made whole first there), so that a bf16 model's

@@ -194,23 +194,31 @@ impl PlannedMemory {
     }
 }
 
-/// The memory one process of a training run of `cfg` at B x T allocates (its parts as
+/// The settings of a training run that decide its memory (train's and bench's flags).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RunMemory {
+    /// -b, -t
+    pub b: usize,
+    pub t: usize,
+    /// -r
+    pub recompute: u8,
+    /// --ce-rows (0 = all B*T rows of logits at once)
+    pub ce_rows: usize,
+    /// --precision, and -w (fp32 master weights under bf16)
+    pub precision: Precision,
+    pub master_weights: bool,
+    /// --lora: adapters on a frozen base (no gradients or AdamW state for it)
+    pub lora: bool,
+}
+
+/// The memory one process of a training run of `cfg` allocates (its parts as
 /// [`Model::memory`] counts them, less the small workspaces and the adapters), computed before
-/// anything is: the weights in `precision`, fp32 master weights (bf16 with `-w 1`, not under
-/// LoRA), and for a full fine-tune the gradients (in the activations' dtype) and AdamW's two
-/// fp32 moments; the activations of `-r recompute` with `ce_rows` rows of logits (0 = all).
+/// anything is: the weights in their precision, fp32 master weights (bf16 with `-w 1`, not
+/// under LoRA), and for a full fine-tune the gradients (in the activations' dtype) and AdamW's
+/// two fp32 moments; the activations of its `-r` with its `--ce-rows` rows of logits.
 /// None when B*T is beyond any machine.
-#[allow(clippy::too_many_arguments)]
-pub fn plan_training(
-    cfg: &ModelConfig,
-    b: usize,
-    t: usize,
-    recompute: u8,
-    ce_rows: usize,
-    precision: Precision,
-    master_weights: bool,
-    lora: bool,
-) -> Option<PlannedMemory> {
+pub fn plan_training(cfg: &ModelConfig, run: RunMemory) -> Option<PlannedMemory> {
+    let RunMemory { b, t, recompute, ce_rows, precision, master_weights, lora } = run;
     let n = cfg.num_parameters() as u128;
     let (act, act_bytes) = match precision {
         Precision::Fp32 => (DType::F32, 4),
@@ -233,18 +241,9 @@ pub fn plan_training(
 /// machine cannot hold: its [`plan_training`] against the memory available, with the parts and
 /// the flags that shrink the big ones. (The allocations check again as they are made; this
 /// saves the wait and the memory of building a model that cannot train.)
-#[allow(clippy::too_many_arguments)]
-pub fn check_fits(
-    cfg: &ModelConfig,
-    b: usize,
-    t: usize,
-    recompute: u8,
-    ce_rows: usize,
-    precision: Precision,
-    master_weights: bool,
-    lora: bool,
-) -> Result<()> {
-    let Some(plan) = plan_training(cfg, b, t, recompute, ce_rows, precision, master_weights, lora) else {
+pub fn check_fits(cfg: &ModelConfig, run: RunMemory) -> Result<()> {
+    let RunMemory { b, t, recompute, ce_rows, precision, master_weights, lora } = run;
+    let Some(plan) = plan_training(cfg, run) else {
         bail!("B={b} x T={t} is far more than any machine can hold activations for; lower -b or -t");
     };
     let Some(avail) = crate::mem::available_bytes() else { return Ok(()) };
@@ -260,23 +259,24 @@ pub fn check_fits(
     }
     parts.push(format!("activations {} at B={b} T={t}", gib(plan.activations)));
     // Each flag that would shrink the run, with what the run would need then.
-    let with = |r: u8, rows: usize, p: Precision, w: bool, lo: bool| plan_training(cfg, b, t, r, rows, p, w, lo);
+    let with = |other: RunMemory| plan_training(cfg, other);
+    let bf16 = Precision::Bf16;
     let mut ways: Vec<(String, Option<PlannedMemory>)> = vec![];
     if !lora {
         let what = "--lora R (adapters on frozen weights: no gradients or AdamW state)";
-        ways.push((what.into(), with(recompute, ce_rows, precision, master_weights, true)));
+        ways.push((what.into(), with(RunMemory { lora: true, ..run })));
     }
     if precision == Precision::Fp32 {
-        ways.push(("--precision bf16".into(), with(recompute, ce_rows, Precision::Bf16, master_weights, lora)));
+        ways.push(("--precision bf16".into(), with(RunMemory { precision: bf16, ..run })));
     }
     if precision == Precision::Fp32 || master_weights {
-        ways.push(("--precision bf16 -w 0".into(), with(recompute, ce_rows, Precision::Bf16, false, lora)));
+        ways.push(("--precision bf16 -w 0".into(), with(RunMemory { precision: bf16, master_weights: false, ..run })));
     }
     if recompute < crate::acts::MAX_RECOMPUTE {
-        ways.push(("-r 2".into(), with(crate::acts::MAX_RECOMPUTE, ce_rows, precision, master_weights, lora)));
+        ways.push(("-r 2".into(), with(RunMemory { recompute: crate::acts::MAX_RECOMPUTE, ..run })));
     }
     if ce_rows == 0 || ce_rows > 1024 {
-        ways.push(("--ce-rows 1024".into(), with(recompute, 1024, precision, master_weights, lora)));
+        ways.push(("--ce-rows 1024".into(), with(RunMemory { ce_rows: 1024, ..run })));
     }
     // (Only those that save a tenth or more, each total once.)
     let mut seen = vec![];
@@ -1774,7 +1774,8 @@ mod tests {
                 m.alloc_training_state().unwrap();
                 m.reserve(b, t).unwrap();
                 let got = m.memory();
-                let plan = plan_training(&cfg, b, t, r, rows, precision, master, lora).unwrap();
+                let settings = RunMemory { b, t, recompute: r, ce_rows: rows, precision, master_weights: master, lora };
+                let plan = plan_training(&cfg, settings).unwrap();
                 let what = format!("{desc} {precision} -w {master} lora {lora} -r {r} --ce-rows {rows}");
                 // (A LoRA run's parameters count its adapters too; the plan leaves them out.)
                 let adapters = m.lora.as_ref().map_or(0, |lo| lo.params.len * 4) as u128;
@@ -1786,17 +1787,16 @@ mod tests {
                 }
             }
         }
-        assert!(plan_training(
-            &ModelConfig::from_descriptor("2x32:2:16").unwrap(),
-            1 << 20,
-            1 << 20,
-            0,
-            0,
-            Fp32,
-            true,
-            false
-        )
-        .is_none());
+        let absurd = RunMemory {
+            b: 1 << 20,
+            t: 1 << 20,
+            recompute: 0,
+            ce_rows: 0,
+            precision: Fp32,
+            master_weights: true,
+            lora: false,
+        };
+        assert!(plan_training(&ModelConfig::from_descriptor("2x32:2:16").unwrap(), absurd).is_none());
     }
 
     /// The fused micro-step is the two passes: the same losses, step loss and gradients, bit

@@ -298,8 +298,9 @@ fn check_fits(cfg: &TrainConfig, resume_step: Option<usize>, shape: &Shape) -> R
         None => (cfg.model.clone(), cfg.lora > 0 || cfg.lora_from.is_some()),
     };
     let Ok(Some(mc)) = crate::source::peek_config(&spec) else { return Ok(()) };
-    let (p, w) = (cfg.precision, cfg.master_weights);
-    crate::model::check_fits(&mc, shape.b, shape.t, cfg.recompute, cfg.ce_rows, p, w, lora)
+    let (b, t, recompute, ce_rows) = (shape.b, shape.t, cfg.recompute, cfg.ce_rows);
+    let (precision, master_weights) = (cfg.precision, cfg.master_weights);
+    crate::model::check_fits(&mc, crate::model::RunMemory { b, t, recompute, ce_rows, precision, master_weights, lora })
 }
 
 /// What to say before an error reading checkpoint `step` for -y 1: which one failed, and how

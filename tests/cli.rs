@@ -315,6 +315,13 @@ fn gpu_without_an_adapter_is_a_one_line_error() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("use cpu, gpu or gpu:N"));
 }
 
+/// train.bin (3000 tokens) and val.bin (its first 400) in `d`, ids below 500.
+fn tiny_shards(d: &std::path::Path) {
+    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
+    llmrs::data::write_shard(&d.join("train.bin"), &toks).unwrap();
+    llmrs::data::write_shard(&d.join("val.bin"), &toks[..400]).unwrap();
+}
+
 /// The run of a command: exit code, stdout, stderr.
 fn call(dir: &std::path::Path, args: &[&str]) -> (Option<i32>, String, String) {
     let o = llmrs().current_dir(dir).args(args).output().unwrap();
@@ -603,9 +610,7 @@ fn prepare_text_with_a_tokenizer_json_runs_in_bounded_memory() {
 #[test]
 fn lora_train_convert_generate_and_eval() {
     let dir = tempfile::tempdir().unwrap();
-    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
-    llmrs::data::write_shard(&dir.path().join("train.bin"), &toks).unwrap();
-    llmrs::data::write_shard(&dir.path().join("val.bin"), &toks[..400]).unwrap();
+    tiny_shards(dir.path());
     let run = |args: &[&str]| {
         let o = llmrs().current_dir(dir.path()).args(args).args(["--threads", "1"]).output().unwrap();
         assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
@@ -735,9 +740,7 @@ fn bf16_gemm_tiles_are_chosen_and_named() {
 fn lora_files_are_kept_and_named_right() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
-    llmrs::data::write_shard(&d.join("train.bin"), &toks).unwrap();
-    llmrs::data::write_shard(&d.join("val.bin"), &toks[..400]).unwrap();
+    tiny_shards(d);
     let run = |args: &[&str]| {
         let (code, out, err) = call(d, &[args, &["--threads", "1"]].concat());
         assert_eq!(code, Some(0), "{args:?}: {err}");
@@ -842,9 +845,7 @@ fn lora_files_are_kept_and_named_right() {
 fn probed_flags_are_honoured_or_refused() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
-    llmrs::data::write_shard(&d.join("train.bin"), &toks).unwrap();
-    llmrs::data::write_shard(&d.join("val.bin"), &toks[..400]).unwrap();
+    tiny_shards(d);
     let tiny = "llama:2x32:4:2:16";
     let train = ["train", "-i", "train.bin", "-j", "val.bin", "-e", tiny, "-t", "16", "-v", "100", "-s", "0"];
     let (code, out, err) = call(d, &[&train[..], &["-b", "2", "-x", "1", "--precision", "bf16", "-w", "0"]].concat());
