@@ -222,6 +222,15 @@ pub const STATE_MAGIC: i32 = 20240527;
 /// stored as STATE_ZERO_MARK | stage.
 const STATE_ZERO_STAGE: usize = 6;
 const STATE_ZERO_MARK: i32 = 0x5A00;
+/// Header slot of the kind of run (llmrs only, padding in llm.c's): STATE_RUN_MARK | 1 for a
+/// bf16 run | 2 for a LoRA run. llmrs's older files lack it.
+const STATE_RUN: usize = 7;
+const STATE_RUN_MARK: i32 = 0x5200;
+const RUN_BF16: i32 = 1;
+const RUN_LORA: i32 = 2;
+/// Header slots of the number of AdamW values per moment (a u64 in two ints): what the state
+/// belongs to is checked before its values are read.
+const STATE_VALUES: usize = 8;
 
 /// Everything besides the weights that a resumed run needs.
 pub struct TrainState {
@@ -230,42 +239,62 @@ pub struct TrainState {
     pub should_shuffle: bool,
 }
 
-/// The precision of the run that wrote a checkpoint: bf16 when its model file is (version 5)
-/// or its state file holds master weights.
-pub fn checkpoint_precision(model: &Path, state: &Path) -> Result<crate::config::Precision> {
+/// The precision of the run that wrote a checkpoint: what its state file's header says, or
+/// for files written before llmrs recorded it, bf16 when its model file is (version 5) or
+/// its state file holds master weights. None for an older LoRA checkpoint, whose files tell
+/// neither.
+pub fn checkpoint_precision(model: &Path, state: &Path) -> Result<Option<crate::config::Precision>> {
+    use crate::config::Precision;
     let header = |p: &Path, what: &str| -> Result<[i32; HEADER_INTS]> {
         parse_header(&read_file_prefix(p, HEADER_BYTES)?, p, what)
     };
-    let bf16 = header(model, "model")?[1] == 5 || header(state, "training-state")?[4] == 1;
-    Ok(if bf16 { crate::config::Precision::Bf16 } else { crate::config::Precision::Fp32 })
+    let st = header(state, "training-state")?;
+    if st[STATE_RUN] & !0xFF == STATE_RUN_MARK {
+        return Ok(Some(if st[STATE_RUN] & RUN_BF16 != 0 { Precision::Bf16 } else { Precision::Fp32 }));
+    }
+    let m = header(model, "model")?;
+    if m[0] == crate::lora::LORA_MAGIC {
+        return Ok(None);
+    }
+    Ok(Some(if m[1] == 5 || st[4] == 1 { Precision::Bf16 } else { Precision::Fp32 }))
 }
 
 /// The error [`save_state`] gives for AdamW moments that are not finite (a diverged run).
 pub const NON_FINITE_STATE: &str = "the AdamW state holds non-finite values";
 
-/// Write llm.c's training-state file: header (step, data position), AdamW m and v, a bf16
-/// run's fp32 master weights, and with shuffling the loader's permutations and RNG.
-pub fn save_state(path: &Path, model: &mut Model, st: &TrainState) -> Result<()> {
+/// Write llm.c's training-state file: header (step, data position; llmrs adds the ZeRO stage,
+/// the kind of run and the number of AdamW values), AdamW m and v, the fp32 parameters when
+/// the model file does not hold them exactly (a bf16 run's master weights, or an fp32 run's
+/// parameters when `model_file` is bf16), and with shuffling the loader's permutations and RNG.
+pub fn save_state(path: &Path, model: &mut Model, st: &TrainState, model_file: Dtype) -> Result<()> {
     let mut h = [0i32; HEADER_INTS];
     let (rank, world) = model.rank();
     h[0] = STATE_MAGIC;
     h[1] = 1; // version
     h[2] = world as i32; // num_processes
     h[3] = rank as i32; // process rank
-                        // use_master_weights: a bf16 run's fp32 master weights follow the moments (its model file
-                        // holds the bf16 working copy); fp32 parameters are their own master copy.
-    let master = model.precision().1;
-    h[4] = master as i32;
+                        // use_master_weights: fp32 parameters follow the moments. A bf16 run's master weights (its
+                        // model file holds the bf16 working copy), and an fp32 run's parameters when its model file
+                        // rounds them to bf16, so that a resume continues from the exact values. A LoRA run's model
+                        // file holds its adapters in fp32, and its base never changes.
+    let (precision, master) = model.precision();
+    let lora = model.lora().is_some();
+    let rounded = precision == crate::config::Precision::Fp32 && model_file == Dtype::BF16 && !lora;
+    let keep_f32 = master || rounded;
+    h[4] = keep_f32 as i32;
     h[5] = st.should_shuffle as i32;
-    // Not in llm.c's header (its slot is padding there): the ZeRO stage, which decides what
-    // the moments below hold.
+    // Not in llm.c's header (its slots are padding there): the ZeRO stage, which decides what
+    // the moments below hold, the kind of run, and how many values each moment has.
     h[STATE_ZERO_STAGE] = STATE_ZERO_MARK | model.zero_stage() as i32;
+    let bf16 = precision == crate::config::Precision::Bf16;
+    h[STATE_RUN] = STATE_RUN_MARK | if bf16 { RUN_BF16 } else { 0 } | if lora { RUN_LORA } else { 0 };
     h[10] = st.step as i32;
     // h[20..24]: llm.c's stochastic-rounding RNG state; unused in fp32, left 0.
     let put64 = |h: &mut [i32; HEADER_INTS], i: usize, v: u64| {
         h[i] = v as u32 as i32;
         h[i + 1] = (v >> 32) as u32 as i32;
     };
+    put64(&mut h, STATE_VALUES, model.slot_len(Slot::AdamM)? as u64);
     put64(&mut h, 30, st.loader.current_shard_idx as u64);
     put64(&mut h, 32, st.loader.current_sample_idx as u64);
     let header: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -288,7 +317,7 @@ pub fn save_state(path: &Path, model: &mut Model, st: &TrainState) -> Result<()>
             }
             write_values(f, &vals, Dtype::F32)?;
         }
-        if master {
+        if keep_f32 {
             let vals = model.read_param_shard().map_err(std::io::Error::other)?;
             write_values(f, &vals, Dtype::F32)?;
         }
@@ -328,10 +357,34 @@ pub fn load_state(path: &Path, model: &mut Model) -> Result<TrainState> {
             model.zero_stage()
         );
     }
+    // What llmrs records of the run (older files lack it): a LoRA run's state beside a full
+    // model file or the other way round, or one of a model of another size, is named as such
+    // before any value is read.
+    let p = path.display();
+    if h[STATE_RUN] & !0xFF == STATE_RUN_MARK {
+        let (was_lora, is_lora) = (h[STATE_RUN] & RUN_LORA != 0, model.lora().is_some());
+        let kind = |lora: bool| if lora { "a LoRA run (adapters on a frozen base)" } else { "a full fine-tune" };
+        if was_lora != is_lora {
+            bail!(
+                "{p} is the state of {}, but the checkpoint's model file is of {}: the checkpoint's files do not \
+                 belong together",
+                kind(was_lora),
+                kind(is_lora)
+            );
+        }
+        let values = (h[STATE_VALUES] as u32 as u64) | ((h[STATE_VALUES + 1] as u32 as u64) << 32);
+        if values != n as u64 {
+            bail!(
+                "{p}: the state of {values} trainable values per moment; this model has {n} here: it belongs to \
+                 another model (or another --lora rank or targets)"
+            );
+        }
+    }
     let mut off = HEADER_BYTES;
     let mut take = |k: usize| -> Result<&[u8]> {
-        let s =
-            bytes.get(off..off + k).with_context(|| format!("{}: truncated training-state file", path.display()))?;
+        let s = bytes
+            .get(off..off + k)
+            .with_context(|| format!("{p}: truncated training-state file (or the state of a model of another size)"))?;
         off += k;
         Ok(s)
     };
@@ -362,12 +415,19 @@ pub fn load_state(path: &Path, model: &mut Model) -> Result<TrainState> {
     if should_shuffle {
         let nshards = u64_at(take(8)?);
         if nshards > 1 << 24 {
-            bail!("{}: implausible shard count {nshards}", path.display());
+            bail!(
+                "{}: implausible shard count {nshards}: the file is damaged or the state of another model",
+                path.display()
+            );
         }
         loader.shard_indices = i32s(take(4 * nshards)?);
         loader.shard_num_samples = u64_at(take(8)?);
         if loader.shard_num_samples > bytes.len() {
-            bail!("{}: implausible sample count {}", path.display(), loader.shard_num_samples);
+            bail!(
+                "{}: implausible sample count {}: the file is damaged or the state of another model",
+                path.display(),
+                loader.shard_num_samples
+            );
         }
         loader.intra_shard_indices = i32s(take(4 * loader.shard_num_samples)?);
         loader.rng = Some(crate::rng::Mt19937::from_bytes(take(crate::rng::MT_STATE_BYTES)?).context("bad RNG state")?);
@@ -439,7 +499,8 @@ mod tests {
             rng: Some(rng),
         };
         let p = dir.path().join("state.bin");
-        save_state(&p, &mut model, &TrainState { step: 12, loader: loader.clone(), should_shuffle: true }).unwrap();
+        save_state(&p, &mut model, &TrainState { step: 12, loader: loader.clone(), should_shuffle: true }, Dtype::F32)
+            .unwrap();
         let mut back = on_cpu(Weights::random(cfg, 2).unwrap());
         back.alloc_training_state().unwrap();
         let st = load_state(&p, &mut back).unwrap();
@@ -460,7 +521,7 @@ mod tests {
         // A state for a bigger model does not load into a smaller one.
         let mut big = on_cpu(Weights::random(ModelConfig::from_descriptor("1x16:2:4").unwrap(), 1).unwrap());
         big.alloc_training_state().unwrap();
-        save_state(&p, &mut big, &TrainState { step: 1, loader, should_shuffle: true }).unwrap();
+        save_state(&p, &mut big, &TrainState { step: 1, loader, should_shuffle: true }, Dtype::F32).unwrap();
         assert!(load_state(&p, &mut back).is_err());
     }
 

@@ -156,6 +156,40 @@ fn check_shard_header(header: &[u8], file_len: u64, path: &Path) -> Result<(usiz
     Ok((ntok, width))
 }
 
+/// Refuse a shard holding a token id of `vocab_size` or more, naming the file, the position
+/// of the first such token and its id. Read in pieces of 8 MiB; a piece's maximum is taken
+/// first (a loop the compiler vectorises) and searched only when it is out of range.
+pub fn check_token_ids(path: &Path, vocab_size: usize) -> Result<()> {
+    let mut f = File::open(path).with_context(|| format!("cannot open token shard {}", path.display()))?;
+    let len = f.metadata()?.len();
+    let mut header = vec![0u8; HEADER_BYTES.min(len as usize)];
+    f.read_exact(&mut header).with_context(|| format!("cannot read {}", path.display()))?;
+    let (ntok, width) = check_shard_header(&header, len, path)?;
+    if width == 2 && vocab_size > u16::MAX as usize {
+        return Ok(()); // every uint16 id fits
+    }
+    let mut buf = vec![0u8; (8 << 20) / width * width];
+    let mut at = 0usize;
+    while at < ntok {
+        let n = (ntok - at).min(buf.len() / width);
+        let piece = &mut buf[..n * width];
+        f.read_exact(piece).with_context(|| format!("cannot read {}", path.display()))?;
+        let max = piece.chunks_exact(width).map(token).max().unwrap_or(0);
+        if max as usize >= vocab_size {
+            let (i, id) =
+                piece.chunks_exact(width).map(token).enumerate().find(|&(_, x)| x as usize >= vocab_size).unwrap();
+            bail!(
+                "{}: token id {id} at position {} (of {ntok}) is out of range for the model's vocab size {vocab_size}: \
+                 the data was tokenized for another vocabulary (or the shard is damaged)",
+                path.display(),
+                at + i
+            );
+        }
+        at += n;
+    }
+    Ok(())
+}
+
 /// Expand a file name or glob pattern into a sorted list of shards (as C's glob does).
 pub fn expand_pattern(pattern: &str) -> Result<Vec<PathBuf>> {
     let paths: Vec<PathBuf> = glob::glob(pattern)
@@ -280,6 +314,10 @@ impl DataLoader {
             }
             dl.num_tokens += ntok;
         }
+        // Every token checked now, not when its batch arrives (a bad id deep in a shard would
+        // otherwise stop a run hours in): a sequential read, all cores over the shards.
+        use rayon::prelude::*;
+        dl.files.par_iter().try_for_each(|p| check_token_ids(p, vocab_size))?;
         dl.buffer = vec![0u8; 4 * (b * t + 1)];
         dl.inputs = vec![0; b * t];
         dl.targets = vec![0; b * t];
@@ -524,6 +562,17 @@ mod tests {
         assert!(err(&v, 1, 1000).contains("version 2"));
         assert!(err(&good, 30, 1000).contains("fewer than one batch"));
         assert!(err(&good, 1, 3).contains("out of range"));
+        // A bad id deep in the shard is found when the shard is opened, by position.
+        let mut deep: Vec<u32> = (0..100).map(|i| i % 50).collect();
+        deep[87] = 77;
+        shard(dir.path(), "x.bin", &deep);
+        let e = format!("{:#}", DataLoader::new(p.to_str().unwrap(), 1, 4, 50, false).err().unwrap());
+        assert!(e.contains("token id 77 at position 87 (of 100)") && e.contains("x.bin"), "{e}");
+        let big: Vec<u32> = (0..20).map(|i| if i == 13 { 70_000 } else { i }).collect();
+        write_shard_as(&p, &big, true).unwrap();
+        let e = format!("{:#}", DataLoader::new(p.to_str().unwrap(), 1, 4, 50_000, false).err().unwrap());
+        assert!(e.contains("token id 70000 at position 13"), "{e}");
+        DataLoader::new(p.to_str().unwrap(), 1, 4, 70_001, false).unwrap();
         assert!(format!("{:#}", DataLoader::new("/nonexistent/*.bin", 1, 1, 1, false).err().unwrap())
             .contains("no token files"));
     }

@@ -167,6 +167,26 @@ pub fn check_regular(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Whether `path` names a file to read: false when nothing is there, and an error naming the
+/// problem when something is there that cannot be read as a file (a FIFO, socket or device, a
+/// directory, a link to nothing, a file without read permission), so that such a file is not
+/// reported as missing, nor passed over as if it were.
+pub fn present(path: &Path) -> Result<bool> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+        Ok(_) => {}
+    }
+    if let Err(e) = std::fs::metadata(path) {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            bail!("{} is a symbolic link to nothing; point it at the file or remove it", path.display());
+        }
+    }
+    check_regular(path)?;
+    File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(true)
+}
+
 /// Parse the 256-int header at the start of `bytes`.
 pub fn parse_header(bytes: &[u8], path: &Path, what: &str) -> Result<[i32; HEADER_INTS]> {
     if bytes.len() < HEADER_BYTES {

@@ -100,6 +100,21 @@ pub struct GenConfig {
     pub use_cache: bool,
 }
 
+/// Refuse a prompt of `n` tokens that leaves no room in a context of `max_t` positions (or
+/// is empty): checked before anything is printed or computed.
+pub fn check_prompt(n: usize, max_t: usize) -> Result<()> {
+    if n == 0 {
+        bail!("the prompt is empty (an empty text prompt starts from <|endoftext|>)");
+    }
+    if n >= max_t {
+        bail!(
+            "the prompt has {n} tokens; the model's context is {max_t} positions: shorten it to at most {} tokens",
+            max_t.saturating_sub(1)
+        );
+    }
+    Ok(())
+}
+
 /// Generate after `prompt`, calling `on_token` for every new token; returns the new tokens.
 /// Stops at `max_new_tokens`, a stop token, or the model's context length.
 pub fn generate(
@@ -109,13 +124,8 @@ pub fn generate(
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
     g.sampler.validate()?;
-    if prompt.is_empty() {
-        bail!("the prompt is empty (an empty text prompt starts from <|endoftext|>)");
-    }
     let max_t = model.config.max_seq_len;
-    if prompt.len() >= max_t {
-        bail!("the prompt has {} tokens; the model's context is {max_t}", prompt.len());
-    }
+    check_prompt(prompt.len(), max_t)?;
     let mut rng = g.sampler.seed.max(1); // xorshift needs a non-zero state
     let mut scratch = Vec::with_capacity(model.config.vocab_size);
     let mut toks = prompt.to_vec();

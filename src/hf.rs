@@ -58,9 +58,10 @@ fn resolve(path: &Path) -> Result<Files> {
     };
     let config = dir.join("config.json");
     let index = dir.join("model.safetensors.index.json");
-    let shards = if single.is_file() {
+    let present = crate::files::present;
+    let shards = if present(&single)? {
         vec![single]
-    } else if path.is_dir() && index.is_file() {
+    } else if path.is_dir() && present(&index)? {
         let text =
             String::from_utf8(read_file(&index)?).map_err(|_| anyhow::anyhow!("{} is not UTF-8", index.display()))?;
         let v: serde_json::Value =
@@ -73,6 +74,13 @@ fn resolve(path: &Path) -> Result<Files> {
             bail!("{}: weight_map must name shard files in this directory", index.display());
         }
         files.into_iter().map(|f| dir.join(f)).collect()
+    } else if path.is_dir() && dir.join(crate::lora::CONFIG_FILE).is_file() {
+        let d = path.display();
+        bail!(
+            "{d} holds a PEFT adapter ({}), not a model: give its base model with the adapter on top \
+             (llmrs convert BASE OUT --lora {d} for the merged model; -e BASE --lora {d} in generate and eval)",
+            crate::lora::CONFIG_FILE
+        );
     } else {
         bail!(
             "{} not found: a Hugging Face model directory holds model.safetensors (or shards and \
@@ -80,7 +88,7 @@ fn resolve(path: &Path) -> Result<Files> {
             single.display()
         );
     };
-    if !config.is_file() {
+    if !present(&config)? {
         bail!("{} not found next to {}: it gives the model's shape", config.display(), shards[0].display());
     }
     Ok(Files { config, shards })
@@ -241,6 +249,20 @@ pub fn open_hf(path: &Path, dtype: Dtype) -> Result<HfCheckpoint> {
     crate::mem::check_available(cfg.num_parameters().saturating_mul(dtype.bytes()), &what)?;
     let shards: Vec<Shard> = files.shards.iter().map(|p| Shard::open(p)).collect::<Result<_>>()?;
     let names: Vec<String> = shards.iter().flat_map(|s| s.tensors.keys().cloned()).collect();
+    // A tensor stored twice: which copy a loader takes differs (transformers takes the last
+    // shard's, an index names one), so the files describe two models.
+    let mut seen = std::collections::HashMap::new();
+    for (i, s) in shards.iter().enumerate() {
+        for n in s.tensors.keys() {
+            if let Some(j) = seen.insert(n.as_str(), i) {
+                bail!(
+                    "tensor {n} is stored twice, in {} and {}: keep one copy (loaders differ on which they take)",
+                    files.shards[j].display(),
+                    files.shards[i].display()
+                );
+            }
+        }
+    }
     let arch = models::arch(&cfg);
     let prefix = if !arch.hf_prefix().is_empty() && names.iter().any(|n| n.starts_with(arch.hf_prefix())) {
         arch.hf_prefix()
@@ -568,6 +590,59 @@ mod tests {
                 assert!((a - b).abs() <= b.abs() / 128.0);
             }
         }
+    }
+
+    /// Files that describe two models at once are refused, not read one way: a rotary base
+    /// or scaling written twice with different values (transformers 4 and 5 read different
+    /// fields), a tensor stored in two shards (loaders differ on which copy they take).
+    #[test]
+    fn contradictions_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = Weights::random(ModelConfig::from_descriptor("llama:1x16:4:2").unwrap(), 7).unwrap();
+        save_hf(&model, dir.path(), Dtype::F32).unwrap();
+        let cfg_path = dir.path().join("config.json");
+        let good: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+        let with = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = good.clone();
+            f(&mut v);
+            std::fs::write(&cfg_path, v.to_string()).unwrap();
+            load_hf(dir.path()).map(|w| w.config)
+        };
+        let theta = good["rope_theta"].as_f64().unwrap();
+        let same = with(&|v| v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": theta}));
+        assert_eq!(same.unwrap(), model.config, "agreeing fields are read");
+        let e = with(&|v| v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e6}));
+        let e = format!("{:#}", e.unwrap_err());
+        assert!(e.contains("rope_theta") && e.contains("disagree"), "{e}");
+        let llama3 = serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        let e = with(&|v| {
+            v["rope_scaling"] = llama3.clone();
+            v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": theta});
+        });
+        assert!(format!("{:#}", e.unwrap_err()).contains("different rotary scalings"));
+        with(&|_| {}).unwrap();
+        // Two shards, the second holding another copy of a tensor of the first.
+        let sharded = dir.path().join("sharded");
+        std::fs::create_dir(&sharded).unwrap();
+        std::fs::copy(&cfg_path, sharded.join("config.json")).unwrap();
+        std::fs::rename(dir.path().join("model.safetensors"), sharded.join("model-00001-of-00002.safetensors"))
+            .unwrap();
+        let names: Vec<String> = hf_views(&model, Dtype::F32).into_iter().map(|(n, _)| n).collect();
+        let twice = names.iter().find(|n| n.contains("q_proj")).unwrap().clone();
+        let copy = hf_views(&model, Dtype::F32).into_iter().filter(|(n, _)| *n == twice).collect();
+        write_safetensors(&sharded.join("model-00002-of-00002.safetensors"), copy, pt_metadata()).unwrap();
+        let map: serde_json::Map<String, serde_json::Value> = names
+            .iter()
+            .map(|n| {
+                let shard = if *n == twice { 2 } else { 1 };
+                (n.clone(), format!("model-0000{shard}-of-00002.safetensors").into())
+            })
+            .collect();
+        let index = serde_json::json!({"metadata": {}, "weight_map": map});
+        std::fs::write(sharded.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        let e = format!("{:#}", load_hf(&sharded).unwrap_err());
+        assert!(e.contains(&format!("tensor {twice} is stored twice")), "{e}");
     }
 
     #[test]

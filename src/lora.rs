@@ -13,7 +13,7 @@
 //! `adapter_config.json` and `adapter_model.safetensors`) and the merge into the base.
 
 use crate::config::ModelConfig;
-use crate::files::{f32s_to_le, read_file, write_atomic};
+use crate::files::{f32s_to_le, read_file, write_atomic, Dtype};
 use crate::hf::to_f32;
 use crate::models;
 use crate::params::{TensorId, Weights};
@@ -222,22 +222,30 @@ impl Adapters {
     }
 
     /// Write a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors` in
-    /// fp32) for the base its targets came from (of shape `cfg`), which PEFT's
-    /// `PeftModel.from_pretrained` loads onto that base. `base` names the base model in the config.
-    pub fn save_peft(&self, dir: &Path, base: &str, cfg: &ModelConfig) -> Result<()> {
+    /// `dtype`: fp32, or bf16 rounded to nearest even) for the base its targets came from (of
+    /// shape `cfg`), which PEFT's `PeftModel.from_pretrained` loads onto that base. `base` names
+    /// the base model in the config.
+    pub fn save_peft(&self, dir: &Path, base: &str, cfg: &ModelConfig, dtype: Dtype) -> Result<()> {
         let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = vec![];
         for (i, t) in self.targets.iter().enumerate() {
             for (part, range, shape) in
                 [("lora_A", self.a_range(i), vec![self.r, t.cols]), ("lora_B", self.b_range(i), vec![t.rows, self.r])]
             {
                 let mut b = vec![];
-                f32s_to_le(&self.data[range], &mut b);
+                match dtype {
+                    Dtype::F32 => f32s_to_le(&self.data[range], &mut b),
+                    Dtype::BF16 => crate::files::f32s_to_bf16_le(&self.data[range], &mut b),
+                }
                 bytes.push((format!("base_model.model.{}.{part}.weight", t.module), shape, b));
             }
         }
+        let st_dtype = match dtype {
+            Dtype::F32 => StDtype::F32,
+            Dtype::BF16 => StDtype::BF16,
+        };
         let views = bytes
             .iter()
-            .map(|(n, s, b)| Ok((n.clone(), TensorView::new(StDtype::F32, s.clone(), b)?)))
+            .map(|(n, s, b)| Ok((n.clone(), TensorView::new(st_dtype, s.clone(), b)?)))
             .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
         let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
         let out = safetensors::serialize(views, Some(meta))?;
@@ -514,7 +522,7 @@ pub fn is_checkpoint(path: &Path) -> bool {
 /// version 1, the JSON's length, the number of values), then JSON (the base's config.json, its
 /// [`BaseId`], r, lora_alpha and the adapted modules), then the adapters' fp32 values.
 pub fn save_checkpoint(path: &Path, cfg: &ModelConfig, a: &Adapters, base: &BaseId) -> Result<()> {
-    let config: serde_json::Value = serde_json::from_str(&crate::hf::config_json(cfg, crate::files::Dtype::F32))?;
+    let config: serde_json::Value = serde_json::from_str(&crate::hf::config_json(cfg, Dtype::F32))?;
     let modules: Vec<&str> = a.targets.iter().map(|t| t.module.as_str()).collect();
     let json =
         serde_json::json!({"base_config": config, "base": base, "r": a.r, "lora_alpha": a.alpha, "modules": modules});
@@ -858,7 +866,7 @@ mod tests {
             let cfg = ModelConfig::from_descriptor(desc).unwrap();
             let mut a = Adapters::new(3, 5.0, select(&cfg, &[]).unwrap(), &mut Mt19937::new(1)).unwrap();
             a.data.iter_mut().enumerate().for_each(|(i, x)| *x += i as f32 * 1e-3);
-            a.save_peft(&dir, "base", &cfg).unwrap();
+            a.save_peft(&dir, "base", &cfg, Dtype::F32).unwrap();
             assert_eq!(Adapters::load_peft(&cfg, &dir, true).unwrap(), a);
             let other =
                 ModelConfig::from_descriptor(if desc.starts_with("llama") { "llama:2x24:4:2" } else { "2x24:2:8" })
@@ -878,7 +886,7 @@ mod tests {
         let cfg = ModelConfig::from_descriptor("llama:2x16:4:2").unwrap();
         let a = Adapters::new(2, 4.0, select(&cfg, &[]).unwrap(), &mut Mt19937::new(1)).unwrap();
         let err = |edit: &dyn Fn(&Path)| {
-            a.save_peft(&dir, "base", &cfg).unwrap();
+            a.save_peft(&dir, "base", &cfg, Dtype::F32).unwrap();
             edit(&dir);
             Adapters::load_peft(&cfg, &dir, true).unwrap_err().to_string()
         };
@@ -925,7 +933,7 @@ mod tests {
             let cfg = ModelConfig::from_descriptor(desc).unwrap();
             let wanted: Vec<String> = wanted.into_iter().map(String::from).collect();
             let a = Adapters::new(2, 4.0, select(&cfg, &wanted).unwrap(), &mut Mt19937::new(1)).unwrap();
-            a.save_peft(&dir, "base", &cfg).unwrap();
+            a.save_peft(&dir, "base", &cfg, Dtype::F32).unwrap();
             let back = Adapters::load_peft(&cfg, &dir, true).unwrap();
             assert_eq!(back, a, "{desc} {wanted:?}");
             let written = a.target_modules(&cfg);

@@ -103,30 +103,7 @@ enum Cmd {
     Generate(GenArgs),
     /// Convert a model between llm.c .bin and Hugging Face safetensors. OUT ending in .bin is an
     /// llm.c model file; anything else is a directory with model.safetensors + config.json.
-    Convert {
-        /// INPUT OUTPUT, or only OUTPUT with --hf. INPUT: llm.c .bin, HF directory or
-        /// .safetensors, or a descriptor such as d12 for random init. OUTPUT: *.bin for llm.c's
-        /// format, else a Hugging Face directory.
-        #[arg(required = true, num_args = 1..=2, value_names = ["INPUT", "OUTPUT"])]
-        paths: Vec<String>,
-        /// Take the input from the Hugging Face Hub: owner/name[@revision].
-        #[arg(long)]
-        hf: Option<String>,
-        /// Output precision: fp32 or bf16.
-        #[arg(long, default_value = dtype_name(Dtype::F32))]
-        dtype: String,
-        /// Seed when the input is a descriptor for random init (e.g. d12) [default: 42; with
-        /// --lora CKPT or --merge CKPT, the seed its base was drawn with].
-        #[arg(long)]
-        seed: Option<u32>,
-        /// INPUT is a LoRA run's checkpoint: write the merged model (base + adapters) instead
-        /// of the PEFT adapter directory.
-        #[arg(long)]
-        merge: bool,
-        /// Merge these LoRA adapters (a PEFT directory or LoRA checkpoint) into INPUT.
-        #[arg(long)]
-        lora: Option<PathBuf>,
-    },
+    Convert(ConvertArgs),
 }
 
 #[derive(Subcommand)]
@@ -145,9 +122,10 @@ enum PrepareCmd {
         files: Vec<PathBuf>,
         #[arg(short, long, default_value = "data/text")]
         out: PathBuf,
-        /// Tokens for the validation shard.
-        #[arg(long, default_value_t = 32768)]
-        val_tokens: usize,
+        /// Tokens for the validation shard [default: 32768 (llm.c's), or a tenth of an input
+        /// of fewer than ten times that].
+        #[arg(long)]
+        val_tokens: Option<usize>,
         /// Tokenize with this tokenizer.json (a file, a model directory, or hf:owner/name) instead
         /// of GPT-2's.
         #[arg(long)]
@@ -285,6 +263,39 @@ struct GenArgs {
 }
 
 #[derive(Args)]
+struct ConvertArgs {
+    /// INPUT OUTPUT, or only OUTPUT with --hf. INPUT: llm.c .bin, HF directory or .safetensors,
+    /// a LoRA run's checkpoint (written as PEFT's adapter files, or merged with --merge), or a
+    /// descriptor such as d12 for random init. OUTPUT: *.bin for llm.c's format, else a
+    /// directory (a Hugging Face model, with the tokenizer and generation files of INPUT or
+    /// its base, or a PEFT adapter).
+    #[arg(required = true, num_args = 1..=2, value_names = ["INPUT", "OUTPUT"])]
+    paths: Vec<String>,
+    /// Take the input from the Hugging Face Hub: owner/name[@revision].
+    #[arg(long)]
+    hf: Option<String>,
+    /// Output precision: fp32 or bf16 (the weights, or a PEFT adapter's).
+    #[arg(long, default_value = dtype_name(Dtype::F32))]
+    dtype: String,
+    /// Seed when the input is a descriptor for random init (e.g. d12) [default: 42; with
+    /// --lora CKPT or --merge CKPT, the seed its base was drawn with].
+    #[arg(long)]
+    seed: Option<u32>,
+    /// INPUT is a LoRA run's checkpoint: write the merged model (base + adapters) instead
+    /// of the PEFT adapter directory.
+    #[arg(long)]
+    merge: bool,
+    /// Merge these LoRA adapters (a PEFT directory or LoRA checkpoint) into INPUT.
+    #[arg(long)]
+    lora: Option<PathBuf>,
+    /// Replace an existing OUTPUT (a .bin, or a directory's model or adapter files; the files
+    /// of the old model that the new one lacks are removed). Without it an existing OUTPUT is
+    /// refused. What the conversion reads is never replaced.
+    #[arg(long)]
+    overwrite: bool,
+}
+
+#[derive(Args)]
 struct ShardArgs {
     /// Tokens per shard (llm.c: 10^8).
     #[arg(long, default_value_t = 100_000_000)]
@@ -312,7 +323,7 @@ struct TrainArgs {
     /// Train data: shard file or glob pattern.
     #[arg(short = 'i', long = "train-data", default_value_t = D.with(|d| d.train_data.clone()))]
     train_data: String,
-    /// Val data: shard file or glob pattern.
+    /// Val data: shard file or glob pattern ("" for none: no validation; -v 0 does not read it).
     #[arg(short = 'j', long = "val-data", default_value_t = D.with(|d| d.val_data.clone()))]
     val_data: String,
     /// Model to start from: an llm.c .bin, a Hugging Face directory or hf:owner/name, or a
@@ -641,7 +652,8 @@ fn cmd_generate(a: GenArgs, device: llmrs::backend::Device) -> Result<()> {
         },
     };
     let max_t = model.config.max_seq_len;
-    if prompt.len() < max_t && prompt.len().saturating_add(a.max_new_tokens) > max_t {
+    llmrs::generate::check_prompt(prompt.len(), max_t)?; // before the prompt is printed
+    if prompt.len().saturating_add(a.max_new_tokens) > max_t {
         eprintln!(
             "note: the model's context is {max_t} positions: after the {}-token prompt, at most {} new tokens (-n {})",
             prompt.len(),
@@ -817,9 +829,7 @@ fn run_command(cli: Cli, comm: Comm) -> Result<()> {
         Some(Cmd::Devices) => cmd_devices(),
         Some(Cmd::Plot { logs, out }) => cmd_plot(&logs, &out),
         Some(Cmd::Eval(e)) => cmd_eval(e, device),
-        Some(Cmd::Convert { paths, hf, dtype, seed, merge, lora }) => {
-            cmd_convert(&paths, hf, &dtype, seed, merge, lora)
-        }
+        Some(Cmd::Convert(c)) => cmd_convert(c),
     }
 }
 
@@ -898,17 +908,11 @@ fn cmd_eval(e: EvalCmd, device: llmrs::backend::Device) -> Result<()> {
     Ok(())
 }
 
-fn cmd_convert(
-    paths: &[String],
-    hf: Option<String>,
-    dtype: &str,
-    seed: Option<u32>,
-    merge: bool,
-    lora: Option<PathBuf>,
-) -> Result<()> {
+fn cmd_convert(c: ConvertArgs) -> Result<()> {
+    let ConvertArgs { paths, hf, dtype, seed, merge, lora, overwrite } = c;
     let (seed_given, seed) = (seed.is_some(), seed.unwrap_or(42));
-    let dtype = parse_dtype(dtype)?;
-    let (spec, output) = match (hf, paths) {
+    let dtype = parse_dtype(&dtype)?;
+    let (spec, output) = match (hf, &paths[..]) {
         (Some(h), [out]) => (format!("hf:{h}"), PathBuf::from(out)),
         (None, [input, out]) => (input.clone(), PathBuf::from(out)),
         (Some(_), _) => bail!("with --hf, give only the output path: llmrs convert --hf owner/name OUT"),
@@ -916,31 +920,37 @@ fn cmd_convert(
     };
     let is_bin = output.extension().is_some_and(|e| e == "bin");
     let input = Path::new(&spec);
+    let ckpt = llmrs::lora::is_checkpoint(input);
     let in_dir = |names: &[&str]| names.iter().map(|n| output.join(n)).collect::<Vec<_>>();
     let written = if is_bin {
         vec![output.clone()]
-    } else if llmrs::lora::is_checkpoint(input) && !merge {
+    } else if ckpt && !merge {
         in_dir(&[llmrs::lora::CONFIG_FILE, llmrs::lora::WEIGHTS_FILE])
     } else {
         in_dir(&["model.safetensors", "config.json"])
     };
     check_convert_output(input, lora.as_deref(), &output, &written)?;
-    if llmrs::lora::is_checkpoint(input) && lora.is_some() {
+    if ckpt && lora.is_some() {
         bail!(
             "{spec} holds LoRA adapters and --lora names more: give --merge {spec} for its own merged model, \
              or its base as INPUT with --lora"
         );
     }
-    if llmrs::lora::is_checkpoint(input) && !merge {
+    if ckpt && !merge && is_bin {
+        bail!("{spec} holds LoRA adapters: give a directory for PEFT's adapter files, or --merge for the merged model");
+    }
+    if merge && lora.is_none() && !ckpt {
+        bail!("--merge merges a LoRA run's checkpoint into its base: {spec} is not one (or give --lora DIR)");
+    }
+    let old = old_outputs(&output, is_bin, overwrite)?;
+    if ckpt && !merge {
         // A LoRA run's checkpoint: its adapters as a PEFT adapter directory.
-        if is_bin {
-            bail!("{spec} holds LoRA adapters: give a directory for PEFT's adapter files, or --merge for the merged model");
-        }
         let (cfg, a, base) = llmrs::lora::load_checkpoint(input)?;
         let name = base.source.strip_prefix("hf:").unwrap_or(&base.source);
-        a.save_peft(&output, name, &cfg)?;
+        a.save_peft(&output, name, &cfg, dtype)?;
+        let removed = remove_old_outputs(&output, &old, &written)?;
         eprintln!(
-            "wrote {} (PEFT LoRA adapter: rank {}, alpha {}, {} projections, {} parameters; base {name})",
+            "wrote {} (PEFT LoRA adapter: rank {}, alpha {}, {} projections, {} parameters in {dtype}; base {name}){removed}",
             output.display(),
             a.r,
             a.alpha,
@@ -949,24 +959,123 @@ fn cmd_convert(
         );
         return Ok(());
     }
-    if merge && lora.is_none() && !llmrs::lora::is_checkpoint(input) {
-        bail!("--merge merges a LoRA run's checkpoint into its base: {spec} is not one (or give --lora DIR)");
-    }
     // A LoRA checkpoint loads as its base with the adapters merged (llmrs::source::load_any).
-    let weights = if merge && seed_given && llmrs::lora::is_checkpoint(input) {
-        // Its base drawn with the seed given, checked by hash, rather than the seed ignored.
+    // The tokenizer and generation settings come from the base.
+    let (weights, side_spec) = if merge && ckpt {
         let (_, _, base) = llmrs::lora::load_checkpoint(input)?;
-        llmrs::lora::load_merged(&base.source, seed, true, input)?
+        // With --seed, its base drawn with the seed given, checked by hash, rather than the seed ignored.
+        let w = match seed_given {
+            true => llmrs::lora::load_merged(&base.source, seed, true, input)?,
+            false => load_with_lora(&spec, seed, false, None)?,
+        };
+        (w, base.source)
     } else {
-        load_with_lora(&spec, seed, seed_given, lora.as_deref())?
+        (load_with_lora(&spec, seed, seed_given, lora.as_deref())?, spec.clone())
     };
-    if is_bin {
+    let side = if is_bin {
         llmrs::checkpoint::save_model(&weights, &output, dtype)?;
+        vec![]
     } else {
         llmrs::hf::save_hf(&weights, &output, dtype)?;
-    }
-    eprintln!("wrote {} ({} parameters, {dtype})", output.display(), weights.num_parameters());
+        llmrs::source::copy_side_files(&side_spec, &output, false)?
+    };
+    let removed = remove_old_outputs(&output, &old, &[written, side.clone()].concat())?;
+    let side = match side.is_empty() {
+        true => String::new(),
+        false => format!("; with {} from {side_spec}", file_names(&side)),
+    };
+    eprintln!("wrote {} ({} parameters, {dtype}{side}){removed}", output.display(), weights.num_parameters());
     Ok(())
+}
+
+/// The files of a model or adapter directory: what `convert` writes there, and what an earlier
+/// model or adapter there may have left (its shards and index, its tokenizer's files).
+fn is_model_file(name: &str) -> bool {
+    const NAMES: [&str; 14] = [
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "adapter_model.bin",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+        "added_tokens.json",
+        "generation_config.json",
+        "tokenizer.json",
+    ];
+    NAMES.contains(&name)
+        || llmrs::source::SIDE_FILES.contains(&name)
+        || (name.starts_with("model-") && name.ends_with(".safetensors"))
+        || (name.starts_with("pytorch_model-") && name.ends_with(".bin"))
+}
+
+/// What an existing OUTPUT holds that the conversion would replace or leave beside its own
+/// files: the file OUT (an llm.c file), or a directory's model and adapter files. Refused
+/// unless `overwrite`: `convert` replaces nothing without being told to.
+fn old_outputs(output: &Path, is_bin: bool, overwrite: bool) -> Result<Vec<PathBuf>> {
+    let o = output.display();
+    let old = if is_bin {
+        match std::fs::symlink_metadata(output) {
+            Ok(m) if m.is_dir() => {
+                bail!("OUTPUT {o} is a directory; an llm.c model file is written to a path ending in .bin")
+            }
+            Ok(_) => vec![output.to_path_buf()],
+            Err(_) => vec![],
+        }
+    } else if output.is_dir() {
+        let mut old: Vec<PathBuf> = std::fs::read_dir(output)
+            .with_context(|| format!("cannot read the directory {o}"))?
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_str().is_some_and(is_model_file))
+            .map(|e| e.path())
+            .collect();
+        old.sort();
+        old
+    } else if output.exists() {
+        bail!("OUTPUT {o} is a file: a Hugging Face model or PEFT adapter is written to a directory (or give a path ending in .bin)")
+    } else {
+        vec![]
+    };
+    if !old.is_empty() && !overwrite {
+        if is_bin {
+            bail!("OUTPUT {o} exists: convert replaces nothing unless told to; pass --overwrite to replace it, or write to another path");
+        }
+        bail!(
+            "OUTPUT {o} holds a model's or adapter's files ({}): convert replaces nothing unless told to; pass \
+             --overwrite to replace them (those of the old model that the new one lacks are removed), or write to \
+             another directory",
+            file_names(&old)
+        );
+    }
+    Ok(old)
+}
+
+/// After an `--overwrite` conversion: remove the files of the old model (`old`) that the new
+/// one did not write, so that OUTPUT never mixes two models (an old index and shards beside
+/// a new model.safetensors, another model's tokenizer). Returns a note naming them, if any.
+fn remove_old_outputs(output: &Path, old: &[PathBuf], written: &[PathBuf]) -> Result<String> {
+    let stale: Vec<PathBuf> = old.iter().filter(|p| !written.contains(p)).cloned().collect();
+    for p in &stale {
+        std::fs::remove_file(p).with_context(|| format!("cannot remove {} (of the model OUTPUT held)", p.display()))?;
+    }
+    Ok(match stale.is_empty() {
+        true => String::new(),
+        false => format!(
+            "; removed what the old model in {} had and this one lacks: {}",
+            output.display(),
+            file_names(&stale)
+        ),
+    })
+}
+
+/// The file names of `paths`, comma-separated.
+fn file_names(paths: &[PathBuf]) -> String {
+    let names: Vec<String> = paths.iter().filter_map(|p| Some(p.file_name()?.to_string_lossy().into_owned())).collect();
+    names.join(", ")
 }
 
 /// Refuse an OUTPUT that would replace what the conversion reads or what a run still needs:
@@ -1113,16 +1222,14 @@ mod tests {
     #[test]
     fn convert_takes_one_path_with_hf_and_two_without() {
         let parse = |args: &[&str]| Cli::try_parse_from(args.iter().copied());
-        let Some(Cmd::Convert { paths, hf, .. }) = parse(&["llmrs", "convert", "--hf", "a/b", "out.bin"]).unwrap().cmd
-        else {
+        let Some(Cmd::Convert(c)) = parse(&["llmrs", "convert", "--hf", "a/b", "out.bin"]).unwrap().cmd else {
             panic!("not convert")
         };
-        assert_eq!((paths, hf), (vec!["out.bin".to_string()], Some("a/b".to_string())));
-        let Some(Cmd::Convert { paths, hf, .. }) = parse(&["llmrs", "convert", "in.bin", "out_dir"]).unwrap().cmd
-        else {
+        assert_eq!((c.paths, c.hf), (vec!["out.bin".to_string()], Some("a/b".to_string())));
+        let Some(Cmd::Convert(c)) = parse(&["llmrs", "convert", "in.bin", "out_dir"]).unwrap().cmd else {
             panic!("not convert")
         };
-        assert_eq!((paths, hf), (vec!["in.bin".to_string(), "out_dir".to_string()], None));
+        assert_eq!((c.paths, c.hf), (vec!["in.bin".to_string(), "out_dir".to_string()], None));
         assert!(parse(&["llmrs", "convert"]).is_err());
         assert!(parse(&["llmrs", "convert", "a", "b", "c"]).is_err());
     }

@@ -111,9 +111,14 @@ pub fn hellaswag_jsonl(input: Option<&Path>, out_dir: &Path) -> Result<PathBuf> 
     Ok(cached)
 }
 
+/// The validation tokens `prepare text` keeps by default: llm.c's Tiny Shakespeare split.
+/// An input of fewer than ten times as many keeps a tenth of its tokens.
+pub const VAL_TOKENS: usize = 32768;
+
 /// `llmrs prepare text FILE... -o DIR`: UTF-8 documents, each preceded by <|endoftext|>, the
-/// first `val_tokens` tokens to `DIR/val_000000.bin`, the rest to `DIR/train_000000.bin`.
-pub fn prepare_text(files: &[PathBuf], out_dir: &Path, val_tokens: usize) -> Result<(PathBuf, PathBuf)> {
+/// first `val_tokens` tokens (default: see [`VAL_TOKENS`]) to `DIR/val_000000.bin`, the rest
+/// to `DIR/train_000000.bin`.
+pub fn prepare_text(files: &[PathBuf], out_dir: &Path, val_tokens: Option<usize>) -> Result<(PathBuf, PathBuf)> {
     prepare_text_with(files, out_dir, val_tokens, &Tokenizer::gpt2()?)
 }
 
@@ -124,7 +129,7 @@ pub fn prepare_text(files: &[PathBuf], out_dir: &Path, val_tokens: usize) -> Res
 pub fn prepare_text_with(
     files: &[PathBuf],
     out_dir: &Path,
-    val_tokens: usize,
+    val_tokens: Option<usize>,
     tok: &Tokenizer,
 ) -> Result<(PathBuf, PathBuf)> {
     let (train_path, val_path) = (out_dir.join("train_000000.bin"), out_dir.join("val_000000.bin"));
@@ -132,30 +137,68 @@ pub fn prepare_text_with(
     for f in files {
         crate::files::check_regular(f)?;
     }
-    // The first val_tokens go to the val shard (kept in memory), the rest to the train shard.
-    let mut val: Vec<u32> = Vec::with_capacity(val_tokens.min(1 << 24));
+    // The val shard is the first tokens, kept in memory. How many is known from the start with
+    // --val-tokens; else once 10 * VAL_TOKENS have come (then VAL_TOKENS, the rest of those
+    // going to the train shard first) or the input has ended (a tenth of it).
+    let mut val: Vec<u32> = Vec::with_capacity(val_tokens.unwrap_or(10 * VAL_TOKENS).min(1 << 24));
+    let mut decided = val_tokens;
     let mut train = crate::data::ShardWriter::create(&train_path, wide)?;
-    let mut push = |ids: &[u32]| -> Result<()> {
-        let to_val = (val_tokens - val.len()).min(ids.len());
-        val.extend_from_slice(&ids[..to_val]);
-        train.push(&ids[to_val..])
-    };
-    for f in files {
-        let name = f.display().to_string();
-        let mut file = std::fs::File::open(f).with_context(|| format!("cannot read {name}"))?;
-        push(&[tok.doc_start])?;
-        let bytes = tok.encode_reader(&mut file, &name, &mut push)?;
-        if bytes == 0 {
-            bail!("{name} is empty");
+    {
+        let mut push = |ids: &[u32]| -> Result<()> {
+            let cap = decided.unwrap_or(10 * VAL_TOKENS);
+            let k = cap.saturating_sub(val.len()).min(ids.len());
+            val.extend_from_slice(&ids[..k]);
+            if decided.is_none() && val.len() == cap {
+                train.push(&val[VAL_TOKENS..])?;
+                val.truncate(VAL_TOKENS);
+                decided = Some(VAL_TOKENS);
+            }
+            train.push(&ids[k..])
+        };
+        for f in files {
+            let name = f.display().to_string();
+            let mut file = std::fs::File::open(f).with_context(|| format!("cannot read {name}"))?;
+            push(&[tok.doc_start])?;
+            let bytes = tok.encode_reader(&mut file, &name, &mut push)?;
+            if bytes == 0 {
+                bail!("{name} is empty");
+            }
         }
     }
     let total = val.len() + train.len();
-    if total <= val_tokens + 1 {
-        bail!("the input gives {total} tokens, not enough for {val_tokens} validation tokens plus training data");
-    }
+    let how = match (val_tokens, decided) {
+        (Some(n), _) => {
+            if total <= n + 1 {
+                bail!(
+                    "the input gives {total} tokens, not enough for --val-tokens {n} plus training data: give fewer \
+                     validation tokens (or more text)"
+                );
+            }
+            "--val-tokens".to_string()
+        }
+        (None, Some(_)) => format!("llm.c's {VAL_TOKENS}; --val-tokens N to choose"),
+        (None, None) => {
+            // A small input: everything is still in `val`, and the train shard empty.
+            let n = total / 10;
+            if n == 0 {
+                bail!("the input gives {total} tokens: too few to keep some for validation and train on the rest");
+            }
+            train.push(&val[n..])?;
+            val.truncate(n);
+            format!("a tenth of the input's {total}; --val-tokens N to choose")
+        }
+    };
     let n_train = train.finish()?;
-    write_shard_as(&val_path, &val, wide)?;
-    eprintln!("wrote {} val and {n_train} train tokens to {}", val.len(), out_dir.display());
+    if val.is_empty() {
+        // --val-tokens 0: no validation shard (an old one would belong to other text).
+        if val_path.exists() {
+            std::fs::remove_file(&val_path).with_context(|| format!("cannot remove {}", val_path.display()))?;
+        }
+        eprintln!("wrote {n_train} train tokens to {} and no val shard (train with -j '')", out_dir.display());
+    } else {
+        write_shard_as(&val_path, &val, wide)?;
+        eprintln!("wrote {} val tokens ({how}) and {n_train} train tokens to {}", val.len(), out_dir.display());
+    }
     Ok((train_path, val_path))
 }
 
@@ -182,17 +225,41 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let bin = dir.path().join("bin.dat");
         std::fs::write(&bin, [0xffu8, 0xfe, 0x00, 0x80]).unwrap();
-        let e = prepare_text(&[bin], dir.path(), 10).unwrap_err();
+        let e = prepare_text(&[bin], dir.path(), Some(10)).unwrap_err();
         assert!(format!("{e:#}").contains("not UTF-8"));
         let empty = dir.path().join("empty.txt");
         std::fs::write(&empty, "").unwrap();
-        assert!(format!("{:#}", prepare_text(&[empty], dir.path(), 10).unwrap_err()).contains("empty"));
+        assert!(format!("{:#}", prepare_text(&[empty], dir.path(), Some(10)).unwrap_err()).contains("empty"));
         assert!(!dir.path().join("train_000000.bin").exists(), "no half-written shards");
         let good = dir.path().join("good.txt");
         std::fs::write(&good, "Now is the winter of our discontent ".repeat(20)).unwrap();
-        let (tr, va) = prepare_text(&[good], dir.path(), 10).unwrap();
+        let (tr, va) = prepare_text(std::slice::from_ref(&good), dir.path(), Some(10)).unwrap();
         assert_eq!(crate::data::read_shard(&va).unwrap().len(), 10);
         assert!(crate::data::read_shard(&tr).unwrap().len() > 50);
+        let e = format!("{:#}", prepare_text(&[good], dir.path(), Some(1000)).unwrap_err());
+        assert!(e.contains("not enough for --val-tokens 1000"), "{e}");
+    }
+
+    /// Without --val-tokens: llm.c's 32,768 for an input of ten times that or more, else a
+    /// tenth of it; either way the two shards are the input's tokens in order.
+    #[test]
+    fn the_default_validation_split_scales_with_the_input() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = Tokenizer::gpt2().unwrap();
+        for (words, small) in [(3_000, true), (400_000, false)] {
+            let f = dir.path().join("t.txt");
+            let text: String = (0..words).map(|i| format!("w{} ", i % 97)).collect();
+            std::fs::write(&f, &text).unwrap();
+            let (tr, va) = prepare_text(&[f], dir.path(), None).unwrap();
+            let (val, train) = (crate::data::read_shard(&va).unwrap(), crate::data::read_shard(&tr).unwrap());
+            let total = val.len() + train.len();
+            let want = if small { total / 10 } else { VAL_TOKENS };
+            assert_eq!(val.len(), want, "{words} words: {total} tokens");
+            assert_eq!(small, total < 10 * VAL_TOKENS, "the case tested");
+            let mut all = vec![tok.doc_start];
+            all.extend(tok.encode(&text).unwrap());
+            assert!(val.iter().chain(&train).copied().eq(all), "{words} words: the tokens in order");
+        }
     }
 
     /// `prepare text` tokenizes a file a piece at a time: the ids must be those of the whole

@@ -153,13 +153,15 @@ fn side_dir(spec: &str, whole_model: bool) -> Result<Option<PathBuf>> {
 pub fn tokenizer_path(spec: &str) -> Result<Option<PathBuf>> {
     let p = Path::new(spec);
     if spec.ends_with(".json") {
-        if !p.is_file() {
+        if !crate::files::present(p)? {
             bail!("{spec}: no such file");
         }
         return Ok(Some(p.to_path_buf()));
     }
-    let t = side_dir(spec, false)?.map(|d| d.join(TOKENIZER_FILE));
-    Ok(t.filter(|t| t.is_file()))
+    match side_dir(spec, false)?.map(|d| d.join(TOKENIZER_FILE)) {
+        Some(t) if crate::files::present(&t)? => Ok(Some(t)),
+        _ => Ok(None),
+    }
 }
 
 /// The tokenizer of model `spec`: its tokenizer.json (see [`tokenizer_path`]), else GPT-2's.
@@ -217,7 +219,7 @@ pub fn eos_tokens(spec: &str) -> Result<Option<Vec<u32>>> {
     let Some(dir) = side_dir(spec, false)? else { return Ok(None) };
     for f in [GENERATION_CONFIG_FILE, "config.json"] {
         let path = dir.join(f);
-        if !path.is_file() {
+        if !crate::files::present(&path)? {
             continue;
         }
         let text = crate::files::read_file(&path)?;
@@ -238,33 +240,52 @@ pub fn eos_tokens(spec: &str) -> Result<Option<Vec<u32>>> {
     Ok(None)
 }
 
-/// Keep `spec`'s tokenizer.json and generation settings in a fresh training run's output
-/// directory, so that its checkpoints (llm.c `.bin` files, which hold only weights) generate
-/// and evaluate with the model's own tokenizer and end tokens; those an earlier run left there
-/// go when this model has none. (A model inside `out` itself is left alone.)
-pub fn keep_side_files(spec: &str, out: &Path) -> Result<()> {
+/// The files beside a model's weights that describe its tokenizer, chat template and generation
+/// settings: what a training run keeps beside its checkpoints and `convert` copies into a
+/// model directory it writes.
+pub const SIDE_FILES: [&str; 5] =
+    [TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", GENERATION_CONFIG_FILE];
+
+/// Copy `spec`'s side files ([`SIDE_FILES`] in its [`side_dir`]) into the directory `out`, and
+/// with `prune` remove those in `out` that `spec` lacks; returns the side files `out` holds
+/// after. When the side directory is `out` itself nothing is copied or removed. A model whose
+/// end tokens are only in its config.json gets them as generation settings.
+pub fn copy_side_files(spec: &str, out: &Path, prune: bool) -> Result<Vec<PathBuf>> {
     let src = side_dir(spec, false)?;
     if src.as_deref().is_some_and(|d| same_dir(d, out)) {
-        return Ok(());
+        return Ok(SIDE_FILES.iter().map(|f| out.join(f)).filter(|p| p.is_file()).collect());
     }
-    for f in [TOKENIZER_FILE, GENERATION_CONFIG_FILE] {
+    let mut kept = vec![];
+    for f in SIDE_FILES {
         let dest = out.join(f);
         match src.as_ref().map(|d| d.join(f)).filter(|p| p.is_file()) {
-            Some(from) => crate::files::write_atomic(&dest, &[&crate::files::read_file(&from)?])?,
-            None if dest.is_file() => {
+            Some(from) => {
+                crate::files::write_atomic(&dest, &[&crate::files::read_file(&from)?])?;
+                kept.push(dest);
+            }
+            None if prune && dest.is_file() => {
                 std::fs::remove_file(&dest).with_context(|| format!("cannot remove {}", dest.display()))?
             }
             None => {}
         }
     }
-    // A model whose end tokens are only in its config.json: keep them as generation settings.
-    if src.is_some() && !out.join(GENERATION_CONFIG_FILE).is_file() {
+    let generation = out.join(GENERATION_CONFIG_FILE);
+    if src.is_some() && !generation.is_file() {
         if let Some(ids) = eos_tokens(spec)? {
             let v = serde_json::json!({ "eos_token_id": ids });
-            crate::files::write_atomic(&out.join(GENERATION_CONFIG_FILE), &[v.to_string().as_bytes()])?;
+            crate::files::write_atomic(&generation, &[v.to_string().as_bytes()])?;
+            kept.push(generation);
         }
     }
-    Ok(())
+    Ok(kept)
+}
+
+/// Keep `spec`'s side files in a fresh training run's output directory ([`copy_side_files`]),
+/// so that its checkpoints (llm.c `.bin` files, which hold only weights) generate and evaluate
+/// with the model's own tokenizer and end tokens; those an earlier run left there go when this
+/// model has none. (A model inside `out` itself is left alone.)
+pub fn keep_side_files(spec: &str, out: &Path) -> Result<()> {
+    copy_side_files(spec, out, true).map(|_| ())
 }
 
 fn same_dir(a: &Path, b: &Path) -> bool {

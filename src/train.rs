@@ -468,11 +468,17 @@ fn open_output(cfg: &TrainConfig, rank: usize) -> Result<(Option<RunDir>, Option
         bail!("-y 1 needs the output directory (-o) of the run to resume");
     }
     let existing = if cfg.overwrite { Existing::Delete } else { Existing::Refuse };
+    let was_there = out.is_some_and(|d| d.exists());
     let run_dir = match out {
         Some(dir) if rank == 0 => Some(RunDir::open(dir, cfg.resume, existing)?),
         _ => None,
     };
     let resume_step = if cfg.resume { out.and_then(latest_checkpoint) } else { None };
+    if let (true, None, 0, Some(dir)) = (cfg.resume, resume_step, rank, out) {
+        // As llm.c, -y 1 with nothing to resume starts afresh; a mistyped -o should not pass unseen.
+        let why = if was_there { "holds no complete checkpoint (DONE_ file)" } else { "did not exist" };
+        eprintln!("note: -y 1: {} {why}; starting from step 0", dir.display());
+    }
     if let Some(s) = resume_step {
         let state = &resume_paths(cfg, s, rank)[1];
         if !state.exists() {
@@ -546,6 +552,24 @@ fn other_base(from: &Path, base: &crate::lora::BaseId, model: &str) -> anyhow::E
     )
 }
 
+/// Refuse a LoRA base of shape `got` (`spec`) for adapters trained on a base of shape `want`
+/// (LoRA checkpoint `ckpt`), before the adapters are fitted to it.
+fn check_base_shape(
+    got: &crate::config::ModelConfig,
+    want: &crate::config::ModelConfig,
+    spec: &str,
+    ckpt: &Path,
+) -> Result<()> {
+    if !got.same_shape(want) {
+        bail!(
+            "the LoRA base model {spec} is of shape {got}, but the adapters of {} were trained on a base of shape \
+             {want}: give that base with -e",
+            ckpt.display()
+        );
+    }
+    Ok(())
+}
+
 type Loaded = (crate::params::Weights, Option<(crate::lora::Adapters, crate::lora::BaseId)>, Option<PendingBase>);
 
 fn load_weights_and_adapters(cfg: &TrainConfig, resume_step: Option<usize>, rank: usize) -> Result<Loaded> {
@@ -554,7 +578,7 @@ fn load_weights_and_adapters(cfg: &TrainConfig, resume_step: Option<usize>, rank
     let mut pending = None;
     let (w, lora) = match ckpt {
         Some(p) => {
-            let (_, a, base) = crate::lora::load_checkpoint(&p)?;
+            let (c, a, base) = crate::lora::load_checkpoint(&p)?;
             // -e may name the base another way (a local copy); its values must be the same. A
             // Hugging Face base is read into the model later (not under ZeRO-3), and checked then.
             let spec = if cfg.model_given { cfg.model.as_str() } else { base.source.as_str() };
@@ -570,16 +594,28 @@ fn load_weights_and_adapters(cfg: &TrainConfig, resume_step: Option<usize>, rank
                 }
                 None => base.load(cfg.model_given.then_some(cfg.model.as_str()))?,
             };
+            check_base_shape(&w.config, &c, spec, &p)?;
             // The base as -e gives it (a moved or renamed copy, checked to hold the same
             // values): the checkpoints this run writes, and the commands it prints, name it.
             let mut base = base;
             if cfg.model_given {
                 base.source = BaseId::with_hash(&cfg.model, base.seed, String::new()).source;
             }
-            if (cfg.lora > 0 || cfg.lora_from.is_some()) && rank == 0 {
+            // (Said only when the flags ask for other adapters than the checkpoint's: a resume
+            // may repeat the command that started the run.)
+            let asked = cfg.lora > 0 && {
+                let alpha = cfg.lora_alpha.unwrap_or(2.0 * cfg.lora as f32);
+                let targets = crate::lora::select(&c, &cfg.lora_targets).ok();
+                cfg.lora != a.r || alpha != a.alpha || targets.as_ref() != Some(&a.targets)
+            };
+            let other = cfg.lora_from.is_some() || asked;
+            if other && rank == 0 {
                 eprintln!(
-                    "note: -y 1 resumes the LoRA checkpoint's adapters (rank {}); --lora and --lora-from are not used",
-                    a.r
+                    "note: -y 1 resumes the LoRA checkpoint's adapters (rank {}, alpha {}, {} projections); the \
+                     --lora, --lora-alpha, --lora-targets and --lora-from given are not used",
+                    a.r,
+                    a.alpha,
+                    a.targets.len()
                 );
             }
             (w, Some((a, base)))
@@ -598,7 +634,8 @@ fn load_weights_and_adapters(cfg: &TrainConfig, resume_step: Option<usize>, rank
             let a = match &cfg.lora_from {
                 Some(p) if !p.is_dir() => {
                     // A LoRA checkpoint: its adapters were trained on one base, which -e must be.
-                    let (_, a, base) = crate::lora::load_checkpoint(p).context("--lora-from")?;
+                    let (c, a, base) = crate::lora::load_checkpoint(p).context("--lora-from")?;
+                    check_base_shape(&w.config, &c, &cfg.model, p)?;
                     match &mut pending {
                         Some(pb) => pb.expect = Some(Expect::LoraFrom(p.clone(), base)),
                         None if base.hash != crate::lora::weights_hash(&w) => {
@@ -639,16 +676,26 @@ fn load_weights_and_adapters(cfg: &TrainConfig, resume_step: Option<usize>, rank
     Ok((w, lora, pending))
 }
 
-/// This rank's train and val loaders. With -a the train loader reads the val split, in order
-/// (the step resets it to the same batch). Also returns whether the train data is shuffled,
-/// which a resumed run must match.
-fn open_data(cfg: &TrainConfig, s: &Shape, vocab_size: usize) -> Result<(DataLoader, DataLoader, bool)> {
+/// This rank's train and val loaders: no val loader when there is no validation (`-j ""`, or
+/// `-v 0`, which then reads nothing of `-j`). With -a the train loader reads the val split, in
+/// order (the step resets it to the same batch). Also returns whether the train data is
+/// shuffled, which a resumed run must match.
+fn open_data(cfg: &TrainConfig, s: &Shape, vocab_size: usize) -> Result<(DataLoader, Option<DataLoader>, bool)> {
+    if cfg.overfit_single_batch && cfg.val_data.is_empty() {
+        bail!("-a 1 trains on the first batch of the val data: give it with -j");
+    }
     let train_pattern = if cfg.overfit_single_batch { &cfg.val_data } else { &cfg.train_data };
     let shuffle = cfg.shuffle && !cfg.overfit_single_batch;
     let split = crate::data::Split { rank: s.rank, world: s.world };
     let train =
         DataLoader::new_split(train_pattern, s.b, s.t, vocab_size, shuffle, split).context("train data (-i)")?;
-    let val = DataLoader::new_split(&cfg.val_data, s.b, s.t, vocab_size, false, split).context("val data (-j)")?;
+    let val = match cfg.val_data.is_empty() || cfg.val_every == 0 {
+        true => None,
+        false => Some(
+            DataLoader::new_split(&cfg.val_data, s.b, s.t, vocab_size, false, split)
+                .context("val data (-j; -j '' or -v 0 trains without validation)")?,
+        ),
+    };
     Ok((train, val, shuffle))
 }
 
@@ -758,7 +805,8 @@ struct Run<'a> {
     resuming: bool,
     sched: LrSchedule,
     train: DataLoader,
-    val: DataLoader,
+    /// None without validation (`-j ""`, `-v 0`).
+    val: Option<DataLoader>,
     model: Model,
     /// A LoRA run's base model (the checkpoints hold only the adapters).
     lora_base: Option<crate::lora::BaseId>,
@@ -848,18 +896,23 @@ impl<'a> Run<'a> {
                 base.hash = hash;
             }
         }
-        if let (Some(s), 0, None) = (resume_step, shape.rank, &lora) {
+        if let (Some(s), 0) = (resume_step, shape.rank) {
             let [m, st, _] = resume_paths(cfg, s, shape.rank);
-            let was = crate::checkpoint::checkpoint_precision(&m, &st)?;
-            if was != cfg.precision {
-                eprintln!("note: checkpoint {s} was written by a {was} run; this run computes in {}", cfg.precision);
+            if let Some(was) = crate::checkpoint::checkpoint_precision(&m, &st)?.filter(|&p| p != cfg.precision) {
+                eprintln!(
+                    "note: checkpoint {s} was written by {} {was} run; this run computes in {} (--precision), so its \
+                     losses differ from the run it resumes",
+                    if was == crate::config::Precision::Fp32 { "an" } else { "a" },
+                    cfg.precision
+                );
             }
         }
         model.alloc_training_state()?;
         model.set_recompute(cfg.recompute)?;
         model.set_classifier_rows(cfg.ce_rows)?;
         model.reserve(shape.b, shape.t)?;
-        let val_batches = cfg.val_max_steps.unwrap_or(val.num_tokens / shape.tokens_per_micro);
+        let val_tokens = val.as_ref().map_or(0, |v| v.num_tokens);
+        let val_batches = cfg.val_max_steps.unwrap_or(val_tokens / shape.tokens_per_micro);
         let step = match resume_step {
             Some(s) => restore_state(&resume_paths(cfg, s, shape.rank)[1], s, shuffle, &mut model, &mut train)?,
             None => 0,
@@ -914,15 +967,22 @@ impl<'a> Run<'a> {
                 model.num_parameters(),
                 resume_step.map_or(String::new(), |s| format!(", resumed at step {s}"))
             ));
+            let val = match &self.val {
+                Some(v) => format!("{} val tokens", v.num_tokens),
+                None => "no validation".to_string(),
+            };
             rep.line(&format!(
-                "data: {} train tokens in {} shard(s), {} val tokens; B={b} T={t} grad_accum={grad_accum}; {steps} steps",
+                "data: {} train tokens in {} shard(s), {val}; B={b} T={t} grad_accum={grad_accum}; {steps} steps",
                 self.train.num_tokens,
                 self.train.num_shards(),
-                self.val.num_tokens,
             ));
             rep.line(&format!("device: {}", model.describe_backend()));
             if let (crate::config::Precision::Bf16, master) = model.precision() {
-                let how = if master { "fp32 master weights" } else { "no master weights (-w 0)" };
+                let how = match (master, model.lora().is_some()) {
+                    (true, _) => "fp32 master weights",
+                    (false, true) => "the frozen base needs no master weights",
+                    (false, false) => "no master weights (-w 0)",
+                };
                 rep.line(&format!("precision: bf16 parameters, gradients and activations; {how}; fp32 AdamW"));
             }
             if let Some(a) = model.lora() {
@@ -979,7 +1039,7 @@ impl<'a> Run<'a> {
         if !(cfg.val_every > 0 && (step % cfg.val_every == 0 || last)) {
             return Ok(());
         }
-        let (val, model) = (&mut self.val, &mut self.model);
+        let (Some(val), model) = (&mut self.val, &mut self.model) else { return Ok(()) };
         val.reset()?;
         model.take_loss()?;
         for _ in 0..self.val_batches {
@@ -1194,7 +1254,7 @@ fn write_checkpoint(
             return Err(diverged("the AdamW state is"));
         }
         let st = TrainState { step, loader: train.state(), should_shuffle: train.should_shuffle() };
-        save_state(&s, model, &st)?;
+        save_state(&s, model, &st, dtype)?;
         if rank == 0 {
             let a = crate::lora::Adapters { data: model.read_adapters()?, ..meta };
             if let Err(e) = crate::lora::save_checkpoint(&m, &model.config, &a, base) {
@@ -1221,7 +1281,7 @@ fn write_checkpoint(
     crate::checkpoint::check_model_file(&model.config, dtype)?;
     let st = TrainState { step, loader: train.state(), should_shuffle: train.should_shuffle() };
     // save_state refuses non-finite moments and then writes nothing.
-    if let Err(e) = save_state(&s, model, &st) {
+    if let Err(e) = save_state(&s, model, &st, dtype) {
         return Err(if format!("{e:#}").contains(crate::checkpoint::NON_FINITE_STATE) {
             diverged("the AdamW state is")
         } else {

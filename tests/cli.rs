@@ -867,3 +867,184 @@ fn probed_flags_are_honoured_or_refused() {
     let (code, _, err) = call(d, &["generate", "-e", tiny, "-n", "18446744073709551615", "--tokenizer", "gpt2"]);
     assert!(code == Some(0) && err.contains("at most 1023 new tokens"), "{err}");
 }
+
+/// `convert` replaces nothing unless told to (`--overwrite`), and then leaves no file of the old
+/// model beside the new one; a merged model gets its base's tokenizer and generation files;
+/// `--dtype bf16` reaches a PEFT adapter's tensors; a PEFT directory given as a model points at
+/// `--lora`.
+#[test]
+fn convert_replaces_nothing_unless_told_and_keeps_the_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    tiny_shards(d);
+    let run = |args: &[&str]| {
+        let (code, out, err) = call(d, &[args, &["--threads", "1"]].concat());
+        assert_eq!(code, Some(0), "{args:?}: {err}");
+        (out, err)
+    };
+    let names = |p: &str| {
+        let mut v: Vec<String> =
+            std::fs::read_dir(d.join(p)).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+        v.sort();
+        v
+    };
+    // An llm.c file.
+    run(&["convert", "1x32:2:64", "m.bin"]);
+    let first = std::fs::read(d.join("m.bin")).unwrap();
+    refused_with(d, &["convert", "1x32:2:64", "m.bin", "--seed", "3"], &["m.bin exists", "--overwrite"]);
+    assert_eq!(std::fs::read(d.join("m.bin")).unwrap(), first, "refused, untouched");
+    run(&["convert", "1x32:2:64", "m.bin", "--seed", "3", "--overwrite"]);
+    assert_ne!(std::fs::read(d.join("m.bin")).unwrap(), first);
+    // A sharded model directory with a tokenizer and a file of the user's: refused; replaced
+    // with --overwrite, its shards, index and tokenizer gone, the user's file kept.
+    std::fs::create_dir(d.join("victim")).unwrap();
+    for f in ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json"] {
+        std::fs::write(d.join("victim").join(f), b"{}").unwrap();
+    }
+    std::fs::write(d.join("victim/notes.txt"), b"mine").unwrap();
+    refused_with(
+        d,
+        &["convert", "m.bin", "victim"],
+        &["victim holds a model's or adapter's files", "model-00001-of-00002.safetensors", "--overwrite"],
+    );
+    assert_eq!(std::fs::read(d.join("victim/config.json")).unwrap(), b"{}");
+    let (_, err) = run(&["convert", "m.bin", "victim", "--overwrite"]);
+    assert!(err.contains("removed") && err.contains("model.safetensors.index.json"), "{err}");
+    assert_eq!(names("victim"), ["config.json", "model.safetensors", "notes.txt"]);
+    run(&["generate", "-e", "victim", "-n", "2", "--tokenizer", "gpt2"]);
+
+    // A LoRA run on a base with a tokenizer and generation settings.
+    run(&["convert", "llama:2x32:4:2:16", "base"]);
+    let tok = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizers/bytelevel.json");
+    std::fs::copy(tok, d.join("base/tokenizer.json")).unwrap();
+    std::fs::write(d.join("base/generation_config.json"), r#"{"eos_token_id": 3}"#).unwrap();
+    let train = ["train", "-i", "train.bin", "-j", "val.bin", "-b", "2", "-t", "16", "-v", "0", "-s", "0"];
+    run(&[&train[..], &["-e", "base", "-x", "2", "-n", "2", "-o", "run", "--lora", "4", "-l", "3e-2"]].concat());
+    let ck = "run/model_00000002.bin";
+    // --merge: the base's tokenizer and generation settings come along; generate needs no
+    // --tokenizer and stops at the base's end token.
+    let (_, err) = run(&["convert", "--merge", ck, "merged"]);
+    assert!(err.contains("tokenizer.json") && err.contains("generation_config.json"), "{err}");
+    assert_eq!(names("merged"), ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]);
+    assert_eq!(std::fs::read(d.join("merged/tokenizer.json")).unwrap(), std::fs::read(tok).unwrap());
+    run(&["generate", "-e", "merged", "-p", "hello", "-n", "3"]);
+    // The adapters in bf16: PEFT's tensors in BF16, the same text as the merged model's once
+    // rounded (a greedy text is not held to the bits here, only the dtype and the load).
+    run(&["convert", ck, "adapter", "--dtype", "bf16"]);
+    let st = std::fs::read(d.join("adapter/adapter_model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&st[8..8 + n]).unwrap();
+    let dtypes: std::collections::BTreeSet<&str> = header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(_, v)| v["dtype"].as_str().unwrap())
+        .collect();
+    assert_eq!(dtypes.into_iter().collect::<Vec<_>>(), ["BF16"]);
+    run(&["generate", "-e", "base", "--lora", "adapter", "-n", "3"]);
+    // An adapter replaces a model only when told, and then the model's files go.
+    refused_with(d, &["convert", ck, "merged"], &["holds a model's or adapter's files", "--overwrite"]);
+    run(&["convert", ck, "merged", "--overwrite"]);
+    assert_eq!(names("merged"), ["adapter_config.json", "adapter_model.safetensors"]);
+    // A PEFT directory where a model is expected: the way to merge it.
+    refused_with(d, &["convert", "adapter", "out"], &["holds a PEFT adapter", "llmrs convert BASE OUT --lora adapter"]);
+    refused_with(d, &["generate", "-e", "adapter"], &["holds a PEFT adapter", "--lora adapter"]);
+}
+
+/// A resume says what it resumes: nothing to resume (a mistyped or empty -o), another
+/// precision than the checkpoint's (LoRA too, and a bf16 run's fp32 model file is not taken for
+/// an fp32 run), --lora flags that are not used (not when they repeat the checkpoint's); and
+/// checkpoint files that do not belong together are named as such.
+#[test]
+fn resuming_says_what_it_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    tiny_shards(d);
+    let run = |args: &[&str]| {
+        let (code, out, err) = call(d, &[args, &["--threads", "1"]].concat());
+        assert_eq!(code, Some(0), "{args:?}: {err}");
+        (out, err)
+    };
+    let train = ["train", "-i", "train.bin", "-j", "val.bin", "-b", "2", "-t", "16", "-v", "0", "-s", "0", "-n", "2"];
+    fn t<'a>(train: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
+        [train, more].concat()
+    }
+    let t = |more: &[&'static str]| t(&train, more);
+    let (_, err) = run(&t(&["-e", "1x32:2:64", "-x", "1", "-o", "typo", "-y", "1"]));
+    assert!(err.contains("note: -y 1: typo did not exist; starting from step 0"), "{err}");
+    std::fs::create_dir(d.join("empty")).unwrap();
+    let (_, err) = run(&t(&["-e", "1x32:2:64", "-x", "1", "-o", "empty", "-y", "1"]));
+    assert!(err.contains("note: -y 1: empty holds no complete checkpoint"), "{err}");
+    // bf16 -w 0 with fp32 model files: resumed in bf16 without a note, in fp32 with one.
+    let bf16 = ["--precision", "bf16", "-w", "0", "--save-dtype", "fp32"];
+    run(&t(&[&["-e", "1x32:2:64", "-x", "2", "-o", "b"], &bf16[..]].concat()));
+    let (_, err) = run(&t(&[&["-e", "1x32:2:64", "-x", "4", "-o", "b", "-y", "1"], &bf16[..]].concat()));
+    assert!(!err.contains("note"), "{err}");
+    let (_, err) = run(&t(&["-e", "1x32:2:64", "-x", "6", "-o", "b", "-y", "1"]));
+    assert!(err.contains("note: checkpoint 4 was written by a bf16 run; this run computes in fp32"), "{err}");
+    // LoRA: the precision, the repeated --lora (no note), another rank (a note).
+    run(&["convert", "llama:2x32:4:2:16", "base"]);
+    let (out, _) = run(&t(&["-e", "base", "-x", "2", "-o", "l", "--lora", "4", "--precision", "bf16"]));
+    assert!(out.contains("the frozen base needs no master weights") && !out.contains("-w 0"), "{out}");
+    let (_, err) = run(&t(&["-e", "base", "-x", "4", "-o", "l", "--lora", "4", "-y", "1", "--precision", "bf16"]));
+    assert!(!err.contains("note"), "{err}");
+    let (_, err) = run(&t(&["-e", "base", "-x", "6", "-o", "l", "--lora", "8", "-y", "1"]));
+    assert!(err.contains("note: checkpoint 4 was written by a bf16 run; this run computes in fp32"), "{err}");
+    assert!(err.contains("note: -y 1 resumes the LoRA checkpoint's adapters (rank 4"), "{err}");
+    // Files that do not belong together: a full model file in place of the LoRA checkpoint's,
+    // a state file of another model, a base of other shapes.
+    let keep = std::fs::read(d.join("l/model_00000006.bin")).unwrap();
+    std::fs::copy(d.join("b/model_00000006.bin"), d.join("l/model_00000006.bin")).unwrap();
+    refused_with(d, &t(&["-x", "8", "-o", "l", "-y", "1"]), &["state of a LoRA run", "full fine-tune"]);
+    std::fs::write(d.join("l/model_00000006.bin"), keep).unwrap();
+    run(&t(&["-e", "1x32:2:64", "-x", "2", "-o", "c", "--lora", "2"]));
+    std::fs::copy(d.join("c/state_00000002_00000.bin"), d.join("l/state_00000006_00000.bin")).unwrap();
+    refused_with(d, &t(&["-e", "base", "-x", "8", "-o", "l", "-y", "1"]), &["trainable values", "another model"]);
+    run(&["convert", "llama:2x64:4:2:16", "wide"]);
+    refused_with(
+        d,
+        &t(&["-e", "wide", "-x", "8", "-o", "l", "-y", "1"]),
+        &["the LoRA base model wide is of shape", "were trained on a base of shape", "give that base with -e"],
+    );
+}
+
+/// Training without validation (`-j ""`, or `-v 0` which does not read -j); a prompt longer
+/// than the context refused before anything is printed; a config.json that is a FIFO named as
+/// such; a bad token id deep in a shard found when the run starts.
+#[test]
+fn no_validation_long_prompts_fifos_and_bad_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    tiny_shards(d);
+    let train = ["train", "-i", "train.bin", "-e", "1x32:2:64", "-b", "2", "-t", "16", "-x", "2", "-s", "0", "-o", ""];
+    for j in [&["-j", ""][..], &["-j", "missing.bin", "-v", "0"]] {
+        let (code, out, err) = call(d, &[&train[..], j].concat());
+        assert_eq!(code, Some(0), "{j:?}: {err}");
+        assert!(out.contains("no validation") && !out.contains("val loss"), "{j:?}: {out}");
+    }
+    refused_with(d, &[&train[..], &["-j", "missing.bin"]].concat(), &["-j '' or -v 0"]);
+    refused_with(d, &[&train[..], &["-j", "", "-a", "1"]].concat(), &["-a 1", "give it with -j"]);
+
+    let (code, _, err) = call(d, &["convert", "1x32:2:64", "m.bin"]);
+    assert_eq!(code, Some(0), "{err}");
+    let long = "word ".repeat(100);
+    let (code, out, err) = call(d, &["generate", "-e", "m.bin", "-p", &long, "-n", "3"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(out.is_empty(), "the prompt was printed: {out}");
+    assert!(err.contains("the prompt has 101 tokens; the model's context is 64 positions"), "{err}");
+
+    let (code, _, err) = call(d, &["convert", "m.bin", "hf"]);
+    assert_eq!(code, Some(0), "{err}");
+    std::fs::remove_file(d.join("hf/config.json")).unwrap();
+    let fifo = std::ffi::CString::new(d.join("hf/config.json").to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo reads a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+    refused_with(d, &["generate", "-e", "hf", "-n", "2"], &["hf/config.json is not a regular file"]);
+
+    let mut toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
+    toks[2900] = 60_000;
+    llmrs::data::write_shard(&d.join("bad.bin"), &toks).unwrap();
+    let bad = ["train", "-i", "bad.bin", "-j", "", "-e", "1x32:2:64", "-b", "2", "-t", "16", "-x", "2", "-o", ""];
+    refused_with(d, &bad, &["bad.bin: token id 60000 at position 2900"]);
+}

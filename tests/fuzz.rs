@@ -75,8 +75,8 @@ fn valid() -> &'static Valid {
         let mut dl = llmrs::data::DataLoader::new(shard.to_str().unwrap(), 1, 4, 50, true).unwrap();
         dl.next_batch().unwrap();
         let state = dir.path().join("state.bin");
-        save_state(&state, &mut trainable(&model), &TrainState { step: 3, loader: dl.state(), should_shuffle: true })
-            .unwrap();
+        let st = TrainState { step: 3, loader: dl.state(), should_shuffle: true };
+        save_state(&state, &mut trainable(&model), &st, Dtype::F32).unwrap();
         let tokenizer = dir.path().join("tok.bin");
         llmrs::tokenizer::Tokenizer::gpt2().unwrap().save_llmc(&tokenizer).unwrap();
         let hf_dir = dir.path().join("hf");
@@ -86,7 +86,7 @@ fn valid() -> &'static Valid {
         let lora = dir.path().join("lora.bin");
         llmrs::lora::save_checkpoint(&lora, &cfg, &a, &llmrs::lora::BaseId::of("1x8:2:8", 1, &w)).unwrap();
         let peft_dir = dir.path().join("peft");
-        a.save_peft(&peft_dir, "base", &cfg).unwrap();
+        a.save_peft(&peft_dir, "base", &cfg, llmrs::files::Dtype::F32).unwrap();
         Valid { _dir: dir, model, state, shard, tokenizer, hf_dir, lora, peft_dir }
     })
 }

@@ -117,7 +117,7 @@ fn twenty_adapter_only_adamw_steps_follow_peft() {
         // Exported as PEFT's files, read back: the same adapters, PEFT's names and shapes.
         let dir = std::env::temp_dir().join(format!("llmrs-lora-export-{family}-{}", std::process::id()));
         let trained = Adapters { data: got.clone(), ..start.clone() };
-        trained.save_peft(&dir, "base", &cfg).unwrap();
+        trained.save_peft(&dir, "base", &cfg, llmrs::files::Dtype::F32).unwrap();
         assert_eq!(Adapters::load_peft(&cfg, &dir, true).unwrap().data, got);
         let names = |d: &std::path::Path| {
             let b = std::fs::read(d.join("adapter_model.safetensors")).unwrap();

@@ -52,6 +52,9 @@ fn stopped_and_resumed_run_is_bit_identical() {
     for model in ["2x32:2:32", "qwen3:2x32:4:2:16:64:32"] {
         stopped_and_resumed(model, TrainConfig::default());
     }
+    // An fp32 run whose checkpoints' model files are bf16 (--save-dtype bf16): its state file
+    // keeps the fp32 parameters the model file rounds.
+    stopped_and_resumed("2x32:2:32", TrainConfig { save_dtype: Dtype::BF16, ..Default::default() });
 }
 
 /// bf16 runs resume bit-identically too: the model file holds the bf16 working copy (version
@@ -627,7 +630,7 @@ fn lora_settings_that_cannot_work_are_refused_clearly() {
     let targets = llmrs::lora::select(&other, &[]).unwrap();
     let a = llmrs::lora::Adapters::new(2, 4.0, targets, &mut llmrs::rng::Mt19937::new(1)).unwrap();
     let peft = dir.path().join("other_adapter");
-    a.save_peft(&peft, "x", &other).unwrap();
+    a.save_peft(&peft, "x", &other, llmrs::files::Dtype::F32).unwrap();
     let e = err(TrainConfig { lora: 0, lora_from: Some(peft), ..base.clone() });
     assert!(e.contains("--lora-from") && e.contains("another base"), "{e}");
     // A PEFT config llmrs cannot honour.
@@ -635,7 +638,7 @@ fn lora_settings_that_cannot_work_are_refused_clearly() {
     let dora = dir.path().join("dora");
     llmrs::lora::Adapters::new(2, 4.0, llmrs::lora::select(&cfg, &[]).unwrap(), &mut llmrs::rng::Mt19937::new(1))
         .unwrap()
-        .save_peft(&dora, "x", &cfg)
+        .save_peft(&dora, "x", &cfg, llmrs::files::Dtype::F32)
         .unwrap();
     let j = std::fs::read_to_string(dora.join("adapter_config.json"))
         .unwrap()

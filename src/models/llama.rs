@@ -625,35 +625,59 @@ impl<'a> HfFields<'a> {
                 bail!("{p}: {k} is not a JSON object (of rope_type, rope_theta and the scaling's fields)");
             }
         }
+        // Where both are written they must agree: transformers 5 reads rope_parameters,
+        // transformers 4 the top-level fields, so a file where they differ means two models.
         let params = &v["rope_parameters"];
         let theta = match (&v["rope_theta"], &params["rope_theta"]) {
+            (t, p5) if !t.is_null() && !p5.is_null() => {
+                let (t4, t5) = (num(t, "rope_theta")?, num(p5, "rope_parameters.rope_theta")?);
+                if t4 != t5 {
+                    bail!(
+                        "{p}: rope_theta {t4} and rope_parameters.rope_theta {t5} disagree (transformers 4 reads the \
+                         first, 5 the second): keep the one the model was trained with"
+                    );
+                }
+                t5
+            }
             (t, _) if !t.is_null() => num(t, "rope_theta")?,
             (_, t) if !t.is_null() => num(t, "rope_parameters.rope_theta")?,
             _ => 10000.0,
         };
-        let (field, s) = if !v["rope_scaling"].is_null() {
-            ("rope_scaling", &v["rope_scaling"])
-        } else {
-            ("rope_parameters", params)
+        let scaling_of = |field: &str, s: &serde_json::Value| -> Result<Option<Llama3Scaling>> {
+            let kind = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or("default");
+            Ok(match kind {
+                "default" => None,
+                "llama3" => {
+                    let f = |k: &str| num(&s[k], &format!("{field}.{k}"));
+                    let old = s["original_max_position_embeddings"].as_u64().with_context(|| {
+                        format!("{p}: {field}.original_max_position_embeddings is missing or not a whole number")
+                    })?;
+                    Some(Llama3Scaling {
+                        factor: f("factor")?,
+                        low_freq_factor: f("low_freq_factor")?,
+                        high_freq_factor: f("high_freq_factor")?,
+                        original_max_position_embeddings: old as usize,
+                    })
+                }
+                other => {
+                    bail!("{p}: {field}.rope_type '{other}' is not supported (llmrs implements 'default' and 'llama3')")
+                }
+            })
         };
-        let kind = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or("default");
-        let scaling = match kind {
-            "default" => None,
-            "llama3" => {
-                let f = |k: &str| num(&s[k], &format!("{field}.{k}"));
-                let old = s["original_max_position_embeddings"].as_u64().with_context(|| {
-                    format!("{p}: {field}.original_max_position_embeddings is missing or not a whole number")
-                })?;
-                Some(Llama3Scaling {
-                    factor: f("factor")?,
-                    low_freq_factor: f("low_freq_factor")?,
-                    high_freq_factor: f("high_freq_factor")?,
-                    original_max_position_embeddings: old as usize,
-                })
+        let scaling = match (v["rope_scaling"].is_null(), params.is_null()) {
+            (false, false) => {
+                let (s4, s5) =
+                    (scaling_of("rope_scaling", &v["rope_scaling"])?, scaling_of("rope_parameters", params)?);
+                if s4 != s5 {
+                    bail!(
+                        "{p}: rope_scaling and rope_parameters describe different rotary scalings (transformers 4 \
+                         reads the first, 5 the second): keep the one the model was trained with"
+                    );
+                }
+                s5
             }
-            other => {
-                bail!("{p}: {field}.rope_type '{other}' is not supported (llmrs implements 'default' and 'llama3')")
-            }
+            (false, true) => scaling_of("rope_scaling", &v["rope_scaling"])?,
+            (true, _) => scaling_of("rope_parameters", params)?,
         };
         let eps = match &v["rms_norm_eps"] {
             serde_json::Value::Null => 1e-6,
