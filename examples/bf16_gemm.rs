@@ -1,10 +1,10 @@
-//! The bf16 GEMM's engines (src/cpu/bgemm.rs: AMX's `tdpbf16ps`, AVX512_BF16's `vdpbf16ps`)
-//! against the fp32 GEMM (src/cpu/sgemm.rs) on GPT-2 124M's training-step GEMM shapes at B=4,
+//! The bf16 GEMM's engines (src/backend/cpu/bgemm.rs: AMX's `tdpbf16ps`, AVX512_BF16's `vdpbf16ps`)
+//! against the fp32 GEMM (src/backend/cpu/sgemm.rs) on GPT-2 124M's training-step GEMM shapes at B=4,
 //! T=64 (forward, and the backward's two layouts), interleaved, with the peaks (an FMA loop and
 //! a `vdpbf16ps` loop) measured the same way. Engines the host cannot run are named and skipped.
 //! `cargo run --release --example bf16_gemm -- [ROUNDS] [THREADS]`
-use llmrs::cpu::bgemm::{self, Engine};
-use llmrs::cpu::{peak, sgemm};
+use llmrs::backend::cpu::bgemm::{self, Engine};
+use llmrs::backend::cpu::{peak, sgemm};
 use std::time::Instant;
 
 fn main() -> anyhow::Result<()> {

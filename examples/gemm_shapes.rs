@@ -5,8 +5,8 @@
 //! `cargo run --release --example gemm_shapes` (`-- --json`: the first part only, as JSON, for
 //! `scripts/bench_compare.py --gemm`; `-- --bf16`: each shape with f32 buffers and with bf16
 //! ones, interleaved, as `--precision bf16` runs them)
-use llmrs::cpu::bf16::{Dest, Operand};
-use llmrs::cpu::matmul::{gemm_strided_serial, matmul_backward, matmul_forward};
+use llmrs::backend::cpu::bf16::{Dest, Operand};
+use llmrs::backend::cpu::matmul::{gemm_strided_serial, matmul_backward, matmul_forward};
 use std::time::Instant;
 
 /// Best of a few runs, in seconds (this machine's noise only ever adds time).
@@ -98,7 +98,7 @@ fn main() {
     let (a, b, mut c) = (vec![0.01f32; m * k], vec![0.02f32; nn * k], vec![0f32; m * nn]);
     let (ki, ni) = (k as isize, nn as isize);
     let t = best(&mut || gemm_strided_serial(m, nn, k, &mut c, (ni, 1), false, &a, (ki, 1), &b, (1, ki)));
-    let (peak, how) = llmrs::cpu::peak::measure();
+    let (peak, how) = llmrs::backend::cpu::peak::measure();
     let (got, share) = (2.0 * (m * nn * k) as f64 / t / 1e9, peak / rayon::current_num_threads() as f64);
     println!(
         "in cache ({m}x{nn}x{k}) on one thread: {got:.1} GFLOP/s, {:.0}% of one thread's share of {peak:.1} GFLOP/s ({how})",
@@ -115,7 +115,7 @@ fn bf16_vs_f32(n: usize, shapes: &[(usize, usize, &str)]) {
         let vals =
             |len: usize, s: usize| (0..len).map(|i| ((i * s) % 1000) as f32 / 1000.0 - 0.5).collect::<Vec<f32>>();
         let (inp, w, dout) = (vals(n * c, 7919), vals(oc * c, 104729), vals(n * oc, 31));
-        let to16 = |v: &[f32]| v.iter().map(|x| llmrs::cpu::bf16::from_f32(*x)).collect::<Vec<u16>>();
+        let to16 = |v: &[f32]| v.iter().map(|x| llmrs::core::bf16::from_f32(*x)).collect::<Vec<u16>>();
         let (inp16, w16, dout16) = (to16(&inp), to16(&w), to16(&dout));
         let b = vec![0.0f32; oc];
         let (mut out, mut dinp, mut dw, mut db) =

@@ -3,7 +3,7 @@
 //! gradient), against the measured FMA peak; the last line sums a step (16 layers and the
 //! 128,256-column head). Best of five, all threads.
 //! `cargo run --release --example llama_gemms`
-use llmrs::cpu::matmul::{matmul_backward, matmul_forward};
+use llmrs::backend::cpu::matmul::{matmul_backward, matmul_forward};
 mod common;
 use common::best_ms;
 
@@ -12,7 +12,7 @@ fn main() {
     // (C, OC): the fused qkv, o, the fused gate and up, down, and the head.
     let shapes = [(2048, 3072, "qkv"), (2048, 2048, "o"), (2048, 16384, "gate_up"), (8192, 2048, "down")];
     let head = (2048, 128256, "head");
-    let (peak, how) = llmrs::cpu::peak::measure();
+    let (peak, how) = llmrs::backend::cpu::peak::measure();
     println!("peak {peak:.1} GFLOP/s ({how})");
     let (mut step_ms, mut step_flops) = (0.0, 0.0);
     for (c, oc, name) in shapes.into_iter().chain([head]) {

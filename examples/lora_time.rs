@@ -4,10 +4,10 @@
 //! output) and down. Best of five, all threads; the last line sums one layer and multiplies by
 //! its 16 layers (`llmrs bench`'s "lora" share of a step is the same work).
 //! `cargo run --release --example lora_time`
+use llmrs::backend::cpu::bf16::{Dest, Operand};
+use llmrs::backend::cpu::lora::{lora_backward, lora_forward};
+use llmrs::backend::cpu::matmul::gemm_strided_any;
 use llmrs::backend::LoraShape;
-use llmrs::cpu::bf16::{Dest, Operand};
-use llmrs::cpu::lora::{lora_backward, lora_forward};
-use llmrs::cpu::matmul::gemm_strided_any;
 mod common;
 use common::best_ms;
 

@@ -5,10 +5,10 @@
 //! B=1, T=1024, 12 heads), then the 16 of Llama 3.2 1B's LoRA benchmark (B=1, T=512, 32 query
 //! heads on 8 key heads), with the rate of their causal GEMM FLOPs. Best of five, all threads.
 //! `cargo run --release --example ops_time`
-use llmrs::cpu::attention::{attention_backward, attention_forward};
-use llmrs::cpu::classifier::{crossentropy_forward, crossentropy_softmax_backward_inplace};
-use llmrs::cpu::gelu::{gelu_backward_inplace, gelu_forward};
-use llmrs::cpu::layernorm::{layernorm_backward, layernorm_forward};
+use llmrs::backend::cpu::attention::{attention_backward, attention_forward};
+use llmrs::backend::cpu::classifier::{crossentropy_forward, crossentropy_softmax_backward_inplace};
+use llmrs::backend::cpu::gelu::{gelu_backward_inplace, gelu_forward};
+use llmrs::backend::cpu::layernorm::{layernorm_backward, layernorm_forward};
 mod common;
 use common::best_ms;
 

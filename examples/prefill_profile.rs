@@ -3,10 +3,10 @@
 //! tokens, random weights and token ids), on the CPU backend.
 //! `cargo run --release --example prefill_profile -- [MODEL] [TOKENS] [REPS] [THREADS]`
 use llmrs::backend::Device;
-use llmrs::config::ModelConfig;
-use llmrs::generate::PREFILL_CHUNK;
+use llmrs::core::config::ModelConfig;
+use llmrs::core::params::Weights;
+use llmrs::infer::generate::PREFILL_CHUNK;
 use llmrs::model::Model;
-use llmrs::params::Weights;
 use std::time::Instant;
 
 fn main() -> anyhow::Result<()> {

@@ -1,39 +1,28 @@
 //! llm.rs: GPT-2 and Llama training from scratch in pure Rust, in the spirit of llm.c.
 //!
-//! Dimension names (B, T, C, NH, HS, L, V, Vp, maxT) are defined in [`config`].
+//! The crate's layers, each a folder, from the bottom up (a layer imports only those below
+//! it); docs/architecture.md draws them. Dimension names (B, T, C, NH, HS, L, V, Vp, maxT) are
+//! defined in [`core::config`].
 
-pub mod acts;
+pub mod core;
+
 pub mod backend;
-pub mod bench;
-pub mod checkpoint;
-pub mod config;
-pub mod corpus;
-pub mod cpu;
-pub mod data;
-pub mod download;
-pub mod env;
-pub mod files;
-pub mod generate;
-pub mod gpu;
-pub mod hellaswag;
-pub mod hf;
-pub mod hub;
-pub mod lora;
-pub mod mem;
-pub mod model;
+
 pub mod models;
-pub mod optim;
-pub mod params;
-pub mod plot;
-pub mod prepare;
-pub mod profile;
-pub mod progress;
-pub mod rng;
-pub mod rundir;
-pub mod schedule;
+
+pub mod model;
+
+pub mod formats;
+
+pub mod hub;
+
+pub mod data;
+
 pub mod source;
+
+pub mod train;
+
+pub mod infer;
+
 #[doc(hidden)]
 pub mod testdata;
-pub mod tokenizer;
-pub mod train;
-pub mod zero;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 /// The data directory: `$LLMRS_DATA_DIR`, else `<repository>/data`.
 pub fn data_dir() -> PathBuf {
-    crate::env::data_dir().unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("data"))
+    crate::core::env::data_dir().unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("data"))
 }
 
 /// Tiny Shakespeare's text, with a message saying how to get it when it is missing.

@@ -10,8 +10,8 @@ fn llmrs() -> Command {
 fn trains_with_llmc_flags_and_writes_a_json_log() {
     let dir = tempfile::tempdir().unwrap();
     let toks: Vec<u32> = (0..2000).map(|i| (i * 7 % 500) as u32).collect();
-    llmrs::data::write_shard(&dir.path().join("train.bin"), &toks).unwrap();
-    llmrs::data::write_shard(&dir.path().join("val.bin"), &toks[..300]).unwrap();
+    llmrs::data::loader::write_shard(&dir.path().join("train.bin"), &toks).unwrap();
+    llmrs::data::loader::write_shard(&dir.path().join("val.bin"), &toks[..300]).unwrap();
     let out = dir.path().join("out");
     let o = llmrs()
         .current_dir(dir.path())
@@ -100,7 +100,7 @@ fn nonsense_flags_and_arguments_are_refused_at_start_up() {
     use std::os::unix::ffi::OsStrExt;
     let dir = tempfile::tempdir().unwrap();
     let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
-    llmrs::data::write_shard(&dir.path().join("d.bin"), &toks).unwrap();
+    llmrs::data::loader::write_shard(&dir.path().join("d.bin"), &toks).unwrap();
     let refused = |args: &[&std::ffi::OsStr], want: &str| {
         let o = llmrs().current_dir(dir.path()).args(args).output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
@@ -282,7 +282,7 @@ fn generate_eval_convert_and_plot_commands() {
 fn gpu_without_an_adapter_is_a_one_line_error() {
     let dir = tempfile::tempdir().unwrap();
     let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
-    llmrs::data::write_shard(&dir.path().join("train.bin"), &toks).unwrap();
+    llmrs::data::loader::write_shard(&dir.path().join("train.bin"), &toks).unwrap();
     let o = llmrs()
         .current_dir(dir.path())
         .env("WGPU_BACKEND", "gl")
@@ -318,8 +318,8 @@ fn gpu_without_an_adapter_is_a_one_line_error() {
 /// train.bin (3000 tokens) and val.bin (its first 400) in `d`, ids below 500.
 fn tiny_shards(d: &std::path::Path) {
     let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
-    llmrs::data::write_shard(&d.join("train.bin"), &toks).unwrap();
-    llmrs::data::write_shard(&d.join("val.bin"), &toks[..400]).unwrap();
+    llmrs::data::loader::write_shard(&d.join("train.bin"), &toks).unwrap();
+    llmrs::data::loader::write_shard(&d.join("val.bin"), &toks[..400]).unwrap();
 }
 
 /// The run of a command: exit code, stdout, stderr.
@@ -371,17 +371,17 @@ fn a_model_bigger_than_memory_is_refused_in_one_line() {
 /// by every command: nothing is generated, scored, copied or trained from them.
 #[test]
 fn non_finite_weights_are_refused_naming_the_tensor() {
-    use llmrs::params::Weights;
+    use llmrs::core::params::Weights;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let cfg = llmrs::config::ModelConfig::from_descriptor("2x32:2:64").unwrap();
+    let cfg = llmrs::core::config::ModelConfig::from_descriptor("2x32:2:64").unwrap();
     let mut w = Weights::random(cfg, 1).unwrap();
     let qkv = w.named("qkvw").unwrap();
     w.layer_mut(qkv, 1)[7] = f32::NAN;
-    llmrs::checkpoint::save_model(&w, &d.join("nan.bin"), llmrs::files::Dtype::F32).unwrap();
-    llmrs::hf::save_hf(&w, &d.join("nan_hf"), llmrs::files::Dtype::F32).unwrap();
+    llmrs::formats::llmc::save_model(&w, &d.join("nan.bin"), llmrs::core::files::Dtype::F32).unwrap();
+    llmrs::formats::hf::save_hf(&w, &d.join("nan_hf"), llmrs::core::files::Dtype::F32).unwrap();
     let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
-    llmrs::data::write_shard(&d.join("d.bin"), &toks).unwrap();
+    llmrs::data::loader::write_shard(&d.join("d.bin"), &toks).unwrap();
     let want = ["tensor qkvw of layer 1", "holds NaN at element 7"];
     refused_with(d, &["generate", "-e", "nan.bin", "-n", "2"], &want);
     refused_with(d, &["convert", "nan.bin", "out.bin"], &want);
@@ -389,10 +389,10 @@ fn non_finite_weights_are_refused_naming_the_tensor() {
     refused_with(d, &["generate", "-e", "nan_hf", "-n", "2"], &["h.1.attn.c_attn.weight", "holds NaN"]);
     assert!(!d.join("out.bin").exists());
     let mut inf =
-        Weights::random(llmrs::config::ModelConfig::from_descriptor("llama:1x32:4:2:64:16").unwrap(), 1).unwrap();
+        Weights::random(llmrs::core::config::ModelConfig::from_descriptor("llama:1x32:4:2:64:16").unwrap(), 1).unwrap();
     let lnf = inf.named("lnfw").unwrap();
     inf.tensor_mut(lnf)[3] = f32::INFINITY;
-    llmrs::checkpoint::save_model(&inf, &d.join("inf.bin"), llmrs::files::Dtype::BF16).unwrap();
+    llmrs::formats::llmc::save_model(&inf, &d.join("inf.bin"), llmrs::core::files::Dtype::BF16).unwrap();
     refused_with(d, &["eval", "hellaswag", "-e", "inf.bin"], &["tensor lnfw", "holds inf"]);
 }
 
@@ -403,7 +403,7 @@ fn resuming_says_when_e_names_another_model() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
-    llmrs::data::write_shard(&d.join("d.bin"), &toks).unwrap();
+    llmrs::data::loader::write_shard(&d.join("d.bin"), &toks).unwrap();
     let train = |e: &str, x: &str, extra: &[&str]| {
         let args = [
             &["train", "-e", e, "-i", "d.bin", "-j", "d.bin", "-t", "8", "-b", "2", "-v", "0", "-s", "0"][..],
@@ -476,7 +476,7 @@ fn messages_name_what_is_wrong() {
     let (_, help, _) = call(d, &["train", "--help"]);
     assert!(help.contains("llama:smollm2-135m") && help.contains("llama:LxC:NH:KV"), "{help}");
     let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
-    llmrs::data::write_shard(&d.join("d.bin"), &toks).unwrap();
+    llmrs::data::loader::write_shard(&d.join("d.bin"), &toks).unwrap();
     let (code, out, err) = call(
         d,
         &["train", "-e", "llama:1x32:4:2", "-i", "d.bin", "-j", "d.bin", "-t", "8", "-x", "1", "-o", "", "-s", "0"],
@@ -599,7 +599,7 @@ fn prepare_text_with_a_tokenizer_json_runs_in_bounded_memory() {
     assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "status {status}");
     // SAFETY: wait4 filled it.
     let peak_mib = unsafe { usage.assume_init() }.ru_maxrss as f64 / 1024.0;
-    let tokens = llmrs::data::read_shard(&d.join("out/train_000000.bin")).unwrap().len();
+    let tokens = llmrs::data::loader::read_shard(&d.join("out/train_000000.bin")).unwrap().len();
     assert!(tokens > 3_000_000, "{tokens}");
     assert!(peak_mib < 450.0, "prepare text peaked at {peak_mib:.0} MiB for {} MB of text", text.len() / 1_000_000);
 }
@@ -698,7 +698,7 @@ fn lora_train_convert_generate_and_eval() {
 fn bf16_gemm_tiles_are_chosen_and_named() {
     let bench =
         ["bench", "-e", "1x16:2:16", "-b", "2", "-t", "8", "--steps", "1", "--warmup", "0", "--precision", "bf16"];
-    let run = |tiles: &str| llmrs().args(bench).env(llmrs::env::BF16_GEMM, tiles).output().unwrap();
+    let run = |tiles: &str| llmrs().args(bench).env(llmrs::core::env::BF16_GEMM, tiles).output().unwrap();
     let o = run("bogus");
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
@@ -710,7 +710,9 @@ fn bf16_gemm_tiles_are_chosen_and_named() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success() && out.contains("bf16 GEMMs widened to fp32"), "{out}");
     assert!(out.contains("peak bf16   none: the bf16 GEMMs widen to fp32 here"), "{out}");
-    for (tiles, runs) in [("amx", llmrs::cpu::bgemm::amx_available()), ("avx512bf16", llmrs::cpu::bgemm::available())] {
+    for (tiles, runs) in
+        [("amx", llmrs::backend::cpu::bgemm::amx_available()), ("avx512bf16", llmrs::backend::cpu::bgemm::available())]
+    {
         let o = run(tiles);
         let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
         if runs {
@@ -822,7 +824,7 @@ fn lora_files_are_kept_and_named_right() {
     // Resumed from a moved copy of the base: the next checkpoint names the copy.
     std::fs::rename(d.join("base"), d.join("moved")).unwrap();
     run(&[&train[..], &["-e", "moved", "-x", "6", "-n", "2", "-o", "run", "-y", "1"]].concat());
-    let (_, _, base) = llmrs::lora::load_checkpoint(&d.join("run/model_00000006.bin")).unwrap();
+    let (_, _, base) = llmrs::formats::lora::load_checkpoint(&d.join("run/model_00000006.bin")).unwrap();
     assert!(base.source.ends_with("moved"), "{}", base.source);
     // The newest checkpoint damaged: which one, and how to resume the one before.
     std::fs::write(d.join("run/model_00000006.bin"), b"").unwrap();
@@ -832,7 +834,7 @@ fn lora_files_are_kept_and_named_right() {
     assert!(!err.contains("full fine-tune"), "{err}");
     std::fs::rename(d.join("run/DONE_00000006"), d.join("DONE_00000006")).unwrap();
     run(&resume);
-    assert!(llmrs::lora::load_checkpoint(&d.join("run/model_00000008.bin")).is_ok());
+    assert!(llmrs::formats::lora::load_checkpoint(&d.join("run/model_00000008.bin")).is_ok());
 }
 
 /// Flags that were swallowed, overflowed or went unchecked: llm.c's `-w 0` reaches the bf16
@@ -1044,7 +1046,7 @@ fn no_validation_long_prompts_fifos_and_bad_ids() {
 
     let mut toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
     toks[2900] = 60_000;
-    llmrs::data::write_shard(&d.join("bad.bin"), &toks).unwrap();
+    llmrs::data::loader::write_shard(&d.join("bad.bin"), &toks).unwrap();
     let bad = ["train", "-i", "bad.bin", "-j", "", "-e", "1x32:2:64", "-b", "2", "-t", "16", "-x", "2", "-o", ""];
     refused_with(d, &bad, &["bad.bin: token id 60000 at position 2900"]);
 }

@@ -8,8 +8,8 @@
 //! of .ci/run skip it (their subjects are memory reads and kernels, which the shorter bf16
 //! tests cover).
 
-use llmrs::config::Precision;
-use llmrs::prepare::{prepare_tinyshakespeare, Source};
+use llmrs::core::config::Precision;
+use llmrs::data::prepare::{prepare_tinyshakespeare, Source};
 use llmrs::train::{run, TrainConfig};
 
 /// The default run's settings, on shards prepared in `dir`, printing nothing and sampling

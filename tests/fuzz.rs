@@ -6,11 +6,12 @@
 //! asked with `LLMRS_FUZZ_CASES` (2250000 gives a million per parser; README has the command).
 
 use llmrs::backend::Device;
-use llmrs::checkpoint::{load_model, load_state, save_model, save_state, TrainState};
-use llmrs::config::ModelConfig;
-use llmrs::files::Dtype;
+use llmrs::core::config::ModelConfig;
+use llmrs::core::files::Dtype;
+use llmrs::core::params::Weights;
+use llmrs::formats::llmc::{load_model, save_model};
 use llmrs::model::Model;
-use llmrs::params::Weights;
+use llmrs::train::checkpoint::{load_state, save_state, TrainState};
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 
@@ -71,22 +72,23 @@ fn valid() -> &'static Valid {
         let model = dir.path().join("model.bin");
         save_model(&w, &model, Dtype::F32).unwrap();
         let shard = dir.path().join("shard.bin");
-        llmrs::data::write_shard(&shard, &(0..40).map(|i| i % 50).collect::<Vec<_>>()).unwrap();
-        let mut dl = llmrs::data::DataLoader::new(shard.to_str().unwrap(), 1, 4, 50, true).unwrap();
+        llmrs::data::loader::write_shard(&shard, &(0..40).map(|i| i % 50).collect::<Vec<_>>()).unwrap();
+        let mut dl = llmrs::data::loader::DataLoader::new(shard.to_str().unwrap(), 1, 4, 50, true).unwrap();
         dl.next_batch().unwrap();
         let state = dir.path().join("state.bin");
         let st = TrainState { step: 3, loader: dl.state(), should_shuffle: true };
         save_state(&state, &mut trainable(&model), &st, Dtype::F32).unwrap();
         let tokenizer = dir.path().join("tok.bin");
-        llmrs::tokenizer::Tokenizer::gpt2().unwrap().save_llmc(&tokenizer).unwrap();
+        llmrs::data::tokenizer::Tokenizer::gpt2().unwrap().save_llmc(&tokenizer).unwrap();
         let hf_dir = dir.path().join("hf");
-        llmrs::hf::save_hf(&w, &hf_dir, Dtype::F32).unwrap();
-        let targets = llmrs::lora::select(&cfg, &[]).unwrap();
-        let a = llmrs::lora::Adapters::new(2, 4.0, targets, &mut llmrs::rng::Mt19937::new(3)).unwrap();
+        llmrs::formats::hf::save_hf(&w, &hf_dir, Dtype::F32).unwrap();
+        let targets = llmrs::model::lora::select(&cfg, &[]).unwrap();
+        let a = llmrs::model::lora::Adapters::new(2, 4.0, targets, &mut llmrs::core::rng::Mt19937::new(3)).unwrap();
         let lora = dir.path().join("lora.bin");
-        llmrs::lora::save_checkpoint(&lora, &cfg, &a, &llmrs::lora::BaseId::of("1x8:2:8", 1, &w)).unwrap();
+        llmrs::formats::lora::save_checkpoint(&lora, &cfg, &a, &llmrs::formats::lora::BaseId::of("1x8:2:8", 1, &w))
+            .unwrap();
         let peft_dir = dir.path().join("peft");
-        a.save_peft(&peft_dir, "base", &cfg, llmrs::files::Dtype::F32).unwrap();
+        llmrs::formats::peft::save(&a, &peft_dir, "base", &cfg, llmrs::core::files::Dtype::F32).unwrap();
         Valid { _dir: dir, model, state, shard, tokenizer, hf_dir, lora, peft_dir }
     })
 }
@@ -121,30 +123,30 @@ fn parse(kind: Kind, bytes: &[u8]) {
         Kind::Model => load_model(&p).map(|_| ()),
         Kind::State => load_state(&p, &mut trainable(&v.model)).map(|_| ()),
         Kind::Shard => {
-            let _ = llmrs::data::read_shard(&p);
-            llmrs::data::DataLoader::new(p.to_str().unwrap(), 2, 3, 50, true).and_then(|mut d| d.next_batch())
+            let _ = llmrs::data::loader::read_shard(&p);
+            llmrs::data::loader::DataLoader::new(p.to_str().unwrap(), 2, 3, 50, true).and_then(|mut d| d.next_batch())
         }
-        Kind::Tokenizer => llmrs::tokenizer::Tokenizer::load_llmc(&p).map(|t| drop(t.decode(&[0, 1, 5, 49999]))),
+        Kind::Tokenizer => llmrs::data::tokenizer::Tokenizer::load_llmc(&p).map(|t| drop(t.decode(&[0, 1, 5, 49999]))),
         Kind::Safetensors => {
             std::fs::copy(v.hf_dir.join("config.json"), dir.path().join("config.json")).unwrap();
             std::fs::rename(&p, dir.path().join("model.safetensors")).unwrap();
-            llmrs::hf::load_hf(dir.path()).map(|_| ())
+            llmrs::formats::hf::load_hf(dir.path()).map(|_| ())
         }
         Kind::ConfigJson => {
             std::fs::copy(v.hf_dir.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
             std::fs::rename(&p, dir.path().join("config.json")).unwrap();
-            llmrs::hf::load_hf(dir.path()).map(|_| ())
+            llmrs::formats::hf::load_hf(dir.path()).map(|_| ())
         }
-        Kind::LoraCheckpoint => llmrs::lora::load_checkpoint(&p).map(|_| ()),
+        Kind::LoraCheckpoint => llmrs::formats::lora::load_checkpoint(&p).map(|_| ()),
         Kind::PeftWeights | Kind::PeftConfig => {
             let (mine, other) = match kind {
-                Kind::PeftWeights => (llmrs::lora::WEIGHTS_FILE, llmrs::lora::CONFIG_FILE),
-                _ => (llmrs::lora::CONFIG_FILE, llmrs::lora::WEIGHTS_FILE),
+                Kind::PeftWeights => (llmrs::formats::peft::WEIGHTS_FILE, llmrs::formats::peft::CONFIG_FILE),
+                _ => (llmrs::formats::peft::CONFIG_FILE, llmrs::formats::peft::WEIGHTS_FILE),
             };
             std::fs::copy(v.peft_dir.join(other), dir.path().join(other)).unwrap();
             std::fs::rename(&p, dir.path().join(mine)).unwrap();
-            let cfg = llmrs::checkpoint::peek_config(&v.model).unwrap();
-            llmrs::lora::Adapters::load_peft(&cfg, dir.path(), true).map(|_| ())
+            let cfg = llmrs::formats::llmc::peek_config(&v.model).unwrap();
+            llmrs::formats::peft::load(&cfg, dir.path(), true).map(|_| ())
         }
     };
 }
@@ -159,8 +161,8 @@ fn valid_bytes(kind: Kind) -> Vec<u8> {
         Kind::Safetensors => return std::fs::read(v.hf_dir.join("model.safetensors")).unwrap(),
         Kind::ConfigJson => return std::fs::read(v.hf_dir.join("config.json")).unwrap(),
         Kind::LoraCheckpoint => &v.lora,
-        Kind::PeftWeights => return std::fs::read(v.peft_dir.join(llmrs::lora::WEIGHTS_FILE)).unwrap(),
-        Kind::PeftConfig => return std::fs::read(v.peft_dir.join(llmrs::lora::CONFIG_FILE)).unwrap(),
+        Kind::PeftWeights => return std::fs::read(v.peft_dir.join(llmrs::formats::peft::WEIGHTS_FILE)).unwrap(),
+        Kind::PeftConfig => return std::fs::read(v.peft_dir.join(llmrs::formats::peft::CONFIG_FILE)).unwrap(),
     };
     std::fs::read(p).unwrap()
 }
@@ -221,10 +223,10 @@ fn valid_files_parse() {
     // The fuzzing above starts from these; make sure they are indeed accepted.
     let v = valid();
     load_state(&v.state, &mut trainable(&v.model)).unwrap();
-    llmrs::data::read_shard(&v.shard).unwrap();
-    llmrs::tokenizer::Tokenizer::load_llmc(&v.tokenizer).unwrap();
-    llmrs::hf::load_hf(&v.hf_dir).unwrap();
-    llmrs::lora::load_checkpoint(&v.lora).unwrap();
-    let cfg = llmrs::checkpoint::peek_config(&v.model).unwrap();
-    llmrs::lora::Adapters::load_peft(&cfg, &v.peft_dir, true).unwrap();
+    llmrs::data::loader::read_shard(&v.shard).unwrap();
+    llmrs::data::tokenizer::Tokenizer::load_llmc(&v.tokenizer).unwrap();
+    llmrs::formats::hf::load_hf(&v.hf_dir).unwrap();
+    llmrs::formats::lora::load_checkpoint(&v.lora).unwrap();
+    let cfg = llmrs::formats::llmc::peek_config(&v.model).unwrap();
+    llmrs::formats::peft::load(&cfg, &v.peft_dir, true).unwrap();
 }

@@ -15,13 +15,13 @@
 mod common;
 
 use llmrs::backend::{Backend, Device, SkipAbove};
-use llmrs::checkpoint::{load_debug_state, load_model, save_model};
-use llmrs::config::{ModelConfig, Precision};
-use llmrs::files::Dtype;
+use llmrs::core::config::{ModelConfig, Precision};
+use llmrs::core::files::Dtype;
+use llmrs::core::params::Weights;
+use llmrs::formats::llmc::{load_debug_state, load_model, save_model};
+use llmrs::model::optim::OptimConfig;
 use llmrs::model::{Model, Slot};
-use llmrs::optim::OptimConfig;
-use llmrs::params::Weights;
-use llmrs::schedule::ScheduleKind;
+use llmrs::train::schedule::ScheduleKind;
 use llmrs::train::{run, TrainConfig};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -134,12 +134,12 @@ fn follow_llmc(dev: Device, precision: Precision, steps: usize, val_every: usize
     let model = Weights::random(ModelConfig::from_descriptor("2x64:4:64").unwrap(), 42).unwrap();
     let model_path = dir.path().join("gpt2_124M.bin");
     save_model(&model, &model_path, Dtype::F32).unwrap();
-    let src = llmrs::prepare::Source {
+    let src = llmrs::data::prepare::Source {
         file: None,
         data_dir: Some(llmrs::testdata::data_dir_with_tinyshakespeare()),
         url: "",
     };
-    let (train, val) = llmrs::prepare::prepare_tinyshakespeare(&src, &dir.path().join("data")).unwrap();
+    let (train, val) = llmrs::data::prepare::prepare_tinyshakespeare(&src, &dir.path().join("data")).unwrap();
     let cfg = TrainConfig {
         train_data: train.to_str().unwrap().into(),
         val_data: val.to_str().unwrap().into(),
@@ -205,8 +205,8 @@ fn small_setup(dir: &Path) -> (String, String, String) {
             .collect()
     };
     let (tr, va) = (dir.join("train.bin"), dir.join("val.bin"));
-    llmrs::data::write_shard(&tr, &toks(4000)).unwrap();
-    llmrs::data::write_shard(&va, &toks(700)).unwrap();
+    llmrs::data::loader::write_shard(&tr, &toks(4000)).unwrap();
+    llmrs::data::loader::write_shard(&va, &toks(700)).unwrap();
     let s = |p: PathBuf| p.to_str().unwrap().to_string();
     (s(model), s(tr), s(va))
 }
@@ -341,10 +341,10 @@ fn gpu_checkpoints_resume_on_the_cpu_and_back() {
 #[test]
 fn gpu_greedy_generation_gives_transformers_tokens() {
     let Some(dev) = gpu("gpu_greedy_generation_gives_transformers_tokens") else { return };
-    use llmrs::generate::{generate, GenConfig, SamplerConfig};
+    use llmrs::infer::generate::{generate, GenConfig, SamplerConfig};
     let j: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("hf/greedy.json")).unwrap()).unwrap();
-    let weights = llmrs::hf::load_hf(&fixture("hf/gpt2_tiny_fp32")).unwrap();
+    let weights = llmrs::formats::hf::load_hf(&fixture("hf/gpt2_tiny_fp32")).unwrap();
     for device in [Device::Cpu, dev] {
         let mut model = Model::new(weights.clone(), device).unwrap();
         for case in j["cases"].as_array().unwrap() {
@@ -369,7 +369,7 @@ fn gpu_greedy_generation_gives_transformers_tokens() {
 #[test]
 fn gpu_hellaswag_matches_the_cpu_and_the_pytorch_scorer() {
     let Some(dev) = gpu("gpu_hellaswag_matches_the_cpu_and_the_pytorch_scorer") else { return };
-    use llmrs::hellaswag::{accuracy, score, Example};
+    use llmrs::infer::hellaswag::{accuracy, score, Example};
     let want: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("hellaswag_ref.json")).unwrap()).unwrap();
     let ids = |v: &serde_json::Value| -> Vec<u32> {
@@ -406,7 +406,7 @@ fn gpu_hellaswag_matches_the_cpu_and_the_pytorch_scorer() {
 #[test]
 fn gpu_lost_device_is_an_error_not_a_panic() {
     let Some(_) = gpu("gpu_lost_device_is_an_error_not_a_panic") else { return };
-    let mut be = llmrs::gpu::GpuBackend::open(Default::default()).unwrap();
+    let mut be = llmrs::backend::gpu::GpuBackend::open(Default::default()).unwrap();
     let b = be.alloc(8, llmrs::backend::DType::F32).unwrap();
     be.upload(b, &[1.0; 8]);
     be.lose_device();
@@ -418,8 +418,8 @@ fn gpu_lost_device_is_an_error_not_a_panic() {
     // A model on a device that is lost mid-step: the step's read is the error.
     let cfg =
         ModelConfig { vocab_size: 60, padded_vocab_size: 64, ..ModelConfig::from_descriptor("1x16:2:8").unwrap() };
-    let opts = llmrs::gpu::Options { lose_after: Some(2), ..Default::default() };
-    let be = llmrs::gpu::GpuBackend::open(opts).unwrap();
+    let opts = llmrs::backend::gpu::Options { lose_after: Some(2), ..Default::default() };
+    let be = llmrs::backend::gpu::GpuBackend::open(opts).unwrap();
     let mut m = Model::with_collectives(
         Weights::random(cfg, 1).unwrap(),
         Box::new(be),
@@ -444,7 +444,7 @@ fn gpu_lost_device_is_an_error_not_a_panic() {
 #[test]
 fn gpu_a_shader_that_does_not_build_is_a_one_line_error() {
     let Some(_) = gpu("gpu_a_shader_that_does_not_build_is_a_one_line_error") else { return };
-    let be = llmrs::gpu::GpuBackend::open(Default::default()).unwrap();
+    let be = llmrs::backend::gpu::GpuBackend::open(Default::default()).unwrap();
     let good = "@group(0) @binding(0) var<storage, read_write> x: array<f32>;\n\
                 @compute @workgroup_size(1) fn f() { x[0] = exp_(1.0); }";
     be.build_wgsl("good", good, &[("f", 1)]).unwrap();
@@ -468,7 +468,7 @@ fn gpu_a_shader_that_does_not_build_is_a_one_line_error() {
 #[test]
 fn gpu_gemm_kernel_is_chosen_by_llmrs_gpu_gemm() {
     let Some(_) = gpu("gpu_gemm_kernel_is_chosen_by_llmrs_gpu_gemm") else { return };
-    let sub = llmrs::gpu::GpuBackend::open(Default::default()).unwrap().subgroup_gemm();
+    let sub = llmrs::backend::gpu::GpuBackend::open(Default::default()).unwrap().subgroup_gemm();
     let bench = |gemm: &str| {
         let out = llmrs()
             .env("LLMRS_GPU_GEMM", gemm)
@@ -523,8 +523,8 @@ fn gpu_train_command_checkpoints_samples_evaluates_and_fails_cleanly() {
     let Some(_) = gpu("gpu_train_command_checkpoints_samples_evaluates_and_fails_cleanly") else { return };
     let dir = tempfile::tempdir().unwrap();
     let toks: Vec<u32> = (0..3000).map(|i| (i * 7 % 500) as u32).collect();
-    llmrs::data::write_shard(&dir.path().join("train.bin"), &toks).unwrap();
-    llmrs::data::write_shard(&dir.path().join("val.bin"), &toks[..400]).unwrap();
+    llmrs::data::loader::write_shard(&dir.path().join("train.bin"), &toks).unwrap();
+    llmrs::data::loader::write_shard(&dir.path().join("val.bin"), &toks[..400]).unwrap();
     let hs = fixture("hellaswag_val_head20.jsonl");
     let train = |out: &str, extra: &[&str]| {
         let mut c = llmrs();
@@ -570,7 +570,7 @@ fn gpu_train_command_checkpoints_samples_evaluates_and_fails_cleanly() {
     // The device lost after 20 submissions (each step makes a few): an error naming the GPU,
     // with the checkpoints before it complete; they resume on the CPU.
     let o = Command::new(env!("CARGO_BIN_EXE_llmrs"))
-        .env(llmrs::env::GPU_TEST_FAULT, "lose-device-after=20")
+        .env(llmrs::core::env::GPU_TEST_FAULT, "lose-device-after=20")
         .current_dir(dir.path())
         .args(["--device", "gpu", "train", "-i", "train.bin", "-j", "val.bin", "-e", "1x16:2:128", "-b", "2"])
         .args(["-t", "16", "-x", "12", "-v", "0", "-s", "0", "-n", "2", "-o", "lost"])
@@ -585,7 +585,7 @@ fn gpu_train_command_checkpoints_samples_evaluates_and_fails_cleanly() {
     assert!(ours.len() == 1 && ours[0].contains("was lost") && ours[0].contains("-y 1"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
     let lost = dir.path().join("lost");
-    let done = llmrs::train::latest_checkpoint(&lost).expect("a checkpoint before the fault");
+    let done = llmrs::train::checkpoint::latest_checkpoint(&lost).expect("a checkpoint before the fault");
     assert!((2..12).contains(&done), "{done}");
     let o = llmrs()
         .current_dir(dir.path())
@@ -594,10 +594,10 @@ fn gpu_train_command_checkpoints_samples_evaluates_and_fails_cleanly() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(llmrs::train::latest_checkpoint(&lost), Some(12));
+    assert_eq!(llmrs::train::checkpoint::latest_checkpoint(&lost), Some(12));
     // Too little device memory: one line, before any step.
     let o = Command::new(env!("CARGO_BIN_EXE_llmrs"))
-        .env(llmrs::env::GPU_TEST_FAULT, "memory-limit=1000000")
+        .env(llmrs::core::env::GPU_TEST_FAULT, "memory-limit=1000000")
         .current_dir(dir.path())
         .args(["--device", "gpu", "train", "-i", "train.bin", "-j", "val.bin", "-e", "1x16:2:128", "-o", ""])
         .output()
@@ -614,7 +614,7 @@ fn gpu_train_command_checkpoints_samples_evaluates_and_fails_cleanly() {
 #[test]
 fn gpu_bench_reports_the_adapter_and_time_per_layer_kind() {
     let Some(dev) = gpu("gpu_bench_reports_the_adapter_and_time_per_layer_kind") else { return };
-    let r = llmrs::bench::run(&llmrs::bench::BenchConfig {
+    let r = llmrs::train::bench::run(&llmrs::train::bench::BenchConfig {
         model: "1x16:2:16".into(),
         batch_size: 2,
         seq_len: 8,
@@ -626,7 +626,7 @@ fn gpu_bench_reports_the_adapter_and_time_per_layer_kind() {
         ce_rows: 0,
         lora: 0,
         lora_targets: vec![],
-        precision: llmrs::config::Precision::Fp32,
+        precision: llmrs::core::config::Precision::Fp32,
         master_weights: true,
     })
     .unwrap();
@@ -636,7 +636,7 @@ fn gpu_bench_reports_the_adapter_and_time_per_layer_kind() {
     let phases: f64 = r.phases.iter().map(|x| x.1).sum();
     assert!((phases - 1.0).abs() < 1e-9);
     // Timestamp queries (lavapipe has them): every kind that runs is charged some time.
-    let be = llmrs::gpu::GpuBackend::open(Default::default()).unwrap();
+    let be = llmrs::backend::gpu::GpuBackend::open(Default::default()).unwrap();
     if be.timestamps() {
         let kinds: f64 = r.kinds.iter().map(|x| x.1).sum();
         assert!(kinds > 0.05 && kinds <= 1.0 + 1e-9, "{:?}", r.kinds);
@@ -647,7 +647,7 @@ fn gpu_bench_reports_the_adapter_and_time_per_layer_kind() {
     assert!(r.to_string().contains("not measured on a GPU"));
     // In bf16: the activations in half the bytes, the f32 copies the ops computed on counted
     // as buffers, and no bf16 peak claimed for the device.
-    let r16 = llmrs::bench::run(&llmrs::bench::BenchConfig {
+    let r16 = llmrs::train::bench::run(&llmrs::train::bench::BenchConfig {
         model: "1x16:2:16".into(),
         batch_size: 2,
         seq_len: 8,
@@ -659,7 +659,7 @@ fn gpu_bench_reports_the_adapter_and_time_per_layer_kind() {
         ce_rows: 0,
         lora: 0,
         lora_targets: vec![],
-        precision: llmrs::config::Precision::Bf16,
+        precision: llmrs::core::config::Precision::Bf16,
         master_weights: true,
     })
     .unwrap();
@@ -748,7 +748,7 @@ fn gpu_chunked_classifier_matches_the_whole_and_the_cpu() {
 fn gpu_random_init_in_place_equals_random_weights() {
     let Some(dev) = gpu("gpu_random_init_in_place_equals_random_weights") else { return };
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    use llmrs::cpu::bf16::{from_f32, to_f32};
+    use llmrs::core::bf16::{from_f32, to_f32};
     let round = |v: &[f32]| v.iter().map(|&x| to_f32(from_f32(x))).collect::<Vec<_>>();
     for desc in ["2x16:2:16", "llama:2x32:4:2"] {
         let cfg = ModelConfig { vocab_size: 61, padded_vocab_size: 64, ..ModelConfig::from_descriptor(desc).unwrap() };

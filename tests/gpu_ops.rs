@@ -16,8 +16,8 @@
 mod common;
 
 use common::gpu::{backend, random_values, Pair, Two};
+use llmrs::backend::gpu::Options;
 use llmrs::backend::{AdamWParams, Backend, Buf, DType, Noise, SkipAbove};
-use llmrs::gpu::Options;
 
 /// Tiny limits: 512-byte chunks and 2 KiB bindings (rows of up to 512 floats fit), GEMM sums
 /// of 16 per dispatch, kernel loops of 3 rows and grids of 8 workgroups per dimension, so that
@@ -669,13 +669,13 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
             for (&y, &x) in fs.iter().zip(&hs) {
                 g.convert(y, x, None);
             }
-            let bits = |g: &mut llmrs::gpu::GpuBackend, x: Buf| -> Vec<u32> {
+            let bits = |g: &mut llmrs::backend::gpu::GpuBackend, x: Buf| -> Vec<u32> {
                 let mut v = vec![0f32; x.len];
                 g.download(x, &mut v).unwrap();
                 v.iter().map(|x| x.to_bits()).collect()
             };
             // The f32 path's result rounded to bf16, in a scratch bf16 tensor.
-            let rounded = |g: &mut llmrs::gpu::GpuBackend, x: Buf| -> Vec<u32> {
+            let rounded = |g: &mut llmrs::backend::gpu::GpuBackend, x: Buf| -> Vec<u32> {
                 let t = g.alloc(x.len, DType::BF16).unwrap();
                 g.convert(t, x, None);
                 let r = bits(g, t);
@@ -742,7 +742,7 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
 /// the halves of a word, and a word shared with another tensor, are exercised.
 #[test]
 fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
-    use llmrs::gpu::GpuBackend;
+    use llmrs::backend::gpu::GpuBackend;
     type Run = Box<dyn Fn(&mut GpuBackend, &[Buf], &[Buf])>;
     // Token ids for n rows of a vocabulary of v.
     fn targets(g: &mut GpuBackend, n: usize, v: usize) -> Buf {
@@ -985,7 +985,7 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
 #[test]
 fn gpu_gemm_kernels_give_the_same_bits() {
     let name = "gpu_gemm_kernels_give_the_same_bits";
-    let soft = llmrs::gpu::software_vulkan_adapters();
+    let soft = llmrs::backend::gpu::software_vulkan_adapters();
     let Some(&(adapter, _)) = soft.iter().find(|a| a.1) else {
         let required = std::env::var(common::gpu::REQUIRE_ENV).as_deref() == Ok("1");
         assert!(!required || soft.is_empty(), "{name}: Vulkan CPU adapters {soft:?}, none runs the subgroup GEMM");
@@ -1071,7 +1071,7 @@ fn gpu_gemm_kernels_give_the_same_bits() {
 
 /// Two GPU backends (the subgroup GEMM's and the tiled one's) with the same tensors.
 struct Twins {
-    g: [llmrs::gpu::GpuBackend; 2],
+    g: [llmrs::backend::gpu::GpuBackend; 2],
     rng: u64,
     dtype: DType,
 }

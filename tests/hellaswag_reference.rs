@@ -5,11 +5,11 @@
 //! JSON reading and tokenization, and the whole data set, where present, all 300.
 
 use llmrs::backend::Device;
-use llmrs::config::ModelConfig;
-use llmrs::hellaswag::{accuracy, load_jsonl, score, Example};
+use llmrs::core::config::ModelConfig;
+use llmrs::core::params::Weights;
+use llmrs::data::tokenizer::Tokenizer;
+use llmrs::infer::hellaswag::{accuracy, load_jsonl, score, Example};
 use llmrs::model::Model;
-use llmrs::params::Weights;
-use llmrs::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {

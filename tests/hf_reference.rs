@@ -2,7 +2,7 @@
 //! scripts/make_hf_reference.py (fp32 and bf16 safetensors) must give transformers' logits.
 //! Export is checked the other way by that script's --check-export mode (recorded in README).
 
-use llmrs::hf::{load_hf, save_hf};
+use llmrs::formats::hf::{load_hf, save_hf};
 use safetensors::SafeTensors;
 use std::path::PathBuf;
 
@@ -22,7 +22,7 @@ fn io() -> (Vec<u32>, Vec<f32>, Vec<f32>) {
     (ints("input_ids"), floats("logits_fp32"), floats("logits_bf16weights"))
 }
 
-fn logits_of(weights: llmrs::params::Weights, ids: &[u32]) -> Vec<f32> {
+fn logits_of(weights: llmrs::core::params::Weights, ids: &[u32]) -> Vec<f32> {
     let (b, t) = (2, ids.len() / 2);
     let mut model = llmrs::model::Model::new(weights, llmrs::backend::Device::Cpu).unwrap();
     model.forward(ids, None, b, t).unwrap();
@@ -51,11 +51,11 @@ fn transformers_fp32_and_bf16_checkpoints_give_the_same_logits() {
 fn export_reimports_to_the_same_model_in_both_dtypes() {
     let m = load_hf(&fixtures().join("gpt2_tiny_fp32")).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    save_hf(&m, dir.path(), llmrs::files::Dtype::F32).unwrap();
+    save_hf(&m, dir.path(), llmrs::core::files::Dtype::F32).unwrap();
     assert_eq!(load_hf(dir.path()).unwrap().data, m.data);
     // bf16 export of the bf16 fixture is bit-identical to the file transformers wrote.
     let m16 = load_hf(&fixtures().join("gpt2_tiny_bf16")).unwrap();
-    save_hf(&m16, dir.path(), llmrs::files::Dtype::BF16).unwrap();
+    save_hf(&m16, dir.path(), llmrs::core::files::Dtype::BF16).unwrap();
     let ours = std::fs::read(dir.path().join("model.safetensors")).unwrap();
     let theirs = std::fs::read(fixtures().join("gpt2_tiny_bf16/model.safetensors")).unwrap();
     let (a, b) = (SafeTensors::deserialize(&ours).unwrap(), SafeTensors::deserialize(&theirs).unwrap());

@@ -10,15 +10,15 @@ mod common;
 
 use common::compare;
 use llmrs::backend::Device;
-use llmrs::checkpoint::{load_model, save_model};
-use llmrs::config::ModelConfig;
-use llmrs::files::Dtype;
-use llmrs::generate::{generate, GenConfig, SamplerConfig};
-use llmrs::hf::{load_hf, save_hf};
+use llmrs::core::config::ModelConfig;
+use llmrs::core::files::Dtype;
+use llmrs::core::params::Weights;
+use llmrs::formats::hf::{load_hf, save_hf};
+use llmrs::formats::llmc::{load_model, save_model};
+use llmrs::infer::generate::{generate, GenConfig, SamplerConfig};
+use llmrs::model::optim::OptimConfig;
 use llmrs::model::optimizer_step;
 use llmrs::model::{Model, Slot};
-use llmrs::optim::OptimConfig;
-use llmrs::params::Weights;
 use safetensors::SafeTensors;
 use std::path::PathBuf;
 
@@ -301,9 +301,9 @@ fn a_hugging_face_llama_directory_fine_tunes_resumes_samples_and_exports() {
     run(&["prepare", "text", "a.txt", "--tokenizer", "model", "-o", "shards", "--val-tokens", "2000"], dir);
     // One document: the val shard's first 2000 tokens, then the train shard's, open with the
     // tokenizer's beginning-of-text token and are the text's tokens.
-    let shard = |s: &str| llmrs::data::read_shard(&dir.join(format!("shards/{s}_000000.bin"))).unwrap();
+    let shard = |s: &str| llmrs::data::loader::read_shard(&dir.join(format!("shards/{s}_000000.bin"))).unwrap();
     let all: Vec<u32> = [shard("val"), shard("train")].concat();
-    let t = llmrs::tokenizer::Tokenizer::load_hf(&tok).unwrap();
+    let t = llmrs::data::tokenizer::Tokenizer::load_hf(&tok).unwrap();
     assert_eq!(all[0], t.doc_start, "a document starts with the tokenizer's beginning-of-text token");
     assert_eq!(all[1..], t.encode(&text[..40_000]).unwrap()[..]);
 
@@ -372,7 +372,7 @@ fn a_model_keeps_its_own_tokenizer_and_end_tokens() {
     save_hf(&w, &dir.join("model"), Dtype::F32).unwrap();
     let tok_file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/bytelevel.json");
     std::fs::copy(&tok_file, dir.join("model/tokenizer.json")).unwrap();
-    let tok = llmrs::tokenizer::Tokenizer::load_hf(&tok_file).unwrap();
+    let tok = llmrs::data::tokenizer::Tokenizer::load_hf(&tok_file).unwrap();
 
     // The greedy continuation, then the same with its third token as the model's end token.
     let prompt = tok.encode("ROMEO:").unwrap();

@@ -4,10 +4,10 @@
 //! training steps 0..=40) must print the same losses. The llm.c output is in
 //! tests/fixtures/llmc_train_gpt2c.txt; README says how it was made.
 
-use llmrs::config::Precision;
-use llmrs::optim::OptimConfig;
-use llmrs::prepare::{prepare_tinyshakespeare, Source};
-use llmrs::schedule::ScheduleKind;
+use llmrs::core::config::Precision;
+use llmrs::data::prepare::{prepare_tinyshakespeare, Source};
+use llmrs::model::optim::OptimConfig;
+use llmrs::train::schedule::ScheduleKind;
 use llmrs::train::{run, TrainConfig};
 
 #[test]
@@ -46,12 +46,15 @@ fn against_llmc(precision: Precision, master_weights: bool, tol: f32) -> f32 {
 
     let dir = tempfile::tempdir().unwrap();
     // The model llm.c was given: our random init, written as an llm.c fp32 model file.
-    let model =
-        llmrs::params::Weights::random(llmrs::config::ModelConfig::from_descriptor("2x64:4:64").unwrap(), 42).unwrap();
+    let model = llmrs::core::params::Weights::random(
+        llmrs::core::config::ModelConfig::from_descriptor("2x64:4:64").unwrap(),
+        42,
+    )
+    .unwrap();
     let model_path = dir.path().join("gpt2_124M.bin");
-    llmrs::checkpoint::save_model(&model, &model_path, llmrs::files::Dtype::F32).unwrap();
+    llmrs::formats::llmc::save_model(&model, &model_path, llmrs::core::files::Dtype::F32).unwrap();
     assert_eq!(
-        llmrs::download::sha256_hex(&std::fs::read(&model_path).unwrap()),
+        llmrs::hub::download::sha256_hex(&std::fs::read(&model_path).unwrap()),
         model_sha,
         "same model file as llm.c used"
     );

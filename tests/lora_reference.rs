@@ -9,8 +9,8 @@ mod common;
 
 use common::compare;
 use llmrs::backend::Device;
-use llmrs::hf::load_hf;
-use llmrs::lora::Adapters;
+use llmrs::formats::hf::load_hf;
+use llmrs::model::lora::Adapters;
 use llmrs::model::{Model, Slot};
 use safetensors::SafeTensors;
 use std::path::PathBuf;
@@ -68,7 +68,7 @@ fn devices(test: &str) -> Vec<Device> {
 
 fn lora_model(family: &str, adapter: &str, dev: Device) -> (Model, Adapters) {
     let w = load_hf(&base(family)).unwrap();
-    let a = Adapters::load_peft(&w.config, &fixture(&format!("lora/{family}_{adapter}")), true).unwrap();
+    let a = llmrs::formats::peft::load(&w.config, &fixture(&format!("lora/{family}_{adapter}")), true).unwrap();
     let mut model = Model::new(w, dev).unwrap();
     model.set_lora(&a).unwrap();
     (model, a)
@@ -111,14 +111,14 @@ fn twenty_adapter_only_adamw_steps_follow_peft() {
         }
         assert_eq!(model.read_all(Slot::Params).unwrap(), base_before, "{family}: the base is frozen");
         let cfg = model.config;
-        let want = Adapters::load_peft(&cfg, &fixture(&format!("lora/{family}_adapter20")), true).unwrap();
+        let want = llmrs::formats::peft::load(&cfg, &fixture(&format!("lora/{family}_adapter20")), true).unwrap();
         let got = model.read_adapters().unwrap();
         compare(&got, &want.data, 1e-4, &format!("{dev}: {family}: adapters after 20 steps"));
         // Exported as PEFT's files, read back: the same adapters, PEFT's names and shapes.
         let dir = std::env::temp_dir().join(format!("llmrs-lora-export-{family}-{}", std::process::id()));
         let trained = Adapters { data: got.clone(), ..start.clone() };
-        trained.save_peft(&dir, "base", &cfg, llmrs::files::Dtype::F32).unwrap();
-        assert_eq!(Adapters::load_peft(&cfg, &dir, true).unwrap().data, got);
+        llmrs::formats::peft::save(&trained, &dir, "base", &cfg, llmrs::core::files::Dtype::F32).unwrap();
+        assert_eq!(llmrs::formats::peft::load(&cfg, &dir, true).unwrap().data, got);
         let names = |d: &std::path::Path| {
             let b = std::fs::read(d.join("adapter_model.safetensors")).unwrap();
             let st = SafeTensors::deserialize(&b).unwrap();
@@ -137,7 +137,7 @@ fn merging_equals_pefts_merge_and_unload() {
     let io = Io::load();
     for family in ["llama", "gpt2"] {
         let mut w = load_hf(&base(family)).unwrap();
-        let a = Adapters::load_peft(&w.config, &fixture(&format!("lora/{family}_adapter0")), true).unwrap();
+        let a = llmrs::formats::peft::load(&w.config, &fixture(&format!("lora/{family}_adapter0")), true).unwrap();
         a.merge_into(&mut w);
         let want = load_hf(&fixture(&format!("lora/{family}_merged0"))).unwrap();
         compare(&w.data, &want.data, 1e-6, &format!("{family}: merged weights"));
@@ -175,8 +175,8 @@ fn lora_steps_are_the_same_bits_at_every_recompute_level_and_nan_checked() {
     let tr = common::trajectory::Trajectory::load(&fixture("lora/llama_trajectory.json"));
     let losses = |recompute: u8, nan_check: bool| -> Vec<u32> {
         let w = load_hf(&base("llama")).unwrap();
-        let a = Adapters::load_peft(&w.config, &fixture("lora/llama_adapter0"), true).unwrap();
-        let be = Box::new(llmrs::cpu::backend::CpuBackend::new(nan_check));
+        let a = llmrs::formats::peft::load(&w.config, &fixture("lora/llama_adapter0"), true).unwrap();
+        let be = Box::new(llmrs::backend::cpu::backend::CpuBackend::new(nan_check));
         let mut model = Model::with_collectives(w, be, Box::new(llmrs::backend::comm::SingleProcess), 0).unwrap();
         model.set_lora(&a).unwrap();
         model.alloc_training_state().unwrap();

@@ -66,7 +66,7 @@ fn log_values(out: &Path, key: &str) -> Vec<(u64, f64)> {
 }
 
 fn params(out: &Path, step: usize) -> Vec<f32> {
-    llmrs::checkpoint::load_model(&out.join(format!("model_{step:08}.bin"))).unwrap().data
+    llmrs::formats::llmc::load_model(&out.join(format!("model_{step:08}.bin"))).unwrap().data
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -218,7 +218,7 @@ fn a_killed_rank_ends_the_job_and_the_run_resumes_exactly() {
     let (mut job, ranks, t0) = start_and_signal(c, dir.path(), &cut, 10, libc::SIGKILL);
     let status = wait_all(&mut job, &ranks, t0, Duration::from_secs(60));
     assert!(!status.success(), "the job succeeded after a rank was killed");
-    let newest = llmrs::train::latest_checkpoint(&cut).unwrap();
+    let newest = llmrs::train::checkpoint::latest_checkpoint(&cut).unwrap();
     assert!((10..40).contains(&newest), "newest complete checkpoint {newest}");
     let resume = |np: usize, extra: &[&str]| {
         let mut c = mpirun(np, test).unwrap();
@@ -258,7 +258,7 @@ fn a_hung_rank_ends_the_job_after_the_collective_timeout() {
     assert!(!status.success());
     let err = std::fs::read_to_string(dir.path().join("stderr")).unwrap();
     assert!(err.contains("a rank died or hangs") && err.contains("-y 1"), "{err}");
-    let newest = llmrs::train::latest_checkpoint(&out).unwrap();
+    let newest = llmrs::train::checkpoint::latest_checkpoint(&out).unwrap();
     assert_eq!(params(&out, newest).len(), 1_636_224, "the newest checkpoint loads whole");
 }
 
@@ -288,7 +288,7 @@ fn lora_ranks_under_mpirun_train_as_one_process_at_every_zero_stage() {
     let dir = tempfile::tempdir().unwrap();
     let data = make_data(dir.path(), 7, 40_000, 8_000);
     let flags = ["-x", "10", "-v", "5", "-m", "2", "-n", "10", "--lora", "4"];
-    let adapters = |out: &Path| llmrs::lora::load_checkpoint(&out.join("model_00000010.bin")).unwrap().1.data;
+    let adapters = |out: &Path| llmrs::formats::lora::load_checkpoint(&out.join("model_00000010.bin")).unwrap().1.data;
     let one = dir.path().join("one");
     let mut c = Command::new(BIN);
     c.args(train_args(&data, &one, 4, &flags));

@@ -10,10 +10,10 @@ mod common;
 
 use common::compare;
 use llmrs::backend::Device;
-use llmrs::checkpoint::{load_debug_state, load_model};
-use llmrs::config::ModelConfig;
+use llmrs::core::config::ModelConfig;
+use llmrs::core::params::Weights;
+use llmrs::formats::llmc::{load_debug_state, load_model};
 use llmrs::model::{Model, Slot};
-use llmrs::params::Weights;
 use std::path::PathBuf;
 
 fn fixture(name: &str) -> PathBuf {

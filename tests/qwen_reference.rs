@@ -10,11 +10,11 @@ mod common;
 
 use common::compare;
 use llmrs::backend::Device;
-use llmrs::checkpoint::{load_model, save_model};
-use llmrs::config::ModelConfig;
-use llmrs::files::Dtype;
-use llmrs::generate::{generate, GenConfig, SamplerConfig};
-use llmrs::hf::{load_hf, save_hf};
+use llmrs::core::config::ModelConfig;
+use llmrs::core::files::Dtype;
+use llmrs::formats::hf::{load_hf, save_hf};
+use llmrs::formats::llmc::{load_model, save_model};
+use llmrs::infer::generate::{generate, GenConfig, SamplerConfig};
 use llmrs::model::{Model, Slot};
 use safetensors::SafeTensors;
 use std::path::PathBuf;

@@ -11,14 +11,14 @@
 //! on the same tiles, and a child widening bf16 on the widest instruction set (where the default
 //! is a tile engine) ties those to the AVX2 child's.
 
+use llmrs::backend::cpu::bf16::{Dest, Operand};
+use llmrs::backend::cpu::simd::Isa;
 use llmrs::backend::Device;
-use llmrs::config::{ModelConfig, Precision};
-use llmrs::cpu::bf16::{Dest, Operand};
-use llmrs::cpu::simd::Isa;
+use llmrs::core::config::{ModelConfig, Precision};
+use llmrs::core::params::Weights;
+use llmrs::model::optim::OptimConfig;
 use llmrs::model::optimizer_step;
 use llmrs::model::{Model, Slot};
-use llmrs::optim::OptimConfig;
-use llmrs::params::Weights;
 use std::process::Command;
 
 const CHILD_ENV: &str = "LLMRS_THREAD_COUNT_CHILD";
@@ -51,16 +51,16 @@ fn digests() -> Vec<String> {
         // c = a @ w^T + bias (the forward's layout), then c += a @ w read as (k, n) row-major
         // (the input-gradient GEMMs' layout).
         let mut c = vec![0f32; m * n];
-        llmrs::cpu::matmul::matmul_forward((&mut c).into(), (&a).into(), (&w).into(), Some(&bias), m, k, n);
+        llmrs::backend::cpu::matmul::matmul_forward((&mut c).into(), (&a).into(), (&w).into(), Some(&bias), m, k, n);
         let (ki, ni) = (k as isize, n as isize);
-        llmrs::cpu::matmul::gemm_strided(m, n, k, &mut c, (ni, 1), true, &a, (ki, 1), &w, (ni, 1));
+        llmrs::backend::cpu::matmul::gemm_strided(m, n, k, &mut c, (ni, 1), true, &a, (ki, 1), &w, (ni, 1));
         out.push(format!("gemm {m}x{n}x{k} {:016x}", digest(&c)));
     }
     // One position (the decode step's dot products), across the thread team's chunks.
     for (i, &(c, oc)) in [(37, 101), (768, 2304)].iter().enumerate() {
         let (x, w, bias) = (values(c, 40 + i as u64), values(oc * c, 50 + i as u64), values(oc, 60 + i as u64));
         let mut y = vec![0f32; oc];
-        llmrs::cpu::matmul::matmul_forward((&mut y).into(), (&x).into(), (&w).into(), Some(&bias), 1, c, oc);
+        llmrs::backend::cpu::matmul::matmul_forward((&mut y).into(), (&x).into(), (&w).into(), Some(&bias), 1, c, oc);
         out.push(format!("gemv {c}x{oc} {:016x}", digest(&y)));
     }
     // bf16 operands and results (--precision bf16): one k block (rounded by the kernels as they
@@ -69,7 +69,7 @@ fn digests() -> Vec<String> {
         let (a, w) = (bf16(&values(m * k, 70 + i as u64)), bf16(&values(n * k, 80 + i as u64)));
         let mut c = bf16(&values(m * n, 90 + i as u64));
         let (x, wt) = (Operand::Bf16(&a), Operand::Bf16(&w));
-        llmrs::cpu::matmul::matmul_backward(None, Some(Dest::Bf16(&mut c)), None, x, wt, x, k, n, m, true);
+        llmrs::backend::cpu::matmul::matmul_backward(None, Some(Dest::Bf16(&mut c)), None, x, wt, x, k, n, m, true);
         let c: Vec<f32> = c.iter().map(|x| f32::from_bits((*x as u32) << 16)).collect();
         out.push(format!("bf16 gemm {m}x{n}x{k} {:016x}", digest(&c)));
     }
@@ -109,16 +109,16 @@ fn digests() -> Vec<String> {
 
 /// Values rounded to bf16 (their bits).
 fn bf16(xs: &[f32]) -> Vec<u16> {
-    xs.iter().map(|x| llmrs::cpu::bf16::from_f32(*x)).collect()
+    xs.iter().map(|x| llmrs::core::bf16::from_f32(*x)).collect()
 }
 
 #[test]
 fn results_do_not_depend_on_the_thread_count() {
     if std::env::var_os(CHILD_ENV).is_some() {
-        let threads = llmrs::cpu::team::threads();
-        println!("DIGEST threads={threads} isa {}", llmrs::cpu::simd::init().unwrap().name());
+        let threads = llmrs::backend::cpu::team::threads();
+        println!("DIGEST threads={threads} isa {}", llmrs::backend::cpu::simd::init().unwrap().name());
         llmrs::backend::factory::init_host().unwrap();
-        let engine = llmrs::cpu::bgemm::model_engine().map_or("widen", |e| e.name());
+        let engine = llmrs::backend::cpu::bgemm::model_engine().map_or("widen", |e| e.name());
         println!("DIGEST threads={threads} bf16 tiles {engine}");
         for d in digests() {
             println!("DIGEST threads={threads} {d}");
@@ -147,10 +147,10 @@ fn results_do_not_depend_on_the_thread_count() {
         cmd.args(["results_do_not_depend_on_the_thread_count", "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD_ENV, "1")
             .env("RAYON_NUM_THREADS", threads.to_string())
-            .env(llmrs::env::CPU_ISA, isa)
-            .env_remove(llmrs::env::BF16_GEMM);
+            .env(llmrs::core::env::CPU_ISA, isa)
+            .env_remove(llmrs::core::env::BF16_GEMM);
         if let Some(t) = tiles {
-            cmd.env(llmrs::env::BF16_GEMM, t);
+            cmd.env(llmrs::core::env::BF16_GEMM, t);
         }
         let out = cmd.output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);

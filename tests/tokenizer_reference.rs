@@ -1,8 +1,8 @@
 //! The GPT-2 tokenizer and Tiny Shakespeare preparation against OpenAI's `tiktoken` (fixtures
 //! from scripts/make_tokenizer_reference.py).
 
-use llmrs::prepare::{prepare_tinyshakespeare, Source};
-use llmrs::tokenizer::Tokenizer;
+use llmrs::data::prepare::{prepare_tinyshakespeare, Source};
+use llmrs::data::tokenizer::Tokenizer;
 use std::path::PathBuf;
 
 fn fixture(name: &str) -> serde_json::Value {
@@ -33,7 +33,7 @@ fn tinyshakespeare_shards_are_byte_identical_to_llmc() {
     for (path, key) in [(train, "train"), (val, "val")] {
         let bytes = std::fs::read(path).unwrap();
         assert_eq!(bytes.len() as u64, want[key]["bytes"].as_u64().unwrap(), "{key} size");
-        assert_eq!(llmrs::download::sha256_hex(&bytes), want[key]["sha256"].as_str().unwrap(), "{key} sha256");
+        assert_eq!(llmrs::hub::download::sha256_hex(&bytes), want[key]["sha256"].as_str().unwrap(), "{key} sha256");
     }
 }
 
@@ -60,7 +60,7 @@ fn tokenizer() -> &'static Tokenizer {
 /// bytes `generate` prints one at a time) gives the same text.
 #[test]
 fn tokenizer_json_encodes_as_python_tokenizers_does() {
-    use llmrs::tokenizer::Tokenizer;
+    use llmrs::data::tokenizer::Tokenizer;
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers");
     let cases: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();

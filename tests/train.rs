@@ -2,9 +2,9 @@
 
 mod common;
 
-use llmrs::config::Precision;
-use llmrs::files::Dtype;
-use llmrs::schedule::ScheduleKind;
+use llmrs::core::config::Precision;
+use llmrs::core::files::Dtype;
+use llmrs::train::schedule::ScheduleKind;
 use llmrs::train::{run, TrainConfig};
 use std::path::Path;
 
@@ -148,18 +148,22 @@ fn bad_settings_and_data_are_refused_clearly() {
     assert!(err(TrainConfig { train_data: "/nonexistent/x*.bin".into(), ..base.clone() }).contains("no token files"));
     // A vocabulary smaller than the data's token ids.
     let m = dir.path().join("small_vocab.bin");
-    let mut cfg = llmrs::config::ModelConfig::from_descriptor("1x8:2:16").unwrap();
+    let mut cfg = llmrs::core::config::ModelConfig::from_descriptor("1x8:2:16").unwrap();
     cfg.vocab_size = 50;
     cfg.padded_vocab_size = 128;
-    llmrs::checkpoint::save_model(&llmrs::params::Weights::random(cfg, 1).unwrap(), &m, llmrs::files::Dtype::F32)
-        .unwrap();
+    llmrs::formats::llmc::save_model(
+        &llmrs::core::params::Weights::random(cfg, 1).unwrap(),
+        &m,
+        llmrs::core::files::Dtype::F32,
+    )
+    .unwrap();
     assert!(err(TrainConfig { model: m.to_str().unwrap().into(), ..base.clone() }).contains("out of range"));
     // Data that fits that vocabulary, but samples that would start from GPT-2's <|endoftext|>
     // (id 50256, the tokenizer's as the model has no tokenizer.json): refused before the first
     // step, with nothing written, where the run used to stop at its first sample.
     let (tr50, va50) = (dir.path().join("train50.bin"), dir.path().join("val50.bin"));
-    llmrs::data::write_shard(&tr50, &(0..3000).map(|i| (i * 7 % 50) as u32).collect::<Vec<_>>()).unwrap();
-    llmrs::data::write_shard(&va50, &(0..600).map(|i| (i * 3 % 50) as u32).collect::<Vec<_>>()).unwrap();
+    llmrs::data::loader::write_shard(&tr50, &(0..3000).map(|i| (i * 7 % 50) as u32).collect::<Vec<_>>()).unwrap();
+    llmrs::data::loader::write_shard(&va50, &(0..600).map(|i| (i * 3 % 50) as u32).collect::<Vec<_>>()).unwrap();
     let out = dir.path().join("sampling");
     let fits = TrainConfig {
         model: m.to_str().unwrap().into(),
@@ -175,7 +179,7 @@ fn bad_settings_and_data_are_refused_clearly() {
         e.contains("-s 4") && e.contains("id 50256") && e.contains("vocabulary of 50") && e.contains("-s 0"),
         "{e}"
     );
-    assert_eq!(llmrs::train::latest_checkpoint(&out), None, "a refused run wrote a checkpoint");
+    assert_eq!(llmrs::train::checkpoint::latest_checkpoint(&out), None, "a refused run wrote a checkpoint");
     // Without samples (or with one token, which needs no forward pass) it trains.
     for (sample_every, gen_tokens) in [(0, 64), (4, 1)] {
         let s = run(&TrainConfig { sample_every, gen_tokens, overwrite: true, ..fits.clone() }).unwrap();
@@ -184,7 +188,7 @@ fn bad_settings_and_data_are_refused_clearly() {
     // A learning rate that blows up is reported, not trained through.
     let e = err(TrainConfig {
         learning_rate: 1e30,
-        optim: llmrs::optim::OptimConfig { grad_clip: 0.0, ..Default::default() },
+        optim: llmrs::model::optim::OptimConfig { grad_clip: 0.0, ..Default::default() },
         warmup: 0,
         max_steps: Some(5),
         ..base.clone()
@@ -195,7 +199,7 @@ fn bad_settings_and_data_are_refused_clearly() {
     let out = dir.path().join("exploding");
     let e = err(TrainConfig {
         learning_rate: 1e8,
-        optim: llmrs::optim::OptimConfig { grad_clip: 0.0, ..Default::default() },
+        optim: llmrs::model::optim::OptimConfig { grad_clip: 0.0, ..Default::default() },
         warmup: 0,
         max_steps: Some(30),
         checkpoint_every: 1,
@@ -203,9 +207,9 @@ fn bad_settings_and_data_are_refused_clearly() {
         ..base
     });
     assert!(e.contains("more than twice the") && e.contains("diverged"), "{e}");
-    let last = llmrs::train::latest_checkpoint(&out).expect("checkpoints before the explosion");
+    let last = llmrs::train::checkpoint::latest_checkpoint(&out).expect("checkpoints before the explosion");
     assert!(last < 30, "ran to the end");
-    let w = llmrs::checkpoint::load_model(&out.join(format!("model_{last:08}.bin"))).unwrap();
+    let w = llmrs::formats::llmc::load_model(&out.join(format!("model_{last:08}.bin"))).unwrap();
     assert!(w.data.iter().all(|x| x.is_finite()));
 }
 
@@ -245,15 +249,15 @@ fn outlier_steps_are_skipped_with_sl() {
 fn hellaswag_during_training_is_logged_at_validation_steps() {
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
-    let ex: Vec<llmrs::hellaswag::Example> = (0..6u32)
-        .map(|i| llmrs::hellaswag::Example {
+    let ex: Vec<llmrs::infer::hellaswag::Example> = (0..6u32)
+        .map(|i| llmrs::infer::hellaswag::Example {
             label: (i % 4) as usize,
             ctx: vec![i, i + 1, i + 2],
             endings: (0..4).map(|k| vec![10 + k, 20 + i]).collect(),
         })
         .collect();
     let hs = dir.path().join("hellaswag_val.bin");
-    llmrs::hellaswag::write_bin(&hs, &ex).unwrap();
+    llmrs::infer::hellaswag::write_bin(&hs, &ex).unwrap();
     let out = dir.path().join("out");
     let cfg =
         TrainConfig { hellaswag: true, hellaswag_data: Some(hs), max_steps: Some(8), ..small(&out, &train, &val) };
@@ -336,7 +340,7 @@ fn ranks_equal_one_process_with(model: &str, worlds: &[usize], recompute: u8, ce
         let cfg = TrainConfig { output_dir: Some(out.clone()), zero_stage: stage, batch_size: b, ..base.clone() };
         (ranks_on_threads(&cfg, world), out)
     };
-    let load = |d: &Path| llmrs::checkpoint::load_model(&d.join("model_00000020.bin")).unwrap();
+    let load = |d: &Path| llmrs::formats::llmc::load_model(&d.join("model_00000020.bin")).unwrap();
     let close = |a: f32, b: f32, tol: f32| (a - b).abs() <= tol * b.abs().max(1.0);
     for &world in worlds {
         let (one, one_dir) = run_ranks(1, 0, 2 * world);
@@ -347,7 +351,7 @@ fn ranks_equal_one_process_with(model: &str, worlds: &[usize], recompute: u8, ce
         let one_params = load(&one_dir).data;
         let mut one_model = llmrs::model::Model::new(load(&one_dir), llmrs::backend::Device::Cpu).unwrap();
         one_model.alloc_training_state().unwrap();
-        llmrs::checkpoint::load_state(&one_dir.join("state_00000020_00000.bin"), &mut one_model).unwrap();
+        llmrs::train::checkpoint::load_state(&one_dir.join("state_00000020_00000.bin"), &mut one_model).unwrap();
         let one_m = one_model.read_all(llmrs::model::Slot::AdamM).unwrap();
         for stage in 0..=3 {
             let (runs, out) = run_ranks(world, stage, 2);
@@ -379,7 +383,7 @@ fn ranks_equal_one_process_with(model: &str, worlds: &[usize], recompute: u8, ce
             // AdamW's first moment: rank r's file holds part r of every piece.
             let mut m = vec![f32::NAN; one_m.len()];
             for rank in 0..world {
-                let z = llmrs::zero::Sharding::new(stage, rank, world, load(&out).config).unwrap();
+                let z = llmrs::model::zero::Sharding::new(stage, rank, world, load(&out).config).unwrap();
                 let bytes = std::fs::read(out.join(format!("state_00000020_{rank:05}.bin"))).unwrap();
                 let mine = |i: usize| f32::from_le_bytes(bytes[1024 + 4 * i..1028 + 4 * i].try_into().unwrap());
                 for p in z.pieces() {
@@ -416,7 +420,7 @@ fn the_output_directory_is_guarded() {
     // --overwrite starts afresh: the old checkpoints are gone, the new ones are there.
     let again = run(&TrainConfig { overwrite: true, checkpoint_every: 3, max_steps: Some(4), ..cfg.clone() }).unwrap();
     assert_eq!(again.train_losses.len(), 4);
-    assert_eq!(llmrs::train::latest_checkpoint(&out), Some(4));
+    assert_eq!(llmrs::train::checkpoint::latest_checkpoint(&out), Some(4));
     assert!(!out.join("model_00000005.bin").exists() && out.join("model_00000003.bin").exists());
 }
 
@@ -514,11 +518,11 @@ fn a_lora_run_trains_only_its_adapters_and_resumes_bit_identically() {
         let mean = |r: std::ops::Range<usize>| full.train_losses[r].iter().map(|x| x.1).sum::<f32>() / 4.0;
         assert!(mean(8..12) < mean(0..4) - 0.01, "{model}: LoRA did not learn: {:?}", full.train_losses);
         let ckpt = out.join("model_00000012.bin");
-        assert!(llmrs::lora::is_checkpoint(&ckpt));
-        let (cfg12, a12, base) = llmrs::lora::load_checkpoint(&ckpt).unwrap();
+        assert!(llmrs::formats::lora::is_checkpoint(&ckpt));
+        let (cfg12, a12, base) = llmrs::formats::lora::load_checkpoint(&ckpt).unwrap();
         assert_eq!(base.source, model);
         let base_w = llmrs::source::load_any(model, 42).unwrap();
-        assert_eq!(base.hash, llmrs::lora::weights_hash(&base_w));
+        assert_eq!(base.hash, llmrs::core::params::weights_hash(&base_w));
         assert!(cfg12.same_shape(&base_w.config));
         assert_eq!((a12.r, a12.alpha), (4, 16.0));
         // The file holds the adapters only: a small fraction of the model.
@@ -527,7 +531,7 @@ fn a_lora_run_trains_only_its_adapters_and_resumes_bit_identically() {
         // Loaded as a model it is the merge of base and adapters, which a run's last validation saw.
         let merged = llmrs::source::load_any(ckpt.to_str().unwrap(), 0).unwrap();
         let mut m = llmrs::model::Model::new(merged, llmrs::backend::Device::Cpu).unwrap();
-        let mut v = llmrs::data::DataLoader::new(&val, 2, 16, 50257, false).unwrap();
+        let mut v = llmrs::data::loader::DataLoader::new(&val, 2, 16, 50257, false).unwrap();
         let mut loss = 0.0;
         for _ in 0..2 {
             v.next_batch().unwrap();
@@ -546,7 +550,11 @@ fn a_lora_run_trains_only_its_adapters_and_resumes_bit_identically() {
         for ((s1, l1), (s2, l2)) in full.train_losses[5..].iter().zip(&resumed.train_losses) {
             assert_eq!((s1, l1.to_bits()), (s2, l2.to_bits()), "{model} step {s1}: {l1} vs {l2}");
         }
-        assert_eq!(llmrs::lora::load_checkpoint(&ckpt).unwrap().1, a12, "{model}: the same adapters after resuming");
+        assert_eq!(
+            llmrs::formats::lora::load_checkpoint(&ckpt).unwrap().1,
+            a12,
+            "{model}: the same adapters after resuming"
+        );
         // A resume on another base is refused, naming both.
         for s in [12] {
             for f in [format!("DONE_{s:08}"), format!("model_{s:08}.bin"), format!("state_{s:08}_00000.bin")] {
@@ -555,7 +563,7 @@ fn a_lora_run_trains_only_its_adapters_and_resumes_bit_identically() {
         }
         let other = dir.path().join("other.bin");
         let w7 = llmrs::source::load_any(model, 7).unwrap();
-        llmrs::checkpoint::save_model(&w7, &other, llmrs::files::Dtype::F32).unwrap();
+        llmrs::formats::llmc::save_model(&w7, &other, llmrs::core::files::Dtype::F32).unwrap();
         let spec = other.to_str().unwrap().to_string();
         let e = format!(
             "{:#}",
@@ -588,7 +596,7 @@ fn lora_ranks_train_as_one_process_at_every_zero_stage() {
             let cfg = TrainConfig { output_dir: Some(out.clone()), zero_stage: stage, batch_size: b, ..base.clone() };
             let runs = ranks_on_threads(&cfg, world);
             let state = std::fs::metadata(out.join("state_00000010_00000.bin")).unwrap().len() as usize;
-            (runs, llmrs::lora::load_checkpoint(&out.join("model_00000010.bin")).unwrap().1, state)
+            (runs, llmrs::formats::lora::load_checkpoint(&out.join("model_00000010.bin")).unwrap().1, state)
         };
         let (one, one_a, _) = run_ranks(1, 0, 4);
         let mut state0 = 0;
@@ -626,20 +634,24 @@ fn lora_settings_that_cannot_work_are_refused_clearly() {
     let e = err(TrainConfig { lora: 0, lora_alpha: Some(8.0), ..base.clone() });
     assert!(e.contains("--lora R"), "{e}");
     // An adapter made for another base: its shapes differ.
-    let other = llmrs::config::ModelConfig::from_descriptor("llama:2x48:4:2:16").unwrap();
-    let targets = llmrs::lora::select(&other, &[]).unwrap();
-    let a = llmrs::lora::Adapters::new(2, 4.0, targets, &mut llmrs::rng::Mt19937::new(1)).unwrap();
+    let other = llmrs::core::config::ModelConfig::from_descriptor("llama:2x48:4:2:16").unwrap();
+    let targets = llmrs::model::lora::select(&other, &[]).unwrap();
+    let a = llmrs::model::lora::Adapters::new(2, 4.0, targets, &mut llmrs::core::rng::Mt19937::new(1)).unwrap();
     let peft = dir.path().join("other_adapter");
-    a.save_peft(&peft, "x", &other, llmrs::files::Dtype::F32).unwrap();
+    llmrs::formats::peft::save(&a, &peft, "x", &other, llmrs::core::files::Dtype::F32).unwrap();
     let e = err(TrainConfig { lora: 0, lora_from: Some(peft), ..base.clone() });
     assert!(e.contains("--lora-from") && e.contains("another base"), "{e}");
     // A PEFT config llmrs cannot honour.
     let cfg = llmrs::source::peek_config("llama:2x32:4:2:16").unwrap().unwrap();
     let dora = dir.path().join("dora");
-    llmrs::lora::Adapters::new(2, 4.0, llmrs::lora::select(&cfg, &[]).unwrap(), &mut llmrs::rng::Mt19937::new(1))
-        .unwrap()
-        .save_peft(&dora, "x", &cfg, llmrs::files::Dtype::F32)
-        .unwrap();
+    let a = llmrs::model::lora::Adapters::new(
+        2,
+        4.0,
+        llmrs::model::lora::select(&cfg, &[]).unwrap(),
+        &mut llmrs::core::rng::Mt19937::new(1),
+    )
+    .unwrap();
+    llmrs::formats::peft::save(&a, &dora, "x", &cfg, llmrs::core::files::Dtype::F32).unwrap();
     let j = std::fs::read_to_string(dora.join("adapter_config.json"))
         .unwrap()
         .replace("\"use_dora\": false", "\"use_dora\": true");
@@ -761,14 +773,14 @@ fn bf16_ranks_train_as_one_process() {
 /// checkpoint; a `--lora-from` checkpoint trained on another base is refused once it is read.
 #[test]
 fn a_hugging_face_lora_base_is_read_in_place_as_a_file_is() {
-    use llmrs::config::ModelConfig;
-    use llmrs::params::Weights;
+    use llmrs::core::config::ModelConfig;
+    use llmrs::core::params::Weights;
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
     let w = Weights::random(ModelConfig::from_descriptor("llama:2x32:4:2:16").unwrap(), 9).unwrap();
     let (hf, bin) = (dir.path().join("hf"), dir.path().join("base.bin"));
-    llmrs::hf::save_hf(&w, &hf, Dtype::F32).unwrap();
-    llmrs::checkpoint::save_model(&w, &bin, Dtype::F32).unwrap();
+    llmrs::formats::hf::save_hf(&w, &hf, Dtype::F32).unwrap();
+    llmrs::formats::llmc::save_model(&w, &bin, Dtype::F32).unwrap();
     for precision in [Precision::Fp32, Precision::Bf16] {
         let mut runs = vec![];
         for (name, model) in [("hf", &hf), ("bin", &bin)] {
@@ -781,17 +793,17 @@ fn a_hugging_face_lora_base_is_read_in_place_as_a_file_is() {
                 ..small(&out, &train, &val)
             };
             let r = run(&cfg).unwrap();
-            let (_, _, base) = llmrs::lora::load_checkpoint(&out.join("model_00000012.bin")).unwrap();
+            let (_, _, base) = llmrs::formats::lora::load_checkpoint(&out.join("model_00000012.bin")).unwrap();
             runs.push((r.train_losses, r.val_losses, base.hash));
         }
         assert!(!runs[0].0.is_empty());
         assert_eq!(runs[0], runs[1], "{precision}: from the directory and from the file");
-        assert_eq!(runs[0].2, llmrs::lora::weights_hash(&w), "{precision}: the base's hash");
+        assert_eq!(runs[0].2, llmrs::core::params::weights_hash(&w), "{precision}: the base's hash");
     }
     // Adapters trained on another base.
     let other = dir.path().join("other.bin");
     let o = Weights::random(ModelConfig::from_descriptor("llama:2x32:4:2:16").unwrap(), 10).unwrap();
-    llmrs::checkpoint::save_model(&o, &other, Dtype::F32).unwrap();
+    llmrs::formats::llmc::save_model(&o, &other, Dtype::F32).unwrap();
     let out = dir.path().join("other_run");
     let cfg = TrainConfig {
         model: other.to_str().unwrap().into(),
@@ -814,14 +826,14 @@ fn a_hugging_face_lora_base_is_read_in_place_as_a_file_is() {
 /// (checked by hash once read): bit-identical losses; another base given with -e is refused.
 #[test]
 fn a_lora_run_on_a_hugging_face_base_resumes_bit_identically() {
-    use llmrs::config::ModelConfig;
-    use llmrs::params::Weights;
+    use llmrs::core::config::ModelConfig;
+    use llmrs::core::params::Weights;
     let dir = tempfile::tempdir().unwrap();
     let (train, val) = make_data(dir.path());
     let cfg = ModelConfig::from_descriptor("llama:2x32:4:2:16").unwrap();
     let (hf, other) = (dir.path().join("hf"), dir.path().join("other"));
-    llmrs::hf::save_hf(&Weights::random(cfg, 9).unwrap(), &hf, Dtype::F32).unwrap();
-    llmrs::hf::save_hf(&Weights::random(cfg, 10).unwrap(), &other, Dtype::F32).unwrap();
+    llmrs::formats::hf::save_hf(&Weights::random(cfg, 9).unwrap(), &hf, Dtype::F32).unwrap();
+    llmrs::formats::hf::save_hf(&Weights::random(cfg, 10).unwrap(), &other, Dtype::F32).unwrap();
     let out = dir.path().join("run");
     let cfg = TrainConfig {
         model: hf.to_str().unwrap().into(),

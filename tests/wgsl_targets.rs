@@ -35,14 +35,14 @@ fn parse(list: Vec<(String, String)>, caps: Capabilities) -> Modules {
 /// Every module as a device without the subgroup GEMM builds it, validated with the
 /// capabilities llmrs asks of every device: immediates, nothing else.
 fn modules() -> Modules {
-    parse(llmrs::gpu::kernels::wgsl_modules(false), Capabilities::IMMEDIATES)
+    parse(llmrs::backend::gpu::kernels::wgsl_modules(false), Capabilities::IMMEDIATES)
 }
 
 /// The modules that differ with the subgroup GEMM (the GEMM's), validated with the
 /// capabilities a device that runs it is opened with: immediates and subgroups.
 fn subgroup_modules() -> Modules {
-    let plain = llmrs::gpu::kernels::wgsl_modules(false);
-    let with = llmrs::gpu::kernels::wgsl_modules(true).into_iter().filter(|m| !plain.contains(m)).collect();
+    let plain = llmrs::backend::gpu::kernels::wgsl_modules(false);
+    let with = llmrs::backend::gpu::kernels::wgsl_modules(true).into_iter().filter(|m| !plain.contains(m)).collect();
     parse(with, Capabilities::IMMEDIATES | Capabilities::SUBGROUP)
 }
 
@@ -52,7 +52,7 @@ fn every_module_translates_to_metal() {
     // Every .wgsl file beside the helpers they share is a module (some also are the body of a
     // variant, as matmul_bf16 is of matmul), of one set or the other.
     let subgroup = subgroup_modules();
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/gpu/kernels");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/gpu/kernels");
     for e in std::fs::read_dir(dir).unwrap() {
         let n = e.unwrap().file_name().to_string_lossy().to_string();
         if let Some(stem) = n.strip_suffix(".wgsl").filter(|s| *s != "common") {
@@ -127,7 +127,7 @@ fn a_broken_kernel_is_caught_here() {
     // binding, say.
     let src = format!(
         "{}\n@group(0) @binding(0) var<storage, read> x: array<f32>;\n@compute @workgroup_size(1) fn f() {{ x[0] = 1.0; }}",
-        llmrs::gpu::kernels::COMMON
+        llmrs::backend::gpu::kernels::COMMON
     );
     let refused = match naga::front::wgsl::parse_str(&src) {
         Err(_) => true,

@@ -3,7 +3,7 @@
 //! choice of one at start-up ([`open`]: MPI when launched by `mpirun`, see [`super::mpi`]).
 //!
 //! Stage 0 all-reduces the gradients; ZeRO stages reduce-scatter gradients into this rank's
-//! [`shard`] and all-gather parameters from every rank's shard (see [`crate::zero`]). MPI
+//! [`shard`] and all-gather parameters from every rank's shard (see [`crate::model::zero`]). MPI
 //! implements the trait for the CPU; a GPU backend's NCCL will implement the same trait. With one
 //! process every collective is the identity.
 
@@ -23,7 +23,7 @@ pub enum Reduce {
 
 /// The elements of a buffer of `len` that rank `rank` of `world` owns in a reduce-scatter or
 /// all-gather: part `rank` of `world` equal parts. `len` must be a multiple of `world`
-/// ([`crate::zero`] checks every sharded tensor up front).
+/// ([`crate::model::zero`] checks every sharded tensor up front).
 pub fn shard(len: usize, rank: usize, world: usize) -> Range<usize> {
     let per = len / world.max(1);
     rank * per..(rank + 1) * per
@@ -85,7 +85,7 @@ pub(crate) fn read_host<R>(be: &mut dyn Backend, buf: Buf, f: impl FnOnce(&[f32]
     if let Some(s) = be.host_f32(buf) {
         return Ok(f(s));
     }
-    let mut h = crate::mem::zeroed(buf.len);
+    let mut h = crate::core::mem::zeroed(buf.len);
     be.download(buf, &mut h)?;
     Ok(f(&h))
 }
@@ -273,8 +273,8 @@ impl Collectives for LocalRank {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::backend::CpuBackend;
     use crate::backend::DType;
-    use crate::cpu::backend::CpuBackend;
 
     #[test]
     fn shards_tile_the_buffer() {

@@ -9,16 +9,18 @@ use anyhow::{bail, Result};
 /// instruction set, its fp32 GEMM's order and its bf16 GEMM (so a bad `LLMRS_CPU_ISA`,
 /// `LLMRS_SGEMM_ORDER` or `LLMRS_BF16_GEMM` is an error here, not a panic in a kernel).
 pub fn init_host() -> Result<()> {
-    crate::cpu::simd::init()?;
-    crate::cpu::sgemm::init()?;
-    crate::cpu::bgemm::init().map(|_| ())
+    crate::backend::cpu::simd::init()?;
+    crate::backend::cpu::sgemm::init()?;
+    crate::backend::cpu::bgemm::init().map(|_| ())
 }
 
 /// The backend for `device`.
 pub fn open(device: Device) -> Result<Box<dyn Backend>> {
     match device {
-        Device::Cpu => Ok(Box::new(crate::cpu::backend::CpuBackend::new(crate::env::nan_check()))),
-        Device::Gpu(adapter) => Ok(Box::new(crate::gpu::GpuBackend::open(crate::gpu::Options::from_env(adapter)?)?)),
+        Device::Cpu => Ok(Box::new(crate::backend::cpu::backend::CpuBackend::new(crate::core::env::nan_check()))),
+        Device::Gpu(adapter) => {
+            Ok(Box::new(crate::backend::gpu::GpuBackend::open(crate::backend::gpu::Options::from_env(adapter)?)?))
+        }
         Device::Cuda(_) => {
             bail!(
                 "--device {device}: llmrs has no CUDA backend yet; an NVIDIA GPU runs with --device gpu (Vulkan), \

@@ -8,12 +8,12 @@ use anyhow::{bail, Result};
 
 /// The number of ranks a launcher (mpirun, srun) says this job has, if it says.
 pub fn launched_world_size() -> Option<usize> {
-    crate::env::launcher_number(&crate::env::WORLD_SIZE)
+    crate::core::env::launcher_number(&crate::core::env::WORLD_SIZE)
 }
 
 /// This process's rank as the launcher says it, if it says.
 pub fn launched_rank() -> Option<usize> {
-    crate::env::launcher_number(&crate::env::WORLD_RANK)
+    crate::core::env::launcher_number(&crate::core::env::WORLD_RANK)
 }
 
 /// End the process after the command, on the main thread. After success MPI (if any) is

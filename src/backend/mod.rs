@@ -8,7 +8,7 @@
 //! the training loop and everything above them do not change.
 //!
 //! Conventions of every op: outputs first, inputs next, shapes last (the dimension names of
-//! [`crate::config`]); every buffer has exactly the length its shape says and no output overlaps
+//! [`crate::core::config`]); every buffer has exactly the length its shape says and no output overlaps
 //! another buffer of the call. The model's families call the ops through [`ops::Ops`], the
 //! checked front that holds each op's contract (those lengths, the overlaps, the NaN-checking
 //! mode, the profile kind) once for every device; a device implements the raw op on buffers
@@ -17,18 +17,20 @@
 //! shapes; a device error surfaces at the next download or [`Backend::synchronize`].
 
 pub mod comm;
+pub mod cpu;
 pub mod factory;
+pub mod gpu;
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod ops;
 
-use crate::profile::Kind;
+use crate::core::profile::Kind;
 use anyhow::{bail, Result};
 use std::ops::Range;
 
 /// Element type of a buffer: f32, bf16 (`--precision bf16`: parameters, gradients and
-/// activations, see [`crate::config::Precision`]) or u32 (token ids).
+/// activations, see [`crate::core::config::Precision`]) or u32 (token ids).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
     F32,
@@ -86,10 +88,10 @@ impl Buf {
 /// Where the model runs, chosen once at start-up (`--device`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Device {
-    /// fp32 on every core ([`crate::cpu`]).
+    /// fp32 on every core ([`crate::backend::cpu`]).
     #[default]
     Cpu,
-    /// A GPU through wgpu (Vulkan, Metal, DX12: [`crate::gpu`]): the N-th adapter of `llmrs
+    /// A GPU through wgpu (Vulkan, Metal, DX12: [`crate::backend::gpu`]): the N-th adapter of `llmrs
     /// devices`, or with None the best one (a discrete GPU first, a software one last).
     Gpu(Option<usize>),
     /// An NVIDIA GPU by index through CUDA (not built yet).
@@ -133,7 +135,7 @@ macro_rules! lens {
 }
 pub(crate) use lens;
 
-/// The shape of one LoRA adapter's op ([`crate::lora`]): N rows of C inputs into a projection
+/// The shape of one LoRA adapter's op ([`crate::model::lora`]): N rows of C inputs into a projection
 /// of OC outputs, of which the adapter of rank R adds to rows row0..row0+ROWS (all of them but
 /// for one of a fused projection's parts), scaled by `scale` (alpha / R).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -241,7 +243,7 @@ pub trait Backend {
     /// A new allocation holding tensors of these lengths one after another, returned whole:
     /// the caller cuts it into the same views (its elements are dense, as with [`Backend::alloc`]).
     /// A device whose memory comes in chunks keeps each part within one of them, so an op on a
-    /// part never straddles two (see [`crate::gpu`]).
+    /// part never straddles two (see [`crate::backend::gpu`]).
     fn alloc_parts(&mut self, parts: &[usize], dtype: DType) -> Result<Buf> {
         self.alloc(parts.iter().sum(), dtype)
     }

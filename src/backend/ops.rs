@@ -6,13 +6,13 @@
 //! on buffers that hold to the contract. Shapes come as small structs ([`Rows`], [`Mat`],
 //! [`Heads`], [`Seq`]) so that a block reads as llm.c's list of calls.
 //!
-//! LoRA ([`crate::lora`]) lives here too, as PEFT's wrapped layers live outside the model's
+//! LoRA ([`crate::model::lora`]) lives here too, as PEFT's wrapped layers live outside the model's
 //! code: a pass given a block's adapters ([`Ops::with_lora`]) adds each adapter's term to the
 //! projection whose weight it adapts, in that projection's own matmul_forward and
 //! matmul_backward, so every family's block runs LoRA unchanged.
 
 use super::{AdamWParams, Backend, Buf, LoraShape, Noise};
-use crate::profile::Kind;
+use crate::core::profile::Kind;
 
 /// N rows of C values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

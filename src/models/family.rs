@@ -2,13 +2,13 @@
 //! [`crate::models`] registers. Shared code (the model's passes, AdamW, ZeRO, checkpoints,
 //! generation, Hugging Face import and export) asks the family and names none.
 
-use crate::acts::{ActPlan, BackActs, BlockActs, NormActs};
 use crate::backend::ops::{Ops, Seq};
 use crate::backend::Buf;
-use crate::config::ModelConfig;
-use crate::files::Dtype;
-use crate::params::{HfTensor, InitSink, ParamLayout, TensorId, TensorSpec, View, Weights};
-use crate::rng::Mt19937;
+use crate::core::config::ModelConfig;
+use crate::core::files::Dtype;
+use crate::core::params::{HfTensor, InitSink, ParamLayout, TensorId, TensorSpec, View, Weights};
+use crate::core::rng::Mt19937;
+use crate::models::acts::{ActPlan, BackActs, BlockActs, NormActs};
 use anyhow::{bail, Result};
 use std::path::Path;
 
@@ -145,7 +145,7 @@ pub trait Arch: Sync {
     }
 
     /// The magic of llm.c's model file for this family, where llm.c has one; other families'
-    /// checkpoints are llmrs's own model file ([`crate::checkpoint`]).
+    /// checkpoints are llmrs's own model file ([`crate::formats::llmc`]).
     fn llmc_magic(&self) -> Option<i32> {
         None
     }
@@ -158,7 +158,7 @@ pub trait Arch: Sync {
         bail!("llm.c has no model file for the {} family", self.name())
     }
     /// Read llm.c's model file (its magic recognised), its values a piece at a time.
-    fn llmc_read(&self, f: &mut crate::files::ModelFile) -> Result<Weights> {
+    fn llmc_read(&self, f: &mut crate::core::files::ModelFile) -> Result<Weights> {
         bail!("{}: llm.c has no model file for the {} family", f.path.display(), self.name())
     }
     /// The shape in llm.c's header (its first 2 KiB), without the values.

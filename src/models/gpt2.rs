@@ -3,13 +3,13 @@
 //! file (magic 20240326) and transformers' `GPT2LMHeadModel`.
 
 use super::family::{Arch, Attn, Consts};
-use crate::acts::{ActPlan, ActSpec, BackActs, BlockActs, NormActs, Width};
 use crate::backend::ops::{Heads, Mat, Ops, Rows, Seq};
 use crate::backend::Buf;
-use crate::config::{Family, ModelConfig, Rope, GPT2_PADDED_VOCAB, GPT2_VOCAB};
-use crate::files::{parse_header, Dtype, ModelFile, HEADER_BYTES, HEADER_INTS};
-use crate::params::{HfTensor, InitSink, ParamLayout, TensorId, TensorSpec, View, Weights};
-use crate::rng::Mt19937;
+use crate::core::config::{Family, ModelConfig, Rope, GPT2_PADDED_VOCAB, GPT2_VOCAB};
+use crate::core::files::{parse_header, Dtype, ModelFile, HEADER_BYTES, HEADER_INTS};
+use crate::core::params::{HfTensor, InitSink, ParamLayout, TensorId, TensorSpec, View, Weights};
+use crate::core::rng::Mt19937;
+use crate::models::acts::{ActPlan, ActSpec, BackActs, BlockActs, NormActs, Width};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -441,7 +441,7 @@ impl Arch for Gpt2 {
         Ok(ModelConfig {
             max_seq_len: c.n_positions,
             vocab_size: c.vocab_size,
-            padded_vocab_size: crate::config::pad_vocab(c.vocab_size),
+            padded_vocab_size: crate::core::config::pad_vocab(c.vocab_size),
             ..config(c.n_layer, c.n_head, c.n_embd)
         })
     }

@@ -1,23 +1,29 @@
-//! Model families, each one file implementing [`family::Arch`], and their registry: the one
-//! place shared code finds a family (by a config's [`Family`], a descriptor, a config.json's
-//! architecture or an llm.c file's magic). Adding a family means adding its file and one line
-//! to [`FAMILIES`].
+//! Model families and their registry: the one place shared code finds a family (by a config's
+//! [`Family`], a descriptor, a config.json's architecture or an llm.c file's magic). A family is
+//! one file implementing [`family::Arch`] (GPT-2), or, for a Llama-style model, a
+//! [`decoder::DecoderFamily`] on the decoder written once in [`decoder`] (Llama, Qwen2, Qwen3).
+//! Adding a family means adding its file and one line to [`FAMILIES`]. The activations a
+//! family's block keeps are described by [`acts`].
 
+pub mod acts;
+pub mod decoder;
 pub mod family;
 pub mod gpt2;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
 
-use crate::config::{Family, ModelConfig};
-use crate::params::{ParamLayout, Weights};
-use crate::rng::Mt19937;
+use crate::core::config::{Family, ModelConfig};
+use crate::core::params::{ParamLayout, Weights};
+use crate::core::rng::Mt19937;
 use anyhow::{bail, Context, Result};
+use decoder::Decoder;
 use family::Arch;
 use std::path::Path;
 
 /// Every family llmrs has.
-pub static FAMILIES: &[&dyn Arch] = &[&gpt2::Gpt2, &llama::Llama, &qwen2::Qwen2, &qwen3::Qwen3];
+pub static FAMILIES: &[&dyn Arch] =
+    &[&gpt2::Gpt2, &Decoder(llama::Llama), &Decoder(qwen2::Qwen2), &Decoder(qwen3::Qwen3)];
 
 /// The family named `name`.
 pub fn by_name(name: &str) -> Option<&'static dyn Arch> {
@@ -79,6 +85,18 @@ pub fn by_hf_config(v: &serde_json::Value, path: &Path) -> Result<&'static dyn A
             known.join(", ")
         )
     })
+}
+
+/// Parse `config.json` into the model's shape, checking that llmrs computes exactly this model.
+pub fn parse_config(text: &str, path: &Path) -> Result<ModelConfig> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).with_context(|| format!("{}: not a model config.json", path.display()))?;
+    if !v.is_object() {
+        bail!("{}: not a model config.json (not a JSON object)", path.display());
+    }
+    let cfg = by_hf_config(&v, path)?.parse_hf_config(&v, path)?;
+    validate(&cfg).with_context(|| format!("{}: bad model shape", path.display()))?;
+    Ok(cfg)
 }
 
 /// The family whose llm.c model file has this magic.

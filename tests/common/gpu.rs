@@ -1,9 +1,9 @@
 //! Helpers of the GPU tests: opening an adapter (or skipping loudly), and running one op on
 //! the GPU and the CPU backends side by side.
 
+use llmrs::backend::cpu::backend::CpuBackend;
+use llmrs::backend::gpu::{GpuBackend, Options};
 use llmrs::backend::{Backend, Buf, DType};
-use llmrs::cpu::backend::CpuBackend;
-use llmrs::gpu::{GpuBackend, Options};
 
 /// Set to 1 where a GPU adapter must exist (CI, with lavapipe): a missing one fails the test
 /// instead of skipping it.

@@ -30,8 +30,8 @@ pub fn make_data_below(dir: &Path, seed: u64, train_tokens: usize, val_tokens: u
             .collect()
     };
     let (tr, va) = (dir.join("train.bin"), dir.join("val.bin"));
-    llmrs::data::write_shard(&tr, &toks(train_tokens)).unwrap();
-    llmrs::data::write_shard(&va, &toks(val_tokens)).unwrap();
+    llmrs::data::loader::write_shard(&tr, &toks(train_tokens)).unwrap();
+    llmrs::data::loader::write_shard(&va, &toks(val_tokens)).unwrap();
     (tr.to_str().unwrap().into(), va.to_str().unwrap().into())
 }
 
@@ -73,10 +73,10 @@ pub mod trajectory;
 /// which took most of their time. Returns its path.
 #[allow(dead_code)] // not every test file uses it
 pub fn small_vocab_model(dir: &Path, desc: &str) -> String {
-    let mut mc = llmrs::config::ModelConfig::from_descriptor(desc).unwrap();
+    let mut mc = llmrs::core::config::ModelConfig::from_descriptor(desc).unwrap();
     (mc.vocab_size, mc.padded_vocab_size) = (600, 640);
     let model = dir.join("model.bin");
-    let w = llmrs::params::Weights::random(mc, 42).unwrap();
-    llmrs::checkpoint::save_model(&w, &model, llmrs::files::Dtype::F32).unwrap();
+    let w = llmrs::core::params::Weights::random(mc, 42).unwrap();
+    llmrs::formats::llmc::save_model(&w, &model, llmrs::core::files::Dtype::F32).unwrap();
     model.to_str().unwrap().into()
 }

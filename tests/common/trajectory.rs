@@ -2,10 +2,10 @@
 //! (`ref_trajectory.json`, `llama/trajectory.json`): the batches, the optimizer settings and
 //! schedule, and the losses, gradient norms and learning rates PyTorch saw at every step.
 
+use llmrs::model::optim::OptimConfig;
 use llmrs::model::optimizer_step;
 use llmrs::model::{Model, StepStats};
-use llmrs::optim::OptimConfig;
-use llmrs::schedule::{LrSchedule, ScheduleKind};
+use llmrs::train::schedule::{LrSchedule, ScheduleKind};
 use std::path::Path;
 
 pub struct Trajectory {

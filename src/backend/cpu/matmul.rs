@@ -1,0 +1,894 @@
+//! Matmul with bias: `out = inp @ W^T + b`, the layer behind every Linear in GPT-2.
+//!
+//! Backed by our packed GEMM ([`super::sgemm`], AVX2 or AVX-512) where the CPU has AVX2+FMA, else by the
+//! `gemm` crate. Transposes are expressed with strides rather than copies (the GEMMs pack
+//! blocks of their operands internally, as every fast GEMM does).
+
+use super::bf16::{self, Dest, Operand};
+use super::bgemm;
+use super::sgemm::{self, Elem};
+use gemm::{gemm, Parallelism};
+use std::sync::Mutex;
+
+/// Thread the GEMM only when there is enough work for it to pay (m*n*k multiply-adds).
+fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
+    if m * n * k >= 1 << 18 && super::team::threads() > 1 {
+        Parallelism::Rayon(super::team::threads())
+    } else {
+        Parallelism::None
+    }
+}
+
+/// `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n)` with arbitrary strides (row stride, column stride),
+/// threaded over the team ([`super::team`]) when large enough.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_s: (isize, isize),
+    accumulate: bool,
+    lhs: &[f32],
+    lhs_s: (isize, isize),
+    rhs: &[f32],
+    rhs_s: (isize, isize),
+) {
+    gemm_impl(m, n, k, dst, dst_s, accumulate, None, lhs, lhs_s, rhs, rhs_s, parallelism(m, n, k))
+}
+
+/// [`gemm_strided`] on operands and a result of either type: bf16 operands widened as they are
+/// packed, a bf16 result rounded to nearest even once per element from its f32 value (the
+/// same bits as widening everything, [`gemm_strided`], and rounding). dst's column stride is 1.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_strided_any(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Dest,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Operand,
+    lhs_s: (isize, isize),
+    rhs: Operand,
+    rhs_s: (isize, isize),
+) {
+    gemm_dest(m, n, k, dst, dst_rs, accumulate, None, lhs, lhs_s, rhs, rhs_s, parallelism(m, n, k))
+}
+
+/// [`gemm_strided`] on the calling thread only, for use inside an already parallel loop, on
+/// operands of either type. Always the f32 kernels (bf16 operands widened as they are packed,
+/// never the host's bf16 engine): the bits of the f32 GEMM on the widened operands, on every
+/// host, which is what lets attention read bf16 activations and give the f32 op's bits.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_strided_serial<TA: Elem, TB: Elem>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_s: (isize, isize),
+    accumulate: bool,
+    lhs: &[TA],
+    lhs_s: (isize, isize),
+    rhs: &[TB],
+    rhs_s: (isize, isize),
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    check_operands(
+        (m, n, k),
+        (dst.len(), dst_s.0, dst_s.1),
+        (lhs.len(), lhs_s.0, lhs_s.1),
+        (rhs.len(), rhs_s.0, rhs_s.1),
+    );
+    gemm_widening(m, n, k, dst, dst_s, accumulate, None, lhs, lhs_s, rhs, rhs_s, Parallelism::None)
+}
+
+/// The one dispatch to a GEMM: the packed AVX2 path when it can run, else the `gemm` crate.
+/// `bias (n)`, when given and not accumulating, is added to every row of `dst`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_impl(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_s: (isize, isize),
+    accumulate: bool,
+    bias: Option<&[f32]>,
+    lhs: &[f32],
+    lhs_s: (isize, isize),
+    rhs: &[f32],
+    rhs_s: (isize, isize),
+    par: Parallelism,
+) {
+    gemm_typed(m, n, k, dst, dst_s, accumulate, bias, lhs, lhs_s, rhs, rhs_s, par)
+}
+
+/// [`gemm_impl`] on operands of either type.
+#[allow(clippy::too_many_arguments)]
+fn gemm_any(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_s: (isize, isize),
+    accumulate: bool,
+    bias: Option<&[f32]>,
+    lhs: Operand,
+    lhs_s: (isize, isize),
+    rhs: Operand,
+    rhs_s: (isize, isize),
+    par: Parallelism,
+) {
+    use Operand::{Bf16, F32};
+    match (lhs, rhs) {
+        (F32(a), F32(b)) => gemm_typed(m, n, k, dst, dst_s, accumulate, bias, a, lhs_s, b, rhs_s, par),
+        (F32(a), Bf16(b)) => gemm_typed(m, n, k, dst, dst_s, accumulate, bias, a, lhs_s, b, rhs_s, par),
+        (Bf16(a), F32(b)) => gemm_typed(m, n, k, dst, dst_s, accumulate, bias, a, lhs_s, b, rhs_s, par),
+        (Bf16(a), Bf16(b)) => gemm_typed(m, n, k, dst, dst_s, accumulate, bias, a, lhs_s, b, rhs_s, par),
+    }
+}
+
+/// Elements of the f32 window through which a bf16 GEMM result passes (4 MiB): bounded, so a
+/// bf16 result as large as the classifier's weight gradient never has an f32 copy whole.
+const WINDOW: usize = 1 << 20;
+
+/// f32 windows of bf16 results, taken by one GEMM at a time and put back (as sgemm's shared
+/// packing buffers: allocated once, reused).
+static WINDOWS: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+
+/// `dst (m, n) = [dst +] lhs @ rhs [+ bias]` into a result of either type, row-major at row
+/// stride `dst_rs`. A bf16 result of one k block is rounded by the GEMM's kernels as they
+/// store it; one of several k blocks is computed a window of whole rows or whole-height columns
+/// at a time into f32 (the window widened first when accumulating), then rounded: the same
+/// bits as widening all of dst, computing, and rounding, since every element's sum does not
+/// depend on how C is split. The window cuts the dimension whose other operand is the smaller
+/// one, which the GEMM then packs again per window (the activations, not a weight).
+#[allow(clippy::too_many_arguments)]
+fn gemm_dest(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Dest,
+    dst_rs: usize,
+    accumulate: bool,
+    bias: Option<&[f32]>,
+    lhs: Operand,
+    (lhs_rs, lhs_cs): (isize, isize),
+    rhs: Operand,
+    (rhs_rs, rhs_cs): (isize, isize),
+    par: Parallelism,
+) {
+    let dst = match dst {
+        Dest::F32(d) => {
+            return gemm_any(
+                m,
+                n,
+                k,
+                d,
+                (dst_rs as isize, 1),
+                accumulate,
+                bias,
+                lhs,
+                (lhs_rs, lhs_cs),
+                rhs,
+                (rhs_rs, rhs_cs),
+                par,
+            )
+        }
+        Dest::Bf16(d) => d,
+    };
+    if m == 0 || n == 0 {
+        return;
+    }
+    let bf16_engine = matches!((lhs, rhs), (Operand::Bf16(_), Operand::Bf16(_))) && bgemm::model_engine().is_some();
+    if k <= sgemm::KC_MAX && sgemm::fast_path_available() && !bf16_engine {
+        // One k block: the kernels round each element as they store it, no f32 window needed.
+        // (The bf16 engines store f32 only: their results go through the window below.)
+        check_operands(
+            (m, n, k),
+            (dst.len(), dst_rs as isize, 1),
+            (lhs.len(), lhs_rs, lhs_cs),
+            (rhs.len(), rhs_rs, rhs_cs),
+        );
+        let threads = match par {
+            Parallelism::Rayon(t) => t,
+            _ => 1,
+        };
+        let bias = if accumulate { None } else { bias.map(|b| &b[..n]) };
+        let (bias, d) = (bias.map_or(std::ptr::null(), |b| b.as_ptr()), dst.as_mut_ptr());
+        let tile = sgemm::Tile::for_rows(m);
+        let (ds, ls, rs) = ((dst_rs as isize, 1), (lhs_rs, lhs_cs), (rhs_rs, rhs_cs));
+        use Operand::{Bf16, F32};
+        // SAFETY: check_operands shows every element the strides address lies inside its
+        // buffer and that dst's elements are distinct; dst is a unique borrow, so it overlaps
+        // neither input; the fast path was checked; k is one block; a bias has n elements.
+        unsafe {
+            match (lhs, rhs) {
+                (F32(a), F32(b)) => {
+                    sgemm::sgemm(tile, m, n, k, d, ds, accumulate, bias, a.as_ptr(), ls, b.as_ptr(), rs, threads)
+                }
+                (F32(a), Bf16(b)) => {
+                    sgemm::sgemm(tile, m, n, k, d, ds, accumulate, bias, a.as_ptr(), ls, b.as_ptr(), rs, threads)
+                }
+                (Bf16(a), F32(b)) => {
+                    sgemm::sgemm(tile, m, n, k, d, ds, accumulate, bias, a.as_ptr(), ls, b.as_ptr(), rs, threads)
+                }
+                (Bf16(a), Bf16(b)) => {
+                    sgemm::sgemm(tile, m, n, k, d, ds, accumulate, bias, a.as_ptr(), ls, b.as_ptr(), rs, threads)
+                }
+            }
+        }
+        return;
+    }
+    assert!(
+        (m - 1).checked_mul(dst_rs).and_then(|x| x.checked_add(n)).is_some_and(|x| x <= dst.len()) && dst_rs >= n,
+        "gemm: a bf16 dst ({m}, {n}) at row stride {dst_rs} does not fit its {} elements",
+        dst.len()
+    );
+    // Windows of whole rows (cutting m: rhs packed again per window) or of whole-height
+    // column ranges (cutting n: lhs packed again per window).
+    let cut_rows = m > n;
+    let (rows, cols) = if cut_rows { ((WINDOW / n).clamp(1, m), n) } else { (m, (WINDOW / m).clamp(1, n)) };
+    with_window(rows * cols, |pool| {
+        // A window's operand starts `off` elements in; an offset past the end (an empty operand,
+        // k = 0) leaves it empty.
+        fn sub(x: Operand<'_>, off: isize) -> Operand<'_> {
+            let off = (off as usize).min(x.len());
+            match x {
+                Operand::F32(v) => Operand::F32(&v[off..]),
+                Operand::Bf16(v) => Operand::Bf16(&v[off..]),
+            }
+        }
+        for i0 in (0..m).step_by(rows) {
+            for j0 in (0..n).step_by(cols) {
+                let (r, c) = (rows.min(m - i0), cols.min(n - j0));
+                let w = &mut pool[..r * c];
+                if accumulate {
+                    for i in 0..r {
+                        bf16::widen(&mut w[i * c..(i + 1) * c], &dst[(i0 + i) * dst_rs + j0..][..c]);
+                    }
+                }
+                let bias = bias.map(|b| &b[j0..]);
+                let (a, b) = (sub(lhs, i0 as isize * lhs_rs), sub(rhs, j0 as isize * rhs_cs));
+                gemm_any(r, c, k, w, (c as isize, 1), accumulate, bias, a, (lhs_rs, lhs_cs), b, (rhs_rs, rhs_cs), par);
+                for i in 0..r {
+                    bf16::narrow(&mut dst[(i0 + i) * dst_rs + j0..][..c], &w[i * c..(i + 1) * c]);
+                }
+            }
+        }
+    })
+}
+
+/// Run `f` on an f32 window of `len` elements taken from [`WINDOWS`] (grown as needed) and put
+/// back. The window starts on a 64-byte line: the AMX tiles load and store C's rows of 16
+/// floats there, and a row split over two lines costs both (whether an allocation happened to
+/// be aligned moved a 1B model's bf16 step by 8%).
+pub(super) fn with_window<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut pool = WINDOWS.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default();
+    if pool.len() < len + 16 {
+        pool = vec![0.0; len + 16];
+    }
+    let at = pool.as_ptr().align_offset(64).min(16);
+    let r = f(&mut pool[at..at + len]);
+    WINDOWS.lock().unwrap_or_else(|e| e.into_inner()).push(pool);
+    r
+}
+
+/// The one dispatch to a GEMM, for any operand types: the packed path when it can run (bf16
+/// operands widened as they are packed), else the `gemm` crate (on f32 copies of bf16 operands).
+#[allow(clippy::too_many_arguments)]
+fn gemm_typed<TA: Elem, TB: Elem>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    (dst_rs, dst_cs): (isize, isize),
+    accumulate: bool,
+    bias: Option<&[f32]>,
+    lhs: &[TA],
+    (lhs_rs, lhs_cs): (isize, isize),
+    rhs: &[TB],
+    (rhs_rs, rhs_cs): (isize, isize),
+    par: Parallelism,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    check_operands((m, n, k), (dst.len(), dst_rs, dst_cs), (lhs.len(), lhs_rs, lhs_cs), (rhs.len(), rhs_rs, rhs_cs));
+    let bias = if accumulate { None } else { bias.map(|b| &b[..n]) };
+    if let (1, Some(a), Some(b), Some(engine)) = (dst_cs, TA::bf16s(lhs), TB::bf16s(rhs), bgemm::model_engine()) {
+        // bf16 x bf16 on the host's bf16 tiles (AMX or vdpbf16ps), fp32 accumulation.
+        // SAFETY: check_operands showed every element the strides address lies inside its
+        // buffer (strides non-negative: it refuses others) and dst's elements distinct; dst is a
+        // unique borrow; model_engine only names an engine the host runs; a bias has n elements.
+        unsafe {
+            bgemm::bgemm_on(
+                engine,
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                dst_rs,
+                accumulate,
+                bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+                a.as_ptr(),
+                (lhs_rs, lhs_cs),
+                b.as_ptr(),
+                (rhs_rs, rhs_cs),
+                match par {
+                    Parallelism::Rayon(t) => t,
+                    _ => 1,
+                },
+            )
+        };
+        return;
+    }
+    gemm_widening(m, n, k, dst, (dst_rs, dst_cs), accumulate, bias, lhs, (lhs_rs, lhs_cs), rhs, (rhs_rs, rhs_cs), par)
+}
+
+/// [`gemm_typed`] on the f32 kernels whatever the operand types; the operands were checked
+/// ([`check_operands`]), m, n >= 1, and the bias is cut to n (none when accumulating).
+#[allow(clippy::too_many_arguments)]
+fn gemm_widening<TA: Elem, TB: Elem>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    (dst_rs, dst_cs): (isize, isize),
+    accumulate: bool,
+    bias: Option<&[f32]>,
+    lhs: &[TA],
+    (lhs_rs, lhs_cs): (isize, isize),
+    rhs: &[TB],
+    (rhs_rs, rhs_cs): (isize, isize),
+    par: Parallelism,
+) {
+    if dst_cs == 1 && sgemm::fast_path_available() {
+        let threads = match par {
+            Parallelism::Rayon(t) => t,
+            _ => 1,
+        };
+        // SAFETY: as for the call below; the fast path was checked just above, and a bias has
+        // n elements.
+        unsafe {
+            sgemm::sgemm(
+                sgemm::Tile::for_rows(m),
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                (dst_rs, dst_cs),
+                accumulate,
+                bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+                lhs.as_ptr(),
+                (lhs_rs, lhs_cs),
+                rhs.as_ptr(),
+                (rhs_rs, rhs_cs),
+                threads,
+            )
+        };
+        return;
+    }
+    // The gemm crate multiplies f32 only: bf16 operands go to it as f32 copies of the part
+    // their strides reach (the portable path, where speed is not the point; an operand may be
+    // a window into a whole activation, as attention's heads are).
+    // (Checked in bounds by check_operands.)
+    let extent = |rows: usize, cols: usize, (rs, cs): (isize, isize)| {
+        if k == 0 {
+            0
+        } else {
+            reach(rows, cols, rs, cs).map_or(0, |x| x + 1)
+        }
+    };
+    let (lhs_w, rhs_w);
+    let lhs: &[f32] = match TA::f32s(lhs) {
+        Some(x) => x,
+        None => {
+            lhs_w = lhs[..extent(m, k, (lhs_rs, lhs_cs))].iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+            &lhs_w
+        }
+    };
+    let rhs: &[f32] = match TB::f32s(rhs) {
+        Some(x) => x,
+        None => {
+            rhs_w = rhs[..extent(k, n, (rhs_rs, rhs_cs))].iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+            &rhs_w
+        }
+    };
+    if let Some(bias) = bias {
+        for i in 0..m {
+            for (j, b) in bias.iter().enumerate() {
+                dst[i * dst_rs as usize + j * dst_cs as usize] = *b;
+            }
+        }
+    }
+    // SAFETY: all three operands are valid slices and the asserts above show every index the
+    // strides address lies inside them; `dst` is a unique borrow, so it cannot alias lhs/rhs.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            dst_cs,
+            dst_rs,
+            accumulate || bias.is_some(),
+            lhs.as_ptr(),
+            lhs_cs,
+            lhs_rs,
+            rhs.as_ptr(),
+            rhs_cs,
+            rhs_rs,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// What makes the raw-pointer GEMM calls sound for every input: the largest element index
+/// each operand's strides reach is in bounds (computed without overflow), and no two elements
+/// of dst share an address, since threads write disjoint parts of dst at once. Each operand as
+/// (length, row stride, column stride); m, n >= 1.
+fn check_operands(
+    (m, n, k): (usize, usize, usize),
+    (dst_len, dst_rs, dst_cs): (usize, isize, isize),
+    (lhs_len, lhs_rs, lhs_cs): (usize, isize, isize),
+    (rhs_len, rhs_rs, rhs_cs): (usize, isize, isize),
+) {
+    assert!(
+        reach(m, n, dst_rs, dst_cs).is_some_and(|x| x < dst_len),
+        "gemm: dst ({m}, {n}) with strides ({dst_rs}, {dst_cs}) reaches past its {dst_len} elements"
+    );
+    assert!(
+        rows_and_cols_disjoint(m, n, dst_rs as usize, dst_cs as usize),
+        "gemm: dst strides ({dst_rs}, {dst_cs}) make elements of a ({m}, {n}) result share memory"
+    );
+    if k > 0 {
+        assert!(
+            reach(m, k, lhs_rs, lhs_cs).is_some_and(|x| x < lhs_len),
+            "gemm: lhs ({m}, {k}) with strides ({lhs_rs}, {lhs_cs}) reaches past its {lhs_len} elements"
+        );
+        assert!(
+            reach(k, n, rhs_rs, rhs_cs).is_some_and(|x| x < rhs_len),
+            "gemm: rhs ({k}, {n}) with strides ({rhs_rs}, {rhs_cs}) reaches past its {rhs_len} elements"
+        );
+    }
+}
+
+/// The largest element index of a (rows, cols) operand with strides (rs, cs), both >= 0;
+/// None when a stride is negative or the index overflows. rows, cols >= 1.
+fn reach(rows: usize, cols: usize, rs: isize, cs: isize) -> Option<usize> {
+    let (rs, cs) = (usize::try_from(rs).ok()?, usize::try_from(cs).ok()?);
+    let x = (rows - 1).checked_mul(rs)?.checked_add((cols - 1).checked_mul(cs)?)?;
+    // Offsets are formed as isize from here on.
+    isize::try_from(x).ok().map(|_| x)
+}
+
+/// Whether (i, j) -> i*rs + j*cs is one-to-one on a (rows, cols) grid with both strides at
+/// least 1 where they matter: one stride steps over the whole extent of the other dimension.
+fn rows_and_cols_disjoint(rows: usize, cols: usize, rs: usize, cs: usize) -> bool {
+    match (rows > 1, cols > 1) {
+        (false, false) => true,
+        (true, false) => rs >= 1,
+        (false, true) => cs >= 1,
+        (true, true) => {
+            (cs >= 1 && cols.checked_mul(cs).is_some_and(|w| rs >= w))
+                || (rs >= 1 && rows.checked_mul(rs).is_some_and(|h| cs >= h))
+        }
+    }
+}
+
+/// out (N, OC) = inp (N, C) @ weight (OC, C)^T + bias (OC), each of the three in f32 or bf16
+/// (a bf16 out rounded once from the f32 result).
+pub fn matmul_forward(out: Dest, inp: Operand, weight: Operand, bias: Option<&[f32]>, n: usize, c: usize, oc: usize) {
+    let c_ = c as isize;
+    if n == 1 && c > 0 && sgemm::fast_path_available() {
+        // One position (a decode step): each weight is used once, so a GEMM's packing would
+        // only add a copy of every weight to a pass that is bound by reading them.
+        return with_window(c + oc, |win| {
+            let (xw, ow) = win.split_at_mut(c);
+            let x: &[f32] = match inp {
+                Operand::F32(x) => &x[..c],
+                Operand::Bf16(x) => {
+                    bf16::widen(xw, &x[..c]);
+                    xw
+                }
+            };
+            let bias = bias.map(|b| &b[..oc]);
+            match out {
+                Dest::F32(o) => gemv(&mut o[..oc], x, weight, oc, bias),
+                Dest::Bf16(o) => {
+                    gemv(ow, x, weight, oc, bias);
+                    bf16::narrow(&mut o[..oc], ow);
+                }
+            }
+        });
+    }
+    gemm_dest(n, oc, c, out, oc, false, bias, inp, (c_, 1), weight, (1, c_), parallelism(n, oc, c));
+}
+/// Partial sums per dot product: 16 on every instruction set (two AVX2 vectors, one AVX-512),
+/// so that every path adds the same products in the same order and gets the same bits.
+const LANES: usize = 16;
+/// Rows of W per step of [`gemv_rows`]: independent FMA chains, and x loaded once for all.
+const GEMV_ROWS: usize = 4;
+/// Outputs per task of the thread team.
+const GEMV_CHUNK: usize = 64;
+
+/// out (OC) = W (OC, C) @ x (C) [+ bias (OC)], threaded over the outputs; W's first `oc` rows.
+fn gemv(out: &mut [f32], x: &[f32], w: Operand, oc: usize, bias: Option<&[f32]>) {
+    let c = x.len();
+    match w {
+        Operand::F32(w) => gemv_t(out, x, &w[..oc * c], bias, gemv_rows),
+        Operand::Bf16(w) => gemv_t(out, x, &w[..oc * c], bias, gemv_rows_bf16),
+    }
+}
+
+/// A row kernel of [`gemv`]: out (n), x (C), rows of W (n, C), bias (n).
+type GemvRows<T> = fn(&mut [f32], &[f32], &[T], Option<&[f32]>);
+
+/// [`gemv`] for one weight type, with its row kernel.
+fn gemv_t<T: Elem>(out: &mut [f32], x: &[f32], w: &[T], bias: Option<&[f32]>, rows: GemvRows<T>) {
+    let c = x.len();
+    let go = |j0: usize, o: &mut [f32]| rows(o, x, &w[j0 * c..(j0 + o.len()) * c], bias.map(|b| &b[j0..]));
+    if out.len() * c < 1 << 16 {
+        return go(0, out);
+    }
+    super::team::chunks_mut(out, GEMV_CHUNK, |i, o| go(i * GEMV_CHUNK, o));
+}
+
+/// The dot products of `n` rows with x, in the one order every path uses: lane l sums (with
+/// FMAs, in k order) the products at k = l, l+16, ... below the last whole group of 16; the
+/// lanes are added in order; the remaining products follow in order; then the bias. bf16
+/// rows are widened element by element (exact), so they give the bits of their f32 widening.
+#[inline(always)]
+fn dots<const N: usize, T: Elem>(w: [&[T]; N], x: &[f32]) -> [f32; N] {
+    /// acc[l] = w[l] * x[l] + acc[l] for the 16 lanes: one AVX-512 or two AVX2 FMAs.
+    #[inline(always)]
+    fn fma16<T: Elem>(acc: &mut [f32; LANES], w: &[T], x: &[f32; LANES]) {
+        let w: &[T; LANES] = w.try_into().unwrap();
+        for l in 0..LANES {
+            acc[l] = w[l].to_f32().mul_add(x[l], acc[l]);
+        }
+    }
+    let whole = x.len() / LANES * LANES;
+    let mut acc = [[0f32; LANES]; N];
+    for k in (0..whole).step_by(LANES) {
+        let xs: &[f32; LANES] = x[k..k + LANES].try_into().unwrap();
+        // One named accumulator per row (the compiler keeps each in registers).
+        for (a, w) in acc.iter_mut().zip(&w) {
+            fma16(a, &w[k..k + LANES], xs);
+        }
+    }
+    std::array::from_fn(|r| {
+        let mut s = acc[r].iter().fold(0f32, |s, a| s + a);
+        for k in whole..x.len() {
+            s = w[r][k].to_f32().mul_add(x[k], s);
+        }
+        s
+    })
+}
+
+/// out (n) = rows of w (n, C) dotted with x (C), plus bias (n) when given ([`dots`]).
+#[inline(always)]
+fn gemv_rows_body<T: Elem>(out: &mut [f32], x: &[f32], w: &[T], bias: Option<&[f32]>) {
+    let c = x.len();
+    let row = |j: usize| &w[j * c..(j + 1) * c];
+    let mut j = 0;
+    while j + GEMV_ROWS <= out.len() {
+        let d = dots::<GEMV_ROWS, T>(std::array::from_fn(|r| row(j + r)), x);
+        for (r, v) in d.iter().enumerate() {
+            out[j + r] = v + bias.map_or(0.0, |b| b[j + r]);
+        }
+        j += GEMV_ROWS;
+    }
+    for j in j..out.len() {
+        out[j] = dots::<1, T>([row(j)], x)[0] + bias.map_or(0.0, |b| b[j]);
+    }
+}
+
+crate::simd_fn! {
+    /// [`gemv_rows_body`] on f32 rows.
+    fn gemv_rows(out: &mut [f32], x: &[f32], w: &[f32], bias: Option<&[f32]>) {
+        gemv_rows_body(out, x, w, bias)
+    }
+}
+
+crate::simd_fn! {
+    /// [`gemv_rows_body`] on bf16 rows.
+    fn gemv_rows_bf16(out: &mut [f32], x: &[f32], w: &[u16], bias: Option<&[f32]>) {
+        gemv_rows_body(out, x, w, bias)
+    }
+}
+
+/// Backward of [`matmul_forward`], each buffer in f32 or bf16 but dbias (f32).
+/// - `dinp (N, C)` is overwritten with `dout @ weight` (it is a per-layer scratch buffer);
+/// - `dweight (OC, C) += dout^T @ inp` and `dbias (OC) += sum over rows of dout` accumulate, or
+///   are overwritten when `accumulate` is false (the first backward after a zero_grad).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward(
+    dinp: Option<Dest>,
+    dweight: Option<Dest>,
+    dbias: Option<&mut [f32]>,
+    dout: Operand,
+    inp: Operand,
+    weight: Operand,
+    n: usize,
+    c: usize,
+    oc: usize,
+    accumulate: bool,
+) {
+    let (c_, oc_) = (c as isize, oc as isize);
+    if let Some(dinp) = dinp {
+        gemm_dest(n, c, oc, dinp, c, false, None, dout, (oc_, 1), weight, (c_, 1), parallelism(n, c, oc));
+    }
+    if let Some(dweight) = dweight {
+        gemm_dest(oc, c, n, dweight, c, accumulate, None, dout, (1, oc_), inp, (c_, 1), parallelism(oc, c, n));
+    }
+    if let Some(dbias) = dbias {
+        match dout {
+            Operand::F32(d) => bias_backward(dbias, d, n, oc, accumulate),
+            Operand::Bf16(d) => bias_backward(dbias, d, n, oc, accumulate),
+        }
+    }
+}
+
+/// dbias (OC) [+]= column sums of dout (N, OC). Split over columns so every thread sums its
+/// columns over all rows in the same order: the result does not depend on scheduling.
+fn bias_backward<T: Elem>(dbias: &mut [f32], dout: &[T], n: usize, oc: usize, accumulate: bool) {
+    const COLS: usize = 64;
+    super::team::chunks_mut(&mut dbias[..oc], COLS, |ci, db| {
+        let (c0, w) = (ci * COLS, db.len());
+        if !accumulate {
+            db.fill(0.0);
+        }
+        for row in dout[..n * oc].chunks_exact(oc) {
+            for (d, g) in db.iter_mut().zip(&row[c0..c0 + w]) {
+                *d += g.to_f32();
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::testutil::*;
+
+    fn naive(inp: &[f32], w: &[f32], b: Option<&[f32]>, n: usize, c: usize, oc: usize) -> Vec<f32> {
+        let mut out = vec![0f32; n * oc];
+        for i in 0..n {
+            for o in 0..oc {
+                let mut s = b.map_or(0.0, |b| b[o] as f64);
+                for k in 0..c {
+                    s += inp[i * c + k] as f64 * w[o * c + k] as f64;
+                }
+                out[i * oc + o] = s as f32;
+            }
+        }
+        out
+    }
+
+    /// One position (the decode step's dot products): against f64 on odd shapes, with and
+    /// without a bias, and close to the same row through the GEMM (another summation order).
+    #[test]
+    fn one_row_matches_the_reference_and_the_gemm() {
+        let mut rng = TestRng(17);
+        for (c, oc) in [(1, 1), (15, 3), (16, 5), (17, 7), (33, 129), (768, 301)] {
+            let (x, w, b) = (rng.vec(2 * c), rng.vec(oc * c), rng.vec(oc));
+            for bias in [None, Some(&b[..])] {
+                let mut one = vec![0f32; oc];
+                matmul_forward((&mut one).into(), x[..c].into(), (&w).into(), bias, 1, c, oc);
+                let want = naive(&x[..c], &w, bias, 1, c, oc);
+                let mut two = vec![0f32; 2 * oc];
+                matmul_forward((&mut two).into(), (&x).into(), (&w).into(), bias, 2, c, oc);
+                for j in 0..oc {
+                    let tol = 1e-5 * (c as f32).sqrt().max(1.0) * (1.0 + want[j].abs());
+                    assert!((one[j] - want[j]).abs() <= tol, "c={c} oc={oc} j={j}: {} vs {}", one[j], want[j]);
+                    assert!((one[j] - two[j]).abs() <= tol, "c={c} oc={oc} j={j}: {} vs the GEMM's {}", one[j], two[j]);
+                }
+            }
+        }
+    }
+
+    /// Strides that would let two elements of dst share memory, or reach past an operand
+    /// (also by overflowing), are refused before any thread starts.
+    #[test]
+    fn gemm_strided_refuses_unsound_strides() {
+        let (lhs, rhs) = (vec![1f32; 64 * 64], vec![1f32; 64 * 64]);
+        let run = |m, n, dst_len, dst_s, lhs_s: (isize, isize), rhs_s: (isize, isize)| {
+            let (lhs, rhs) = (&lhs, &rhs);
+            std::panic::catch_unwind(move || {
+                let mut dst = vec![0f32; dst_len];
+                gemm_strided(m, n, 64, &mut dst, dst_s, false, lhs, lhs_s, rhs, rhs_s);
+                dst
+            })
+        };
+        // Sound: row-major and column-major results, broadcast (stride 0) inputs.
+        assert!(run(64, 64, 64 * 64, (64, 1), (64, 1), (64, 1)).is_ok_and(|d| d.iter().all(|&x| x == 64.0)));
+        assert!(run(64, 64, 64 * 64, (1, 64), (64, 1), (64, 1)).is_ok());
+        assert!(run(64, 64, 64 * 64, (64, 1), (0, 1), (0, 0)).is_ok());
+        assert!(run(1, 64, 64, (0, 1), (64, 1), (64, 1)).is_ok());
+        // Rows overlapping (row stride < row width), a zero column stride, both zero.
+        assert!(run(64, 64, 64 * 64, (32, 1), (64, 1), (64, 1)).is_err());
+        assert!(run(64, 64, 64 * 64, (64, 0), (64, 1), (64, 1)).is_err());
+        assert!(run(64, 1, 64, (0, 0), (64, 1), (64, 1)).is_err());
+        // Reaching past dst or an input, negative strides, and strides whose reach overflows.
+        assert!(run(64, 64, 64 * 64 - 1, (64, 1), (64, 1), (64, 1)).is_err());
+        assert!(run(64, 64, 64 * 64, (64, 1), (65, 1), (64, 1)).is_err());
+        assert!(run(64, 64, 64 * 64, (64, 1), (64, 1), (-64, 1)).is_err());
+        assert!(run(2, 2, 4, (isize::MAX / 2 + 1, 1), (64, 1), (64, 1)).is_err());
+        assert!(run(2, 2, 4, (2, 1), (isize::MAX, 1), (64, 1)).is_err());
+    }
+
+    /// bf16 buffers anywhere in the forward and backward (operands read as bf16, results
+    /// rounded a window at a time): the bits of the f32 op on the widened buffers, rounded once.
+    /// Where the host's bf16 tiles run bf16 x bf16 products (AMX, vdpbf16ps: another summation
+    /// order), those products are held to the f32 op within fp32 accumulation's bound, and their
+    /// bf16 results to their own f32 results rounded once.
+    /// Shapes whose results span several windows, cut by rows and by columns, windows that do
+    /// not divide them, one position (the decode step's dot products) and k = 1.
+    #[test]
+    fn bf16_buffers_give_the_bits_of_the_rounded_f32_op() {
+        use crate::core::bf16::{from_f32, to_f32};
+        let to16 = |v: &[f32]| v.iter().map(|x| from_f32(*x)).collect::<Vec<u16>>();
+        let wide = |v: &[u16]| v.iter().map(|x| to_f32(*x)).collect::<Vec<f32>>();
+        let round = |v: &[f32]| wide(&to16(v));
+        for &(n, c, oc) in &[(1, 37, 301), (1, 1, 1), (3, 7, 5), (2900, 5, 700), (300, 3, 5000), (37, 1, 29)] {
+            let mut r = TestRng((n * 7 + c * 3 + oc) as u64);
+            let (inp, w, b, d) = (round(&r.vec(n * c)), round(&r.vec(oc * c)), r.vec(oc), round(&r.vec(n * oc)));
+            let (inp16, w16, d16) = (to16(&inp), to16(&w), to16(&d));
+            // Forward: every mix of f32 and bf16 input, weight and output.
+            let mut want = vec![0f32; n * oc];
+            matmul_forward((&mut want).into(), (&inp).into(), (&w).into(), Some(&b), n, c, oc);
+            let want16 = to16(&want);
+            // bf16 x bf16 on the host's bf16 tiles (a decode step's single row never is).
+            let tiles = crate::backend::cpu::bgemm::model_engine().is_some() && n > 1;
+            for (x, wt) in [(Operand::Bf16(&inp16), Operand::Bf16(&w16)), (Operand::F32(&inp), Operand::Bf16(&w16))] {
+                let both = matches!(x, Operand::Bf16(_));
+                let mut got = vec![0f32; n * oc];
+                matmul_forward((&mut got).into(), x, wt, Some(&b), n, c, oc);
+                let want16 = if tiles && both {
+                    within_accumulation(&got, &want, &inp, &w, n, c, oc, "fwd");
+                    to16(&got)
+                } else {
+                    assert!(
+                        got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "({n},{c},{oc}) fwd f32 out"
+                    );
+                    want16.clone()
+                };
+                let mut got16 = vec![0x7FC0u16; n * oc];
+                matmul_forward(Dest::Bf16(&mut got16), x, wt, Some(&b), n, c, oc);
+                assert!(got16 == want16, "({n},{c},{oc}) fwd bf16 out");
+            }
+            // Backward: dinp overwritten, dweight accumulated and overwritten, dbias from bf16 dout.
+            for accumulate in [true, false] {
+                let dw0 = round(&r.vec(oc * c));
+                let (mut di, mut dw, mut db) = (vec![0f32; n * c], dw0.clone(), vec![0.5f32; oc]);
+                let (dout, x, wt) = ((&d).into(), (&inp).into(), (&w).into());
+                matmul_backward(
+                    Some((&mut di).into()),
+                    Some((&mut dw).into()),
+                    Some(&mut db),
+                    dout,
+                    x,
+                    wt,
+                    n,
+                    c,
+                    oc,
+                    accumulate,
+                );
+                let (dout, x, wt) = (Operand::Bf16(&d16), Operand::Bf16(&inp16), Operand::Bf16(&w16));
+                if tiles {
+                    // The tiles' f32 results on the bf16 operands: near the f32 op's, and what
+                    // the bf16 results below must round.
+                    let (mut di2, mut dw2, mut db3) = (vec![0f32; n * c], dw0.clone(), vec![0.5f32; oc]);
+                    let (di_, dw_) = ((&mut di2).into(), (&mut dw2).into());
+                    matmul_backward(Some(di_), Some(dw_), Some(&mut db3), dout, x, wt, n, c, oc, accumulate);
+                    let dt = |v: &[f32], r: usize, k: usize| {
+                        (0..k * r).map(|i| v[(i % k) * r + i / k]).collect::<Vec<f32>>()
+                    };
+                    within_accumulation(&di2, &di, &d, &dt(&w, c, oc), n, oc, c, "dinp");
+                    let dw_base: Vec<f32> = if accumulate { dw0.clone() } else { vec![0.0; oc * c] };
+                    let dw_new: Vec<f32> = dw2.iter().zip(&dw_base).map(|(a, b)| a - b).collect();
+                    let dw_want: Vec<f32> = dw.iter().zip(&dw_base).map(|(a, b)| a - b).collect();
+                    within_accumulation(&dw_new, &dw_want, &dt(&d, oc, n), &dt(&inp, c, n), oc, n, c, "dweight");
+                    (di, dw) = (di2, dw2);
+                }
+                let (mut di16, mut dw16, mut db2) = (vec![0u16; n * c], to16(&dw0), vec![0.5f32; oc]);
+                let (di_, dw_) = (Dest::Bf16(&mut di16), Dest::Bf16(&mut dw16));
+                matmul_backward(Some(di_), Some(dw_), Some(&mut db2), dout, x, wt, n, c, oc, accumulate);
+                let what = format!("({n},{c},{oc}) acc={accumulate}");
+                assert!(di16 == to16(&di), "{what}: dinp");
+                assert!(dw16 == to16(&dw), "{what}: dweight");
+                assert!(db2.iter().zip(&db).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: dbias");
+            }
+        }
+    }
+
+    /// `got (n, oc)` against `want` for `x (n, c) @ w (oc, c)^T`: apart by at most fp32
+    /// accumulation's bound for two summation orders, 2 (c + 2) 2^-24 sum |x w| per element (the
+    /// products of bf16 are exact in fp32).
+    #[allow(clippy::too_many_arguments)]
+    fn within_accumulation(got: &[f32], want: &[f32], x: &[f32], w: &[f32], n: usize, c: usize, oc: usize, what: &str) {
+        for i in 0..n {
+            for j in 0..oc {
+                let mag: f64 = (0..c).map(|p| (x[i * c + p] as f64 * w[j * c + p] as f64).abs()).sum();
+                let (g, e) = (got[i * oc + j] as f64, want[i * oc + j] as f64);
+                let bound = 2.0 * (c + 2) as f64 * 6e-8 * (mag + e.abs()) + 1e-30;
+                assert!((g - e).abs() <= bound, "{what} ({n},{c},{oc}) [{i},{j}]: {g} vs {e} (bound {bound})");
+            }
+        }
+    }
+
+    #[test]
+    fn forward_matches_naive_on_odd_shapes() {
+        for &(n, c, oc) in &[(1, 1, 1), (3, 7, 5), (7, 3, 1), (13, 17, 67), (65, 33, 129)] {
+            let mut r = TestRng(n as u64 * 31 + c as u64);
+            let inp = r.vec(n * c);
+            let w = r.vec(oc * c);
+            let b = r.vec(oc);
+            let mut out = vec![0f32; n * oc];
+            matmul_forward((&mut out).into(), (&inp).into(), (&w).into(), Some(&b), n, c, oc);
+            assert_close(&out, &naive(&inp, &w, Some(&b), n, c, oc), 1e-5, 1e-5, "matmul fwd");
+            matmul_forward((&mut out).into(), (&inp).into(), (&w).into(), None, n, c, oc);
+            assert_close(&out, &naive(&inp, &w, None, n, c, oc), 1e-5, 1e-5, "matmul fwd nobias");
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        for &(n, c, oc) in &[(1, 1, 1), (3, 7, 5), (7, 3, 1)] {
+            let mut r = TestRng(7 + n as u64);
+            let inp = r.vec(n * c);
+            let w = r.vec(oc * c);
+            let b = r.vec(oc);
+            let proj = r.vec(n * oc);
+            // loss = sum(out * proj)  =>  dout = proj
+            let loss = |inp: &[f32], w: &[f32], b: &[f32]| -> f64 { dot(&naive(inp, w, Some(b), n, c, oc), &proj) };
+            let mut dinp = vec![9f32; n * c];
+            let mut dw = vec![0.5f32; oc * c];
+            let mut db = vec![0.25f32; oc];
+            matmul_backward(
+                Some((&mut dinp).into()),
+                Some((&mut dw).into()),
+                Some(&mut db),
+                (&proj).into(),
+                (&inp).into(),
+                (&w).into(),
+                n,
+                c,
+                oc,
+                true,
+            );
+            // dw and db accumulate onto their previous contents...
+            dw.iter_mut().for_each(|x| *x -= 0.5);
+            db.iter_mut().for_each(|x| *x -= 0.25);
+            check_grad(&inp, &dinp, |x| loss(x, &w, &b), "dinp");
+            check_grad(&w, &dw, |x| loss(&inp, x, &b), "dweight");
+            check_grad(&b, &db, |x| loss(&inp, &w, x), "dbias");
+            // ...or overwrite them: same gradients over stale contents.
+            let (mut dw2, mut db2) = (vec![7f32; oc * c], vec![-3f32; oc]);
+            matmul_backward(
+                None,
+                Some((&mut dw2).into()),
+                Some(&mut db2),
+                (&proj).into(),
+                (&inp).into(),
+                (&w).into(),
+                n,
+                c,
+                oc,
+                false,
+            );
+            assert_close(&dw2, &dw, 1e-6, 1e-5, "dweight overwritten");
+            assert_close(&db2, &db, 1e-6, 1e-5, "dbias overwritten");
+        }
+    }
+}

@@ -1,0 +1,4 @@
+//! Using a model: text generation and HellaSwag evaluation.
+
+pub mod generate;
+pub mod hellaswag;
