@@ -7,7 +7,7 @@
 use llmrs::backend::cpu::bf16::{Dest, Operand};
 use llmrs::backend::cpu::lora::{lora_backward, lora_forward};
 use llmrs::backend::cpu::matmul::gemm_strided_any;
-use llmrs::backend::LoraShape;
+use llmrs::backend::ops::LoraShape;
 mod common;
 use common::best_ms;
 

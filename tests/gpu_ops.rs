@@ -17,7 +17,18 @@ mod common;
 
 use common::gpu::{backend, random_values, Pair, Two};
 use llmrs::backend::gpu::Options;
+use llmrs::backend::ops::*;
 use llmrs::backend::{AdamWParams, Backend, Buf, DType, Noise, SkipAbove};
+
+/// The heads of a fused qkv of width C (of the queries) with NH query and KV key/value heads.
+fn heads(c: usize, nh: usize, nkv: usize) -> Heads {
+    Heads { nh, nkv, hs: c / nh }
+}
+
+/// A conversion of src into dst (a call of [`ConvertOps::convert`]).
+fn convert(dst: Buf, src: Buf, noise: Option<Noise>) -> Convert {
+    Convert { dst, src, noise, consuming: false }
+}
 
 /// Tiny limits: 512-byte chunks and 2 KiB bindings (rows of up to 512 floats fit), GEMM sums
 /// of 16 per dispatch, kernel loops of 3 rows and grids of 8 workgroups per dimension, so that
@@ -57,7 +68,15 @@ fn gpu_matmul_forward_and_backward() {
                     p.parts([n * oc, n * c, oc * c, oc, n * oc, n * c, oc * c, oc]);
                 p.poison(out);
                 p.both(
-                    |be, [out, inp, w, b]| be.matmul_forward(out, inp, w, bias.then_some(b), n, c, oc),
+                    |be, [out, inp, w, b]| {
+                        be.matmul_forward(&MatmulForward {
+                            out,
+                            x: inp,
+                            w,
+                            bias: bias.then_some(b),
+                            m: Mat { n, c, oc },
+                        })
+                    },
                     [out, inp, w, b],
                 );
                 p.check(out, 1e-5, &format!("matmul_forward n={n} c={c} oc={oc} bias={bias}"));
@@ -69,18 +88,16 @@ fn gpu_matmul_forward_and_backward() {
                     }
                     p.both(
                         |be, [dinp, dw, db, dout, inp, w]| {
-                            be.matmul_backward(
-                                Some(dinp),
-                                Some(dw),
-                                bias.then_some(db),
+                            be.matmul_backward(&MatmulBackward {
+                                dx: Some(dinp),
+                                dw: Some(dw),
+                                db: bias.then_some(db),
                                 dout,
-                                inp,
+                                x: inp,
                                 w,
-                                n,
-                                c,
-                                oc,
-                                accumulate,
-                            )
+                                m: Mat { n, c, oc },
+                                acc: accumulate,
+                            })
                         },
                         [dinp, dw, db, dout, inp, w],
                     );
@@ -105,19 +122,22 @@ fn gpu_lora_forward_and_backward() {
             &[(1, 1, 1, 1, 0, 1), (5, 7, 13, 3, 4, 6), (70, 33, 60, 8, 0, 60), (600, 5, 12, 2, 9, 3)]
         {
             // A (R, C) and B (ROWS, R) fit one window (tiny: 512 floats), as any real adapter's do.
-            let s = llmrs::backend::LoraShape { n, c, oc, r, row0, rows, scale: 1.75 };
+            let s = llmrs::backend::ops::LoraShape { n, c, oc, r, row0, rows, scale: 1.75 };
             let [out, h, inp, a, b, dinp, da, db, dh, dout] =
                 p.parts([n * oc, n * r, n * c, r * c, rows * r, n * c, r * c, rows * r, n * r, n * oc]);
             let what = format!("lora n={n} c={c} oc={oc} r={r} rows {row0}..{}", row0 + rows);
             p.poison(h);
-            p.both(|be, [out, h, inp, a, b]| be.lora_forward(out, h, inp, a, b, s), [out, h, inp, a, b]);
+            p.both(
+                |be, [out, h, inp, a, b]| be.lora_forward(&LoraForward { out, h, x: inp, a, b, s }),
+                [out, h, inp, a, b],
+            );
             p.check(out, 1e-5, &format!("{what}: out"));
             p.check(h, 1e-5, &format!("{what}: h"));
             // The backward reads the forward's h.
             p.poison(dh);
             p.both(
                 |be, [dinp, da, db, h, dh, dout, inp, a, b]| {
-                    be.lora_backward(Some(dinp), da, db, h, dh, dout, inp, a, b, s)
+                    be.lora_backward(&LoraBackward { dx: Some(dinp), da, db, dh, dout, x: inp, a, b, h, s })
                 },
                 [dinp, da, db, h, dh, dout, inp, a, b],
             );
@@ -139,12 +159,26 @@ fn gpu_matmul_in_parts_of_a_grid() {
     for &(n, c, oc) in &[(600, 3, 5), (5, 40, 300), (300, 4, 40), (40, 4, 300)] {
         let [out, inp, w, b, dinp, dw, db] = p.parts([n * oc, n * c, oc * c, oc, n * c, oc * c, oc]);
         p.poison(out);
-        p.both(|be, [out, inp, w, b]| be.matmul_forward(out, inp, w, Some(b), n, c, oc), [out, inp, w, b]);
+        p.both(
+            |be, [out, inp, w, b]| {
+                be.matmul_forward(&MatmulForward { out, x: inp, w, bias: Some(b), m: Mat { n, c, oc } })
+            },
+            [out, inp, w, b],
+        );
         p.check(out, 1e-5, &format!("matmul_forward n={n} c={c} oc={oc}"));
         p.poison(dinp);
         p.both(
             |be, [dinp, dw, db, out, inp, w]| {
-                be.matmul_backward(Some(dinp), Some(dw), Some(db), out, inp, w, n, c, oc, false)
+                be.matmul_backward(&MatmulBackward {
+                    dx: Some(dinp),
+                    dw: Some(dw),
+                    db: Some(db),
+                    dout: out,
+                    x: inp,
+                    w,
+                    m: Mat { n, c, oc },
+                    acc: false,
+                })
             },
             [dinp, dw, db, out, inp, w],
         );
@@ -164,7 +198,9 @@ fn gpu_layernorm_forward_and_backward() {
             p.poison(mean);
             p.poison(rstd);
             p.both(
-                |be, [out, mean, rstd, inp, w, b]| be.layernorm_forward(out, mean, rstd, inp, w, b, n, c),
+                |be, [out, mean, rstd, inp, w, b]| {
+                    be.layernorm_forward(&LayerNormForward { out, mean, rstd, x: inp, w, b, r: Rows { n, c } })
+                },
                 [out, mean, rstd, inp, w, b],
             );
             let what = format!("layernorm n={n} c={c}");
@@ -173,7 +209,17 @@ fn gpu_layernorm_forward_and_backward() {
             p.check(rstd, 1e-5, &what);
             p.both(
                 |be, [dinp, dw, db, dout, inp, w, mean, rstd]| {
-                    be.layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, n, c)
+                    be.layernorm_backward(&LayerNormBackward {
+                        dx: dinp,
+                        dw,
+                        db,
+                        dout,
+                        x: inp,
+                        w,
+                        mean,
+                        rstd,
+                        r: Rows { n, c },
+                    })
                 },
                 [dinp, dw, db, dout, inp, w, mean, rstd],
             );
@@ -193,12 +239,19 @@ fn gpu_rmsnorm_forward_and_backward() {
             let [out, rstd, inp, w, dout, dinp, dw] = p.parts([n * c, n, n * c, c, n * c, n * c, c]);
             p.poison(out);
             p.poison(rstd);
-            p.both(|be, [out, rstd, inp, w]| be.rmsnorm_forward(out, rstd, inp, w, n, c, 1e-5), [out, rstd, inp, w]);
+            p.both(
+                |be, [out, rstd, inp, w]| {
+                    be.rmsnorm_forward(&RmsNormForward { out, rstd, x: inp, w, r: Rows { n, c }, eps: 1e-5 })
+                },
+                [out, rstd, inp, w],
+            );
             let what = format!("rmsnorm n={n} c={c}");
             p.check(out, 1e-5, &what);
             p.check(rstd, 1e-5, &what);
             p.both(
-                |be, [dinp, dw, dout, inp, w, rstd]| be.rmsnorm_backward(dinp, dw, dout, inp, w, rstd, n, c),
+                |be, [dinp, dw, dout, inp, w, rstd]| {
+                    be.rmsnorm_backward(&RmsNormBackward { dx: dinp, dw, dout, x: inp, w, rstd, r: Rows { n, c } })
+                },
                 [dinp, dw, dout, inp, w, rstd],
             );
             p.check(dinp, 1e-4, &what);
@@ -220,7 +273,18 @@ fn gpu_head_norm_forward_and_backward() {
             p.poison(out);
             p.poison(rstd);
             p.both(
-                |be, [out, rstd, inp, wq, wk]| be.head_norm_forward(out, rstd, inp, wq, wk, n, nh, nkv, hs, 1e-6),
+                |be, [out, rstd, inp, wq, wk]| {
+                    be.head_norm_forward(&HeadNormForward {
+                        out,
+                        rstd,
+                        x: inp,
+                        wq,
+                        wk,
+                        n,
+                        h: Heads { nh, nkv, hs },
+                        eps: 1e-6,
+                    })
+                },
                 [out, rstd, inp, wq, wk],
             );
             let what = format!("head_norm n={n} nh={nh} nkv={nkv} hs={hs}");
@@ -229,7 +293,18 @@ fn gpu_head_norm_forward_and_backward() {
             p.poison(dinp);
             p.both(
                 |be, [dinp, dwq, dwk, dout, inp, wq, wk, rstd]| {
-                    be.head_norm_backward(dinp, dwq, dwk, dout, inp, wq, wk, rstd, n, nh, nkv, hs)
+                    be.head_norm_backward(&HeadNormBackward {
+                        dx: dinp,
+                        dwq,
+                        dwk,
+                        dout,
+                        x: inp,
+                        wq,
+                        wk,
+                        rstd,
+                        n,
+                        h: Heads { nh, nkv, hs },
+                    })
                 },
                 [dinp, dwq, dwk, dout, inp, wq, wk, rstd],
             );
@@ -250,20 +325,31 @@ fn gpu_rope_and_swiglu() {
             let (n, qd, max_t) = (b * t, (nh + 2 * nkv) * hs, pos + t + 2);
             let [qkv, table] = p.parts([n * qd, max_t * hs]);
             let what = format!("rope b={b} t={t} pos={pos} nh={nh} nkv={nkv} hs={hs}");
-            p.both(|be, [qkv, table]| be.rope_forward(qkv, table, n, t, pos, nh, nkv, hs), [qkv, table]);
+            p.both(
+                |be, [qkv, table]| be.rope(&Rope { qkv, table, n, t, pos, h: Heads { nh, nkv, hs }, inverse: false }),
+                [qkv, table],
+            );
             p.check(qkv, 1e-6, &what);
-            p.both(|be, [qkv, table]| be.rope_backward(qkv, table, n, t, pos, nh, nkv, hs), [qkv, table]);
+            p.both(
+                |be, [qkv, table]| be.rope(&Rope { qkv, table, n, t, pos, h: Heads { nh, nkv, hs }, inverse: true }),
+                [qkv, table],
+            );
             p.check(qkv, 1e-6, &what);
         }
         for &(n, f) in &[(1, 1), (3, 5), (17, 64), (130, 7), (2, 200)] {
             let [out, inp, dout, dinp] = p.parts([n * f, n * 2 * f, n * f, n * 2 * f]);
             p.scale(inp, 4.0);
             p.poison(out);
-            p.both(|be, [out, inp]| be.swiglu_forward(out, inp, n, f), [out, inp]);
+            p.both(|be, [out, inp]| be.swiglu_forward(&SwigluForward { out, x: inp, r: Rows { n, c: f } }), [out, inp]);
             let what = format!("swiglu n={n} f={f}");
             p.check(out, 1e-5, &what);
             p.poison(dinp);
-            p.both(|be, [dinp, dout, inp]| be.swiglu_backward(dinp, dout, inp, n, f), [dinp, dout, inp]);
+            p.both(
+                |be, [dinp, dout, inp]| {
+                    be.swiglu_backward(&SwigluBackward { dx: dinp, dout, x: inp, r: Rows { n, c: f } })
+                },
+                [dinp, dout, inp],
+            );
             p.check(dinp, 1e-5, &what);
         }
     });
@@ -280,14 +366,32 @@ fn gpu_encoder_forward_and_backward() {
             for pe in [true, false] {
                 p.poison(out);
                 p.both_t(
-                    |be, [out, wte, wpe], [inp]| be.encoder_forward(out, inp, wte, pe.then_some(wpe), b, t, c),
+                    |be, [out, wte, wpe], [inp]| {
+                        be.encoder_forward(&EncoderForward {
+                            out,
+                            ids: inp,
+                            wte,
+                            wpe: pe.then_some(wpe),
+                            s: Seq { b, t },
+                            c,
+                        })
+                    },
                     [out, wte, wpe],
                     [inp],
                 );
                 let what = format!("encoder b={b} t={t} c={c} v={v} positions={pe}");
                 p.check(out, 1e-6, &what);
                 p.both_t(
-                    |be, [dwte, dwpe, out], [inp]| be.encoder_backward(dwte, pe.then_some(dwpe), out, inp, b, t, c),
+                    |be, [dwte, dwpe, out], [inp]| {
+                        be.encoder_backward(&EncoderBackward {
+                            dwte,
+                            dwpe: pe.then_some(dwpe),
+                            dout: out,
+                            ids: inp,
+                            s: Seq { b, t },
+                            c,
+                        })
+                    },
                     [dwte, dwpe, out],
                     [inp],
                 );
@@ -304,12 +408,12 @@ fn gpu_elementwise_ops() {
         for n in [1, 3, 255, 257, 1000] {
             let [out, a, b, d] = p.parts([n, n, n, n]);
             p.poison(out);
-            p.both(|be, [out, a, b]| be.residual_forward(out, a, b), [out, a, b]);
+            p.both(|be, [out, a, b]| be.residual_forward(&Residual { out, a, b }), [out, a, b]);
             p.check(out, 1e-7, &format!("residual n={n}"));
             p.poison(out);
-            p.both(|be, [out, a]| be.gelu_forward(out, a), [out, a]);
+            p.both(|be, [out, a]| be.gelu_forward(&GeluForward { out, x: a }), [out, a]);
             p.check(out, 1e-5, &format!("gelu_forward n={n}"));
-            p.both(|be, [d, a]| be.gelu_backward(d, a), [d, a]);
+            p.both(|be, [d, a]| be.gelu_backward(&GeluBackward { d, x: a }), [d, a]);
             p.check(d, 1e-5, &format!("gelu_backward n={n}"));
             p.both(|be, [out]| be.fill(out, -2.5), [out]);
             p.check(out, 0.0, &format!("fill n={n}"));
@@ -350,7 +454,16 @@ fn gpu_attention_forward_and_backward() {
             p.poison(out);
             p.poison(stats);
             p.both(
-                |be, [out, stats, ws, qkv]| be.attention_forward(out, stats, ws, qkv, b, t, c, nh, nkv),
+                |be, [out, stats, ws, qkv]| {
+                    be.attention_forward(&AttentionForward {
+                        out,
+                        stats,
+                        ws,
+                        qkv,
+                        s: Seq { b, t },
+                        h: heads(c, nh, nkv),
+                    })
+                },
                 [out, stats, ws, qkv],
             );
             let what = format!("attention b={b} t={t} c={c} nh={nh} nkv={nkv}");
@@ -360,7 +473,15 @@ fn gpu_attention_forward_and_backward() {
             p.poison(dqkv);
             p.both(
                 |be, [dqkv, ws3, dout, qkv, stats]| {
-                    be.attention_backward(dqkv, ws3, dout, qkv, stats, b, t, c, nh, nkv)
+                    be.attention_backward(&AttentionBackward {
+                        dqkv,
+                        ws: ws3,
+                        dout,
+                        qkv,
+                        stats,
+                        s: Seq { b, t },
+                        h: heads(c, nh, nkv),
+                    })
                 },
                 [dqkv, ws3, dout, qkv, stats],
             );
@@ -385,7 +506,17 @@ fn gpu_cached_attention() {
             p.poison(out);
             p.both(
                 |be, [out, ws, qkv, kc, vc]| {
-                    be.attention_forward_cached(out, ws, qkv, kc, vc, pos, tn, c, nh, nkv, max_t)
+                    be.attention_forward_cached(&AttentionCached {
+                        out,
+                        ws,
+                        qkv,
+                        k: kc,
+                        v: vc,
+                        pos,
+                        tn,
+                        cap: max_t,
+                        h: heads(c, nh, nkv),
+                    })
                 },
                 [out, ws, qkv, kc, vc],
             );
@@ -408,17 +539,24 @@ fn gpu_classifier() {
             p.poison(losses);
             p.poison(lse);
             p.both_t(
-                |be, [losses, lse, logits], [tg]| be.crossentropy_forward(losses, lse, logits, tg, n, v, vp),
+                |be, [losses, lse, logits], [tg]| {
+                    be.crossentropy_forward(&CrossentropyForward { losses, lse, logits, targets: tg, n, v, vp })
+                },
                 [losses, lse, logits],
                 [targets],
             );
             let what = format!("crossentropy n={n} v={v} vp={vp}");
             p.check(losses, 1e-5, &what);
             p.check(lse, 1e-5, &what);
-            p.both(|be, [acc, losses]| be.accumulate_mean(acc, losses, 0.7), [acc, losses]);
+            p.both(
+                |be, [acc, losses]| be.accumulate_mean(&AccumulateMean { acc, x: losses, weight: 0.7 }),
+                [acc, losses],
+            );
             p.check(acc, 1e-5, &what);
             p.both_t(
-                |be, [logits, lse], [tg]| be.crossentropy_backward(logits, lse, tg, 0.3, n, v, vp),
+                |be, [logits, lse], [tg]| {
+                    be.crossentropy_backward(&CrossentropyBackward { logits, lse, targets: tg, dloss: 0.3, n, v, vp })
+                },
                 [logits, lse],
                 [targets],
             );
@@ -433,9 +571,24 @@ fn gpu_global_norm_and_adamw() {
         for n in [1, 7, 4096, 4097, 10000] {
             let [params, grads, m, v, stats] = p.parts([n, n, n, n, 2]);
             p.poison(stats);
-            p.both(|be, [s, g]| be.global_norm_squared(s.prefix(1), g, false), [stats, grads]);
-            p.both(|be, [s, g]| be.global_norm_squared(s.slice(1..2), g, false), [stats, grads]);
-            p.both(|be, [s, g]| be.global_norm_squared(s.slice(1..2), g, true), [stats, grads]);
+            p.both(
+                |be, [s, g]| {
+                    be.global_norm_squared(&GlobalNormSquared { out: s.prefix(1), grads: g, accumulate: false })
+                },
+                [stats, grads],
+            );
+            p.both(
+                |be, [s, g]| {
+                    be.global_norm_squared(&GlobalNormSquared { out: s.slice(1..2), grads: g, accumulate: false })
+                },
+                [stats, grads],
+            );
+            p.both(
+                |be, [s, g]| {
+                    be.global_norm_squared(&GlobalNormSquared { out: s.slice(1..2), grads: g, accumulate: true })
+                },
+                [stats, grads],
+            );
             p.check(stats, 1e-5, &format!("global norm n={n}"));
             let mut h = AdamWParams {
                 lr: 1e-2,
@@ -451,7 +604,12 @@ fn gpu_global_norm_and_adamw() {
             };
             // m and v must stay >= 0 for v: make them squares of the random inputs.
             p.map(v, |x| x * x);
-            p.both(|be, [pa, g, m, v, s]| be.adamw_update(pa, g, m, v, s, &h), [params, grads, m, v, stats]);
+            p.both(
+                |be, [pa, g, m, v, s]| {
+                    be.adamw_update(&AdamwUpdate { params: pa, work: None, grads: g, m, v, stats: s, h })
+                },
+                [params, grads, m, v, stats],
+            );
             let what = format!("adamw n={n}");
             p.check(params, 1e-5, &what);
             p.check(m, 1e-5, &what);
@@ -459,7 +617,12 @@ fn gpu_global_norm_and_adamw() {
             // A limit below the step's loss: nothing moves, on either backend.
             h.skip = SkipAbove { loss: -1.0, norm_sq: f32::INFINITY };
             let before = p.read_gpu(params);
-            p.both(|be, [pa, g, m, v, s]| be.adamw_update(pa, g, m, v, s, &h), [params, grads, m, v, stats]);
+            p.both(
+                |be, [pa, g, m, v, s]| {
+                    be.adamw_update(&AdamwUpdate { params: pa, work: None, grads: g, m, v, stats: s, h })
+                },
+                [params, grads, m, v, stats],
+            );
             assert_eq!(before, p.read_gpu(params), "{what}: a skipped step moved the parameters");
             p.check(params, 1e-5, &what);
         }
@@ -538,12 +701,12 @@ fn gpu_bf16_storage() {
             let noise =
                 |dst: Buf| seed.map(|(s, first)| first.map_or(Noise::at(s, dst), |first| Noise { seed: s, first }));
             let y = both(&mut p);
-            p.both(|be, [y, f]| be.convert(y.slice(5..n), f.slice(4..n - 1), noise(y.slice(5..n))), [y, f]);
-            p.both(|be, [y, f]| be.convert(y.prefix(5), f.slice(n - 5..n), noise(y.prefix(5))), [y, f]);
+            p.both(|be, [y, f]| be.convert(&convert(y.slice(5..n), f.slice(4..n - 1), noise(y.slice(5..n)))), [y, f]);
+            p.both(|be, [y, f]| be.convert(&convert(y.prefix(5), f.slice(n - 5..n), noise(y.prefix(5)))), [y, f]);
             p.check(y, 0.0, &format!("convert f32 -> bf16, seed {seed:?}"));
-            p.both(|be, [x, y]| be.convert(x.slice(1..n), y.slice(0..n - 1), noise(x.slice(1..n))), [x, y]);
+            p.both(|be, [x, y]| be.convert(&convert(x.slice(1..n), y.slice(0..n - 1), noise(x.slice(1..n)))), [x, y]);
             p.check(x, 0.0, &format!("convert bf16 -> bf16, seed {seed:?}"));
-            p.both(|be, [f, y]| be.convert(f.slice(3..n), y.slice(0..n - 3), None), [f, y]);
+            p.both(|be, [f, y]| be.convert(&convert(f.slice(3..n), y.slice(0..n - 3), None)), [f, y]);
             let (mut c, mut g) = (vec![0f32; n], vec![0f32; n]);
             p.cpu.download(f.0, &mut c).unwrap();
             p.gpu.download(f.1, &mut g).unwrap();
@@ -574,7 +737,7 @@ fn gpu_adamw_writes_the_bf16_working_copy() {
             let (work, grads) = (alloc(&mut f), alloc(&mut f));
             let g: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01).collect();
             f.both(|be, [x]| be.upload(x, &g), [grads]);
-            f.both(|be, [w, pa]| be.convert(w, pa, None), [work, params]);
+            f.both(|be, [w, pa]| be.convert(&convert(w, pa, None)), [work, params]);
             let mut h = AdamWParams {
                 lr: 1e-2,
                 beta1: 0.9,
@@ -589,7 +752,9 @@ fn gpu_adamw_writes_the_bf16_working_copy() {
             };
             let step = |f: &mut Pair, h: &AdamWParams| {
                 f.both(
-                    |be, [pa, w, g, m, v, s]| be.adamw_update_and_copy(pa, w, g, m, v, s, h),
+                    |be, [pa, w, g, m, v, s]| {
+                        be.adamw_update(&AdamwUpdate { params: pa, work: Some(w), grads: g, m, v, stats: s, h: *h })
+                    },
                     [params, work, grads, m, v, stats],
                 )
             };
@@ -667,7 +832,7 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
                 g.upload(x, &v);
             }
             for (&y, &x) in fs.iter().zip(&hs) {
-                g.convert(y, x, None);
+                g.convert(&Convert { dst: y, src: x, noise: None, consuming: false });
             }
             let bits = |g: &mut llmrs::backend::gpu::GpuBackend, x: Buf| -> Vec<u32> {
                 let mut v = vec![0f32; x.len];
@@ -677,22 +842,53 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
             // The f32 path's result rounded to bf16, in a scratch bf16 tensor.
             let rounded = |g: &mut llmrs::backend::gpu::GpuBackend, x: Buf| -> Vec<u32> {
                 let t = g.alloc(x.len, DType::BF16).unwrap();
-                g.convert(t, x, None);
+                g.convert(&Convert { dst: t, src: x, noise: None, consuming: false });
                 let r = bits(g, t);
                 g.free(t);
                 r
             };
             let [out, inp, w, b, dout, dinp, dw, db] = std::array::from_fn(|i| (hs[i], fs[i]));
             let what = format!("n={n} c={c} oc={oc}, {opts:?}");
-            g.matmul_forward(out.0, inp.0, w.0, Some(b.0), n, c, oc);
-            g.matmul_forward(out.1, inp.1, w.1, Some(b.1), n, c, oc);
+            g.matmul_forward(&MatmulForward {
+                out: out.0,
+                x: inp.0,
+                w: w.0,
+                bias: Some(b.0),
+                m: Mat { n: n, c: c, oc: oc },
+            });
+            g.matmul_forward(&MatmulForward {
+                out: out.1,
+                x: inp.1,
+                w: w.1,
+                bias: Some(b.1),
+                m: Mat { n: n, c: c, oc: oc },
+            });
             assert_eq!(bits(&mut g, out.0), rounded(&mut g, out.1), "matmul_forward {what}");
             for accumulate in [false, true] {
                 for x in [dw, db] {
-                    g.convert(x.1, x.0, None); // the same gradients to add to
+                    g.convert(&Convert { dst: x.1, src: x.0, noise: None, consuming: false });
+                    // the same gradients to add to
                 }
-                g.matmul_backward(Some(dinp.0), Some(dw.0), Some(db.0), dout.0, inp.0, w.0, n, c, oc, accumulate);
-                g.matmul_backward(Some(dinp.1), Some(dw.1), Some(db.1), dout.1, inp.1, w.1, n, c, oc, accumulate);
+                g.matmul_backward(&MatmulBackward {
+                    dx: Some(dinp.0),
+                    dw: Some(dw.0),
+                    db: Some(db.0),
+                    dout: dout.0,
+                    x: inp.0,
+                    w: w.0,
+                    m: Mat { n: n, c: c, oc: oc },
+                    acc: accumulate,
+                });
+                g.matmul_backward(&MatmulBackward {
+                    dx: Some(dinp.1),
+                    dw: Some(dw.1),
+                    db: Some(db.1),
+                    dout: dout.1,
+                    x: inp.1,
+                    w: w.1,
+                    m: Mat { n: n, c: c, oc: oc },
+                    acc: accumulate,
+                });
                 for (x, name) in [(dinp, "dinp"), (dw, "dweight"), (db, "dbias")] {
                     assert_eq!(
                         bits(&mut g, x.0),
@@ -716,11 +912,20 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
         g.fill(inp, 0.5);
         g.fill(w, 0.25);
         assert_eq!(g.workspace_bytes(), 0);
-        g.matmul_forward(out, inp, w, None, n, c, oc);
+        g.matmul_forward(&MatmulForward { out: out, x: inp, w: w, bias: None, m: Mat { n: n, c: c, oc: oc } });
         assert_eq!(g.workspace_bytes(), copies, "matmul_forward, {k_per_dispatch:?} per dispatch");
         // dinp sums over OC = 8 and dweight over N = 64: one dispatch each, no copies.
         g.free_f32_copies();
-        g.matmul_backward(Some(dinp), Some(dw), None, out, inp, w, n, c, oc, false);
+        g.matmul_backward(&MatmulBackward {
+            dx: Some(dinp),
+            dw: Some(dw),
+            db: None,
+            dout: out,
+            x: inp,
+            w: w,
+            m: Mat { n: n, c: c, oc: oc },
+            acc: false,
+        });
         assert_eq!(g.workspace_bytes(), 0, "matmul_backward, {k_per_dispatch:?} per dispatch");
         let mut v = vec![0f32; n * oc];
         g.download(out, &mut v).unwrap();
@@ -768,7 +973,7 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
             // whose last `tn` are new.
             let (ab, at) = if n % 4 == 0 { (n / 4, 4) } else { (1, n) };
             let cap = n.min(12);
-            let lora = llmrs::backend::LoraShape { n, c, oc: c + 2, r: 3, row0: 1, rows: c, scale: 1.75 };
+            let lora = llmrs::backend::ops::LoraShape { n, c, oc: c + 2, r: 3, row0: 1, rows: c, scale: 1.75 };
             let adamw = AdamWParams {
                 lr: 1e-2,
                 beta1: 0.9,
@@ -785,86 +990,86 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
             #[rustfmt::skip]
             let cases: Vec<Case> = vec![
                 ("layernorm_forward", vec![n * c, n * c, c, c], vec![n, n], vec![0], vec![0, 1], 0,
-                 Box::new(move |g, a, s| g.layernorm_forward(a[0], s[0], s[1], a[1], a[2], a[3], n, c))),
+                 Box::new(move |g, a, s| g.layernorm_forward(&LayerNormForward { out: a[0], mean: s[0], rstd: s[1], x: a[1], w: a[2], b: a[3], r: Rows { n: n, c: c } }))),
                 ("layernorm_backward", vec![n * c, c, c, n * c, n * c, c], vec![n, n], vec![0, 1, 2], vec![], 2 * c,
-                 Box::new(move |g, a, s| g.layernorm_backward(a[0], a[1], a[2], a[3], a[4], a[5], s[0], s[1], n, c))),
+                 Box::new(move |g, a, s| g.layernorm_backward(&LayerNormBackward { dx: a[0], dw: a[1], db: a[2], dout: a[3], x: a[4], w: a[5], mean: s[0], rstd: s[1], r: Rows { n: n, c: c } }))),
                 ("rmsnorm_forward", vec![n * c, n * c, c], vec![n], vec![0], vec![0], 0,
-                 Box::new(move |g, a, s| g.rmsnorm_forward(a[0], s[0], a[1], a[2], n, c, 1e-5))),
+                 Box::new(move |g, a, s| g.rmsnorm_forward(&RmsNormForward { out: a[0], rstd: s[0], x: a[1], w: a[2], r: Rows { n: n, c: c }, eps: 1e-5 }))),
                 ("rmsnorm_backward", vec![n * c, c, n * c, n * c, c], vec![n], vec![0, 1], vec![], c,
-                 Box::new(move |g, a, s| g.rmsnorm_backward(a[0], a[1], a[2], a[3], a[4], s[0], n, c))),
+                 Box::new(move |g, a, s| g.rmsnorm_backward(&RmsNormBackward { dx: a[0], dw: a[1], dout: a[2], x: a[3], w: a[4], rstd: s[0], r: Rows { n: n, c: c } }))),
                 ("head_norm_forward", vec![n * qkv, n * qkv, hs, hs], vec![n * (nh + nkv)], vec![0], vec![0], 0,
-                 Box::new(move |g, a, s| g.head_norm_forward(a[0], s[0], a[1], a[2], a[3], n, nh, nkv, hs, 1e-6))),
+                 Box::new(move |g, a, s| g.head_norm_forward(&HeadNormForward { out: a[0], rstd: s[0], x: a[1], wq: a[2], wk: a[3], n: n, h: Heads { nh: nh, nkv: nkv, hs: hs }, eps: 1e-6 }))),
                 ("head_norm_backward", vec![n * qkv, hs, hs, n * qkv, n * qkv, hs, hs], vec![n * (nh + nkv)],
                  vec![0, 1, 2], vec![], 2 * hs,
                  Box::new(move |g, a, s| {
-                     g.head_norm_backward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], s[0], n, nh, nkv, hs)
+                     g.head_norm_backward(&HeadNormBackward { dx: a[0], dwq: a[1], dwk: a[2], dout: a[3], x: a[4], wq: a[5], wk: a[6], rstd: s[0], n: n, h: Heads { nh: nh, nkv: nkv, hs: hs } })
                  })),
                 ("rope_forward", vec![n * qkv], vec![(pos + t) * hs], vec![0], vec![], 0,
-                 Box::new(move |g, a, s| g.rope_forward(a[0], s[0], n, t, pos, nh, nkv, hs))),
+                 Box::new(move |g, a, s| g.rope(&Rope { qkv: a[0], table: s[0], n: n, t: t, pos: pos, h: Heads { nh: nh, nkv: nkv, hs: hs }, inverse: false }))),
                 ("rope_backward", vec![n * qkv], vec![(pos + t) * hs], vec![0], vec![], 0,
-                 Box::new(move |g, a, s| g.rope_backward(a[0], s[0], n, t, pos, nh, nkv, hs))),
+                 Box::new(move |g, a, s| g.rope(&Rope { qkv: a[0], table: s[0], n: n, t: t, pos: pos, h: Heads { nh: nh, nkv: nkv, hs: hs }, inverse: true }))),
                 ("swiglu_forward", vec![n * c, n * 2 * c], vec![], vec![0], vec![], 0,
-                 Box::new(move |g, a, _| g.swiglu_forward(a[0], a[1], n, c))),
+                 Box::new(move |g, a, _| g.swiglu_forward(&SwigluForward { out: a[0], x: a[1], r: Rows { n: n, c: c } }))),
                 ("swiglu_backward", vec![n * 2 * c, n * c, n * 2 * c], vec![], vec![0], vec![], 0,
-                 Box::new(move |g, a, _| g.swiglu_backward(a[0], a[1], a[2], n, c))),
+                 Box::new(move |g, a, _| g.swiglu_backward(&SwigluBackward { dx: a[0], dout: a[1], x: a[2], r: Rows { n: n, c: c } }))),
                 ("residual_forward", vec![n * c, n * c, n * c], vec![], vec![0], vec![], 0,
-                 Box::new(|g, a, _| g.residual_forward(a[0], a[1], a[2]))),
+                 Box::new(|g, a, _| g.residual_forward(&Residual { out: a[0], a: a[1], b: a[2] }))),
                 ("gelu_forward", vec![n * c, n * c], vec![], vec![0], vec![], 0,
-                 Box::new(|g, a, _| g.gelu_forward(a[0], a[1]))),
+                 Box::new(|g, a, _| g.gelu_forward(&GeluForward { out: a[0], x: a[1] }))),
                 ("gelu_backward", vec![n * c, n * c], vec![], vec![0], vec![], 0,
-                 Box::new(|g, a, _| g.gelu_backward(a[0], a[1]))),
+                 Box::new(|g, a, _| g.gelu_backward(&GeluBackward { d: a[0], x: a[1] }))),
                 // Attention of 2 heads of C/2 (B sequences of T <= 12 positions, so that each
                 // sum over T is one dispatch even with the tiny options): one key/value head
                 // per query head, and one for both (whose backward sums the two heads' key and
                 // value gradients in an f32 copy of dqkv).
                 ("attention_forward", vec![n * c, n * 3 * c, n * c], vec![n * 2 * 2], vec![0], vec![0], 0,
-                 Box::new(move |g, a, s| g.attention_forward(a[0], s[0], a[2], a[1], ab, at, c, 2, 2))),
+                 Box::new(move |g, a, s| g.attention_forward(&AttentionForward { out: a[0], stats: s[0], ws: a[2], qkv: a[1], s: Seq { b: ab, t: at }, h: heads(c, 2, 2) }))),
                 ("attention_forward (grouped)", vec![n * c, n * 2 * c, n * c], vec![n * 2 * 2], vec![0], vec![0], 0,
-                 Box::new(move |g, a, s| g.attention_forward(a[0], s[0], a[2], a[1], ab, at, c, 2, 1))),
+                 Box::new(move |g, a, s| g.attention_forward(&AttentionForward { out: a[0], stats: s[0], ws: a[2], qkv: a[1], s: Seq { b: ab, t: at }, h: heads(c, 2, 1) }))),
                 ("attention_backward", vec![n * 3 * c, n * 3 * c, n * c, n * 3 * c], vec![n * 2 * 2], vec![0], vec![], 0,
-                 Box::new(move |g, a, s| g.attention_backward(a[0], a[1], a[2], a[3], s[0], ab, at, c, 2, 2))),
+                 Box::new(move |g, a, s| g.attention_backward(&AttentionBackward { dqkv: a[0], ws: a[1], dout: a[2], qkv: a[3], stats: s[0], s: Seq { b: ab, t: at }, h: heads(c, 2, 2) }))),
                 ("attention_backward (grouped)", vec![n * 2 * c, n * 3 * c, n * c, n * 2 * c], vec![n * 2 * 2],
                  vec![0], vec![], n * 2 * c,
-                 Box::new(move |g, a, s| g.attention_backward(a[0], a[1], a[2], a[3], s[0], ab, at, c, 2, 1))),
+                 Box::new(move |g, a, s| g.attention_backward(&AttentionBackward { dqkv: a[0], ws: a[1], dout: a[2], qkv: a[3], stats: s[0], s: Seq { b: ab, t: at }, h: heads(c, 2, 1) }))),
                 // The embedding of n tokens of a vocabulary of 5 (GPT-2's, with positions).
                 ("encoder_forward", vec![n * c, 5 * c, at * c], vec![], vec![0], vec![], 0,
                  Box::new(move |g, a, _| {
                      let tokens = targets(g, n, 5);
-                     g.encoder_forward(a[0], tokens, a[1], Some(a[2]), ab, at, c);
+                     g.encoder_forward(&EncoderForward { out: a[0], ids: tokens, wte: a[1], wpe: Some(a[2]), s: Seq { b: ab, t: at }, c: c });
                      g.free(tokens);
                  })),
                 // Cross-entropy over V = c of Vp = c + 3 logits (the targets uploaded in the op).
                 ("crossentropy_forward", vec![n * (c + 3)], vec![n, n], vec![], vec![0, 1], 0,
                  Box::new(move |g, a, s| {
                      let tg = targets(g, n, c);
-                     g.crossentropy_forward(s[0], s[1], a[0], tg, n, c, c + 3);
+                     g.crossentropy_forward(&CrossentropyForward { losses: s[0], lse: s[1], logits: a[0], targets: tg, n: n, v: c, vp: c + 3 });
                      g.free(tg);
                  })),
                 ("crossentropy_backward", vec![n * (c + 3)], vec![n], vec![0], vec![], 0,
                  Box::new(move |g, a, s| {
                      let tg = targets(g, n, c);
-                     g.crossentropy_backward(a[0], s[0], tg, 0.3, n, c, c + 3);
+                     g.crossentropy_backward(&CrossentropyBackward { logits: a[0], lse: s[0], targets: tg, dloss: 0.3, n: n, v: c, vp: c + 3 });
                      g.free(tg);
                  })),
                 // The global norm of bf16 gradients; AdamW from them, of f32 master weights and
                 // of bf16 parameters (rounded stochastically with the noise of their places).
                 ("global_norm_squared", vec![n * c], vec![1], vec![], vec![0], 0,
-                 Box::new(|g, a, s| g.global_norm_squared(s[0], a[0], false))),
+                 Box::new(|g, a, s| g.global_norm_squared(&GlobalNormSquared { out: s[0], grads: a[0], accumulate: false }))),
                 ("adamw_update (master weights)", vec![n * c], vec![n * c, n * c, n * c, 2], vec![], vec![0, 1, 2], 0,
-                 Box::new(move |g, a, s| g.adamw_update(s[0], a[0], s[1], s[2], s[3], &adamw))),
+                 Box::new(move |g, a, s| g.adamw_update(&AdamwUpdate { params: s[0], work: None, grads: a[0], m: s[1], v: s[2], stats: s[3], h: adamw }))),
                 ("adamw_update (bf16 parameters)", vec![n * c, n * c], vec![n * c, n * c, 2], vec![0], vec![0, 1], 0,
-                 Box::new(move |g, a, s| g.adamw_update(a[0], a[1], s[0], s[1], s[2], &adamw))),
+                 Box::new(move |g, a, s| g.adamw_update(&AdamwUpdate { params: a[0], work: None, grads: a[1], m: s[0], v: s[1], stats: s[2], h: adamw }))),
                 // A LoRA adapter of rank 3 (fp32) on a bf16 projection of C to C + 2 outputs,
                 // adapting C of them from row 1: h and dh (N, R) through f32 copies.
                 ("lora_forward", vec![n * (c + 2), n * c, n * 3], vec![3 * c, c * 3], vec![0, 2], vec![], n * 3,
-                 Box::new(move |g, a, s| g.lora_forward(a[0], a[2], a[1], s[0], s[1], lora))),
+                 Box::new(move |g, a, s| g.lora_forward(&LoraForward { out: a[0], h: a[2], x: a[1], a: s[0], b: s[1], s: lora }))),
                 ("lora_backward", vec![n * c, n * 3, n * 3, n * (c + 2), n * c], vec![3 * c, c * 3, 3 * c, c * 3],
                  vec![0, 2], vec![0, 1], 2 * n * 3,
-                 Box::new(move |g, a, s| g.lora_backward(Some(a[0]), s[0], s[1], a[1], a[2], a[3], a[4], s[2], s[3], lora))),
+                 Box::new(move |g, a, s| g.lora_backward(&LoraBackward { dx: Some(a[0]), da: s[0], db: s[1], h: a[1], dh: a[2], dout: a[3], x: a[4], a: s[2], b: s[3], s: lora }))),
                 // The last positions of one sequence of up to 12 against a cache of the first.
                 ("attention_forward_cached", vec![tn * c, tn * c, tn * 2 * c, cap * c / 2, cap * c / 2], vec![],
                  vec![0, 3, 4], vec![], 0,
-                 Box::new(move |g, a, _| g.attention_forward_cached(a[0], a[1], a[2], a[3], a[4], cap - tn, tn, c, 2, 1, cap))),
+                 Box::new(move |g, a, _| g.attention_forward_cached(&AttentionCached { out: a[0], ws: a[1], qkv: a[2], k: a[3], v: a[4], pos: cap - tn, tn: tn, cap: cap, h: heads(c, 2, 1) }))),
             ];
             for (name, lens, stat_lens, written, written_stats, grad_copies, op) in &cases {
                 if hs == 0 && (name.starts_with("head") || name.starts_with("rope")) {
@@ -894,7 +1099,7 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
                 let mut before = vec![0f32; h.len];
                 g.download(h, &mut before).unwrap();
                 for (&y, &x) in fs.iter().zip(&hs_) {
-                    g.convert(y, x, None);
+                    g.convert(&Convert { dst: y, src: x, noise: None, consuming: false });
                 }
                 // The statistics: the same values for both paths (positive: rstd).
                 let stat_vals: Vec<Vec<f32>> = stat_lens
@@ -941,7 +1146,7 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
                     let t = g.alloc(lens[i], DType::BF16).unwrap();
                     // bf16 parameters are rounded stochastically, keyed by the place given.
                     let noise = name.contains("bf16 parameters").then_some(Noise { seed: adamw.seed, first: 1000 });
-                    g.convert(t, fs[i], noise);
+                    g.convert(&Convert { dst: t, src: fs[i], noise: noise, consuming: false });
                     let (got, want) = (bits(&mut g, hs_[i]), bits(&mut g, t));
                     g.free(t);
                     if tiny {
@@ -1005,14 +1210,31 @@ fn gpu_gemm_kernels_give_the_same_bits() {
                 let [out, inp, w, bias, dinp, dw, db] = t.parts([n * oc, n * c, oc * c, oc, n * c, oc * c, oc]);
                 let w_ = format!("matmul n={n} c={c} oc={oc}, {what}");
                 t.run(
-                    |g, [out, inp, w, bias]| g.matmul_forward(out, inp, w, Some(bias), n, c, oc),
+                    |g, [out, inp, w, bias]| {
+                        g.matmul_forward(&MatmulForward {
+                            out: out,
+                            x: inp,
+                            w: w,
+                            bias: Some(bias),
+                            m: Mat { n: n, c: c, oc: oc },
+                        })
+                    },
                     [out, inp, w, bias],
                 );
                 t.same(out, &w_);
                 for accumulate in [false, true] {
                     t.run(
                         |g, [dinp, dw, db, out, inp, w]| {
-                            g.matmul_backward(Some(dinp), Some(dw), Some(db), out, inp, w, n, c, oc, accumulate)
+                            g.matmul_backward(&MatmulBackward {
+                                dx: Some(dinp),
+                                dw: Some(dw),
+                                db: Some(db),
+                                dout: out,
+                                x: inp,
+                                w: w,
+                                m: Mat { n: n, c: c, oc: oc },
+                                acc: accumulate,
+                            })
                         },
                         [dinp, dw, db, out, inp, w],
                     );
@@ -1039,27 +1261,58 @@ fn gpu_gemm_kernels_give_the_same_bits() {
                 ]);
                 let w_ = format!("attention b={b} t={tt} c={c} nh={nh} nkv={nkv}, {what}");
                 t.run(
-                    |g, [out, stats, ws, qkv]| g.attention_forward(out, stats, ws, qkv, b, tt, c, nh, nkv),
+                    |g, [out, stats, ws, qkv]| {
+                        g.attention_forward(&AttentionForward {
+                            out: out,
+                            stats: stats,
+                            ws: ws,
+                            qkv: qkv,
+                            s: Seq { b: b, t: tt },
+                            h: heads(c, nh, nkv),
+                        })
+                    },
                     [out, stats, ws, qkv],
                 );
                 t.same(out, &w_);
                 t.same(stats, &w_);
                 t.run(
                     |g, [dqkv, ws3, dout, qkv, stats]| {
-                        g.attention_backward(dqkv, ws3, dout, qkv, stats, b, tt, c, nh, nkv)
+                        g.attention_backward(&AttentionBackward {
+                            dqkv: dqkv,
+                            ws: ws3,
+                            dout: dout,
+                            qkv: qkv,
+                            stats: stats,
+                            s: Seq { b: b, t: tt },
+                            h: heads(c, nh, nkv),
+                        })
                     },
                     [dqkv, ws3, dout, qkv, stats],
                 );
                 t.same(dqkv, &format!("{w_} backward"));
             }
-            let s = llmrs::backend::LoraShape { n: 70, c: 33, oc: 60, r: 8, row0: 4, rows: 50, scale: 1.75 };
+            let s = llmrs::backend::ops::LoraShape { n: 70, c: 33, oc: 60, r: 8, row0: 4, rows: 50, scale: 1.75 };
             let [out, h, inp, a, b, dinp, da, db, dh] =
                 t.parts([70 * 60, 70 * 8, 70 * 33, 8 * 33, 50 * 8, 70 * 33, 8 * 33, 50 * 8, 70 * 8]);
-            t.run(|g, [out, h, inp, a, b]| g.lora_forward(out, h, inp, a, b, s), [out, h, inp, a, b]);
+            t.run(
+                |g, [out, h, inp, a, b]| g.lora_forward(&LoraForward { out: out, h: h, x: inp, a: a, b: b, s: s }),
+                [out, h, inp, a, b],
+            );
             t.same(out, &format!("lora, {what}"));
             t.run(
                 |g, [dinp, da, db, h, dh, out, inp, a, b]| {
-                    g.lora_backward(Some(dinp), da, db, h, dh, out, inp, a, b, s)
+                    g.lora_backward(&LoraBackward {
+                        dx: Some(dinp),
+                        da: da,
+                        db: db,
+                        h: h,
+                        dh: dh,
+                        dout: out,
+                        x: inp,
+                        a: a,
+                        b: b,
+                        s: s,
+                    })
                 },
                 [dinp, da, db, h, dh, out, inp, a, b],
             );

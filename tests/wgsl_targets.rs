@@ -86,7 +86,7 @@ fn the_subgroup_gemm_translates_to_spirv() {
     let modules = subgroup_modules();
     // The matmul module and each of its bf16 variants (one per GEMM and the bias gradient's).
     let names: Vec<&str> = modules.iter().map(|m| m.0.as_str()).collect();
-    assert!(names.contains(&"matmul_subgroup") && names.contains(&"MatmulBf16"), "subgroup modules: {names:?}");
+    assert!(names.contains(&"matmul_subgroup") && names.contains(&"matmul_bf16_1"), "subgroup modules: {names:?}");
     assert_eq!(modules.len(), 8, "subgroup modules: {names:?}");
     for (name, module, info) in modules {
         // Vulkan 1.1's SPIR-V and later: subgroup operations need 1.3.

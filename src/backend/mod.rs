@@ -7,12 +7,11 @@
 //! `src/cuda/backend.rs` and one kernel file per layer kind) and an arm in [`factory::open`]; the model,
 //! the training loop and everything above them do not change.
 //!
-//! Conventions of every op: outputs first, inputs next, shapes last (the dimension names of
-//! [`crate::core::config`]); every buffer has exactly the length its shape says and no output overlaps
-//! another buffer of the call. The model's families call the ops through [`ops::Ops`], the
-//! checked front that holds each op's contract (those lengths, the overlaps, the NaN-checking
-//! mode, the profile kind) once for every device; a device implements the raw op on buffers
-//! that keep to it. An op only queues work: results reach the host through
+//! Every op's contract is written once in [`ops`]: its call (buffers and shapes, with the
+//! dimension names of [`crate::core::config`]), the role of each buffer, its lengths and its
+//! profile kind. The model's families call the ops through [`ops::Ops`], the checked front; a
+//! device implements each layer's trait there on calls that keep to the contract, in its own
+//! file of that layer. An op only queues work: results reach the host through
 //! [`Backend::download`], which waits for everything queued before it. Ops never fail on valid
 //! shapes; a device error surfaces at the next download or [`Backend::synchronize`].
 
@@ -85,6 +84,12 @@ impl Buf {
     }
 }
 
+/// Panic unless the host values of a transfer (`n`) are as many as the buffer's elements (a
+/// bug in the caller): every backend's upload and download check it.
+pub(crate) fn same_len(op: &str, b: Buf, n: usize) {
+    assert_eq!(b.len, n, "{op}: {n} host values for a buffer of {} elements", b.len);
+}
+
 /// Where the model runs, chosen once at start-up (`--device`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Device {
@@ -124,29 +129,6 @@ impl std::fmt::Display for Device {
             Device::Cuda(i) => write!(f, "cuda:{i}"),
         }
     }
-}
-
-/// Panic unless every named buffer has the length its shape gives (a bug in the caller): every
-/// backend checks its ops' buffers with it.
-macro_rules! lens {
-    ($op:expr; $($buf:expr => $len:expr),* $(,)?) => {
-        $(assert_eq!($buf.len, $len, "{}: {} has {} elements, its shape says {}", $op, stringify!($buf), $buf.len, $len);)*
-    };
-}
-pub(crate) use lens;
-
-/// The shape of one LoRA adapter's op ([`crate::model::lora`]): N rows of C inputs into a projection
-/// of OC outputs, of which the adapter of rank R adds to rows row0..row0+ROWS (all of them but
-/// for one of a fused projection's parts), scaled by `scale` (alpha / R).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct LoraShape {
-    pub n: usize,
-    pub c: usize,
-    pub oc: usize,
-    pub r: usize,
-    pub row0: usize,
-    pub rows: usize,
-    pub scale: f32,
 }
 
 /// Hyperparameters of one AdamW update of one tensor.
@@ -208,13 +190,9 @@ impl SkipAbove {
     }
 }
 
-/// A device: memory, transfers, and llm.c's layer ops on buffers it owns.
-///
-/// Buffer roles in the op docs: *out* is overwritten whole and never read; *inout* is read and
-/// updated (`+=` for gradients); *scratch* is workspace the op may overwrite as it likes. All
-/// other buffers are read only.
-#[allow(clippy::too_many_arguments)]
-pub trait Backend {
+/// A device: memory, transfers, profiling, and llm.c's layer ops on buffers it owns (their
+/// contracts and the traits a device implements for them: [`ops`]).
+pub trait Backend: ops::Kernels {
     /// What runs, for logs and `llmrs bench` (e.g. "cpu: packed AVX2+FMA GEMM, 2 threads").
     fn describe(&self) -> String;
 
@@ -289,254 +267,6 @@ pub trait Backend {
     fn profile_end(&mut self);
     /// Seconds charged to each kind since profiling was turned on.
     fn profile_totals(&mut self) -> Result<Vec<(Kind, f64)>>;
-
-    // ---- layers ---------------------------------------------------------------------------
-
-    /// out (B, T, C) = wte (Vp, C)[inp (B, T)] [+ wpe (maxT, C)[t]]. Ids must be < V.
-    fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize);
-    /// dwte (Vp, C) [and dwpe (maxT, C)] (inout) += the scatter of dout (B, T, C) by token [and
-    /// position].
-    fn encoder_backward(&mut self, dwte: Buf, dwpe: Option<Buf>, dout: Buf, inp: Buf, b: usize, t: usize, c: usize);
-
-    /// out (N, C) = (inp - mean) * rstd * weight + bias; mean (N) and rstd (N) kept for backward.
-    fn layernorm_forward(
-        &mut self,
-        out: Buf,
-        mean: Buf,
-        rstd: Buf,
-        inp: Buf,
-        weight: Buf,
-        bias: Buf,
-        n: usize,
-        c: usize,
-    );
-    /// dinp (N, C), dweight (C), dbias (C): all inout, `+=`.
-    fn layernorm_backward(
-        &mut self,
-        dinp: Buf,
-        dweight: Buf,
-        dbias: Buf,
-        dout: Buf,
-        inp: Buf,
-        weight: Buf,
-        mean: Buf,
-        rstd: Buf,
-        n: usize,
-        c: usize,
-    );
-
-    /// RMSNorm: out (N, C) = inp * rstd * weight, rstd (N) = 1 / sqrt(mean(inp^2) + eps), kept
-    /// for backward.
-    fn rmsnorm_forward(&mut self, out: Buf, rstd: Buf, inp: Buf, weight: Buf, n: usize, c: usize, eps: f32);
-    /// dinp (N, C) and dweight (C): both inout, `+=`.
-    fn rmsnorm_backward(
-        &mut self,
-        dinp: Buf,
-        dweight: Buf,
-        dout: Buf,
-        inp: Buf,
-        weight: Buf,
-        rstd: Buf,
-        n: usize,
-        c: usize,
-    );
-
-    /// Qwen3's RMSNorm of each query and key head: out (N, QKV)'s query heads are inp's (N, QKV)
-    /// normalized with wq (HS), its key heads with wk (HS), its value heads copied; rstd
-    /// (N, NH + KV) kept for backward.
-    #[allow(clippy::too_many_arguments)]
-    fn head_norm_forward(
-        &mut self,
-        out: Buf,
-        rstd: Buf,
-        inp: Buf,
-        wq: Buf,
-        wk: Buf,
-        n: usize,
-        nh: usize,
-        nkv: usize,
-        hs: usize,
-        eps: f32,
-    );
-    /// dinp (N, QKV) (out) from dout (N, QKV); dwq, dwk (HS) (inout) `+=`.
-    #[allow(clippy::too_many_arguments)]
-    fn head_norm_backward(
-        &mut self,
-        dinp: Buf,
-        dwq: Buf,
-        dwk: Buf,
-        dout: Buf,
-        inp: Buf,
-        wq: Buf,
-        wk: Buf,
-        rstd: Buf,
-        n: usize,
-        nh: usize,
-        nkv: usize,
-        hs: usize,
-    );
-
-    /// The rotary embedding, in place on the q and k of qkv (N, QKV) (N = B*T rows; row r sits
-    /// at position pos + r % T): within each head, element i and i + HS/2 rotate by the
-    /// angle of pair i (transformers' `rotate_half` layout). rope (maxT, HS) holds each
-    /// position's cosines (HS/2) then sines (HS/2).
-    #[allow(clippy::too_many_arguments)]
-    fn rope_forward(&mut self, qkv: Buf, rope: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize);
-    /// Its backward, in place on dqkv (N, QKV): the rotation by the opposite angles.
-    #[allow(clippy::too_many_arguments)]
-    fn rope_backward(&mut self, dqkv: Buf, rope: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize);
-
-    /// SwiGLU: out (N, F) = up * silu(gate), from inp (N, 2F) holding up then gate.
-    fn swiglu_forward(&mut self, out: Buf, inp: Buf, n: usize, f: usize);
-    /// dinp (N, 2F) (out): d(up), d(gate) from dout (N, F).
-    fn swiglu_backward(&mut self, dinp: Buf, dout: Buf, inp: Buf, n: usize, f: usize);
-
-    /// out (N) = a (N) + b (N). Its backward is the identity, so there is no residual_backward.
-    fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf);
-
-    /// out (N, OC) = inp (N, C) @ weight (OC, C)^T [+ bias (OC)].
-    fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize);
-    /// dinp (N, C) (out) = dout @ weight; dweight (OC, C) = dout^T @ inp and dbias (OC) = the
-    /// column sums of dout (N, OC), added to (inout) when `accumulate`, else overwritten (out).
-    /// No dweight: a frozen weight's gradient is not computed (LoRA).
-    fn matmul_backward(
-        &mut self,
-        dinp: Option<Buf>,
-        dweight: Option<Buf>,
-        dbias: Option<Buf>,
-        dout: Buf,
-        inp: Buf,
-        weight: Buf,
-        n: usize,
-        c: usize,
-        oc: usize,
-        accumulate: bool,
-    );
-
-    /// A LoRA adapter's term (see [`LoraShape`]): h (N, R) = scale * inp (N, C) @ a (R, C)^T
-    /// (out), and out[:, row0..row0+ROWS] (N, OC) += h @ b (ROWS, R)^T (inout).
-    #[allow(clippy::too_many_arguments)]
-    fn lora_forward(&mut self, out: Buf, h: Buf, inp: Buf, a: Buf, b: Buf, s: LoraShape);
-    /// Its backward, from the forward's h (in): with g = dout[:, row0..row0+ROWS]: db (ROWS, R)
-    /// += g^T @ h, dh (N, R) = scale * g @ b (out), da (R, C) += dh^T @ inp, dinp (N, C) +=
-    /// dh @ a (inout).
-    #[allow(clippy::too_many_arguments)]
-    fn lora_backward(
-        &mut self,
-        dinp: Option<Buf>,
-        da: Buf,
-        db: Buf,
-        h: Buf,
-        dh: Buf,
-        dout: Buf,
-        inp: Buf,
-        a: Buf,
-        b: Buf,
-        s: LoraShape,
-    );
-
-    /// out (N) = gelu(inp (N)), tanh approximation.
-    fn gelu_forward(&mut self, out: Buf, inp: Buf);
-    /// d (N, inout) *= gelu'(inp (N)): d(out) becomes d(inp).
-    fn gelu_backward(&mut self, d: Buf, inp: Buf);
-
-    /// Causal self-attention: out (B, T, C) and stats (B, NH, T, 2) from qkv (B, T, QKV): the
-    /// NH query heads, then the `nkv` key heads, then the value heads, query head h reading key
-    /// and value head h / (NH / nkv) (grouped-query attention; GPT-2: nkv = NH). stats holds
-    /// each query row's softmax statistics (max(scale * scores), 1 / sum of exps), from which
-    /// the backward rebuilds the probabilities: no (B, NH, T, T) matrix is kept (flash
-    /// attention's scheme). workspace (B, T, C): scratch.
-    fn attention_forward(
-        &mut self,
-        out: Buf,
-        stats: Buf,
-        workspace: Buf,
-        qkv: Buf,
-        b: usize,
-        t: usize,
-        c: usize,
-        nh: usize,
-        nkv: usize,
-    );
-    /// dqkv (B, T, QKV) (out) from dout (B, T, C), qkv and the forward's stats (B, NH, T, 2); a
-    /// key or value head's gradient sums over its query heads in order. workspace (B, T, 3*C):
-    /// scratch.
-    fn attention_backward(
-        &mut self,
-        dqkv: Buf,
-        workspace: Buf,
-        dout: Buf,
-        qkv: Buf,
-        stats: Buf,
-        b: usize,
-        t: usize,
-        c: usize,
-        nh: usize,
-        nkv: usize,
-    );
-    /// Attention of `tn` new positions of one sequence against a KV cache: the new keys and
-    /// values in qkv (TN, QKV) go to rows pos..pos+tn of k_cache and v_cache (maxT, KV*HS)
-    /// (inout), then out (TN, C) = attention of each new position over cache rows 0..=its own.
-    /// workspace (TN, C): scratch.
-    fn attention_forward_cached(
-        &mut self,
-        out: Buf,
-        workspace: Buf,
-        qkv: Buf,
-        k_cache: Buf,
-        v_cache: Buf,
-        pos: usize,
-        tn: usize,
-        c: usize,
-        nh: usize,
-        nkv: usize,
-        max_t: usize,
-    );
-
-    /// losses (N) = -log softmax(logits (N, Vp)[:, :V])[targets (N)]; lse (N) = each row's
-    /// log-sum-exp, kept for backward.
-    fn crossentropy_forward(&mut self, losses: Buf, lse: Buf, logits: Buf, targets: Buf, n: usize, v: usize, vp: usize);
-    /// In place, logits (N, Vp) (inout) become d(loss)/d(logits) = (softmax - onehot) * dloss
-    /// over the first V columns, 0 over the padding.
-    fn crossentropy_backward(&mut self, logits: Buf, lse: Buf, targets: Buf, dloss: f32, n: usize, v: usize, vp: usize);
-    /// acc (1) (inout) += weight * mean(x (N)), summed in a fixed order.
-    fn accumulate_mean(&mut self, acc: Buf, x: Buf, weight: f32);
-
-    /// out (1) = the sum of squares of grads (N), in a fixed order; out (inout) += it with
-    /// `accumulate` (a norm over several slices: a ZeRO shard).
-    fn global_norm_squared(&mut self, out: Buf, grads: Buf, accumulate: bool);
-    /// One AdamW step on one tensor: params, m, v (N) (inout) from grads (N). `stats` (2)
-    /// holds the step's [mean loss, squared global gradient norm]: the gradients are scaled by
-    /// grad_clip / norm when the norm exceeds a non-zero grad_clip, and nothing is updated
-    /// when `h.skip` skips the step ([`SkipAbove::skips`]: a value not finite or above its
-    /// limit), so a diverged or outlier step leaves the model as it was.
-    fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams);
-    /// [`Backend::adamw_update`] of f32 params that also writes their bf16 working copy `work`
-    /// (N) in the same pass, rounded stochastically with `h.seed` as [`Backend::convert`]
-    /// rounds (llm.c's bf16 AdamW); a skipped step leaves `work` as it was. Only called where
-    /// [`Backend::supports_bf16`].
-    #[allow(clippy::too_many_arguments)]
-    fn adamw_update_and_copy(
-        &mut self,
-        params: Buf,
-        work: Buf,
-        grads: Buf,
-        m: Buf,
-        v: Buf,
-        stats: Buf,
-        h: &AdamWParams,
-    );
-    /// dst (N) (out) = src (N) converted to dst's dtype: into bf16 rounded to nearest even, or
-    /// stochastically with `noise` (llm.c's bf16 parameters written from the fp32 master
-    /// weights).
-    fn convert(&mut self, dst: Buf, src: Buf, noise: Option<Noise>);
-    /// dst (N) (out) = src (N) rounded to nearest as [`Backend::convert`], where src is about
-    /// to be freed (its elements are undefined afterwards): the backend may hand src's memory
-    /// back as it goes. The CPU does, piece by piece, so turning a model's f32 weights into
-    /// bf16 peaks at about the f32 copy, not at both.
-    fn convert_consuming(&mut self, dst: Buf, src: Buf) {
-        self.convert(dst, src, None)
-    }
 }
 
 #[cfg(test)]

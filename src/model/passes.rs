@@ -355,7 +355,7 @@ impl Model {
             bail!("no loss: run a forward pass with targets first")
         };
         let a = self.acts.as_ref().context("no activations")?;
-        self.be.accumulate_mean(self.stats.prefix(1), a.losses.prefix(b * t), weight);
+        Ops::new(&mut *self.be).accumulate_mean(self.stats.prefix(1), a.losses.prefix(b * t), weight);
         Ok(())
     }
 

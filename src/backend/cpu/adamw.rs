@@ -1,8 +1,12 @@
 //! AdamW (decoupled weight decay) and the global gradient norm.
 
+use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
+use super::bf16::Dest;
 use super::bf16::{self, Operand};
 use super::sgemm::Elem;
 use super::team::{self, Disjoint};
+use crate::backend::ops::{AdamwOps, AdamwUpdate, Call, GlobalNormSquared};
+use crate::backend::{AdamWParams, Backend, Buf, DType};
 
 /// Elements per task.
 const CHUNK: usize = 1 << 14;
@@ -161,6 +165,92 @@ pub fn sum_of_squares_bf16(grads: &[u16], partials: &mut [f64]) -> f64 {
 /// How many partial sums [`global_norm`] needs for `n` gradients.
 pub fn global_norm_partials(n: usize) -> usize {
     n.div_ceil(CHUNK)
+}
+
+impl AdamwOps for CpuBackend {
+    fn global_norm_squared(&mut self, a: &GlobalNormSquared) {
+        let GlobalNormSquared { out, grads, accumulate } = *a;
+        let mut partials = std::mem::take(&mut self.norm_partials);
+        partials.resize(global_norm_partials(grads.len), 0.0);
+        if grads.dtype == DType::BF16 && out.dtype == DType::F32 {
+            // Widened a chunk at a time inside, not as one f32 copy of every gradient.
+            assert!(!out.overlaps(grads), "global_norm_squared: output overlaps its input");
+            let p = self.ptr_bf16(grads);
+            // SAFETY: p addresses grads.len u16s of a live allocation (bounds checked); read
+            // only, and `&mut self` keeps every other reference out while the slice lives.
+            let g = unsafe { std::slice::from_raw_parts(p as *const u16, grads.len) };
+            let s = sum_of_squares_bf16(g, &mut partials) as f32;
+            let o = self.host_f32(out).expect("f32");
+            o[0] = if accumulate { o[0] + s } else { s };
+            self.norm_partials = partials;
+            return;
+        }
+        let (outs, ins) = a.roles();
+        self.run(GlobalNormSquared::NAME, outs, ins, [], |[o], [g], []| {
+            let s = sum_of_squares(g, &mut partials) as f32;
+            o[0] = if accumulate { o[0] + s } else { s };
+        });
+        self.norm_partials = partials;
+    }
+
+    /// AdamW on one tensor, and its bf16 working copy when given. bf16 gradients are read as
+    /// they are.
+    fn adamw_update(&mut self, a: &AdamwUpdate) {
+        let AdamwUpdate { params, work, grads, h, .. } = *a;
+        // With bf16 parameters (no master weights) AdamW runs on pieces, so that their f32
+        // copies are a piece's, not the largest tensor's (the same bits: each element's
+        // arithmetic and its rounding noise, keyed by its place in the allocation, do not
+        // depend on the cut).
+        const PIECE: usize = 1 << 20;
+        if params.dtype == DType::BF16 && params.len > PIECE {
+            for at in (0..params.len).step_by(PIECE) {
+                let r = at..(at + PIECE).min(params.len);
+                let cut = |b: Buf| b.slice(r.clone());
+                let h = AdamWParams { place: h.place.map(|p| p + at as u64), ..h };
+                let (m, v, stats) = (cut(a.m), cut(a.v), a.stats);
+                self.adamw_update(&AdamwUpdate {
+                    params: cut(params),
+                    work: work.map(cut),
+                    grads: cut(grads),
+                    m,
+                    v,
+                    stats,
+                    h,
+                });
+            }
+            return;
+        }
+        // bf16 parameters without master weights (llm.c's `-w 0`): rounded stochastically, so
+        // that updates smaller than a bf16 step still move them on average. The working copy
+        // is rounded so too, by the op itself (with the noise of its own offsets).
+        let r = Rounding::Stochastic(h.seed, h.place);
+        let work_off = h.place.unwrap_or(work.map_or(0, |w| w.off as u64));
+        let (outs, ins) = a.roles();
+        let native = ([false, false, false, true], [true, false]);
+        self.run_native(AdamwUpdate::NAME, outs, ins, [], r, native.0, native.1, |[p, m, v, w], [g, stats], []| {
+            let (p, m, v, stats) = (f32_dest(p), f32_dest(m), f32_dest(v), f32_operand(stats));
+            let (loss, norm_sq) = (stats[0], stats[1]);
+            if h.skip.skips(loss, norm_sq) {
+                return; // a diverged or outlier step: leave the model as it was
+            }
+            let norm = norm_sq.sqrt();
+            let grad_scale = if h.grad_clip > 0.0 && norm > h.grad_clip { h.grad_clip / norm } else { 1.0 };
+            let a = AdamW {
+                lr: h.lr,
+                beta1: h.beta1,
+                beta2: h.beta2,
+                eps: h.eps,
+                weight_decay: h.weight_decay,
+                grad_scale,
+                t: h.t,
+            };
+            let copy = match w {
+                Dest::Bf16(dst) if work.is_some() => Some(WorkCopy { dst, seed: h.seed, first: work_off }),
+                _ => None,
+            };
+            adamw_update(p, g, m, v, &a, true, copy)
+        });
+    }
 }
 
 #[cfg(test)]

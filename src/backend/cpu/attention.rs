@@ -16,9 +16,103 @@
 //! (never the host's bf16 engine), so a bf16 pass gives the f32 pass's bits on the widened
 //! inputs, rounded: the same numbers as before the op read bf16 itself, without f32 copies.
 
+use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
+use super::bf16::{Dest, Operand};
 use super::math::{add_lanes, combine_lanes, max_lanes};
 use super::sgemm::Elem;
 use super::team::{self, Disjoint};
+use crate::backend::ops::{AttentionBackward, AttentionCached, AttentionForward, AttentionOps, Call, Seq};
+use crate::backend::DType;
+
+impl AttentionOps for CpuBackend {
+    fn attention_forward(&mut self, a: &AttentionForward) {
+        let (Seq { b, t }, h) = (a.s, a.h);
+        let (c, nh, nkv) = (h.q(), h.nh, h.nkv);
+        // out, the workspace and qkv bf16: read and written as they are, no f32 copies.
+        let native = [a.out, a.ws, a.qkv].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins) = a.roles();
+        let r = Rounding::Nearest;
+        self.run_native(AttentionForward::NAME, outs, ins, [], r, [native, false, native], [native], |o, [qkv], []| {
+            let [o, st, ws] = o;
+            let st = f32_dest(st);
+            match (o, ws, qkv) {
+                (Dest::F32(o), Dest::F32(ws), Operand::F32(x)) => attention_forward(o, st, ws, x, b, t, c, nh, nkv),
+                (Dest::Bf16(o), Dest::Bf16(ws), Operand::Bf16(x)) => attention_forward(o, st, ws, x, b, t, c, nh, nkv),
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        })
+    }
+
+    fn attention_backward(&mut self, a: &AttentionBackward) {
+        let (Seq { b, t }, h) = (a.s, a.h);
+        let (c, nh, nkv) = (h.q(), h.nh, h.nkv);
+        // dqkv, the workspace, dout and qkv bf16: read and written as they are, no f32 copies.
+        let native = [a.dqkv, a.ws, a.dout, a.qkv].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins) = a.roles();
+        let (native_outs, native_ins, r) = ([native; 2], [native, native, false], Rounding::Nearest);
+        self.run_native(
+            AttentionBackward::NAME,
+            outs,
+            ins,
+            [],
+            r,
+            native_outs,
+            native_ins,
+            |[di, ws], [d, x, st], []| {
+                let st = f32_operand(st);
+                match (di, ws, d, x) {
+                    (Dest::F32(di), Dest::F32(ws), Operand::F32(d), Operand::F32(x)) => {
+                        attention_backward(di, ws, d, x, st, b, t, c, nh, nkv)
+                    }
+                    (Dest::Bf16(di), Dest::Bf16(ws), Operand::Bf16(d), Operand::Bf16(x)) => {
+                        attention_backward(di, ws, d, x, st, b, t, c, nh, nkv)
+                    }
+                    _ => unreachable!("all bf16 or all handed over as f32"),
+                }
+            },
+        );
+    }
+
+    fn attention_forward_cached(&mut self, a: &AttentionCached) {
+        let (pos, tn, h) = (a.pos, a.tn, a.h);
+        let (c, nh, nkv, qd, kv) = (h.q(), h.nh, h.nkv, h.qkv(), h.kv());
+        // Only the cache rows held (its roles' prefixes) reach the op. All bf16 (a bf16 run's
+        // activations and caches): read and written as they are, no f32 copies of the caches.
+        let (outs, ins) = a.roles();
+        let native = outs.iter().map(|o| o.buf()).chain(ins).all(|x| x.dtype == DType::BF16);
+        let r = Rounding::Nearest;
+        self.run_native(AttentionCached::NAME, outs, ins, [], r, [native; 4], [native], |o, [x], []| {
+            /// The new positions' keys and values into the caches, then attention.
+            #[allow(clippy::too_many_arguments)]
+            fn run<T: Elem>(
+                o: &mut [T],
+                ws: &mut [T],
+                kc: &mut [T],
+                vc: &mut [T],
+                qkv: &[T],
+                (pos, tn, c, nh, nkv, qd, kv): (usize, usize, usize, usize, usize, usize, usize),
+            ) {
+                for (i, row) in qkv.chunks_exact(qd).enumerate() {
+                    let at = (pos + i) * kv;
+                    kc[at..at + kv].copy_from_slice(&row[c..c + kv]);
+                    vc[at..at + kv].copy_from_slice(&row[c + kv..]);
+                }
+                attention_forward_cached(o, ws, qkv, kc, vc, pos, tn, c, nh, nkv)
+            }
+            let dims = (pos, tn, c, nh, nkv, qd, kv);
+            match (o, x) {
+                ([Dest::F32(o), Dest::F32(ws), Dest::F32(kc), Dest::F32(vc)], Operand::F32(x)) => {
+                    run(o, ws, kc, vc, x, dims)
+                }
+                ([Dest::Bf16(o), Dest::Bf16(ws), Dest::Bf16(kc), Dest::Bf16(vc)], Operand::Bf16(x)) => {
+                    run(o, ws, kc, vc, x, dims)
+                }
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
+    }
+}
+
 #[cfg(test)]
 use rayon::prelude::*;
 use std::cell::RefCell;

@@ -1,8 +1,10 @@
 //! The CPU backend: buffers are host vectors, and every op turns its handles into slices (the
 //! one checked place, [`CpuBackend::run`], which refuses overlapping outputs so that each
-//! `&mut` slice is the only reference to its elements) and calls the layer functions of
-//! [`crate::backend::cpu`] unchanged. Ops run to completion on the calling thread and the team. The ops'
-//! shape contracts are checked once, in front of every backend ([`crate::backend::ops`]).
+//! `&mut` slice is the only reference to its elements) by the roles its call gives
+//! ([`crate::backend::ops::Call`]) and calls the layer functions of [`crate::backend::cpu`]:
+//! each layer's file implements its ops there. Ops run to completion on the calling thread and
+//! the team. The ops' shape contracts are checked once, in front of every backend
+//! ([`crate::backend::ops`]).
 //!
 //! **NaN-checking mode** (`LLMRS_NAN_CHECK=1`, see [`crate::core::env::NAN_CHECK`]): new
 //! allocations, and (through the front's [`Backend::poison`]) every op's outputs and scratch
@@ -14,11 +16,9 @@
 //! checks. Gradient and loss buffers are op outputs, so a NaN that reaches a loss or a gradient
 //! from unwritten memory is caught at the op that put it there.
 
+use super::bf16;
 use super::bf16::{Dest, Operand};
-use super::{
-    adamw, attention, bf16, classifier, encoder, gelu, layernorm, lora, matmul, residual, rmsnorm, rope, swiglu,
-};
-use crate::backend::{lens, AdamWParams, Backend, Buf, DType, LoraShape, Noise};
+use crate::backend::{Backend, Buf, DType};
 use crate::core::profile::{Kind, WallTimer};
 use anyhow::{bail, Context, Result};
 
@@ -26,7 +26,7 @@ use anyhow::{bail, Context, Result};
 const POISON_BITS: u32 = 0x7FC0_DEAD;
 
 /// An output [`CpuBackend::run_native`] hands over as f32 (not marked native).
-fn f32_dest(d: Dest<'_>) -> &mut [f32] {
+pub(super) fn f32_dest(d: Dest<'_>) -> &mut [f32] {
     match d {
         Dest::F32(d) => d,
         Dest::Bf16(_) => unreachable!("an output not marked native is handed over as f32"),
@@ -34,7 +34,7 @@ fn f32_dest(d: Dest<'_>) -> &mut [f32] {
 }
 
 /// An input [`CpuBackend::run_native`] hands over as f32 (not marked native).
-fn f32_operand(x: Operand<'_>) -> &[f32] {
+pub(super) fn f32_operand(x: Operand<'_>) -> &[f32] {
     match x {
         Operand::F32(x) => x,
         Operand::Bf16(_) => unreachable!("an input not marked native is handed over as f32"),
@@ -58,7 +58,7 @@ enum Storage {
 
 /// How a bf16 output is rounded from the f32 values an op computed.
 #[derive(Clone, Copy)]
-enum Rounding {
+pub(super) enum Rounding {
     Nearest,
     /// Stochastic rounding with this seed; element i of the output draws the noise of index
     /// first + i, where first is the given place of its first element or else its offset in
@@ -66,48 +66,18 @@ enum Rounding {
     Stochastic(u32, Option<u64>),
 }
 
-/// How an op uses an output buffer.
-#[derive(Clone, Copy)]
-enum Out {
-    /// Overwritten whole, never read: poisoned before, checked whole after.
-    W(Buf),
-    /// Read and updated: checked for marked NaNs after.
-    Rw(Buf),
-    /// Workspace: poisoned before, not checked.
-    Scratch(Buf),
-}
-
-impl Out {
-    fn buf(self) -> Buf {
-        match self {
-            Out::W(b) | Out::Rw(b) | Out::Scratch(b) => b,
-        }
-    }
-}
-use Out::{Rw, Scratch, W};
+use crate::backend::ops::Out::{self, Rw, Scratch, W};
 
 pub struct CpuBackend {
     /// Allocations by id; freed ones are None (ids are not reused, so a stale handle fails).
     allocs: Vec<Option<Storage>>,
-    nan_check: bool,
+    pub(super) nan_check: bool,
     timer: WallTimer,
     /// Partial sums of the global norm, one per chunk (grown on first use).
-    norm_partials: Vec<f64>,
+    pub(super) norm_partials: Vec<f64>,
     /// f32 copies of an op's bf16 buffers, kept from op to op (grown on first use).
     widened: Vec<Vec<f32>>,
 }
-
-/// QKV: the width of a fused q, k, v row with `nkv` key/value heads (checked to divide).
-fn qkv_width(c: usize, nh: usize, nkv: usize) -> usize {
-    assert!(
-        nh > 0 && nkv > 0 && nh.is_multiple_of(nkv) && c.is_multiple_of(nh),
-        "attention: {nh} heads, {nkv} kv heads, C={c}"
-    );
-    c + 2 * nkv * (c / nh)
-}
-
-/// A zero-length handle that overlaps nothing, for an absent optional input.
-const NONE: Buf = Buf { alloc: u32::MAX, off: 0, len: 0, dtype: DType::F32 };
 
 impl CpuBackend {
     pub fn new(nan_check: bool) -> Self {
@@ -121,20 +91,8 @@ impl CpuBackend {
         }
     }
 
-    /// [`Backend::convert_consuming`] in pieces of `piece` elements, each handed back to the OS
-    /// once converted. Rounding to nearest is element-wise: the pieces give the whole's bits.
-    fn convert_consuming_by(&mut self, dst: Buf, src: Buf, piece: usize) {
-        for start in (0..src.len).step_by(piece.max(1)) {
-            let r = start..(start + piece).min(src.len);
-            self.convert(dst.slice(r.clone()), src.slice(r.clone()), None);
-            if let Some(v) = self.host_f32(src.slice(r)) {
-                crate::core::mem::release(v);
-            }
-        }
-    }
-
     /// Pointer to the first element of an f32 buffer (bounds checked).
-    fn ptr_f32(&mut self, b: Buf) -> *mut f32 {
+    pub(super) fn ptr_f32(&mut self, b: Buf) -> *mut f32 {
         if b.len == 0 {
             return std::ptr::NonNull::dangling().as_ptr();
         }
@@ -148,7 +106,7 @@ impl CpuBackend {
     }
 
     /// Pointer to the first element of a bf16 buffer (bounds checked).
-    fn ptr_bf16(&mut self, b: Buf) -> *mut u16 {
+    pub(super) fn ptr_bf16(&mut self, b: Buf) -> *mut u16 {
         if b.len == 0 {
             return std::ptr::NonNull::dangling().as_ptr();
         }
@@ -162,14 +120,14 @@ impl CpuBackend {
     }
 
     /// The bits of a bf16 buffer (bounds checked). `&mut self` is held while the slice lives.
-    fn bf16_slice(&mut self, b: Buf) -> &mut [u16] {
+    pub(super) fn bf16_slice(&mut self, b: Buf) -> &mut [u16] {
         let p = self.ptr_bf16(b);
         // SAFETY: p addresses b.len u16s of a live allocation (bounds checked by ptr_bf16); the
         // slice borrows `self` mutably, so nothing else reaches them meanwhile.
         unsafe { std::slice::from_raw_parts_mut(p, b.len) }
     }
 
-    fn ptr_u32(&mut self, b: Buf) -> *mut u32 {
+    pub(super) fn ptr_u32(&mut self, b: Buf) -> *mut u32 {
         if b.len == 0 {
             return std::ptr::NonNull::dangling().as_ptr();
         }
@@ -184,7 +142,7 @@ impl CpuBackend {
 
     /// Run one op: check that no output overlaps any other buffer of the call, hand `f` f32
     /// slices of every buffer, and write its bf16 outputs back rounded to nearest even.
-    fn run<const O: usize, const I: usize, const K: usize>(
+    pub(super) fn run<const O: usize, const I: usize, const K: usize>(
         &mut self,
         op: &'static str,
         outs: [Out; O],
@@ -200,7 +158,7 @@ impl CpuBackend {
     /// every kernel computes in f32 and its results are stored as llm.c's bf16 build stores
     /// them. Overwritten outputs are not widened (the op writes them whole) but in the
     /// NaN-checking mode, where the copy carries the poison marker to the check.
-    fn run_rounded<const O: usize, const I: usize, const K: usize>(
+    pub(super) fn run_rounded<const O: usize, const I: usize, const K: usize>(
         &mut self,
         op: &'static str,
         outs: [Out; O],
@@ -227,7 +185,7 @@ impl CpuBackend {
     /// others as f32 (bf16 ones through f32 copies). An op writing a bf16 output itself rounds
     /// it as `rounding` says.
     #[allow(clippy::too_many_arguments)]
-    fn run_native<const O: usize, const I: usize, const K: usize>(
+    pub(super) fn run_native<const O: usize, const I: usize, const K: usize>(
         &mut self,
         op: &'static str,
         outs: [Out; O],
@@ -334,96 +292,17 @@ impl CpuBackend {
         self.widened = pool;
     }
 
-    /// AdamW on one tensor, and its bf16 working copy when given ([`Backend::adamw_update`],
-    /// [`Backend::adamw_update_and_copy`]). bf16 gradients are read as they are.
-    #[allow(clippy::too_many_arguments)]
-    fn adamw(&mut self, params: Buf, work: Option<Buf>, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
-        // With bf16 parameters (no master weights) AdamW runs on pieces, so that their f32
-        // copies are a piece's, not the largest tensor's (the same bits: each element's
-        // arithmetic and its rounding noise, keyed by its place in the allocation, do not
-        // depend on the cut).
-        const PIECE: usize = 1 << 20;
-        if params.dtype == DType::BF16 && params.len > PIECE {
-            for at in (0..params.len).step_by(PIECE) {
-                let r = at..(at + PIECE).min(params.len);
-                let cut = |b: Buf| b.slice(r.clone());
-                let h = AdamWParams { place: h.place.map(|p| p + at as u64), ..*h };
-                self.adamw(cut(params), work.map(cut), cut(grads), cut(m), cut(v), stats, &h);
-            }
-            return;
-        }
-        let h = *h;
-        // bf16 parameters without master weights (llm.c's `-w 0`): rounded stochastically, so
-        // that updates smaller than a bf16 step still move them on average. The working copy
-        // is rounded so too, by the op itself (with the noise of its own offsets).
-        let r = Rounding::Stochastic(h.seed, h.place);
-        let work_off = h.place.unwrap_or(work.map_or(0, |w| w.off as u64));
-        let (outs, ins) = ([Rw(params), Rw(m), Rw(v), Rw(work.unwrap_or(NONE))], [grads, stats]);
-        let native = ([false, false, false, true], [true, false]);
-        self.run_native("adamw_update", outs, ins, [], r, native.0, native.1, |[p, m, v, w], [g, stats], []| {
-            let (p, m, v, stats) = (f32_dest(p), f32_dest(m), f32_dest(v), f32_operand(stats));
-            let (loss, norm_sq) = (stats[0], stats[1]);
-            if h.skip.skips(loss, norm_sq) {
-                return; // a diverged or outlier step: leave the model as it was
-            }
-            let norm = norm_sq.sqrt();
-            let grad_scale = if h.grad_clip > 0.0 && norm > h.grad_clip { h.grad_clip / norm } else { 1.0 };
-            let a = adamw::AdamW {
-                lr: h.lr,
-                beta1: h.beta1,
-                beta2: h.beta2,
-                eps: h.eps,
-                weight_decay: h.weight_decay,
-                grad_scale,
-                t: h.t,
-            };
-            let copy = match w {
-                Dest::Bf16(dst) if work.is_some() => Some(adamw::WorkCopy { dst, seed: h.seed, first: work_off }),
-                _ => None,
-            };
-            adamw::adamw_update(p, g, m, v, &a, true, copy)
-        });
-    }
-
     /// Whether the GEMMs read bf16 operands themselves (the packed path widens them as it
     /// packs; the `gemm` crate's path would copy them whole, as the f32 copies do).
-    fn gemm_reads_bf16(&self) -> bool {
+    pub(super) fn gemm_reads_bf16(&self) -> bool {
         super::sgemm::fast_path_available()
     }
 
     /// Whether the GEMMs round bf16 results themselves, a window at a time. Not in the
     /// NaN-checking mode, where an output goes through a whole f32 copy that carries the
     /// poison marker to the check.
-    fn gemm_writes_bf16(&self) -> bool {
+    pub(super) fn gemm_writes_bf16(&self) -> bool {
         self.gemm_reads_bf16() && !self.nan_check
-    }
-
-    /// encoder_backward into bf16 gradients: only the rows the batch's tokens touch are
-    /// widened (the f32 path would widen and round the whole (Vp, C) table).
-    #[allow(clippy::too_many_arguments)]
-    fn encoder_backward_bf16(
-        &mut self,
-        dwte: Buf,
-        dwpe: Option<Buf>,
-        dout: Buf,
-        inp: Buf,
-        b: usize,
-        t: usize,
-        c: usize,
-    ) {
-        for (o, x) in [(dwte, dout), (dwte, inp), (dwpe.unwrap_or(NONE), dout), (dwpe.unwrap_or(NONE), dwte)] {
-            assert!(!o.overlaps(x), "encoder_backward: output {o:?} overlaps {x:?}");
-        }
-        let mut d = vec![0f32; dout.len];
-        self.download(dout, &mut d).expect("the CPU's download does not fail");
-        let p = self.ptr_u32(inp);
-        // SAFETY: p addresses inp.len u32s of a live allocation; copied out at once.
-        let ids = unsafe { std::slice::from_raw_parts(p, inp.len) }.to_vec();
-        let mut wpe = dwpe.map(|p| self.bf16_slice(p).to_vec());
-        encoder::encoder_backward_bf16(self.bf16_slice(dwte), wpe.as_deref_mut(), &d, &ids, b, t, c);
-        if let (Some(p), Some(w)) = (dwpe, wpe) {
-            self.bf16_slice(p).copy_from_slice(&w);
-        }
     }
 }
 
@@ -533,19 +412,19 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&mut self, dst: Buf, src: &[f32]) {
-        lens!("upload"; dst => src.len());
+        crate::backend::same_len("upload", dst, src.len());
         self.run("upload", [W(dst)], [], [], |[d], [], []| d.copy_from_slice(src));
     }
 
     fn upload_u32(&mut self, dst: Buf, src: &[u32]) {
-        lens!("upload_u32"; dst => src.len());
+        crate::backend::same_len("upload_u32", dst, src.len());
         let p = self.ptr_u32(dst);
         // SAFETY: p addresses dst.len u32s of a live allocation; `&mut self` excludes others.
         unsafe { std::slice::from_raw_parts_mut(p, dst.len) }.copy_from_slice(src);
     }
 
     fn download(&mut self, src: Buf, dst: &mut [f32]) -> Result<()> {
-        lens!("download"; src => dst.len());
+        crate::backend::same_len("download", src, dst.len());
         if src.dtype == DType::BF16 {
             bf16::widen(dst, self.bf16_slice(src));
             return Ok(());
@@ -589,665 +468,15 @@ impl Backend for CpuBackend {
     fn profile_totals(&mut self) -> Result<Vec<(Kind, f64)>> {
         Ok(self.timer.totals())
     }
-
-    fn encoder_forward(&mut self, out: Buf, inp: Buf, wte: Buf, wpe: Option<Buf>, b: usize, t: usize, c: usize) {
-        assert!(wte.len.is_multiple_of(c), "encoder_forward: embedding shapes");
-        let has_wpe = wpe.is_some();
-        // bf16 tables are read as they are: only the rows of the batch's tokens are widened.
-        let (ins, r) = ([wte, wpe.unwrap_or(NONE)], Rounding::Nearest);
-        self.run_native("encoder_forward", [W(out)], ins, [inp], r, [false], [true; 2], |[o], [wte, wpe], [inp]| {
-            let o = f32_dest(o);
-            encoder::encoder_forward(o, inp, wte, has_wpe.then_some(wpe), b, t, c)
-        });
-    }
-
-    fn encoder_backward(&mut self, dwte: Buf, dwpe: Option<Buf>, dout: Buf, inp: Buf, b: usize, t: usize, c: usize) {
-        assert!(dwte.len.is_multiple_of(c), "encoder_backward: embedding shapes");
-        let has_wpe = dwpe.is_some();
-        if dwte.dtype == DType::BF16 && dwpe.is_none_or(|p| p.dtype == DType::BF16) {
-            return self.encoder_backward_bf16(dwte, dwpe, dout, inp, b, t, c);
-        }
-        let outs = [Rw(dwte), dwpe.map_or(W(NONE), Rw)];
-        self.run("encoder_backward", outs, [dout], [inp], |[dwte, dwpe], [dout], [inp]| {
-            encoder::encoder_backward(dwte, has_wpe.then_some(dwpe), dout, inp, b, t, c)
-        });
-    }
-
-    fn layernorm_forward(
-        &mut self,
-        out: Buf,
-        mean: Buf,
-        rstd: Buf,
-        inp: Buf,
-        weight: Buf,
-        bias: Buf,
-        n: usize,
-        c: usize,
-    ) {
-        // out, inp, weight and bias bf16: widened and rounded a row at a time, no f32 copies.
-        let native = [out, inp, weight, bias].iter().all(|x| x.dtype == DType::BF16);
-        let (outs, r) = ([W(out), W(mean), W(rstd)], Rounding::Nearest);
-        let (native_outs, native_ins) = ([native, false, false], [native; 3]);
-        self.run_native("layernorm_forward", outs, [inp, weight, bias], [], r, native_outs, native_ins, |o, i, []| {
-            let ([o, m, s], [x, w, b]) = (o, i);
-            let (m, s) = (f32_dest(m), f32_dest(s));
-            match (o, x, w, b) {
-                (Dest::F32(o), Operand::F32(x), Operand::F32(w), Operand::F32(b)) => {
-                    layernorm::layernorm_forward(o, m, s, x, w, b, n, c)
-                }
-                (Dest::Bf16(o), Operand::Bf16(x), Operand::Bf16(w), Operand::Bf16(b)) => {
-                    layernorm::layernorm_forward_bf16(o, m, s, x, w, b, n, c)
-                }
-                _ => unreachable!("all bf16 or all handed over as f32"),
-            }
-        });
-    }
-
-    fn layernorm_backward(
-        &mut self,
-        dinp: Buf,
-        dweight: Buf,
-        dbias: Buf,
-        dout: Buf,
-        inp: Buf,
-        weight: Buf,
-        mean: Buf,
-        rstd: Buf,
-        n: usize,
-        c: usize,
-    ) {
-        // dinp, dout, inp and weight bf16: a row at a time, no f32 copies; the parameters'
-        // gradients (C each) accumulate in f32 copies, rounded once.
-        let native = [dinp, dout, inp, weight].iter().all(|x| x.dtype == DType::BF16);
-        let (outs, ins) = ([Rw(dinp), Rw(dweight), Rw(dbias)], [dout, inp, weight, mean, rstd]);
-        let (native_outs, native_ins) = ([native, false, false], [native, native, native, false, false]);
-        let r = Rounding::Nearest;
-        self.run_native("layernorm_backward", outs, ins, [], r, native_outs, native_ins, |o, i, []| {
-            let ([di, dw, db], [d, x, w, m, s]) = (o, i);
-            let (dw, db, m, s) = (f32_dest(dw), f32_dest(db), f32_operand(m), f32_operand(s));
-            match (di, d, x, w) {
-                (Dest::F32(di), Operand::F32(d), Operand::F32(x), Operand::F32(w)) => {
-                    layernorm::layernorm_backward(di, dw, db, d, x, w, m, s, n, c)
-                }
-                (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x), Operand::Bf16(w)) => {
-                    layernorm::layernorm_backward_bf16(di, dw, db, d, x, w, m, s, n, c)
-                }
-                _ => unreachable!("all bf16 or all handed over as f32"),
-            }
-        });
-    }
-
-    fn rmsnorm_forward(&mut self, out: Buf, rstd: Buf, inp: Buf, weight: Buf, n: usize, c: usize, eps: f32) {
-        // out, inp and weight bf16: widened and rounded a row at a time, no f32 copies.
-        let native = [out, inp, weight].iter().all(|x| x.dtype == DType::BF16);
-        let (r, outs) = (Rounding::Nearest, [W(out), W(rstd)]);
-        self.run_native(
-            "rmsnorm_forward",
-            outs,
-            [inp, weight],
-            [],
-            r,
-            [native, false],
-            [native; 2],
-            |[o, s], [x, w], []| {
-                let s = f32_dest(s);
-                match (o, x, w) {
-                    (Dest::F32(o), Operand::F32(x), Operand::F32(w)) => rmsnorm::rmsnorm_forward(o, s, x, w, n, c, eps),
-                    (Dest::Bf16(o), Operand::Bf16(x), Operand::Bf16(w)) => {
-                        rmsnorm::rmsnorm_forward_bf16(o, s, x, w, n, c, eps)
-                    }
-                    _ => unreachable!("all bf16 or all handed over as f32"),
-                }
-            },
-        );
-    }
-
-    fn rmsnorm_backward(
-        &mut self,
-        dinp: Buf,
-        dweight: Buf,
-        dout: Buf,
-        inp: Buf,
-        weight: Buf,
-        rstd: Buf,
-        n: usize,
-        c: usize,
-    ) {
-        // dinp, dout, inp and weight bf16: a row at a time, no f32 copies; the weight's
-        // gradient (C) accumulates in an f32 copy, rounded once, as before.
-        let native = [dinp, dout, inp, weight].iter().all(|x| x.dtype == DType::BF16);
-        let (outs, ins) = ([Rw(dinp), Rw(dweight)], [dout, inp, weight, rstd]);
-        let (native_outs, native_ins) = ([native, false], [native, native, native, false]);
-        let r = Rounding::Nearest;
-        self.run_native("rmsnorm_backward", outs, ins, [], r, native_outs, native_ins, |[di, dw], [d, x, w, s], []| {
-            let (dw, s) = (f32_dest(dw), f32_operand(s));
-            match (di, d, x, w) {
-                (Dest::F32(di), Operand::F32(d), Operand::F32(x), Operand::F32(w)) => {
-                    rmsnorm::rmsnorm_backward(di, dw, d, x, w, s, n, c)
-                }
-                (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x), Operand::Bf16(w)) => {
-                    rmsnorm::rmsnorm_backward_bf16(di, dw, d, x, w, s, n, c)
-                }
-                _ => unreachable!("all bf16 or all handed over as f32"),
-            }
-        });
-    }
-
-    fn head_norm_forward(
-        &mut self,
-        out: Buf,
-        rstd: Buf,
-        inp: Buf,
-        wq: Buf,
-        wk: Buf,
-        n: usize,
-        nh: usize,
-        nkv: usize,
-        hs: usize,
-        eps: f32,
-    ) {
-        // out and inp bf16: a row at a time, no f32 copy of the activation (the weights, HS
-        // each, are handed over as f32).
-        let native = out.dtype == DType::BF16 && inp.dtype == DType::BF16;
-        let (outs, ins, rd) = ([W(out), W(rstd)], [inp, wq, wk], Rounding::Nearest);
-        let (native_outs, native_ins) = ([native, false], [native, false, false]);
-        self.run_native("head_norm_forward", outs, ins, [], rd, native_outs, native_ins, |[o, r], [x, q, k], []| {
-            let (r, q, k, dims) = (f32_dest(r), f32_operand(q), f32_operand(k), (nh, nkv, hs));
-            match (o, x) {
-                (Dest::F32(o), Operand::F32(x)) => rmsnorm::head_norm_forward(o, r, x, q, k, n, dims, eps),
-                (Dest::Bf16(o), Operand::Bf16(x)) => rmsnorm::head_norm_forward(o, r, x, q, k, n, dims, eps),
-                _ => unreachable!("both bf16 or both handed over as f32"),
-            }
-        });
-    }
-
-    fn head_norm_backward(
-        &mut self,
-        dinp: Buf,
-        dwq: Buf,
-        dwk: Buf,
-        dout: Buf,
-        inp: Buf,
-        wq: Buf,
-        wk: Buf,
-        rstd: Buf,
-        n: usize,
-        nh: usize,
-        nkv: usize,
-        hs: usize,
-    ) {
-        // dinp, dout and inp bf16: a row at a time, no f32 copies of the activations.
-        let native = [dinp, dout, inp].iter().all(|x| x.dtype == DType::BF16);
-        let (outs, ins, rd) = ([W(dinp), Rw(dwq), Rw(dwk)], [dout, inp, wq, wk, rstd], Rounding::Nearest);
-        let (native_outs, native_ins) = ([native, false, false], [native, native, false, false, false]);
-        self.run_native("head_norm_backward", outs, ins, [], rd, native_outs, native_ins, |o, i, []| {
-            let ([di, dq, dk], [d, x, q, k, r]) = (o, i);
-            let (dq, dk) = (f32_dest(dq), f32_dest(dk));
-            let (q, k, r, dims) = (f32_operand(q), f32_operand(k), f32_operand(r), (nh, nkv, hs));
-            match (di, d, x) {
-                (Dest::F32(di), Operand::F32(d), Operand::F32(x)) => {
-                    rmsnorm::head_norm_backward(di, dq, dk, d, x, q, k, r, n, dims)
-                }
-                (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x)) => {
-                    rmsnorm::head_norm_backward(di, dq, dk, d, x, q, k, r, n, dims)
-                }
-                _ => unreachable!("all bf16 or all handed over as f32"),
-            }
-        });
-    }
-
-    fn rope_forward(&mut self, qkv: Buf, table: Buf, n: usize, t: usize, pos: usize, nh: usize, nkv: usize, hs: usize) {
-        assert!(t > 0 && n.is_multiple_of(t) && table.len >= (pos + t) * hs, "rope_forward: positions past the table");
-        // A bf16 qkv is rotated in place, in f32, rounded once: no f32 copy.
-        let native = qkv.dtype == DType::BF16;
-        let rd = Rounding::Nearest;
-        self.run_native("rope_forward", [Rw(qkv)], [table], [], rd, [native], [false], |[x], [r], []| {
-            let r = f32_operand(r);
-            match x {
-                Dest::F32(x) => rope::rope_forward(x, r, n, t, pos, nh, nkv, hs),
-                Dest::Bf16(x) => rope::rope_forward(x, r, n, t, pos, nh, nkv, hs),
-            }
-        });
-    }
-
-    fn rope_backward(
-        &mut self,
-        dqkv: Buf,
-        table: Buf,
-        n: usize,
-        t: usize,
-        pos: usize,
-        nh: usize,
-        nkv: usize,
-        hs: usize,
-    ) {
-        assert!(t > 0 && n.is_multiple_of(t) && table.len >= (pos + t) * hs, "rope_backward: positions past the table");
-        let native = dqkv.dtype == DType::BF16;
-        let rd = Rounding::Nearest;
-        self.run_native("rope_backward", [Rw(dqkv)], [table], [], rd, [native], [false], |[x], [r], []| {
-            let r = f32_operand(r);
-            match x {
-                Dest::F32(x) => rope::rope_backward(x, r, n, t, pos, nh, nkv, hs),
-                Dest::Bf16(x) => rope::rope_backward(x, r, n, t, pos, nh, nkv, hs),
-            }
-        });
-    }
-
-    fn swiglu_forward(&mut self, out: Buf, inp: Buf, n: usize, f: usize) {
-        // Both bf16: converted in the loop, no f32 copies.
-        let native = out.dtype == DType::BF16 && inp.dtype == DType::BF16;
-        let r = Rounding::Nearest;
-        self.run_native("swiglu_forward", [W(out)], [inp], [], r, [native], [native], |[o], [x], []| match (o, x) {
-            (Dest::F32(o), Operand::F32(x)) => swiglu::swiglu_forward(o, x, n, f),
-            (Dest::Bf16(o), Operand::Bf16(x)) => swiglu::swiglu_forward_bf16(o, x, n, f),
-            _ => unreachable!("both bf16 or both handed over as f32"),
-        });
-    }
-
-    fn swiglu_backward(&mut self, dinp: Buf, dout: Buf, inp: Buf, n: usize, f: usize) {
-        let native = [dinp, dout, inp].iter().all(|x| x.dtype == DType::BF16);
-        let r = Rounding::Nearest;
-        self.run_native("swiglu_backward", [W(dinp)], [dout, inp], [], r, [native], [native; 2], |[di], [d, x], []| {
-            match (di, d, x) {
-                (Dest::F32(di), Operand::F32(d), Operand::F32(x)) => swiglu::swiglu_backward(di, d, x, n, f),
-                (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x)) => swiglu::swiglu_backward_bf16(di, d, x, n, f),
-                _ => unreachable!("all bf16 or all handed over as f32"),
-            }
-        });
-    }
-
-    fn residual_forward(&mut self, out: Buf, a: Buf, b: Buf) {
-        // All bf16 (a bf16 run's residual stream): converted in the loop, no f32 copies.
-        let native = [out, a, b].iter().all(|x| x.dtype == DType::BF16);
-        let r = Rounding::Nearest;
-        self.run_native("residual_forward", [W(out)], [a, b], [], r, [native], [native; 2], |[o], [a, b], []| {
-            match (o, a, b) {
-                (Dest::F32(o), Operand::F32(a), Operand::F32(b)) => residual::residual_forward(o, a, b),
-                (Dest::Bf16(o), Operand::Bf16(a), Operand::Bf16(b)) => residual::residual_forward_bf16(o, a, b),
-                _ => unreachable!("all bf16 or all handed over as f32"),
-            }
-        });
-    }
-
-    fn matmul_forward(&mut self, out: Buf, inp: Buf, weight: Buf, bias: Option<Buf>, n: usize, c: usize, oc: usize) {
-        let has_bias = bias.is_some();
-        // bf16 operands are widened as the GEMM packs them, and a bf16 result is rounded a
-        // window at a time ([`matmul::Dest`]); the bias (OC) goes in as f32.
-        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
-        let (outs, ins) = ([W(out)], [inp, weight, bias.unwrap_or(NONE)]);
-        let r = Rounding::Nearest;
-        self.run_native(
-            "matmul_forward",
-            outs,
-            ins,
-            [],
-            r,
-            [out_native],
-            [native, native, false],
-            |[o], [x, w, b], []| {
-                let b = has_bias.then(|| f32_operand(b));
-                matmul::matmul_forward(o, x, w, b, n, c, oc)
-            },
-        );
-    }
-
-    fn matmul_backward(
-        &mut self,
-        dinp: Option<Buf>,
-        dweight: Option<Buf>,
-        dbias: Option<Buf>,
-        dout: Buf,
-        inp: Buf,
-        weight: Buf,
-        n: usize,
-        c: usize,
-        oc: usize,
-        accumulate: bool,
-    ) {
-        let grad = |b: Buf| if accumulate { Rw(b) } else { W(b) };
-        let (has_dinp, has_dw, has_dbias) = (dinp.is_some(), dweight.is_some(), dbias.is_some());
-        let outs = [dinp.map_or(W(NONE), W), dweight.map_or(W(NONE), grad), dbias.map_or(W(NONE), grad)];
-        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
-        let (r, native_outs) = (Rounding::Nearest, [out_native, out_native, false]);
-        self.run_native(
-            "matmul_backward",
-            outs,
-            [dout, inp, weight],
-            [],
-            r,
-            native_outs,
-            [native; 3],
-            |[di, dw, db], [d, x, w], []| {
-                let db = f32_dest(db);
-                let (di, dw, db) = (has_dinp.then_some(di), has_dw.then_some(dw), has_dbias.then_some(db));
-                matmul::matmul_backward(di, dw, db, d, x, w, n, c, oc, accumulate)
-            },
-        );
-    }
-
-    fn lora_forward(&mut self, out: Buf, h: Buf, inp: Buf, a: Buf, b: Buf, s: LoraShape) {
-        // A bf16 projection's input and output are read and written by the adapter's GEMMs
-        // themselves (widened as packed, the adapted columns rounded as stored); the adapter is f32.
-        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
-        let r = Rounding::Nearest;
-        let (outs, ins) = ([Rw(out), W(h)], [inp, a, b]);
-        self.run_native(
-            "lora_forward",
-            outs,
-            ins,
-            [],
-            r,
-            [out_native, false],
-            [native, false, false],
-            |[o, h], [x, a, b], []| lora::lora_forward(o, f32_dest(h), x, f32_operand(a), f32_operand(b), s),
-        );
-    }
-
-    fn lora_backward(
-        &mut self,
-        dinp: Option<Buf>,
-        da: Buf,
-        db: Buf,
-        h: Buf,
-        dh: Buf,
-        dout: Buf,
-        inp: Buf,
-        a: Buf,
-        b: Buf,
-        s: LoraShape,
-    ) {
-        let has_dinp = dinp.is_some();
-        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
-        let r = Rounding::Nearest;
-        let outs = [dinp.map_or(W(NONE), Rw), Rw(da), Rw(db), W(dh)];
-        let native_outs = [out_native, false, false, false];
-        let native_ins = [native, native, false, false, false];
-        self.run_native(
-            "lora_backward",
-            outs,
-            [dout, inp, a, b, h],
-            [],
-            r,
-            native_outs,
-            native_ins,
-            |[di, da, db, dh], [d, x, a, b, h], []| {
-                let (da, db, dh) = (f32_dest(da), f32_dest(db), f32_dest(dh));
-                let (a, b, h) = (f32_operand(a), f32_operand(b), f32_operand(h));
-                lora::lora_backward(has_dinp.then_some(di), da, db, h, dh, d, x, a, b, s)
-            },
-        );
-    }
-
-    fn gelu_forward(&mut self, out: Buf, inp: Buf) {
-        // Both bf16: converted in the loop, no f32 copies.
-        let native = out.dtype == DType::BF16 && inp.dtype == DType::BF16;
-        let r = Rounding::Nearest;
-        self.run_native("gelu_forward", [W(out)], [inp], [], r, [native], [native], |[o], [x], []| match (o, x) {
-            (Dest::F32(o), Operand::F32(x)) => gelu::gelu_forward(o, x),
-            (Dest::Bf16(o), Operand::Bf16(x)) => gelu::gelu_forward_bf16(o, x),
-            _ => unreachable!("both bf16 or both handed over as f32"),
-        });
-    }
-
-    fn gelu_backward(&mut self, d: Buf, inp: Buf) {
-        let native = d.dtype == DType::BF16 && inp.dtype == DType::BF16;
-        let r = Rounding::Nearest;
-        self.run_native("gelu_backward", [Rw(d)], [inp], [], r, [native], [native], |[d], [x], []| match (d, x) {
-            (Dest::F32(d), Operand::F32(x)) => gelu::gelu_backward_inplace(d, x),
-            (Dest::Bf16(d), Operand::Bf16(x)) => gelu::gelu_backward_inplace_bf16(d, x),
-            _ => unreachable!("both bf16 or both handed over as f32"),
-        });
-    }
-
-    fn attention_forward(
-        &mut self,
-        out: Buf,
-        stats: Buf,
-        workspace: Buf,
-        qkv: Buf,
-        b: usize,
-        t: usize,
-        c: usize,
-        nh: usize,
-        nkv: usize,
-    ) {
-        // out, the workspace and qkv bf16: read and written as they are, no f32 copies.
-        let native = [out, workspace, qkv].iter().all(|x| x.dtype == DType::BF16);
-        let (outs, r) = ([W(out), W(stats), Scratch(workspace)], Rounding::Nearest);
-        let native_outs = [native, false, native];
-        self.run_native("attention_forward", outs, [qkv], [], r, native_outs, [native], |[o, st, ws], [qkv], []| {
-            let st = f32_dest(st);
-            match (o, ws, qkv) {
-                (Dest::F32(o), Dest::F32(ws), Operand::F32(x)) => {
-                    attention::attention_forward(o, st, ws, x, b, t, c, nh, nkv)
-                }
-                (Dest::Bf16(o), Dest::Bf16(ws), Operand::Bf16(x)) => {
-                    attention::attention_forward(o, st, ws, x, b, t, c, nh, nkv)
-                }
-                _ => unreachable!("all bf16 or all handed over as f32"),
-            }
-        })
-    }
-
-    fn attention_backward(
-        &mut self,
-        dqkv: Buf,
-        workspace: Buf,
-        dout: Buf,
-        qkv: Buf,
-        stats: Buf,
-        b: usize,
-        t: usize,
-        c: usize,
-        nh: usize,
-        nkv: usize,
-    ) {
-        // dqkv, the workspace, dout and qkv bf16: read and written as they are, no f32 copies.
-        let native = [dqkv, workspace, dout, qkv].iter().all(|x| x.dtype == DType::BF16);
-        let (outs, ins, r) = ([W(dqkv), Scratch(workspace)], [dout, qkv, stats], Rounding::Nearest);
-        let (native_outs, native_ins) = ([native; 2], [native, native, false]);
-        self.run_native("attention_backward", outs, ins, [], r, native_outs, native_ins, |[di, ws], [d, x, st], []| {
-            let st = f32_operand(st);
-            match (di, ws, d, x) {
-                (Dest::F32(di), Dest::F32(ws), Operand::F32(d), Operand::F32(x)) => {
-                    attention::attention_backward(di, ws, d, x, st, b, t, c, nh, nkv)
-                }
-                (Dest::Bf16(di), Dest::Bf16(ws), Operand::Bf16(d), Operand::Bf16(x)) => {
-                    attention::attention_backward(di, ws, d, x, st, b, t, c, nh, nkv)
-                }
-                _ => unreachable!("all bf16 or all handed over as f32"),
-            }
-        });
-    }
-
-    fn attention_forward_cached(
-        &mut self,
-        out: Buf,
-        workspace: Buf,
-        qkv: Buf,
-        k_cache: Buf,
-        v_cache: Buf,
-        pos: usize,
-        tn: usize,
-        c: usize,
-        nh: usize,
-        nkv: usize,
-        max_t: usize,
-    ) {
-        let qd = qkv_width(c, nh, nkv);
-        let kv = (qd - c) / 2;
-        assert!(tn > 0 && pos + tn <= max_t, "attention_forward_cached: positions {pos}+{tn} past {max_t}");
-        // Rows past pos+tn are not written yet: hand the op only the rows it may read.
-        let (k_cache, v_cache) = (k_cache.prefix((pos + tn) * kv), v_cache.prefix((pos + tn) * kv));
-        // All bf16 (a bf16 run's activations and caches): read and written as they are, no f32
-        // copies of the caches.
-        let native = [out, workspace, k_cache, v_cache, qkv].iter().all(|x| x.dtype == DType::BF16);
-        let (outs, r) = ([W(out), Scratch(workspace), Rw(k_cache), Rw(v_cache)], Rounding::Nearest);
-        self.run_native("attention_forward_cached", outs, [qkv], [], r, [native; 4], [native], |o, [x], []| {
-            /// The new positions' keys and values into the caches, then attention.
-            #[allow(clippy::too_many_arguments)]
-            fn run<T: crate::backend::cpu::sgemm::Elem>(
-                o: &mut [T],
-                ws: &mut [T],
-                kc: &mut [T],
-                vc: &mut [T],
-                qkv: &[T],
-                (pos, tn, c, nh, nkv, qd, kv): (usize, usize, usize, usize, usize, usize, usize),
-            ) {
-                for (i, row) in qkv.chunks_exact(qd).enumerate() {
-                    let at = (pos + i) * kv;
-                    kc[at..at + kv].copy_from_slice(&row[c..c + kv]);
-                    vc[at..at + kv].copy_from_slice(&row[c + kv..]);
-                }
-                attention::attention_forward_cached(o, ws, qkv, kc, vc, pos, tn, c, nh, nkv)
-            }
-            let dims = (pos, tn, c, nh, nkv, qd, kv);
-            match (o, x) {
-                ([Dest::F32(o), Dest::F32(ws), Dest::F32(kc), Dest::F32(vc)], Operand::F32(x)) => {
-                    run(o, ws, kc, vc, x, dims)
-                }
-                ([Dest::Bf16(o), Dest::Bf16(ws), Dest::Bf16(kc), Dest::Bf16(vc)], Operand::Bf16(x)) => {
-                    run(o, ws, kc, vc, x, dims)
-                }
-                _ => unreachable!("all bf16 or all handed over as f32"),
-            }
-        });
-    }
-
-    fn crossentropy_forward(
-        &mut self,
-        losses: Buf,
-        lse: Buf,
-        logits: Buf,
-        targets: Buf,
-        n: usize,
-        v: usize,
-        vp: usize,
-    ) {
-        // bf16 logits are widened a row at a time inside.
-        let (outs, r) = ([W(losses), W(lse)], Rounding::Nearest);
-        self.run_native(
-            "crossentropy_forward",
-            outs,
-            [logits],
-            [targets],
-            r,
-            [false; 2],
-            [true],
-            |[l, s], [x], [y]| {
-                let (l, s) = (f32_dest(l), f32_dest(s));
-                classifier::crossentropy_forward(l, s, x, y, n, v, vp)
-            },
-        );
-    }
-
-    fn crossentropy_backward(
-        &mut self,
-        logits: Buf,
-        lse: Buf,
-        targets: Buf,
-        dloss: f32,
-        n: usize,
-        v: usize,
-        vp: usize,
-    ) {
-        // bf16 logits are computed a row at a time inside (not in the NaN-checking mode: see
-        // gemm_writes_bf16).
-        let native = !self.nan_check;
-        let r = Rounding::Nearest;
-        self.run_native(
-            "crossentropy_backward",
-            [Rw(logits)],
-            [lse],
-            [targets],
-            r,
-            [native],
-            [false],
-            |[x], [s], [y]| {
-                let Operand::F32(s) = s else { unreachable!("f32 inputs are handed over as f32") };
-                classifier::crossentropy_softmax_backward_inplace(x, s, y, dloss, n, v, vp)
-            },
-        );
-    }
-
-    fn accumulate_mean(&mut self, acc: Buf, x: Buf, weight: f32) {
-        self.run("accumulate_mean", [Rw(acc)], [x], [], |[acc], [x], []| {
-            acc[0] += weight * (x.iter().sum::<f32>() / x.len().max(1) as f32)
-        });
-    }
-
-    fn global_norm_squared(&mut self, out: Buf, grads: Buf, accumulate: bool) {
-        let mut partials = std::mem::take(&mut self.norm_partials);
-        partials.resize(adamw::global_norm_partials(grads.len), 0.0);
-        let o = if accumulate { Rw(out) } else { W(out) };
-        if grads.dtype == DType::BF16 && out.dtype == DType::F32 {
-            // Widened a chunk at a time inside, not as one f32 copy of every gradient.
-            assert!(!out.overlaps(grads), "global_norm_squared: output overlaps its input");
-            let p = self.ptr_bf16(grads);
-            // SAFETY: p addresses grads.len u16s of a live allocation (bounds checked); read
-            // only, and `&mut self` keeps every other reference out while the slice lives.
-            let g = unsafe { std::slice::from_raw_parts(p as *const u16, grads.len) };
-            let s = adamw::sum_of_squares_bf16(g, &mut partials) as f32;
-            let o = self.host_f32(out).expect("f32");
-            o[0] = if accumulate { o[0] + s } else { s };
-            self.norm_partials = partials;
-            return;
-        }
-        self.run("global_norm_squared", [o], [grads], [], |[o], [g], []| {
-            let s = adamw::sum_of_squares(g, &mut partials) as f32;
-            o[0] = if accumulate { o[0] + s } else { s };
-        });
-        self.norm_partials = partials;
-    }
-
-    fn adamw_update(&mut self, params: Buf, grads: Buf, m: Buf, v: Buf, stats: Buf, h: &AdamWParams) {
-        self.adamw(params, None, grads, m, v, stats, h)
-    }
-
-    fn adamw_update_and_copy(
-        &mut self,
-        params: Buf,
-        work: Buf,
-        grads: Buf,
-        m: Buf,
-        v: Buf,
-        stats: Buf,
-        h: &AdamWParams,
-    ) {
-        self.adamw(params, Some(work), grads, m, v, stats, h)
-    }
-
-    fn convert(&mut self, dst: Buf, src: Buf, noise: Option<Noise>) {
-        if dst.dtype == DType::BF16 && src.dtype == DType::F32 {
-            // Straight from the f32 values: no f32 copy of the destination.
-            assert!(!dst.overlaps(src) && dst.len == src.len, "convert: {dst:?} from {src:?}");
-            let p = self.ptr_f32(src);
-            // SAFETY: p addresses src.len floats of a live allocation (bounds checked); the
-            // allocations differ (dtypes differ), so this shared slice and the bf16 slice below
-            // do not alias, and `&mut self` keeps every other reference out meanwhile.
-            let s = unsafe { std::slice::from_raw_parts(p, src.len) };
-            let d = self.ptr_bf16(dst);
-            // SAFETY: as above, for dst.len u16s of dst's allocation.
-            let d = unsafe { std::slice::from_raw_parts_mut(d, dst.len) };
-            match noise {
-                None => bf16::narrow(d, s),
-                Some(n) => bf16::narrow_stochastic(d, s, n.seed, n.first),
-            }
-            return;
-        }
-        let r = noise.map_or(Rounding::Nearest, |n| Rounding::Stochastic(n.seed, Some(n.first)));
-        self.run_rounded("convert", [W(dst)], [src], [], r, |[d], [s], []| d.copy_from_slice(s));
-    }
-
-    fn convert_consuming(&mut self, dst: Buf, src: Buf) {
-        self.convert_consuming_by(dst, src, 1 << 24) // pieces of 64 MiB of f32
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::SkipAbove;
+    use crate::backend::ops::{
+        AdamwOps, AdamwUpdate, Convert, ConvertOps, GeluForward, GeluOps, Residual, ResidualOps,
+    };
+    use crate::backend::{AdamWParams, SkipAbove};
 
     fn buf(be: &mut CpuBackend, vals: &[f32]) -> Buf {
         let b = be.alloc(vals.len(), DType::F32).unwrap();
@@ -1259,12 +488,16 @@ mod tests {
     fn overlapping_outputs_are_refused() {
         let mut be = CpuBackend::new(false);
         let a = buf(&mut be, &[1.0; 8]);
-        be.residual_forward(a.slice(0..4), a.slice(4..8), a.slice(4..8)); // disjoint: fine
+        be.residual_forward(&Residual { out: a.slice(0..4), a: a.slice(4..8), b: a.slice(4..8) }); // disjoint: fine
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            be.residual_forward(a.slice(0..4), a.slice(2..6), a.slice(4..8))
+            be.residual_forward(&Residual { out: a.slice(0..4), a: a.slice(2..6), b: a.slice(4..8) })
         }));
         assert!(r.is_err(), "an output that overlaps an input must be refused");
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.gelu_forward(a.prefix(4), a.prefix(3))));
+        // Called directly, a buffer shorter than the op's others is refused too (by the slices'
+        // bounds, not by the front's shape check).
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            be.gelu_forward(&GeluForward { out: a.prefix(4), x: a.slice(4..7) })
+        }));
         assert!(r.is_err(), "a length that does not fit the shape must be refused");
     }
 
@@ -1279,7 +512,7 @@ mod tests {
             let mut be = CpuBackend::new(false);
             let (a, b) = (buf(&mut be, &vals), buf(&mut be, &vals));
             let (whole, pieces) = (be.alloc(n, DType::BF16).unwrap(), be.alloc(n, DType::BF16).unwrap());
-            be.convert(whole, a, None);
+            be.convert(&Convert { dst: whole, src: a, noise: None, consuming: false });
             be.convert_consuming_by(pieces, b, piece);
             let (mut x, mut y) = (vec![0f32; n], vec![0f32; n]);
             be.download(whole, &mut x).unwrap();
@@ -1357,7 +590,7 @@ mod tests {
         let mut out = [0f32; 2];
         for bad in [[f32::NAN, 1.0], [1.0, f32::INFINITY]] {
             let stats = buf(&mut be, &bad);
-            be.adamw_update(p, g, m, v, stats, &h);
+            be.adamw_update(&AdamwUpdate { params: p, work: None, grads: g, m, v, stats, h });
             be.download(p, &mut out).unwrap();
             assert_eq!(out, [1.0, 2.0], "skipped");
         }
@@ -1365,13 +598,13 @@ mod tests {
         let stats = buf(&mut be, &[2.0, 0.5]);
         for skip in [SkipAbove { loss: 1.9, norm_sq: 1.0 }, SkipAbove { loss: 3.0, norm_sq: 0.49 }] {
             h.skip = skip;
-            be.adamw_update(p, g, m, v, stats, &h);
+            be.adamw_update(&AdamwUpdate { params: p, work: None, grads: g, m, v, stats, h });
             be.download(p, &mut out).unwrap();
             assert_eq!(out, [1.0, 2.0], "skipped by {skip:?}");
         }
         h.skip = SkipAbove { loss: 2.0, norm_sq: 0.5 };
         let stats = buf(&mut be, &[2.0, 0.5]);
-        be.adamw_update(p, g, m, v, stats, &h);
+        be.adamw_update(&AdamwUpdate { params: p, work: None, grads: g, m, v, stats, h });
         be.download(p, &mut out).unwrap();
         assert!((out[0] - 0.9).abs() < 1e-6 && (out[1] - 2.1).abs() < 1e-6, "{out:?}");
     }

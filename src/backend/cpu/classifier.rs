@@ -3,9 +3,12 @@
 //! Only the first V of the Vp logits take part; the padded columns get zero gradient, so the
 //! padded rows of `wte` are never trained.
 
+use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
 use super::bf16::{self, Dest, Operand};
 use super::math::{add_lanes, combine_lanes, exp, max_lanes};
 use super::team::{self, Disjoint};
+use crate::backend::ops::Out::{Rw, W};
+use crate::backend::ops::{AccumulateMean, Call, ClassifierOps, CrossentropyBackward, CrossentropyForward};
 use std::cell::RefCell;
 
 thread_local! {
@@ -128,6 +131,36 @@ pub fn crossentropy_softmax_backward_inplace(
             });
             pad.fill(0);
         }),
+    }
+}
+
+impl ClassifierOps for CpuBackend {
+    fn crossentropy_forward(&mut self, a: &CrossentropyForward) {
+        let CrossentropyForward { losses, lse, logits, targets, n, v, vp } = *a;
+        // bf16 logits are widened a row at a time inside.
+        let (outs, r) = ([W(losses), W(lse)], Rounding::Nearest);
+        let name = CrossentropyForward::NAME;
+        self.run_native(name, outs, [logits], [targets], r, [false; 2], [true], |[l, s], [x], [y]| {
+            crossentropy_forward(f32_dest(l), f32_dest(s), x, y, n, v, vp)
+        });
+    }
+
+    fn crossentropy_backward(&mut self, a: &CrossentropyBackward) {
+        let CrossentropyBackward { logits, lse, targets, dloss, n, v, vp } = *a;
+        // bf16 logits are computed a row at a time inside (not in the NaN-checking mode: see
+        // gemm_writes_bf16).
+        let native = !self.nan_check;
+        let name = CrossentropyBackward::NAME;
+        self.run_native(name, [Rw(logits)], [lse], [targets], Rounding::Nearest, [native], [false], |[x], [s], [y]| {
+            crossentropy_softmax_backward_inplace(x, f32_operand(s), y, dloss, n, v, vp)
+        });
+    }
+
+    fn accumulate_mean(&mut self, a: &AccumulateMean) {
+        let (outs, ins, weight) = (a.roles().0, a.roles().1, a.weight);
+        self.run(AccumulateMean::NAME, outs, ins, [], |[acc], [x], []| {
+            acc[0] += weight * (x.iter().sum::<f32>() / x.len().max(1) as f32)
+        });
     }
 }
 

@@ -1,9 +1,14 @@
 //! Token embedding, plus GPT-2's learned position embedding (Llama has none: its positions
 //! are rotary, inside attention).
 
+use super::backend::{f32_dest, CpuBackend, Rounding};
 use super::bf16::Operand;
 use super::sgemm::Elem;
 use super::team;
+use crate::backend::ops::Out::{Rw, W};
+use crate::backend::ops::{opt, Call, EncoderBackward, EncoderForward, EncoderOps, NONE};
+use crate::backend::Backend;
+use crate::backend::DType;
 
 /// out (B, T, C) = wte (Vp, C)[inp (B, T)] [+ wpe (T, C)[t]]. Token ids must already be < V.
 /// The tables f32 or bf16: only the rows the batch reads are widened (exact).
@@ -106,6 +111,51 @@ pub fn encoder_backward_bf16(
         }
         bf16::narrow(dp, &row);
     });
+}
+
+impl EncoderOps for CpuBackend {
+    fn encoder_forward(&mut self, a: &EncoderForward) {
+        let EncoderForward { out, ids, wte, wpe, s, c } = *a;
+        let has_wpe = wpe.is_some();
+        // bf16 tables are read as they are: only the rows of the batch's tokens are widened.
+        let (ins, r) = ([wte, opt(wpe)], Rounding::Nearest);
+        self.run_native(EncoderForward::NAME, [W(out)], ins, [ids], r, [false], [true; 2], |[o], [wte, wpe], [ids]| {
+            encoder_forward(f32_dest(o), ids, wte, has_wpe.then_some(wpe), s.b, s.t, c)
+        });
+    }
+
+    fn encoder_backward(&mut self, a: &EncoderBackward) {
+        let EncoderBackward { dwte, dwpe, dout, ids, s, c } = *a;
+        if dwte.dtype == DType::BF16 && dwpe.is_none_or(|p| p.dtype == DType::BF16) {
+            return self.encoder_backward_bf16(a);
+        }
+        let has_wpe = dwpe.is_some();
+        let outs = [Rw(dwte), dwpe.map_or(W(NONE), Rw)];
+        self.run(EncoderBackward::NAME, outs, [dout], [ids], |[dwte, dwpe], [dout], [ids]| {
+            encoder_backward(dwte, has_wpe.then_some(dwpe), dout, ids, s.b, s.t, c)
+        });
+    }
+}
+
+impl CpuBackend {
+    /// encoder_backward into bf16 gradients: only the rows the batch's tokens touch are
+    /// widened (the f32 path would widen and round the whole (Vp, C) table).
+    fn encoder_backward_bf16(&mut self, a: &EncoderBackward) {
+        let EncoderBackward { dwte, dwpe, dout, ids, s, c } = *a;
+        for (o, x) in [(dwte, dout), (dwte, ids), (opt(dwpe), dout), (opt(dwpe), dwte)] {
+            assert!(!o.overlaps(x), "encoder_backward: output {o:?} overlaps {x:?}");
+        }
+        let mut d = vec![0f32; dout.len];
+        self.download(dout, &mut d).expect("the CPU's download does not fail");
+        let p = self.ptr_u32(ids);
+        // SAFETY: p addresses ids.len u32s of a live allocation; copied out at once.
+        let ids = unsafe { std::slice::from_raw_parts(p, ids.len) }.to_vec();
+        let mut wpe = dwpe.map(|p| self.bf16_slice(p).to_vec());
+        encoder_backward_bf16(self.bf16_slice(dwte), wpe.as_deref_mut(), &d, &ids, s.b, s.t, c);
+        if let (Some(p), Some(w)) = (dwpe, wpe) {
+            self.bf16_slice(p).copy_from_slice(&w);
+        }
+    }
 }
 
 #[cfg(test)]

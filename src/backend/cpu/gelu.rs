@@ -1,6 +1,10 @@
 //! GELU, tanh approximation (`nn.GELU(approximate='tanh')`, as GPT-2 and llm.c).
 
+use super::backend::{CpuBackend, Rounding};
+use super::bf16::{Dest, Operand};
 use super::team;
+use crate::backend::ops::{Call, GeluBackward, GeluForward, GeluOps};
+use crate::backend::DType;
 
 const SCALE: f32 = 0.797_884_6; // sqrt(2 / pi)
 const CHUNK: usize = 4096;
@@ -79,6 +83,31 @@ pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
 pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
     assert_eq!(d.len(), inp.len(), "gelu_backward: d and inp differ in length");
     team::chunks_mut(d, CHUNK, |i, d| gelu_grad_chunk(d, &inp[i * CHUNK..]));
+}
+
+impl GeluOps for CpuBackend {
+    fn gelu_forward(&mut self, a: &GeluForward) {
+        // Both bf16: converted in the loop, no f32 copies.
+        let native = a.out.dtype == DType::BF16 && a.x.dtype == DType::BF16;
+        let (outs, ins) = a.roles();
+        let r = Rounding::Nearest;
+        self.run_native(GeluForward::NAME, outs, ins, [], r, [native], [native], |[o], [x], []| match (o, x) {
+            (Dest::F32(o), Operand::F32(x)) => gelu_forward(o, x),
+            (Dest::Bf16(o), Operand::Bf16(x)) => gelu_forward_bf16(o, x),
+            _ => unreachable!("both bf16 or both handed over as f32"),
+        });
+    }
+
+    fn gelu_backward(&mut self, a: &GeluBackward) {
+        let native = a.d.dtype == DType::BF16 && a.x.dtype == DType::BF16;
+        let (outs, ins) = a.roles();
+        let r = Rounding::Nearest;
+        self.run_native(GeluBackward::NAME, outs, ins, [], r, [native], [native], |[d], [x], []| match (d, x) {
+            (Dest::F32(d), Operand::F32(x)) => gelu_backward_inplace(d, x),
+            (Dest::Bf16(d), Operand::Bf16(x)) => gelu_backward_inplace_bf16(d, x),
+            _ => unreachable!("both bf16 or both handed over as f32"),
+        });
+    }
 }
 
 #[cfg(test)]

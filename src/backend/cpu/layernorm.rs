@@ -1,9 +1,13 @@
 //! LayerNorm over the channel dimension (eps 1e-5, as PyTorch and llm.c).
 
+use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
 use super::bf16;
+use super::bf16::{Dest, Operand};
 use super::math::{add_lanes, add_lanes_of, combine_lanes};
 use super::sgemm::Elem;
 use super::team::{self, Disjoint};
+use crate::backend::ops::{Call, LayerNormBackward, LayerNormForward, LayerNormOps, Rows};
+use crate::backend::DType;
 
 const EPS: f32 = 1e-5;
 
@@ -202,6 +206,53 @@ crate::simd_fn! {
                 *di += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
             }
         }
+    }
+}
+
+impl LayerNormOps for CpuBackend {
+    fn layernorm_forward(&mut self, a: &LayerNormForward) {
+        let Rows { n, c } = a.r;
+        // out, x, w and b bf16: widened and rounded a row at a time, no f32 copies.
+        let native = [a.out, a.x, a.w, a.b].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins) = a.roles();
+        let (native_outs, native_ins) = ([native, false, false], [native; 3]);
+        let r = Rounding::Nearest;
+        self.run_native(LayerNormForward::NAME, outs, ins, [], r, native_outs, native_ins, |o, i, []| {
+            let ([o, m, s], [x, w, b]) = (o, i);
+            let (m, s) = (f32_dest(m), f32_dest(s));
+            match (o, x, w, b) {
+                (Dest::F32(o), Operand::F32(x), Operand::F32(w), Operand::F32(b)) => {
+                    layernorm_forward(o, m, s, x, w, b, n, c)
+                }
+                (Dest::Bf16(o), Operand::Bf16(x), Operand::Bf16(w), Operand::Bf16(b)) => {
+                    layernorm_forward_bf16(o, m, s, x, w, b, n, c)
+                }
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
+    }
+
+    fn layernorm_backward(&mut self, a: &LayerNormBackward) {
+        let Rows { n, c } = a.r;
+        // dx, dout, x and w bf16: a row at a time, no f32 copies; the parameters' gradients (C
+        // each) accumulate in f32 copies, rounded once.
+        let native = [a.dx, a.dout, a.x, a.w].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins) = a.roles();
+        let (native_outs, native_ins) = ([native, false, false], [native, native, native, false, false]);
+        let r = Rounding::Nearest;
+        self.run_native(LayerNormBackward::NAME, outs, ins, [], r, native_outs, native_ins, |o, i, []| {
+            let ([di, dw, db], [d, x, w, m, s]) = (o, i);
+            let (dw, db, m, s) = (f32_dest(dw), f32_dest(db), f32_operand(m), f32_operand(s));
+            match (di, d, x, w) {
+                (Dest::F32(di), Operand::F32(d), Operand::F32(x), Operand::F32(w)) => {
+                    layernorm_backward(di, dw, db, d, x, w, m, s, n, c)
+                }
+                (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x), Operand::Bf16(w)) => {
+                    layernorm_backward_bf16(di, dw, db, d, x, w, m, s, n, c)
+                }
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
     }
 }
 

@@ -6,9 +6,11 @@
 //! no f32 copy of the whole (N, OC) output is made per adapter. The adapter itself (a, b, their
 //! gradients, h, dh) is f32, as PEFT keeps it under autocast.
 
+use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
 use super::bf16::{Dest, Operand};
 use super::matmul::{gemm_strided_any, with_window};
-use crate::backend::LoraShape;
+use crate::backend::ops::LoraShape;
+use crate::backend::ops::{Call, LoraBackward, LoraForward, LoraOps};
 
 /// h (N, R) = scale * inp (N, C) @ a (R, C)^T, and out[:, row0..row0+ROWS] (N, OC) += h @ b (ROWS, R)^T.
 pub fn lora_forward(out: Dest, h: &mut [f32], inp: Operand, a: &[f32], b: &[f32], s: LoraShape) {
@@ -114,6 +116,40 @@ fn shift(out: Dest, off: usize) -> Dest {
     match out {
         Dest::F32(o) => Dest::F32(&mut o[off..]),
         Dest::Bf16(o) => Dest::Bf16(&mut o[off..]),
+    }
+}
+
+impl LoraOps for CpuBackend {
+    fn lora_forward(&mut self, a: &LoraForward) {
+        // A bf16 projection's input and output are read and written by the adapter's GEMMs
+        // themselves (widened as packed, the adapted columns rounded as stored); the adapter is f32.
+        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
+        let (outs, ins, s) = (a.roles().0, a.roles().1, a.s);
+        let (native_outs, native_ins) = ([out_native, false], [native, false, false]);
+        self.run_native(
+            LoraForward::NAME,
+            outs,
+            ins,
+            [],
+            Rounding::Nearest,
+            native_outs,
+            native_ins,
+            |[o, h], [x, a, b], []| lora_forward(o, f32_dest(h), x, f32_operand(a), f32_operand(b), s),
+        );
+    }
+
+    fn lora_backward(&mut self, a: &LoraBackward) {
+        let (has_dx, s) = (a.dx.is_some(), a.s);
+        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
+        let (outs, ins) = a.roles();
+        let (native_outs, native_ins) = ([out_native, false, false, false], [native, native, false, false, false]);
+        let r = Rounding::Nearest;
+        self.run_native(LoraBackward::NAME, outs, ins, [], r, native_outs, native_ins, |o, i, []| {
+            let ([di, da, db, dh], [d, x, a, b, h]) = (o, i);
+            let (da, db, dh) = (f32_dest(da), f32_dest(db), f32_dest(dh));
+            let (a, b, h) = (f32_operand(a), f32_operand(b), f32_operand(h));
+            lora_backward(has_dx.then_some(di), da, db, h, dh, d, x, a, b, s)
+        });
     }
 }
 

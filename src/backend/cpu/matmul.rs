@@ -4,9 +4,11 @@
 //! `gemm` crate. Transposes are expressed with strides rather than copies (the GEMMs pack
 //! blocks of their operands internally, as every fast GEMM does).
 
+use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
 use super::bf16::{self, Dest, Operand};
 use super::bgemm;
 use super::sgemm::{self, Elem};
+use crate::backend::ops::{Call, Mat, MatmulBackward, MatmulForward, MatmulOps};
 use gemm::{gemm, Parallelism};
 use std::sync::Mutex;
 
@@ -653,6 +655,43 @@ fn bias_backward<T: Elem>(dbias: &mut [f32], dout: &[T], n: usize, oc: usize, ac
             }
         }
     });
+}
+
+impl MatmulOps for CpuBackend {
+    fn matmul_forward(&mut self, a: &MatmulForward) {
+        let (Mat { n, c, oc }, has_bias) = (a.m, a.bias.is_some());
+        // bf16 operands are widened as the GEMM packs them, and a bf16 result is rounded a
+        // window at a time ([`Dest`]); the bias (OC) goes in as f32.
+        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
+        let (outs, ins) = a.roles();
+        let (r, native_ins) = (Rounding::Nearest, [native, native, false]);
+        self.run_native(MatmulForward::NAME, outs, ins, [], r, [out_native], native_ins, |[o], [x, w, b], []| {
+            let b = has_bias.then(|| f32_operand(b));
+            matmul_forward(o, x, w, b, n, c, oc)
+        });
+    }
+
+    fn matmul_backward(&mut self, a: &MatmulBackward) {
+        let (Mat { n, c, oc }, acc) = (a.m, a.acc);
+        let (has_dx, has_dw, has_db) = (a.dx.is_some(), a.dw.is_some(), a.db.is_some());
+        let (native, out_native) = (self.gemm_reads_bf16(), self.gemm_writes_bf16());
+        let (outs, ins) = a.roles();
+        let (r, native_outs) = (Rounding::Nearest, [out_native, out_native, false]);
+        self.run_native(
+            MatmulBackward::NAME,
+            outs,
+            ins,
+            [],
+            r,
+            native_outs,
+            [native; 3],
+            |[di, dw, db], [d, x, w], []| {
+                let db = f32_dest(db);
+                let (di, dw, db) = (has_dx.then_some(di), has_dw.then_some(dw), has_db.then_some(db));
+                matmul_backward(di, dw, db, d, x, w, n, c, oc, acc)
+            },
+        );
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,11 @@
 //! expresses by letting both branches read the same gradient buffer, so there is no
 //! `residual_backward`.
 
+use super::backend::{CpuBackend, Rounding};
+use super::bf16::{Dest, Operand};
 use super::team;
+use crate::backend::ops::{Call, Residual, ResidualOps};
+use crate::backend::DType;
 
 const CHUNK: usize = 4096;
 
@@ -27,6 +31,20 @@ crate::simd_fn! {
         for ((o, a), b) in out.iter_mut().zip(a).zip(b) {
             *o = crate::core::bf16::from_f32(crate::core::bf16::to_f32(*a) + crate::core::bf16::to_f32(*b));
         }
+    }
+}
+
+impl ResidualOps for CpuBackend {
+    fn residual_forward(&mut self, a: &Residual) {
+        // All bf16 (a bf16 run's residual stream): converted in the loop, no f32 copies.
+        let native = [a.out, a.a, a.b].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins) = a.roles();
+        let r = Rounding::Nearest;
+        self.run_native(Residual::NAME, outs, ins, [], r, [native], [native; 2], |[o], [a, b], []| match (o, a, b) {
+            (Dest::F32(o), Operand::F32(a), Operand::F32(b)) => residual_forward(o, a, b),
+            (Dest::Bf16(o), Operand::Bf16(a), Operand::Bf16(b)) => residual_forward_bf16(o, a, b),
+            _ => unreachable!("all bf16 or all handed over as f32"),
+        });
     }
 }
 

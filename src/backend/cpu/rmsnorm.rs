@@ -1,10 +1,14 @@
 //! RMSNorm over the channel dimension (Llama's; transformers' `LlamaRMSNorm`):
 //! out = inp * rstd * weight with rstd = 1 / sqrt(mean(inp^2) + eps).
 
+use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
 use super::bf16;
+use super::bf16::{Dest, Operand};
 use super::math::{add_lanes_of, combine_lanes};
 use super::sgemm::Elem;
 use super::team::{self, Disjoint};
+use crate::backend::ops::{Call, HeadNormBackward, HeadNormForward, RmsNormBackward, RmsNormForward, RmsNormOps, Rows};
+use crate::backend::DType;
 
 /// Rows per task; a row is C floats.
 const ROWS: usize = 16;
@@ -235,6 +239,95 @@ pub fn head_norm_backward<T: Elem>(
                         *dw += d.to_f32() * (x.to_f32() * r);
                     }
                 }
+            }
+        });
+    }
+}
+
+impl RmsNormOps for CpuBackend {
+    fn rmsnorm_forward(&mut self, a: &RmsNormForward) {
+        let (Rows { n, c }, eps) = (a.r, a.eps);
+        // out, x and w bf16: widened and rounded a row at a time, no f32 copies.
+        let native = [a.out, a.x, a.w].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins) = a.roles();
+        let r = Rounding::Nearest;
+        self.run_native(RmsNormForward::NAME, outs, ins, [], r, [native, false], [native; 2], |[o, s], [x, w], []| {
+            let s = f32_dest(s);
+            match (o, x, w) {
+                (Dest::F32(o), Operand::F32(x), Operand::F32(w)) => rmsnorm_forward(o, s, x, w, n, c, eps),
+                (Dest::Bf16(o), Operand::Bf16(x), Operand::Bf16(w)) => rmsnorm_forward_bf16(o, s, x, w, n, c, eps),
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
+    }
+
+    fn rmsnorm_backward(&mut self, a: &RmsNormBackward) {
+        let Rows { n, c } = a.r;
+        // dx, dout, x and w bf16: a row at a time, no f32 copies; the weight's gradient (C)
+        // accumulates in an f32 copy, rounded once.
+        let native = [a.dx, a.dout, a.x, a.w].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins) = a.roles();
+        let (native_outs, native_ins) = ([native, false], [native, native, native, false]);
+        let r = Rounding::Nearest;
+        self.run_native(
+            RmsNormBackward::NAME,
+            outs,
+            ins,
+            [],
+            r,
+            native_outs,
+            native_ins,
+            |[di, dw], [d, x, w, s], []| {
+                let (dw, s) = (f32_dest(dw), f32_operand(s));
+                match (di, d, x, w) {
+                    (Dest::F32(di), Operand::F32(d), Operand::F32(x), Operand::F32(w)) => {
+                        rmsnorm_backward(di, dw, d, x, w, s, n, c)
+                    }
+                    (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x), Operand::Bf16(w)) => {
+                        rmsnorm_backward_bf16(di, dw, d, x, w, s, n, c)
+                    }
+                    _ => unreachable!("all bf16 or all handed over as f32"),
+                }
+            },
+        );
+    }
+
+    fn head_norm_forward(&mut self, a: &HeadNormForward) {
+        let (n, h, eps) = (a.n, a.h, a.eps);
+        // out and x bf16: a row at a time, no f32 copy of the activation (the weights, HS
+        // each, are handed over as f32).
+        let native = a.out.dtype == DType::BF16 && a.x.dtype == DType::BF16;
+        let (outs, ins) = a.roles();
+        let (native_outs, native_ins, rd) = ([native, false], [native, false, false], Rounding::Nearest);
+        self.run_native(HeadNormForward::NAME, outs, ins, [], rd, native_outs, native_ins, |[o, r], [x, q, k], []| {
+            let (r, q, k, dims) = (f32_dest(r), f32_operand(q), f32_operand(k), (h.nh, h.nkv, h.hs));
+            match (o, x) {
+                (Dest::F32(o), Operand::F32(x)) => head_norm_forward(o, r, x, q, k, n, dims, eps),
+                (Dest::Bf16(o), Operand::Bf16(x)) => head_norm_forward(o, r, x, q, k, n, dims, eps),
+                _ => unreachable!("both bf16 or both handed over as f32"),
+            }
+        });
+    }
+
+    fn head_norm_backward(&mut self, a: &HeadNormBackward) {
+        let (n, h) = (a.n, a.h);
+        // dx, dout and x bf16: a row at a time, no f32 copies of the activations.
+        let native = [a.dx, a.dout, a.x].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins) = a.roles();
+        let (native_outs, native_ins) = ([native, false, false], [native, native, false, false, false]);
+        let rd = Rounding::Nearest;
+        self.run_native(HeadNormBackward::NAME, outs, ins, [], rd, native_outs, native_ins, |o, i, []| {
+            let ([di, dq, dk], [d, x, q, k, r]) = (o, i);
+            let (dq, dk) = (f32_dest(dq), f32_dest(dk));
+            let (q, k, r, dims) = (f32_operand(q), f32_operand(k), f32_operand(r), (h.nh, h.nkv, h.hs));
+            match (di, d, x) {
+                (Dest::F32(di), Operand::F32(d), Operand::F32(x)) => {
+                    head_norm_backward(di, dq, dk, d, x, q, k, r, n, dims)
+                }
+                (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x)) => {
+                    head_norm_backward(di, dq, dk, d, x, q, k, r, n, dims)
+                }
+                _ => unreachable!("all bf16 or all handed over as f32"),
             }
         });
     }

@@ -3,8 +3,12 @@
 //! that rotates by position * freq_i (`rotate_half`). The cosines and sines of every position
 //! come from a table the model computes once ([`crate::models::decoder::rope_table`]).
 
+use super::backend::{f32_operand, CpuBackend, Rounding};
+use super::bf16::Dest;
 use super::sgemm::Elem;
 use super::team;
+use crate::backend::ops::{Call, Rope, RopeOps};
+use crate::backend::DType;
 
 /// Rotate the q and k heads of qkv (N, QKV) in place: row r sits at position pos + r % t.
 /// rope (maxT, HS): each position's HS/2 cosines then HS/2 sines. `sign` = 1 forward, -1 for the
@@ -67,6 +71,25 @@ pub fn rope_backward<T: Elem>(
     hs: usize,
 ) {
     rotate(dqkv, rope, n, t, pos, nh, nkv, hs, -1.0)
+}
+
+impl RopeOps for CpuBackend {
+    fn rope(&mut self, a: &Rope) {
+        let Rope { n, t, pos, h, inverse, .. } = *a;
+        let (nh, nkv, hs) = (h.nh, h.nkv, h.hs);
+        // A bf16 qkv is rotated in place, in f32, rounded once: no f32 copy.
+        let native = a.qkv.dtype == DType::BF16;
+        let (outs, ins) = a.roles();
+        self.run_native(Rope::NAME, outs, ins, [], Rounding::Nearest, [native], [false], |[x], [r], []| {
+            let r = f32_operand(r);
+            match (x, inverse) {
+                (Dest::F32(x), false) => rope_forward(x, r, n, t, pos, nh, nkv, hs),
+                (Dest::F32(x), true) => rope_backward(x, r, n, t, pos, nh, nkv, hs),
+                (Dest::Bf16(x), false) => rope_forward(x, r, n, t, pos, nh, nkv, hs),
+                (Dest::Bf16(x), true) => rope_backward(x, r, n, t, pos, nh, nkv, hs),
+            }
+        });
+    }
 }
 
 #[cfg(test)]

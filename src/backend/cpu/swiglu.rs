@@ -2,9 +2,13 @@
 //! the MLP's first projection holding up then gate side by side, as llm.c's llama3 branch
 //! stores them (`c_fc` then `c_fc2`).
 
+use super::backend::{CpuBackend, Rounding};
+use super::bf16::{Dest, Operand};
 use super::math::exp;
 use super::sgemm::Elem;
 use super::team;
+use crate::backend::ops::{Call, Rows, SwigluBackward, SwigluForward, SwigluOps};
+use crate::backend::DType;
 
 /// Rows per task.
 const ROWS: usize = 16;
@@ -97,6 +101,35 @@ crate::simd_fn! {
     /// Rows of [`swiglu_backward_bf16`].
     fn backward_rows_bf16(dinp: &mut [u16], dout: &[u16], inp: &[u16], f: usize) {
         backward_body(dinp, dout, inp, f)
+    }
+}
+
+impl SwigluOps for CpuBackend {
+    fn swiglu_forward(&mut self, a: &SwigluForward) {
+        let Rows { n, c: f } = a.r;
+        // Both bf16: converted in the loop, no f32 copies.
+        let native = a.out.dtype == DType::BF16 && a.x.dtype == DType::BF16;
+        let (outs, ins) = a.roles();
+        let r = Rounding::Nearest;
+        self.run_native(SwigluForward::NAME, outs, ins, [], r, [native], [native], |[o], [x], []| match (o, x) {
+            (Dest::F32(o), Operand::F32(x)) => swiglu_forward(o, x, n, f),
+            (Dest::Bf16(o), Operand::Bf16(x)) => swiglu_forward_bf16(o, x, n, f),
+            _ => unreachable!("both bf16 or both handed over as f32"),
+        });
+    }
+
+    fn swiglu_backward(&mut self, a: &SwigluBackward) {
+        let Rows { n, c: f } = a.r;
+        let native = [a.dx, a.dout, a.x].iter().all(|x| x.dtype == DType::BF16);
+        let (outs, ins) = a.roles();
+        let r = Rounding::Nearest;
+        self.run_native(SwigluBackward::NAME, outs, ins, [], r, [native], [native; 2], |[di], [d, x], []| {
+            match (di, d, x) {
+                (Dest::F32(di), Operand::F32(d), Operand::F32(x)) => swiglu_backward(di, d, x, n, f),
+                (Dest::Bf16(di), Operand::Bf16(d), Operand::Bf16(x)) => swiglu_backward_bf16(di, d, x, n, f),
+                _ => unreachable!("all bf16 or all handed over as f32"),
+            }
+        });
     }
 }
 

@@ -8,8 +8,14 @@
 //! keeps each query row's softmax statistics (B, NH, T, 2), and the backward computes the
 //! scores of a group again and rebuilds its probabilities from those statistics.
 
+use super::bf16::Role::Out;
+use super::bf16::Rounding::Nearest;
+use super::kernels::{Entry, Module, K};
 use super::matmul::{Batches, Operand, ACCUMULATE, K_LOWER, K_UPPER, SKIP_UPPER};
-use super::{u, GpuBackend, Groups, K};
+use super::{all_bf16, all_f32};
+use super::{u, GpuBackend, Groups};
+use crate::backend::ops::Call;
+use crate::backend::ops::{AttentionBackward, AttentionCached, AttentionForward, AttentionOps, Seq};
 use crate::backend::{Buf, DType};
 use std::ops::Range;
 
@@ -45,9 +51,9 @@ impl GpuBackend {
     ) {
         let wx = self.win(x);
         let (k, y, flag) = match op {
-            Softmax::Forward(stats) => (K::SoftmaxForward, stats, u32::from(stats.is_some())),
-            Softmax::Rebuild(stats) => (K::SoftmaxProbs, Some(stats), 1),
-            Softmax::Backward(p) => (K::SoftmaxBackward, Some(p), 1),
+            Softmax::Forward(stats) => (SOFTMAX_FORWARD, stats, u32::from(stats.is_some())),
+            Softmax::Rebuild(stats) => (SOFTMAX_PROBS, Some(stats), 1),
+            Softmax::Backward(p) => (SOFTMAX_BACKWARD, Some(p), 1),
         };
         let wy = y.map_or_else(|| self.mem.dummy.clone(), |y| self.win(y));
         let imm = [wx.off, wy.off, u(planes), u(rows), u(rs), u(ps), u(pos), u(len), scale.to_bits(), flag];
@@ -270,3 +276,69 @@ fn shapes(c: usize, nh: usize, nkv: usize) -> (usize, usize, usize, usize) {
     let hs = c / nh;
     (hs, c + 2 * nkv * hs, nkv * hs, nh / nkv)
 }
+
+impl AttentionOps for GpuBackend {
+    fn attention_forward(&mut self, a: &AttentionForward) {
+        let (Seq { b, t }, h) = (a.s, a.h);
+        let (c, nh, nkv) = (h.q(), h.nh, h.nkv);
+        // bf16 q, k, v read and out written by the GEMMs themselves (the scores and
+        // probabilities are f32 tiles), where out's sums over T are one dispatch each.
+        if all_bf16(&[a.out, a.qkv]) && all_f32(&[a.stats]) && t <= self.cuts.k_per_dispatch {
+            return self.attention_forward_(a.out, a.stats, a.ws, a.qkv, b, t, c, nh, nkv);
+        }
+        self.call_in_f32(a, Nearest, |g, a| g.attention_forward_(a.out, a.stats, a.ws, a.qkv, b, t, c, nh, nkv))
+    }
+
+    fn attention_backward(&mut self, a: &AttentionBackward) {
+        let AttentionBackward { dqkv, ws, dout, qkv, stats, s: Seq { b, t }, h } = *a;
+        let (c, nh, nkv) = (h.q(), h.nh, h.nkv);
+        if all_bf16(&[dqkv, dout, qkv]) && all_f32(&[stats]) {
+            // bf16 qkv and dout read by the GEMMs themselves; dqkv written by them where each
+            // element is one sum of one dispatch: with one query head per key/value head (the
+            // key and value gradients of grouped heads add up over the heads, in f32 in a copy,
+            // rounded once) and T at most a dispatch's sum.
+            if nh == nkv && t <= self.cuts.k_per_dispatch {
+                return self.attention_backward_(dqkv, ws, dout, qkv, stats, b, t, c, nh, nkv);
+            }
+            return self.in_f32(AttentionBackward::NAME, [(dqkv, Out)], Nearest, |g, [dqkv]| {
+                g.attention_backward_(dqkv, ws, dout, qkv, stats, b, t, c, nh, nkv)
+            });
+        }
+        self.call_in_f32(a, Nearest, |g, a| {
+            g.attention_backward_(a.dqkv, a.ws, a.dout, a.qkv, a.stats, b, t, c, nh, nkv)
+        })
+    }
+
+    fn attention_forward_cached(&mut self, a: &AttentionCached) {
+        let (pos, tn, cap, h) = (a.pos, a.tn, a.cap, a.h);
+        let (c, nh, nkv) = (h.q(), h.nh, h.nkv);
+        if all_bf16(&[a.out, a.qkv, a.k, a.v]) && pos + tn <= self.cuts.k_per_dispatch {
+            // All read and written as they are (the new keys and values copied into the caches
+            // as bf16, exactly), the scores in an f32 tile.
+            return self.attention_forward_cached_(a.out, a.ws, a.qkv, a.k, a.v, pos, tn, c, nh, nkv, cap);
+        }
+        // Only the rows the cache holds, with the new ones, reach the op (its roles' prefixes:
+        // in a bf16 run, only they are widened and rounded back; the kernels read no further).
+        self.call_in_f32(a, Nearest, |g, a| {
+            g.attention_forward_cached_(a.out, a.ws, a.qkv, a.k, a.v, pos, tn, c, nh, nkv, cap)
+        })
+    }
+}
+
+// ---- kernels -------------------------------------------------------------------------------------
+
+/// Attention's softmax kernels (kernels/attention.wgsl, which declares its own buffers; its GEMMs are matmul's).
+pub(super) const MODULE: Module = Module {
+    name: "attention",
+    src: include_str!("kernels/attention.wgsl"),
+    buffers: &[],
+    entries: &[
+        Entry { name: "softmax_forward", bindings: 2, u32s: 0, bf16s: 0, variants: &[] },
+        Entry { name: "softmax_probs", bindings: 2, u32s: 0, bf16s: 0, variants: &[] },
+        Entry { name: "softmax_backward", bindings: 2, u32s: 0, bf16s: 0, variants: &[] },
+    ],
+    subgroup: None,
+};
+pub(super) const SOFTMAX_FORWARD: K = K::of(&MODULE, 0);
+pub(super) const SOFTMAX_PROBS: K = K::of(&MODULE, 1);
+pub(super) const SOFTMAX_BACKWARD: K = K::of(&MODULE, 2);

@@ -11,7 +11,10 @@
 //! inside every op, bf16 between ops. The copies live in a pool that keeps, by best fit, about
 //! the largest such op's bf16 buffers.
 
-use super::{f, u, GpuBackend, Threads, K};
+use super::kernels::{Entry, Module, K};
+use super::{f, u, GpuBackend, Threads};
+use crate::backend::ops::{Call, Out as CallOut};
+use crate::backend::ops::{Convert, ConvertOps};
 use crate::backend::{Backend, Buf, DType, Noise, SkipAbove};
 
 /// How an op uses one of its buffers (the roles of [`Backend`]'s docs).
@@ -37,9 +40,6 @@ pub(super) enum Rounding {
     /// its allocation (cpu/backend.rs: Rounding).
     Stochastic(u32, Option<u64>),
 }
-
-/// "No buffer", for an op's optional operand (binds nothing, overlaps nothing).
-pub(super) const NONE: Buf = Buf { alloc: u32::MAX, off: 0, len: 0, dtype: DType::F32 };
 
 fn is_bf16(b: Buf) -> bool {
     b.dtype == DType::BF16 && b.len > 0
@@ -72,7 +72,7 @@ impl GpuBackend {
             let n = r.end - r.start;
             let (h, x) = (self.win(src.slice(r.clone())), self.win(dst.slice(r)));
             let imm = [h.off, x.off, u(n)];
-            self.dispatch(K::Widen, &[h, x], &imm, Threads(n));
+            self.dispatch(WIDEN, &[h, x], &imm, Threads(n));
         }
     }
 
@@ -104,7 +104,7 @@ impl GpuBackend {
                 f(limit(limits.loss)), f(limit(limits.norm_sq)), 0,
             ];
             let w = words(h.off, n);
-            self.dispatch(K::Narrow, &[h, x, st.clone()], &imm, Threads(w));
+            self.dispatch(NARROW, &[h, x, st.clone()], &imm, Threads(w));
         }
     }
 
@@ -115,7 +115,7 @@ impl GpuBackend {
             let h = self.win(dst.slice(r));
             let imm = [h.off, 0, u(n), 0, 0, 0, 0, 0, 0, f(value)];
             let w = words(h.off, n);
-            self.dispatch(K::FillBf16, std::slice::from_ref(&h), &imm, Threads(w));
+            self.dispatch(FILL_BF16, std::slice::from_ref(&h), &imm, Threads(w));
         }
     }
 
@@ -155,6 +155,31 @@ impl GpuBackend {
         rounding: Rounding,
         run: impl FnOnce(&mut Self, [Buf; N]),
     ) {
+        self.in_f32_of(op, &bufs, rounding, |s, b| run(s, std::array::from_fn(|i| b[i])))
+    }
+
+    /// [`GpuBackend::in_f32`] of a whole call, its buffers' roles as the contract gives them
+    /// ([`Call::roles`]): `run` gets the call on the copies.
+    pub(super) fn call_in_f32<const O: usize, const I: usize, C: Call<O, I>>(
+        &mut self,
+        a: &C,
+        rounding: Rounding,
+        run: impl FnOnce(&mut Self, &C),
+    ) {
+        let (outs, ins) = a.roles();
+        let role = |o: &CallOut| match *o {
+            CallOut::W(b) => (b, Out),
+            CallOut::Rw(b) => (b, InOut),
+            CallOut::Scratch(b) => (b, Scratch),
+        };
+        let bufs: Vec<(Buf, Role)> = outs.iter().map(role).chain(ins.iter().map(|&b| (b, Role::In))).collect();
+        self.in_f32_of(C::NAME, &bufs, rounding, |s, b| {
+            run(s, &a.on(std::array::from_fn(|i| b[i]), std::array::from_fn(|k| b[O + k])))
+        })
+    }
+
+    /// [`GpuBackend::in_f32`] on a list of buffers.
+    fn in_f32_of(&mut self, op: &str, bufs: &[(Buf, Role)], rounding: Rounding, run: impl FnOnce(&mut Self, &[Buf])) {
         for (i, &(o, role)) in bufs.iter().enumerate() {
             if role == Role::In {
                 continue;
@@ -166,9 +191,10 @@ impl GpuBackend {
             }
         }
         if !bufs.iter().any(|&(b, _)| is_bf16(b)) {
-            return run(self, bufs.map(|b| b.0));
+            let plain: Vec<Buf> = bufs.iter().map(|b| b.0).collect();
+            return run(self, &plain);
         }
-        let mut copies: [Option<(Buf, Buf)>; N] = [None; N];
+        let mut copies: Vec<Option<(Buf, Buf)>> = vec![None; bufs.len()];
         for (i, &(b, role)) in bufs.iter().enumerate() {
             if !is_bf16(b) {
                 continue;
@@ -182,7 +208,8 @@ impl GpuBackend {
             }
             copies[i] = Some(c);
         }
-        run(self, std::array::from_fn(|i| copies[i].map_or(bufs[i].0, |c| c.1)));
+        let on: Vec<Buf> = copies.iter().zip(bufs).map(|(c, b)| c.map_or(b.0, |c| c.1)).collect();
+        run(self, &on);
         for (i, c) in copies.into_iter().enumerate() {
             let Some((whole, copy)) = c else { continue };
             if matches!(bufs[i].1, Out | InOut) {
@@ -229,3 +256,27 @@ impl GpuBackend {
         }
     }
 }
+
+impl ConvertOps for GpuBackend {
+    fn convert(&mut self, a: &Convert) {
+        self.convert_(a.dst, a.src, a.noise)
+    }
+}
+
+// ---- kernels -------------------------------------------------------------------------------------
+
+/// f32 <-> bf16 conversions of whole buffers (kernels/bf16.wgsl, which declares its own buffers).
+pub(super) const MODULE: Module = Module {
+    name: "bf16",
+    src: include_str!("kernels/bf16.wgsl"),
+    buffers: &[],
+    entries: &[
+        Entry { name: "widen", bindings: 2, u32s: 0, bf16s: 0b1, variants: &[] },
+        Entry { name: "narrow", bindings: 3, u32s: 0, bf16s: 0b1, variants: &[] },
+        Entry { name: "fill_bf16", bindings: 1, u32s: 0, bf16s: 0b1, variants: &[] },
+    ],
+    subgroup: None,
+};
+pub(super) const WIDEN: K = K::of(&MODULE, 0);
+pub(super) const NARROW: K = K::of(&MODULE, 1);
+pub(super) const FILL_BF16: K = K::of(&MODULE, 2);

@@ -1,6 +1,11 @@
 //! Token (+ position) embedding on the GPU (kernels/encoder.wgsl).
 
-use super::{cut, u, GpuBackend, Threads, K};
+use super::all_bf16;
+use super::bf16::Rounding::Nearest;
+use super::kernels::{Entry, In16, Module, Out16, F, K, U32};
+use super::{cut, u, GpuBackend, Threads};
+use crate::backend::ops::opt;
+use crate::backend::ops::{EncoderBackward, EncoderForward, EncoderOps};
 use crate::backend::{Buf, DType};
 use std::ops::Range;
 
@@ -24,7 +29,7 @@ impl GpuBackend {
             return;
         }
         let pe = u(wpe.is_some() as usize);
-        let kernel = K::EncoderForward.on(out.dtype == DType::BF16);
+        let kernel = FORWARD.on(out.dtype == DType::BF16);
         let wpe = match wpe {
             Some(w) => self.win(w),
             None => self.mem.dummy.clone(),
@@ -81,11 +86,11 @@ impl GpuBackend {
             for rows in &table {
                 let w = self.win(dwte.slice(rows.start * c..rows.end * c));
                 let imm = [w.off, k.off, d.off, 0, u(tokens), 0, u(c), u(rows.start), u(rows.end)];
-                self.dispatch(K::EncoderBackwardWte, &[w, k.clone(), d.clone()], &imm, Threads(tokens * c));
+                self.dispatch(BACKWARD_WTE, &[w, k.clone(), d.clone()], &imm, Threads(tokens * c));
             }
             if let Some(wpe) = &wpe {
                 let imm = [wpe.off, 0, d.off, 0, u(t), 0, u(c), 0, 0, u(s.end - s.start)];
-                self.dispatch(K::EncoderBackwardWpe, &[wpe.clone(), dummy.clone(), d], &imm, Threads(t * c));
+                self.dispatch(BACKWARD_WPE, &[wpe.clone(), dummy.clone(), d], &imm, Threads(t * c));
             }
         }
     }
@@ -116,6 +121,40 @@ fn token_buckets(ids: &[u32], seqs: &[Range<usize>], t: usize) -> (Vec<u32>, Vec
     }
     (data, at)
 }
+
+impl EncoderOps for GpuBackend {
+    fn encoder_forward(&mut self, a: &EncoderForward) {
+        let (s, c) = (a.s, a.c);
+        if all_bf16(&[a.out, a.wte, opt(a.wpe)]) {
+            // The bf16 tables read and out written as they are.
+            return self.encoder_forward_(a.out, a.ids, a.wte, a.wpe, s.b, s.t, c);
+        }
+        self.call_in_f32(a, Nearest, |g, a| g.encoder_forward_(a.out, a.ids, a.wte, a.wpe, s.b, s.t, c))
+    }
+
+    fn encoder_backward(&mut self, a: &EncoderBackward) {
+        let (s, c) = (a.s, a.c);
+        self.call_in_f32(a, Nearest, |g, a| g.encoder_backward_(a.dwte, a.dwpe, a.dout, a.ids, s.b, s.t, c))
+    }
+}
+
+// ---- kernels -------------------------------------------------------------------------------------
+
+/// The embedding's kernels (kernels/encoder.wgsl).
+pub(super) const MODULE: Module = Module {
+    name: "encoder",
+    src: include_str!("kernels/encoder.wgsl"),
+    buffers: &[("x", F), ("ids", U32), ("y", F), ("z", F)],
+    entries: &[
+        Entry { name: "encoder_forward", bindings: 4, u32s: 0b10, bf16s: 0, variants: &[&[Out16, U32, In16, In16]] },
+        Entry { name: "encoder_backward_wte", bindings: 3, u32s: 0b10, bf16s: 0, variants: &[] },
+        Entry { name: "encoder_backward_wpe", bindings: 3, u32s: 0b10, bf16s: 0, variants: &[] },
+    ],
+    subgroup: None,
+};
+pub(super) const FORWARD: K = K::of(&MODULE, 0);
+pub(super) const BACKWARD_WTE: K = K::of(&MODULE, 1);
+pub(super) const BACKWARD_WPE: K = K::of(&MODULE, 2);
 
 #[cfg(test)]
 mod tests {

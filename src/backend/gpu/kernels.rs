@@ -1,53 +1,164 @@
-//! The WGSL kernels: their sources (one file per layer kind, named as the CPU layer), which entry
-//! point each kernel is and how many buffers it binds, and their pipelines: the modules built
-//! when the backend opens, each pipeline at its first use.
+//! The WGSL kernels' machinery: a layer's module (its file under `kernels/`, the buffers it
+//! declares, its entry points and their bf16 variants) is described in its own `gpu/<layer>.rs`
+//! as a [`Module`], whose kernels are [`K`]s; here every module is built when the backend opens
+//! ([`MODULES`]), each pipeline at its first use.
 
 use super::context::{one_line, Context, IMMEDIATE_BYTES, MAX_BINDINGS};
 use anyhow::Result;
+use std::collections::HashMap;
 
 /// The helpers every module shares, prepended to each.
 pub const COMMON: &str = include_str!("kernels/common.wgsl");
 
-/// Every kernel module that declares its own buffers, by name (its file's), as the parts it is
-/// made of, in order.
-const FILES: [(&str, &[&str]); 3] = [
-    ("bf16", &[include_str!("kernels/bf16.wgsl")]),
-    ("attention", &[include_str!("kernels/attention.wgsl")]),
-    ("lora", &[include_str!("kernels/lora.wgsl")]),
+/// Every module, a line per layer file.
+const MODULES: [&Module; 14] = [
+    &super::adamw::MODULE,
+    &super::attention::MODULE,
+    &super::bf16::MODULE,
+    &super::classifier::MODULE,
+    &super::encoder::MODULE,
+    &super::gelu::MODULE,
+    &super::layernorm::MODULE,
+    &super::lora::MODULE,
+    &super::matmul::MODULE,
+    &super::memory::MODULE,
+    &super::residual::MODULE,
+    &super::rmsnorm::MODULE,
+    &super::rope::MODULE,
+    &super::swiglu::MODULE,
 ];
 
-/// The GEMM for CPU-run Vulkan drivers (kernels/matmul_subgroup.wgsl): appended to the matmul
-/// module and its bf16 variants, whose `matmul` kernels then run its entry point instead, when
-/// the device chose it ([`Context::subgroup_gemm`]). It needs subgroup operations, so the
-/// modules without it are what every other device builds.
-const SUBGROUP_GEMM: &str = include_str!("kernels/matmul_subgroup.wgsl");
+/// A WGSL module: one file of `kernels/`, with [`COMMON`] prepended.
+pub struct Module {
+    /// Its file's name (without `.wgsl`), and the module's.
+    pub name: &'static str,
+    pub src: &'static str,
+    /// The buffers of a typed module, by name, as its f32 kernels hold them (bindings 0, 1,
+    /// ...): declared by a prelude ([`prelude`]), through which the module reads and writes its
+    /// f32 or bf16 buffers only (`NAME_ld(e)`, `NAME_st(e, v)`; u32 ones, token ids, as
+    /// arrays), so that the same source builds the f32 kernels and each bf16 variant. Empty for
+    /// a module that declares its own buffers (and has no variants).
+    pub buffers: &'static [(&'static str, Io)],
+    pub entries: &'static [Entry],
+    /// Appended, with its own entry point `{name}_subgroup` for the entry named as the module,
+    /// when the device runs this module's GEMM through subgroups ([`Context::subgroup_gemm`]):
+    /// the matmul module, for CPU-run Vulkan drivers. The module is then named
+    /// `{name}_subgroup`, as the file it adds.
+    pub subgroup: Option<&'static str>,
+}
 
-/// A module's buffers, by name, as its f32 kernels hold them.
-type Buffers = &'static [(&'static str, Io)];
+/// One entry point of a module.
+pub struct Entry {
+    pub name: &'static str,
+    /// Storage buffers bound at 0..n.
+    pub bindings: usize,
+    /// Which hold u32 (a bit per binding), and which bf16 (two a word), in the f32 kernel; the
+    /// others hold f32.
+    pub u32s: u8,
+    pub bf16s: u8,
+    /// Its bf16 variants (of a typed module): how each holds every buffer of the module, bound
+    /// or not. A variant is its own module, named after it.
+    pub variants: &'static [&'static [Io]],
+}
 
-/// The modules whose buffers are typed by a prelude ([`prelude`]): each reads and writes its
-/// f32 or bf16 buffers only through `NAME_ld(e)` and `NAME_st(e, v)` (u32 ones, token ids, as
-/// arrays), so the same source builds the f32 kernels and, per entry point, a bf16 variant
-/// ([`BF16`]). By name, with its source and its buffers (bindings 0, 1, ...) as the f32
-/// kernels hold them.
-#[rustfmt::skip]
-const TYPED: [(&str, &str, Buffers); 11] = [
-    ("adamw", include_str!("kernels/adamw.wgsl"), &[("b0", F), ("b1", F), ("b2", F), ("b3", F), ("b4", F)]),
-    ("encoder", include_str!("kernels/encoder.wgsl"), &[("x", F), ("ids", U32), ("y", F), ("z", F)]),
-    ("memory", include_str!("kernels/memory.wgsl"), &[("x", F), ("y", F)]),
-    ("matmul", include_str!("kernels/matmul.wgsl"), &[("c", F), ("a", F), ("b", F), ("bias", F)]),
-    ("layernorm", include_str!("kernels/layernorm.wgsl"), &[("b0", F), ("b1", F), ("b2", F), ("b3", F), ("b4", F), ("b5", F)]),
-    ("rmsnorm", include_str!("kernels/rmsnorm.wgsl"), &[("b0", F), ("b1", F), ("b2", F), ("b3", F), ("b4", F), ("b5", F)]),
-    ("rope", include_str!("kernels/rope.wgsl"), &[("x", F), ("tab", F)]),
-    ("swiglu", include_str!("kernels/swiglu.wgsl"), &[("b0", F), ("b1", F), ("b2", F)]),
-    ("residual", include_str!("kernels/residual.wgsl"), &[("out", F), ("a", F), ("b", F)]),
-    ("gelu", include_str!("kernels/gelu.wgsl"), &[("x", F), ("y", F)]),
-    ("classifier", include_str!("kernels/classifier.wgsl"), &[("x", F), ("y", F), ("z", F), ("targets", U32)]),
-];
+impl Entry {
+    /// An entry of `bindings` f32 buffers.
+    pub const fn f32(name: &'static str, bindings: usize) -> Entry {
+        Entry { name, bindings, u32s: 0, bf16s: 0, variants: &[] }
+    }
+}
 
-/// How a kernel of a [`TYPED`] module holds one of its buffers.
+/// One compute kernel: entry point `entry` of `module`, as its f32 kernel (`variant` 0) or its
+/// bf16 variant `variant` (1, 2, ...).
+#[derive(Clone, Copy)]
+pub struct K {
+    pub module: &'static Module,
+    pub entry: usize,
+    pub variant: usize,
+}
+
+impl K {
+    /// The f32 kernel of entry `entry` of `module`.
+    pub const fn of(module: &'static Module, entry: usize) -> K {
+        K { module, entry, variant: 0 }
+    }
+
+    /// Its bf16 variant `v` (1, 2, ...; 0: itself).
+    pub fn variant(self, v: usize) -> K {
+        assert!(v <= self.spec().variants.len(), "{self:?} has no bf16 variant {v}");
+        K { variant: v, ..self }
+    }
+
+    /// The kernel that does this one's work on bf16 activations, with `bf16` (an entry with
+    /// one variant); else this one.
+    pub fn on(self, bf16: bool) -> K {
+        let n = self.spec().variants.len();
+        assert!(n <= 1, "{self:?} has {n} bf16 variants: choose one");
+        if bf16 && n == 1 {
+            self.variant(1)
+        } else {
+            self
+        }
+    }
+
+    fn spec(self) -> &'static Entry {
+        &self.module.entries[self.entry]
+    }
+
+    /// Who it is, as its pipeline is found: (module, entry, variant).
+    fn key(self) -> (&'static str, usize, usize) {
+        (self.module.name, self.entry, self.variant)
+    }
+
+    /// Its module's name as built ([`wgsl_modules`]).
+    fn module_name(self, subgroup_gemm: bool) -> String {
+        let m = self.module;
+        match self.variant {
+            0 if subgroup_gemm && m.subgroup.is_some() => format!("{}_subgroup", m.name),
+            0 => m.name.to_string(),
+            v => format!("{}_bf16_{v}", self.spec().name),
+        }
+    }
+
+    /// Its entry point as built: the subgroup GEMM's for the entry named as the module.
+    fn entry_point(self, subgroup_gemm: bool) -> &'static str {
+        let (m, e) = (self.module, self.spec());
+        match m.subgroup {
+            Some(_) if subgroup_gemm && e.name == m.name => SUBGROUP_ENTRY,
+            _ => e.name,
+        }
+    }
+}
+
+/// The entry point of the subgroup GEMM ([`Module::subgroup`]).
+const SUBGROUP_ENTRY: &str = "matmul_subgroup";
+
+impl std::fmt::Debug for K {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.variant {
+            0 => write!(f, "{}::{}", self.module.name, self.spec().name),
+            v => write!(f, "{}::{} (bf16 variant {v})", self.module.name, self.spec().name),
+        }
+    }
+}
+
+impl PartialEq for K {
+    fn eq(&self, other: &K) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for K {}
+
+impl std::hash::Hash for K {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.key().hash(h)
+    }
+}
+
+/// How a kernel of a typed module ([`Module::buffers`]) holds one of its buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Io {
+pub enum Io {
     /// f32: statistics, partial sums, tables (and every buffer of the f32 kernels).
     F32,
     /// bf16 the kernel only reads: two a word, widened as read.
@@ -60,68 +171,9 @@ enum Io {
     /// u32 (token ids), read as an array.
     U32,
 }
-use Io::{In16, Out16, F32 as F, U32};
+pub use Io::{In16, Out16, F32 as F, U32};
 
-/// The bf16 variants of the [`TYPED`] kernels: (the variant, its f32 kernel, how it holds each
-/// buffer of its module, bound or not). A variant is its own module, named as the variant.
-/// The norms' parameter-gradient kernels read the bf16 activations and write f32 partial sums
-/// (the op sums them into f32 copies of the gradients, rounded once, as the CPU does). The
-/// GEMM has a variant per operand types it is given (see [`gemm`]).
-#[rustfmt::skip]
-const BF16: [(K, K, &[Io]); 29] = [
-    (K::CopyRowsBf16, K::CopyRows, &[Out16, In16]),
-    // params, m, v, grads, stats: f32 master weights or bf16 parameters (rounded
-    // stochastically), bf16 gradients; partials, gradients.
-    (K::AdamwBf16Grads, K::Adamw, &[F, F, F, In16, F]),
-    (K::AdamwBf16, K::Adamw, &[Out16, F, F, In16, F]),
-    (K::SumSquaresBf16, K::SumSquares, &[F, In16, F, F, F]),
-    // out, inp, wte, wpe (the backward adds up a token's rows piece after piece of positions:
-    // through f32 copies of the gradients, rounded once).
-    (K::EncoderForwardBf16, K::EncoderForward, &[Out16, U32, In16, In16]),
-    // losses, lse, logits, targets; logits (in place), lse, -, targets.
-    (K::CrossentropyForwardBf16, K::CrossentropyForward, &[F, F, In16, U32]),
-    (K::CrossentropyBackwardBf16, K::CrossentropyBackward, &[Out16, F, F, U32]),
-    (K::LayernormForwardBf16, K::LayernormForward, &[Out16, F, F, In16, In16, In16]),
-    (K::LayernormBackwardInputBf16, K::LayernormBackwardInput, &[Out16, In16, In16, In16, F, F]),
-    (K::LayernormBackwardParamsBf16, K::LayernormBackwardParams, &[F, F, In16, In16, F, F]),
-    (K::RmsnormForwardBf16, K::RmsnormForward, &[Out16, F, In16, In16, F, F]),
-    (K::RmsnormBackwardInputBf16, K::RmsnormBackwardInput, &[Out16, In16, In16, In16, F, F]),
-    (K::RmsnormBackwardParamsBf16, K::RmsnormBackwardParams, &[F, In16, In16, F, F, F]),
-    (K::HeadNormForwardBf16, K::HeadNormForward, &[Out16, F, In16, In16, In16, F]),
-    (K::HeadNormBackwardInputBf16, K::HeadNormBackwardInput, &[Out16, In16, In16, In16, In16, F]),
-    (K::HeadNormBackwardParamsBf16, K::HeadNormBackwardParams, &[F, In16, In16, F, F, F]),
-    (K::RopeBf16, K::Rope, &[Out16, F]),
-    (K::SwigluForwardBf16, K::SwigluForward, &[Out16, In16, In16]),
-    (K::SwigluBackwardBf16, K::SwigluBackward, &[Out16, In16, In16]),
-    (K::ResidualForwardBf16, K::ResidualForward, &[Out16, In16, In16]),
-    (K::GeluForwardBf16, K::GeluForward, &[Out16, In16]),
-    (K::GeluBackwardBf16, K::GeluBackward, &[Out16, In16]),
-    // C, A, B, bias.
-    (K::MatmulBf16, K::Matmul, &[F, In16, In16, In16]),
-    (K::MatmulBf16ToBf16, K::Matmul, &[Out16, In16, In16, In16]),
-    (K::MatmulF32Bf16, K::Matmul, &[F, F, In16, In16]),
-    (K::MatmulF32Bf16ToBf16, K::Matmul, &[Out16, F, In16, In16]),
-    (K::MatmulBf16F32, K::Matmul, &[F, In16, F, F]),
-    (K::MatmulToBf16, K::Matmul, &[Out16, F, F, F]),
-    (K::BiasBackwardBf16, K::BiasBackward, &[F, In16, F, F]),
-];
-
-/// The GEMM kernel for A, B (and the bias, B's type) and C of these types: f32 or bf16 each,
-/// but for a bf16 A and an f32 B into a bf16 C, which no op has.
-pub fn gemm(a16: bool, b16: bool, c16: bool) -> K {
-    match (a16, b16, c16) {
-        (false, false, false) => K::Matmul,
-        (true, true, false) => K::MatmulBf16,
-        (true, true, true) => K::MatmulBf16ToBf16,
-        (false, true, false) => K::MatmulF32Bf16,
-        (false, true, true) => K::MatmulF32Bf16ToBf16,
-        (true, false, false) => K::MatmulBf16F32,
-        (false, false, true) => K::MatmulToBf16,
-        x => panic!("no GEMM kernel for (A bf16, B bf16, C bf16) = {x:?}"),
-    }
-}
-
-/// The declarations of a [`TYPED`] module's buffers, held as `io` says, with their accessors:
+/// The declarations of a typed module's buffers, held as `io` says, with their accessors:
 /// `NAME_ld(e)`, element e as f32, `NAME_st(e, v)`, element e = v (rounded once to nearest
 /// even if bf16), and `NAME_st_stochastic(e, v, seed, i)`, the same rounded stochastically
 /// with the noise of (seed, i) if bf16 (kernels/bf16.wgsl's, the CPU's).
@@ -162,183 +214,53 @@ fn prelude(names: &[&str], io: &[Io]) -> String {
     s
 }
 
-/// The complete WGSL of every module (common helpers included), by name: what the
-/// pipelines are built from, and what the tests translate for Metal, Vulkan and DX12. With
-/// `subgroup_gemm`, the matmul module (then named matmul_subgroup, as the file it adds) and
-/// its bf16 variants carry [`SUBGROUP_GEMM`] too.
+/// Every kernel of every module: its f32 kernel and its bf16 variants.
+fn all_kernels() -> impl Iterator<Item = K> {
+    MODULES.into_iter().flat_map(|m| {
+        (0..m.entries.len())
+            .flat_map(move |e| (0..=m.entries[e].variants.len()).map(move |v| K { module: m, entry: e, variant: v }))
+    })
+}
+
+/// The complete WGSL of every module (common helpers included), by name: what the pipelines
+/// are built from, and what the tests translate for Metal, Vulkan and DX12. With
+/// `subgroup_gemm`, a module with a subgroup GEMM and its bf16 variants carry it too.
 pub fn wgsl_modules(subgroup_gemm: bool) -> Vec<(String, String)> {
-    let own = FILES.iter().map(|(name, parts)| (name.to_string(), parts.join("\n")));
-    let names = |b: &'static [(&'static str, Io)]| b.iter().map(|x| x.0).collect::<Vec<_>>();
-    let with_gemm = |module: &str, src: &str| match module {
-        "matmul" if subgroup_gemm => format!("{src}\n{SUBGROUP_GEMM}"),
-        _ => src.to_string(),
-    };
-    let typed = TYPED.iter().map(|(name, src, b)| {
-        let io: Vec<Io> = b.iter().map(|x| x.1).collect();
-        let src = prelude(&names(b), &io) + &with_gemm(name, src);
-        (with_subgroup_gemm(name, subgroup_gemm).to_string(), src)
-    });
-    let bf16 = BF16.iter().map(|&(k, f32_kernel, io)| {
-        let (_, module, ..) = TABLE[index(f32_kernel)];
-        let (_, src, b) = TYPED.iter().find(|t| t.0 == module).expect("a bf16 variant is of a typed module");
-        assert!(b.len() == io.len(), "{k:?}: one Io per buffer of {module}");
-        let same_u32 = b.iter().zip(io).all(|(x, io)| (x.1 == Io::U32) == (*io == Io::U32));
-        assert!(same_u32, "{k:?}: the u32 buffers of {module} stay u32");
-        (format!("{k:?}"), prelude(&names(b), io) + &with_gemm(module, src))
-    });
-    own.chain(typed).chain(bf16).map(|(name, src)| (name, format!("{COMMON}\n{src}"))).collect()
-}
-
-/// A module or entry point's name with or without the subgroup GEMM: the matmul module and
-/// its `matmul` entry point become `matmul_subgroup` with it (its file and kernel).
-fn with_subgroup_gemm(name: &str, subgroup_gemm: bool) -> &str {
-    if name == "matmul" && subgroup_gemm {
-        "matmul_subgroup"
-    } else {
-        name
+    let mut out = vec![];
+    for k in all_kernels() {
+        let m = k.module;
+        let with_gemm = |src: &str| match m.subgroup {
+            Some(sg) if subgroup_gemm => format!("{src}\n{sg}"),
+            _ => src.to_string(),
+        };
+        let names: Vec<&str> = m.buffers.iter().map(|x| x.0).collect();
+        let src = match k.variant {
+            0 if k.entry > 0 => continue, // a module is built once, with its first entry
+            0 if m.buffers.is_empty() => with_gemm(m.src),
+            0 => prelude(&names, &m.buffers.iter().map(|x| x.1).collect::<Vec<_>>()) + &with_gemm(m.src),
+            v => {
+                let io = k.spec().variants[v - 1];
+                assert!(m.buffers.len() == io.len(), "{k:?}: one Io per buffer of {}", m.name);
+                let same_u32 = m.buffers.iter().zip(io).all(|(x, io)| (x.1 == Io::U32) == (*io == Io::U32));
+                assert!(same_u32, "{k:?}: the u32 buffers of {} stay u32", m.name);
+                prelude(&names, io) + &with_gemm(m.src)
+            }
+        };
+        out.push((k.module_name(subgroup_gemm), format!("{COMMON}\n{src}")));
     }
+    out
 }
-
-/// One compute kernel: an entry point of a module.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum K {
-    Fill,
-    CopyRows,
-    Widen,
-    Narrow,
-    FillBf16,
-    ColumnSums,
-    EncoderForward,
-    EncoderBackwardWte,
-    EncoderBackwardWpe,
-    LayernormForward,
-    LayernormBackwardInput,
-    LayernormBackwardParams,
-    RmsnormForward,
-    RmsnormBackwardInput,
-    RmsnormBackwardParams,
-    HeadNormForward,
-    HeadNormBackwardInput,
-    HeadNormBackwardParams,
-    Rope,
-    SwigluForward,
-    SwigluBackward,
-    ResidualForward,
-    GeluForward,
-    GeluBackward,
-    Matmul,
-    BiasBackward,
-    SoftmaxForward,
-    SoftmaxProbs,
-    SoftmaxBackward,
-    CrossentropyForward,
-    CrossentropyBackward,
-    AccumulateMean,
-    Adamw,
-    SumSquares,
-    ReducePartials,
-    LoraScale,
-    // The bf16 variants of the typed modules' kernels (BF16).
-    LayernormForwardBf16,
-    LayernormBackwardInputBf16,
-    LayernormBackwardParamsBf16,
-    RmsnormForwardBf16,
-    RmsnormBackwardInputBf16,
-    RmsnormBackwardParamsBf16,
-    HeadNormForwardBf16,
-    HeadNormBackwardInputBf16,
-    HeadNormBackwardParamsBf16,
-    RopeBf16,
-    SwigluForwardBf16,
-    SwigluBackwardBf16,
-    ResidualForwardBf16,
-    GeluForwardBf16,
-    GeluBackwardBf16,
-    CopyRowsBf16,
-    /// AdamW of f32 master weights from bf16 gradients; of bf16 parameters.
-    AdamwBf16Grads,
-    AdamwBf16,
-    SumSquaresBf16,
-    EncoderForwardBf16,
-    CrossentropyForwardBf16,
-    CrossentropyBackwardBf16,
-    /// The GEMM reading bf16 A, B and bias into an f32 C; BiasBackward reading a bf16 dout.
-    MatmulBf16,
-    BiasBackwardBf16,
-    /// ... into a bf16 C.
-    MatmulBf16ToBf16,
-    /// The GEMM of an f32 A and a bf16 B (and bias) into an f32 C, and into a bf16 C.
-    MatmulF32Bf16,
-    MatmulF32Bf16ToBf16,
-    /// The GEMM of a bf16 A and an f32 B into an f32 C, and of f32 ones into a bf16 C (a LoRA
-    /// adapter's, on a bf16 base).
-    MatmulBf16F32,
-    MatmulToBf16,
-}
-
-impl K {
-    /// The kernel that does this one's work on bf16 activations ([`BF16`]), with `bf16`;
-    /// else this one.
-    pub fn on(self, bf16: bool) -> K {
-        assert!(self != K::Matmul && self != K::Adamw, "{self:?} has several bf16 variants");
-        match BF16.iter().find(|v| v.1 == self) {
-            Some(v) if bf16 => v.0,
-            _ => self,
-        }
-    }
-}
-
-/// (kernel, module, entry point, storage buffers bound at 0..n, which of them hold u32 (a bit
-/// per binding), which bf16 (two a word; the others f32)).
-const TABLE: [(K, &str, &str, usize, u8, u8); 36] = [
-    (K::Fill, "memory", "fill", 1, 0, 0),
-    (K::CopyRows, "memory", "copy_rows", 2, 0, 0),
-    (K::Widen, "bf16", "widen", 2, 0, 0b1),
-    (K::Narrow, "bf16", "narrow", 3, 0, 0b1),
-    (K::FillBf16, "bf16", "fill_bf16", 1, 0, 0b1),
-    (K::ColumnSums, "memory", "column_sums", 2, 0, 0),
-    (K::EncoderForward, "encoder", "encoder_forward", 4, 0b10, 0),
-    (K::EncoderBackwardWte, "encoder", "encoder_backward_wte", 3, 0b10, 0),
-    (K::EncoderBackwardWpe, "encoder", "encoder_backward_wpe", 3, 0b10, 0),
-    (K::LayernormForward, "layernorm", "layernorm_forward", 6, 0, 0),
-    (K::LayernormBackwardInput, "layernorm", "layernorm_backward_input", 6, 0, 0),
-    (K::LayernormBackwardParams, "layernorm", "layernorm_backward_params", 6, 0, 0),
-    (K::RmsnormForward, "rmsnorm", "rmsnorm_forward", 4, 0, 0),
-    (K::RmsnormBackwardInput, "rmsnorm", "rmsnorm_backward_input", 5, 0, 0),
-    (K::RmsnormBackwardParams, "rmsnorm", "rmsnorm_backward_params", 4, 0, 0),
-    (K::HeadNormForward, "rmsnorm", "head_norm_forward", 5, 0, 0),
-    (K::HeadNormBackwardInput, "rmsnorm", "head_norm_backward_input", 6, 0, 0),
-    (K::HeadNormBackwardParams, "rmsnorm", "head_norm_backward_params", 4, 0, 0),
-    (K::Rope, "rope", "rope", 2, 0, 0),
-    (K::SwigluForward, "swiglu", "swiglu_forward", 2, 0, 0),
-    (K::SwigluBackward, "swiglu", "swiglu_backward", 3, 0, 0),
-    (K::ResidualForward, "residual", "residual_forward", 3, 0, 0),
-    (K::GeluForward, "gelu", "gelu_forward", 2, 0, 0),
-    (K::GeluBackward, "gelu", "gelu_backward", 2, 0, 0),
-    (K::Matmul, "matmul", "matmul", 4, 0, 0),
-    (K::BiasBackward, "matmul", "bias_backward", 2, 0, 0),
-    (K::SoftmaxForward, "attention", "softmax_forward", 2, 0, 0),
-    (K::SoftmaxProbs, "attention", "softmax_probs", 2, 0, 0),
-    (K::SoftmaxBackward, "attention", "softmax_backward", 2, 0, 0),
-    (K::CrossentropyForward, "classifier", "crossentropy_forward", 4, 0b1000, 0),
-    (K::CrossentropyBackward, "classifier", "crossentropy_backward", 4, 0b1000, 0),
-    (K::AccumulateMean, "classifier", "accumulate_mean", 2, 0, 0),
-    (K::Adamw, "adamw", "adamw", 5, 0, 0),
-    (K::SumSquares, "adamw", "sum_squares", 2, 0, 0),
-    (K::ReducePartials, "adamw", "reduce_partials", 2, 0, 0),
-    (K::LoraScale, "lora", "lora_scale", 1, 0, 0),
-];
 
 /// The kernels' modules, their pipelines (built on first use), and one bind group layout per
 /// number of bound buffers.
 pub struct Kernels {
     /// Every module, by name, validated when the backend opened.
     modules: Vec<(String, wgpu::ShaderModule)>,
-    /// Per kernel, in [`rows`] order: its module (an index into `modules`), its entry point, and
-    /// its pipeline once built ([`Kernels::prepare`]). The driver compiles a kernel when its
+    /// Per kernel: its module (an index into `modules`), its entry point, and its pipeline once
+    /// built ([`Kernels::prepare`]). The driver compiles a kernel when its
     /// pipeline is created, and a run uses a few of them (tests/gpu_ops.rs, which opens many
     /// backends, took 81 s on lavapipe compiling them all at every open, 32 s at first use).
-    pipelines: Vec<(usize, &'static str, std::sync::OnceLock<wgpu::ComputePipeline>)>,
+    pipelines: HashMap<K, (usize, &'static str, std::sync::OnceLock<wgpu::ComputePipeline>)>,
     /// (rows, columns) of C per workgroup of the GEMM: 64 x 64 for the tiled kernel, 32 x 32
     /// for the subgroup one (kernels/matmul_subgroup.wgsl: SG_ROWS, SG_COLS).
     pub gemm_tile: (usize, usize),
@@ -382,16 +304,13 @@ impl Kernels {
             .collect();
         let sg = ctx.subgroup_gemm;
         let mut modules = vec![];
-        let mut pipelines: Vec<_> =
-            rows().iter().map(|t| (usize::MAX, with_subgroup_gemm(t.2, sg), Default::default())).collect();
         for (name, src) in wgsl_modules(sg) {
-            for (i, _) in rows().iter().enumerate().filter(|(_, t)| with_subgroup_gemm(&t.1, sg) == name) {
-                pipelines[i].0 = modules.len();
-            }
             let module = create_module(ctx, &name, &src)?;
             modules.push((name, module));
         }
-        assert!(pipelines.iter().all(|p| p.0 < modules.len()), "every kernel is in a module");
+        let index: HashMap<String, usize> = modules.iter().enumerate().map(|(i, m)| (m.0.clone(), i)).collect();
+        let pipelines =
+            all_kernels().map(|k| (k, (index[&k.module_name(sg)], k.entry_point(sg), Default::default()))).collect();
         let gemm_tile = if sg { (32, 32) } else { (64, 64) };
         Ok(Kernels { modules, pipelines, gemm_tile, layouts, pipeline_layouts })
     }
@@ -400,11 +319,10 @@ impl Kernels {
     /// error is one line naming the module and the adapter (the backend reports it at the next
     /// host read, and records nothing of that dispatch).
     pub fn prepare(&self, ctx: &Context, k: K) -> Result<()> {
-        let i = position(k);
-        let (module, entry, pipeline) = &self.pipelines[i];
+        let (module, entry, pipeline) = &self.pipelines[&k];
         if pipeline.get().is_none() {
             let (name, module) = &self.modules[*module];
-            let built = create_pipeline(ctx, &self.pipeline_layouts[rows()[i].3], name, module, entry)?;
+            let built = create_pipeline(ctx, &self.pipeline_layouts[Kernels::bindings(k)], name, module, entry)?;
             let _ = pipeline.set(built);
         }
         Ok(())
@@ -412,55 +330,30 @@ impl Kernels {
 
     /// The pipeline of `k`, which [`Kernels::prepare`] built.
     pub fn pipeline(&self, k: K) -> &wgpu::ComputePipeline {
-        self.pipelines[position(k)].2.get().expect("a kernel's pipeline is prepared before its first dispatch")
+        self.pipelines[&k].2.get().expect("a kernel's pipeline is prepared before its first dispatch")
     }
 
     /// Buffers `k` binds.
     pub fn bindings(k: K) -> usize {
-        kernel(k).3
+        k.spec().bindings
     }
 
     /// The element type binding `i` of `k` holds.
     pub fn binding_dtype(k: K, i: usize) -> crate::backend::DType {
-        let t = kernel(k);
-        if t.4 & (1 << i) != 0 {
-            crate::backend::DType::U32
-        } else if t.5 & (1 << i) != 0 {
-            crate::backend::DType::BF16
-        } else {
-            crate::backend::DType::F32
+        let e = k.spec();
+        let held = match k.variant {
+            0 => None,
+            v => Some(e.variants[v - 1][i]),
+        };
+        match held {
+            Some(Io::U32) => crate::backend::DType::U32,
+            Some(Io::In16 | Io::Out16) => crate::backend::DType::BF16,
+            Some(Io::F32) => crate::backend::DType::F32,
+            None if e.u32s & (1 << i) != 0 => crate::backend::DType::U32,
+            None if e.bf16s & (1 << i) != 0 => crate::backend::DType::BF16,
+            None => crate::backend::DType::F32,
         }
     }
-}
-
-/// One kernel as its pipeline is built: (kernel, module, entry point, buffers bound, the u32
-/// ones, the bf16 ones), as [`TABLE`]'s rows.
-type Row = (K, String, &'static str, usize, u8, u8);
-
-/// Every kernel: [`TABLE`]'s, then the bf16 variants of [`BF16`] (their modules named as the
-/// variants, their bf16 buffers from their [`Io`]s). Built once.
-fn rows() -> &'static [Row] {
-    static ROWS: std::sync::OnceLock<Vec<Row>> = std::sync::OnceLock::new();
-    ROWS.get_or_init(|| {
-        let own = TABLE.iter().map(|t| (t.0, t.1.to_string(), t.2, t.3, t.4, t.5));
-        own.chain(BF16.iter().map(|&(k, f32_kernel, io)| {
-            let (_, _, entry, n, ..) = TABLE[index(f32_kernel)];
-            let mask =
-                |want: &[Io]| io.iter().enumerate().filter(|(_, x)| want.contains(x)).fold(0u8, |m, (i, _)| m | 1 << i);
-            (k, format!("{k:?}"), entry, n, mask(&[U32]), mask(&[In16, Out16]))
-        }))
-        .collect()
-    })
-}
-
-/// The position of k's row in [`rows`] (and of its pipeline).
-fn position(k: K) -> usize {
-    rows().iter().position(|t| t.0 == k).expect("every kernel is in TABLE or BF16")
-}
-
-/// [`rows`]'s row of k.
-fn kernel(k: K) -> &'static Row {
-    &rows()[position(k)]
 }
 
 /// The one-line error for a module `name` that does not build on this driver.
@@ -531,8 +424,4 @@ impl Kernels {
     pub fn build_extra(&self, ctx: &Context, name: &str, src: &str, entries: &[(&str, usize)]) -> Result<()> {
         build_module(ctx, &self.pipeline_layouts, name, src, entries).map(|_| ())
     }
-}
-
-fn index(k: K) -> usize {
-    TABLE.iter().position(|t| t.0 == k).expect("every kernel is in TABLE")
 }

@@ -4,9 +4,16 @@
 //! adapter's gradients add over the pieces. A (R, C) and B (ROWS, R) each fit one window: R*C
 //! and ROWS*R floats are megabytes for any model, against windows of 128 MiB or more.
 
+use super::bf16::Role::{In, Out};
+use super::bf16::Rounding::Nearest;
+use super::kernels::{Entry, Module, K};
 use super::matmul::{block, Batches, Operand, ACCUMULATE};
-use super::{f, u, GpuBackend, Threads, K};
-use crate::backend::{Buf, LoraShape};
+use super::{all_bf16, all_f32};
+use super::{f, u, GpuBackend, Threads};
+use crate::backend::ops::LoraShape;
+use crate::backend::ops::{opt, Call};
+use crate::backend::ops::{LoraBackward, LoraForward, LoraOps};
+use crate::backend::Buf;
 
 impl GpuBackend {
     /// h (N, R) = scale * inp (N, C) @ a (R, C)^T; out[:, row0..row0+ROWS] (N, OC) += h @ b^T.
@@ -105,7 +112,43 @@ impl GpuBackend {
         for piece in self.mem.pieces(&[x], x.len) {
             let w = self.win(x.slice(piece.clone()));
             let n = piece.end - piece.start;
-            self.dispatch(K::LoraScale, std::slice::from_ref(&w), &[w.off, u(n), f(scale)], Threads(n));
+            self.dispatch(LORA_SCALE, std::slice::from_ref(&w), &[w.off, u(n), f(scale)], Threads(n));
         }
     }
 }
+
+impl LoraOps for GpuBackend {
+    fn lora_forward(&mut self, a: &LoraForward) {
+        let LoraForward { out, h, x, a: la, b, s } = *a;
+        if all_bf16(&[out, x]) && all_f32(&[la, b]) {
+            // A bf16 base's input read and output added to as they are (fp32 adapters); h
+            // (N, R), scaled after its GEMM, through an f32 copy rounded once.
+            return self.in_f32(LoraForward::NAME, [(h, Out)], Nearest, |g, [h]| g.lora_forward_(out, h, x, la, b, s));
+        }
+        self.call_in_f32(a, Nearest, |g, a| g.lora_forward_(a.out, a.h, a.x, a.a, a.b, s))
+    }
+
+    fn lora_backward(&mut self, a: &LoraBackward) {
+        let LoraBackward { dx, da, db, dh, dout, x, a: la, b, h, s } = *a;
+        if all_bf16(&[dout, x, opt(dx)]) && all_f32(&[la, b, da, db]) {
+            // As lora_forward: the base's bf16 tensors as they are, h and dh (N, R) through
+            // f32 copies.
+            return self.in_f32(LoraBackward::NAME, [(h, In), (dh, Out)], Nearest, |g, [h, dh]| {
+                g.lora_backward_(dx, da, db, h, dh, dout, x, la, b, s)
+            });
+        }
+        self.call_in_f32(a, Nearest, |g, a| g.lora_backward_(a.dx, a.da, a.db, a.h, a.dh, a.dout, a.x, a.a, a.b, s))
+    }
+}
+
+// ---- kernels -------------------------------------------------------------------------------------
+
+/// LoRA's one element-wise step (kernels/lora.wgsl, which declares its own buffers; its GEMMs are matmul's).
+pub(super) const MODULE: Module = Module {
+    name: "lora",
+    src: include_str!("kernels/lora.wgsl"),
+    buffers: &[],
+    entries: &[Entry { name: "lora_scale", bindings: 1, u32s: 0, bf16s: 0, variants: &[] }],
+    subgroup: None,
+};
+pub(super) const LORA_SCALE: K = K::of(&MODULE, 0);

@@ -2,7 +2,13 @@
 //! Operands larger than one binding window (wte, the logits) are cut into pieces of rows; a
 //! sum over a cut dimension adds the pieces in order.
 
-use super::{u, GpuBackend, Threads, Xyz, K};
+use super::all_bf16;
+use super::bf16::Role::{InOut, Out};
+use super::bf16::Rounding::Nearest;
+use super::kernels::{Entry, In16, Module, Out16, F, K};
+use super::{u, GpuBackend, Threads, Xyz};
+use crate::backend::ops::{opt, Call, NONE};
+use crate::backend::ops::{Mat, MatmulBackward, MatmulForward, MatmulOps};
 use crate::backend::{Buf, DType};
 use std::ops::Range;
 
@@ -132,7 +138,7 @@ impl GpuBackend {
             bias.is_none_or(|x| x.dtype == b.buf.dtype || x.len == 0) && (!bf16(c.buf) || k <= step),
             "GEMM of A {a:?}, B {b:?}, bias {bias:?} into C {c:?}: the bias is B's type, a bf16 C sums at most {step}"
         );
-        let kernel = super::kernels::gemm(bf16(a.buf), bf16(b.buf), bf16(c.buf));
+        let kernel = gemm(bf16(a.buf), bf16(b.buf), bf16(c.buf));
         let (wa, wb, wc) = (self.win(a.buf), self.win(b.buf), self.win(c.buf));
         let wbias = match bias {
             Some(x) => self.win(x),
@@ -279,7 +285,7 @@ impl GpuBackend {
             let (pw, d) = (self.win(part), self.win(dout.slice(r.start * oc..r.end * oc)));
             // Params of bias_backward: m, n, k (unused), a, a_rs, a_cs (unused), ..., c.
             let imm = [u(r.len()), u(oc), 0, d.off, u(oc), 1, 0, 0, 0, pw.off];
-            let kernel = if dout.dtype == DType::BF16 { K::BiasBackwardBf16 } else { K::BiasBackward };
+            let kernel = if dout.dtype == DType::BF16 { BIAS_BACKWARD.variant(1) } else { BIAS_BACKWARD };
             self.dispatch(kernel, &[pw, d], &imm, Threads(blocks * oc));
             self.column_sums(dbias, part, blocks, oc, accumulate || i > 0);
         }
@@ -291,4 +297,96 @@ impl GpuBackend {
 pub(super) fn block(x: Buf, width: usize, r: &Range<usize>, cols: &Range<usize>) -> Buf {
     let first = r.start * width + cols.start;
     x.slice(first..(r.end - 1) * width + cols.end)
+}
+
+impl MatmulOps for GpuBackend {
+    fn matmul_forward(&mut self, a: &MatmulForward) {
+        let MatmulForward { out, x, w, bias, m: Mat { n, c, oc } } = *a;
+        if all_bf16(&[x, w, opt(bias)]) {
+            // The GEMM reads its bf16 operands itself, and writes a bf16 output itself when
+            // its sum is one dispatch's; a longer one goes through an f32 copy (summed in f32
+            // across dispatches, and rounded once at the end).
+            Self::disjoint(MatmulForward::NAME, &[out], &[x, w, opt(bias)]);
+            if out.dtype == DType::F32 || c <= self.cuts.k_per_dispatch {
+                return self.matmul_forward_(out, x, w, bias, n, c, oc);
+            }
+            return self.in_f32(MatmulForward::NAME, [(out, Out)], Nearest, |g, [out]| {
+                g.matmul_forward_(out, x, w, bias, n, c, oc)
+            });
+        }
+        self.call_in_f32(a, Nearest, |g, a| g.matmul_forward_(a.out, a.x, a.w, a.bias, n, c, oc))
+    }
+
+    fn matmul_backward(&mut self, a: &MatmulBackward) {
+        let MatmulBackward { dx, dw, db, dout, x, w, m: Mat { n, c, oc }, acc } = *a;
+        if all_bf16(&[dout, x, w]) {
+            // As matmul_forward: the bf16 operands read as they are; dx and dw written by the
+            // GEMM itself when each element's sum is one dispatch (dx's over OC, dw's over N,
+            // neither cut into pieces that fit a binding), else through f32 copies, as the bias
+            // gradient (column sums) always.
+            let grad = if acc { InOut } else { Out };
+            let outs = [opt(dx), opt(dw), opt(db)];
+            Self::disjoint(MatmulBackward::NAME, &outs, &[dout, x, w]);
+            let step = self.cuts.k_per_dispatch;
+            let one = |g: &Self, k: usize, bufs: &[(Buf, usize)]| k <= step && g.mem.row_pieces(k, bufs).len() <= 1;
+            let direct = |b: Option<Buf>, one: bool| b.is_none_or(|b| b.dtype == DType::F32 || one);
+            // (The pieces matmul_backward_ cuts OC and N into.)
+            let w_rows: Vec<_> = [Some((w, c)), dw.map(|d| (d, c))].into_iter().flatten().collect();
+            let n_rows: Vec<_> = [Some((dout, oc)), Some((x, c)), dx.map(|d| (d, c))].into_iter().flatten().collect();
+            let dx_direct = direct(dx, one(self, oc, &w_rows));
+            let dw_direct = direct(dw, one(self, n, &n_rows));
+            let copy = |b: Option<Buf>, direct: bool| if direct { NONE } else { opt(b) };
+            let bufs = [(copy(dx, dx_direct), Out), (copy(dw, dw_direct), grad), (outs[2], grad)];
+            return self.in_f32(MatmulBackward::NAME, bufs, Nearest, |g, [cx, cw, cb]| {
+                let (dx, dw) =
+                    (if dx_direct { dx } else { dx.map(|_| cx) }, if dw_direct { dw } else { dw.map(|_| cw) });
+                g.matmul_backward_(dx, dw, db.map(|_| cb), dout, x, w, n, c, oc, acc)
+            });
+        }
+        self.call_in_f32(a, Nearest, |g, a| g.matmul_backward_(a.dx, a.dw, a.db, a.dout, a.x, a.w, n, c, oc, acc))
+    }
+}
+
+// ---- kernels -------------------------------------------------------------------------------------
+
+/// The GEMM and the bias gradient (kernels/matmul.wgsl; on CPU-run Vulkan drivers the subgroup GEMM of kernels/matmul_subgroup.wgsl). The GEMM's variants, by the types of A, B (and the bias, B's) and C: 1 bf16 A and B into f32 C, 2 into bf16 C, 3 f32 A and bf16 B into f32 C, 4 into bf16 C, 5 bf16 A and f32 B into f32 C, 6 f32 A and B into bf16 C (a LoRA adapter's on a bf16 base); see [`gemm`].
+pub(super) const MODULE: Module = Module {
+    name: "matmul",
+    src: include_str!("kernels/matmul.wgsl"),
+    buffers: &[("c", F), ("a", F), ("b", F), ("bias", F)],
+    entries: &[
+        Entry {
+            name: "matmul",
+            bindings: 4,
+            u32s: 0,
+            bf16s: 0,
+            variants: &[
+                &[F, In16, In16, In16],
+                &[Out16, In16, In16, In16],
+                &[F, F, In16, In16],
+                &[Out16, F, In16, In16],
+                &[F, In16, F, F],
+                &[Out16, F, F, F],
+            ],
+        },
+        Entry { name: "bias_backward", bindings: 2, u32s: 0, bf16s: 0, variants: &[&[F, In16, F, F]] },
+    ],
+    subgroup: Some(include_str!("kernels/matmul_subgroup.wgsl")),
+};
+pub(super) const GEMM: K = K::of(&MODULE, 0);
+pub(super) const BIAS_BACKWARD: K = K::of(&MODULE, 1);
+
+/// The GEMM kernel for A, B (and the bias, B's type) and C of these types: f32 or bf16 each,
+/// but for a bf16 A and an f32 B into a bf16 C, which no op has.
+fn gemm(a16: bool, b16: bool, c16: bool) -> K {
+    match (a16, b16, c16) {
+        (false, false, false) => GEMM,
+        (true, true, false) => GEMM.variant(1),
+        (true, true, true) => GEMM.variant(2),
+        (false, true, false) => GEMM.variant(3),
+        (false, true, true) => GEMM.variant(4),
+        (true, false, false) => GEMM.variant(5),
+        (false, false, true) => GEMM.variant(6),
+        x => panic!("no GEMM kernel for (A bf16, B bf16, C bf16) = {x:?}"),
+    }
 }

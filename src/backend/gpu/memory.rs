@@ -10,6 +10,7 @@
 //! limit, with the element offset passed to the kernel. Ops split their work so that each
 //! dispatch's operands fit their windows ([`Memory::fit`]).
 
+use super::kernels::{Entry, In16, Module, Out16, F, K};
 use crate::backend::{Buf, DType};
 use anyhow::{bail, Result};
 use std::ops::Range;
@@ -305,3 +306,21 @@ pub fn out_of_memory(adapter: &str, needed: u64, held: u64, detail: &str) -> Str
 fn chunk_bytes(len: usize, dtype: DType) -> u64 {
     (len as u64 * elem(dtype)).div_ceil(4).max(1) * 4
 }
+
+// ---- kernels -------------------------------------------------------------------------------------
+
+/// Filling, copying and summing the columns of f32 buffers (kernels/memory.wgsl).
+pub(super) const MODULE: Module = Module {
+    name: "memory",
+    src: include_str!("kernels/memory.wgsl"),
+    buffers: &[("x", F), ("y", F)],
+    entries: &[
+        Entry { name: "fill", bindings: 1, u32s: 0, bf16s: 0, variants: &[] },
+        Entry { name: "copy_rows", bindings: 2, u32s: 0, bf16s: 0, variants: &[&[Out16, In16]] },
+        Entry { name: "column_sums", bindings: 2, u32s: 0, bf16s: 0, variants: &[] },
+    ],
+    subgroup: None,
+};
+pub(super) const FILL: K = K::of(&MODULE, 0);
+pub(super) const COPY_ROWS: K = K::of(&MODULE, 1);
+pub(super) const COLUMN_SUMS: K = K::of(&MODULE, 2);

@@ -1,6 +1,10 @@
 //! SwiGLU on the GPU (kernels/swiglu.wgsl).
 
-use super::{u, GpuBackend, Threads, K};
+use super::all_bf16;
+use super::bf16::Rounding::Nearest;
+use super::kernels::{Entry, In16, Module, Out16, F, K};
+use super::{u, GpuBackend, Threads};
+use crate::backend::ops::{Rows, SwigluBackward, SwigluForward, SwigluOps};
 use crate::backend::{Buf, DType};
 
 impl GpuBackend {
@@ -12,7 +16,7 @@ impl GpuBackend {
             let o = self.win(out.slice(r.start * f..r.end * f));
             let x = self.win(inp.slice(r.start * 2 * f..r.end * 2 * f));
             let imm = [o.off, x.off, 0, u(rows), u(f)];
-            self.dispatch(K::SwigluForward.on(out.dtype == DType::BF16), &[o, x], &imm, Threads(rows * f));
+            self.dispatch(FORWARD.on(out.dtype == DType::BF16), &[o, x], &imm, Threads(rows * f));
         }
     }
 
@@ -25,7 +29,41 @@ impl GpuBackend {
             let d = self.win(dout.slice(r.start * f..r.end * f));
             let x = self.win(inp.slice(r.start * 2 * f..r.end * 2 * f));
             let imm = [di.off, d.off, x.off, u(rows), u(f)];
-            self.dispatch(K::SwigluBackward.on(dinp.dtype == DType::BF16), &[di, d, x], &imm, Threads(rows * f));
+            self.dispatch(BACKWARD.on(dinp.dtype == DType::BF16), &[di, d, x], &imm, Threads(rows * f));
         }
     }
 }
+
+impl SwigluOps for GpuBackend {
+    fn swiglu_forward(&mut self, a: &SwigluForward) {
+        let Rows { n, c: f } = a.r;
+        if all_bf16(&[a.out, a.x]) {
+            return self.swiglu_forward_(a.out, a.x, n, f);
+        }
+        self.call_in_f32(a, Nearest, |g, a| g.swiglu_forward_(a.out, a.x, n, f))
+    }
+
+    fn swiglu_backward(&mut self, a: &SwigluBackward) {
+        let Rows { n, c: f } = a.r;
+        if all_bf16(&[a.dx, a.dout, a.x]) {
+            return self.swiglu_backward_(a.dx, a.dout, a.x, n, f);
+        }
+        self.call_in_f32(a, Nearest, |g, a| g.swiglu_backward_(a.dx, a.dout, a.x, n, f))
+    }
+}
+
+// ---- kernels -------------------------------------------------------------------------------------
+
+/// SwiGLU's kernels (kernels/swiglu.wgsl).
+pub(super) const MODULE: Module = Module {
+    name: "swiglu",
+    src: include_str!("kernels/swiglu.wgsl"),
+    buffers: &[("b0", F), ("b1", F), ("b2", F)],
+    entries: &[
+        Entry { name: "swiglu_forward", bindings: 2, u32s: 0, bf16s: 0, variants: &[&[Out16, In16, In16]] },
+        Entry { name: "swiglu_backward", bindings: 3, u32s: 0, bf16s: 0, variants: &[&[Out16, In16, In16]] },
+    ],
+    subgroup: None,
+};
+pub(super) const FORWARD: K = K::of(&MODULE, 0);
+pub(super) const BACKWARD: K = K::of(&MODULE, 1);
