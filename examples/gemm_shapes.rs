@@ -5,8 +5,9 @@
 //! `cargo run --release --example gemm_shapes` (`-- --json`: the first part only, as JSON, for
 //! `scripts/bench_compare.py --gemm`; `-- --bf16`: each shape with f32 buffers and with bf16
 //! ones, interleaved, as `--precision bf16` runs them)
-use llmrs::backend::cpu::bf16::{Dest, Operand};
-use llmrs::backend::cpu::matmul::{gemm_strided_serial, matmul_backward, matmul_forward};
+use llmrs::backend::cpu::gemm::gemm_strided_serial;
+use llmrs::backend::cpu::matmul::{matmul_backward, matmul_forward};
+use llmrs::backend::cpu::wide::{Dest, Operand};
 use std::time::Instant;
 
 /// Best of a few runs, in seconds (this machine's noise only ever adds time).

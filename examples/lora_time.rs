@@ -4,9 +4,9 @@
 //! output) and down. Best of five, all threads; the last line sums one layer and multiplies by
 //! its 16 layers (`llmrs bench`'s "lora" share of a step is the same work).
 //! `cargo run --release --example lora_time`
-use llmrs::backend::cpu::bf16::{Dest, Operand};
+use llmrs::backend::cpu::gemm::gemm_strided_any;
 use llmrs::backend::cpu::lora::{lora_backward, lora_forward};
-use llmrs::backend::cpu::matmul::gemm_strided_any;
+use llmrs::backend::cpu::wide::{Dest, Operand};
 use llmrs::backend::ops::LoraShape;
 mod common;
 use common::best_ms;

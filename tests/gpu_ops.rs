@@ -849,20 +849,8 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
             };
             let [out, inp, w, b, dout, dinp, dw, db] = std::array::from_fn(|i| (hs[i], fs[i]));
             let what = format!("n={n} c={c} oc={oc}, {opts:?}");
-            g.matmul_forward(&MatmulForward {
-                out: out.0,
-                x: inp.0,
-                w: w.0,
-                bias: Some(b.0),
-                m: Mat { n: n, c: c, oc: oc },
-            });
-            g.matmul_forward(&MatmulForward {
-                out: out.1,
-                x: inp.1,
-                w: w.1,
-                bias: Some(b.1),
-                m: Mat { n: n, c: c, oc: oc },
-            });
+            g.matmul_forward(&MatmulForward { out: out.0, x: inp.0, w: w.0, bias: Some(b.0), m: Mat { n, c, oc } });
+            g.matmul_forward(&MatmulForward { out: out.1, x: inp.1, w: w.1, bias: Some(b.1), m: Mat { n, c, oc } });
             assert_eq!(bits(&mut g, out.0), rounded(&mut g, out.1), "matmul_forward {what}");
             for accumulate in [false, true] {
                 for x in [dw, db] {
@@ -876,7 +864,7 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
                     dout: dout.0,
                     x: inp.0,
                     w: w.0,
-                    m: Mat { n: n, c: c, oc: oc },
+                    m: Mat { n, c, oc },
                     acc: accumulate,
                 });
                 g.matmul_backward(&MatmulBackward {
@@ -886,7 +874,7 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
                     dout: dout.1,
                     x: inp.1,
                     w: w.1,
-                    m: Mat { n: n, c: c, oc: oc },
+                    m: Mat { n, c, oc },
                     acc: accumulate,
                 });
                 for (x, name) in [(dinp, "dinp"), (dw, "dweight"), (db, "dbias")] {
@@ -912,7 +900,7 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
         g.fill(inp, 0.5);
         g.fill(w, 0.25);
         assert_eq!(g.workspace_bytes(), 0);
-        g.matmul_forward(&MatmulForward { out: out, x: inp, w: w, bias: None, m: Mat { n: n, c: c, oc: oc } });
+        g.matmul_forward(&MatmulForward { out, x: inp, w, bias: None, m: Mat { n, c, oc } });
         assert_eq!(g.workspace_bytes(), copies, "matmul_forward, {k_per_dispatch:?} per dispatch");
         // dinp sums over OC = 8 and dweight over N = 64: one dispatch each, no copies.
         g.free_f32_copies();
@@ -922,8 +910,8 @@ fn gpu_bf16_gemms_read_bf16_operands_themselves() {
             db: None,
             dout: out,
             x: inp,
-            w: w,
-            m: Mat { n: n, c: c, oc: oc },
+            w,
+            m: Mat { n, c, oc },
             acc: false,
         });
         assert_eq!(g.workspace_bytes(), 0, "matmul_backward, {k_per_dispatch:?} per dispatch");
@@ -990,28 +978,28 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
             #[rustfmt::skip]
             let cases: Vec<Case> = vec![
                 ("layernorm_forward", vec![n * c, n * c, c, c], vec![n, n], vec![0], vec![0, 1], 0,
-                 Box::new(move |g, a, s| g.layernorm_forward(&LayerNormForward { out: a[0], mean: s[0], rstd: s[1], x: a[1], w: a[2], b: a[3], r: Rows { n: n, c: c } }))),
+                 Box::new(move |g, a, s| g.layernorm_forward(&LayerNormForward { out: a[0], mean: s[0], rstd: s[1], x: a[1], w: a[2], b: a[3], r: Rows { n, c } }))),
                 ("layernorm_backward", vec![n * c, c, c, n * c, n * c, c], vec![n, n], vec![0, 1, 2], vec![], 2 * c,
-                 Box::new(move |g, a, s| g.layernorm_backward(&LayerNormBackward { dx: a[0], dw: a[1], db: a[2], dout: a[3], x: a[4], w: a[5], mean: s[0], rstd: s[1], r: Rows { n: n, c: c } }))),
+                 Box::new(move |g, a, s| g.layernorm_backward(&LayerNormBackward { dx: a[0], dw: a[1], db: a[2], dout: a[3], x: a[4], w: a[5], mean: s[0], rstd: s[1], r: Rows { n, c } }))),
                 ("rmsnorm_forward", vec![n * c, n * c, c], vec![n], vec![0], vec![0], 0,
-                 Box::new(move |g, a, s| g.rmsnorm_forward(&RmsNormForward { out: a[0], rstd: s[0], x: a[1], w: a[2], r: Rows { n: n, c: c }, eps: 1e-5 }))),
+                 Box::new(move |g, a, s| g.rmsnorm_forward(&RmsNormForward { out: a[0], rstd: s[0], x: a[1], w: a[2], r: Rows { n, c }, eps: 1e-5 }))),
                 ("rmsnorm_backward", vec![n * c, c, n * c, n * c, c], vec![n], vec![0, 1], vec![], c,
-                 Box::new(move |g, a, s| g.rmsnorm_backward(&RmsNormBackward { dx: a[0], dw: a[1], dout: a[2], x: a[3], w: a[4], rstd: s[0], r: Rows { n: n, c: c } }))),
+                 Box::new(move |g, a, s| g.rmsnorm_backward(&RmsNormBackward { dx: a[0], dw: a[1], dout: a[2], x: a[3], w: a[4], rstd: s[0], r: Rows { n, c } }))),
                 ("head_norm_forward", vec![n * qkv, n * qkv, hs, hs], vec![n * (nh + nkv)], vec![0], vec![0], 0,
-                 Box::new(move |g, a, s| g.head_norm_forward(&HeadNormForward { out: a[0], rstd: s[0], x: a[1], wq: a[2], wk: a[3], n: n, h: Heads { nh: nh, nkv: nkv, hs: hs }, eps: 1e-6 }))),
+                 Box::new(move |g, a, s| g.head_norm_forward(&HeadNormForward { out: a[0], rstd: s[0], x: a[1], wq: a[2], wk: a[3], n, h: Heads { nh, nkv, hs }, eps: 1e-6 }))),
                 ("head_norm_backward", vec![n * qkv, hs, hs, n * qkv, n * qkv, hs, hs], vec![n * (nh + nkv)],
                  vec![0, 1, 2], vec![], 2 * hs,
                  Box::new(move |g, a, s| {
-                     g.head_norm_backward(&HeadNormBackward { dx: a[0], dwq: a[1], dwk: a[2], dout: a[3], x: a[4], wq: a[5], wk: a[6], rstd: s[0], n: n, h: Heads { nh: nh, nkv: nkv, hs: hs } })
+                     g.head_norm_backward(&HeadNormBackward { dx: a[0], dwq: a[1], dwk: a[2], dout: a[3], x: a[4], wq: a[5], wk: a[6], rstd: s[0], n, h: Heads { nh, nkv, hs } })
                  })),
                 ("rope_forward", vec![n * qkv], vec![(pos + t) * hs], vec![0], vec![], 0,
-                 Box::new(move |g, a, s| g.rope(&Rope { qkv: a[0], table: s[0], n: n, t: t, pos: pos, h: Heads { nh: nh, nkv: nkv, hs: hs }, inverse: false }))),
+                 Box::new(move |g, a, s| g.rope(&Rope { qkv: a[0], table: s[0], n, t, pos, h: Heads { nh, nkv, hs }, inverse: false }))),
                 ("rope_backward", vec![n * qkv], vec![(pos + t) * hs], vec![0], vec![], 0,
-                 Box::new(move |g, a, s| g.rope(&Rope { qkv: a[0], table: s[0], n: n, t: t, pos: pos, h: Heads { nh: nh, nkv: nkv, hs: hs }, inverse: true }))),
+                 Box::new(move |g, a, s| g.rope(&Rope { qkv: a[0], table: s[0], n, t, pos, h: Heads { nh, nkv, hs }, inverse: true }))),
                 ("swiglu_forward", vec![n * c, n * 2 * c], vec![], vec![0], vec![], 0,
-                 Box::new(move |g, a, _| g.swiglu_forward(&SwigluForward { out: a[0], x: a[1], r: Rows { n: n, c: c } }))),
+                 Box::new(move |g, a, _| g.swiglu_forward(&SwigluForward { out: a[0], x: a[1], r: Rows { n, c } }))),
                 ("swiglu_backward", vec![n * 2 * c, n * c, n * 2 * c], vec![], vec![0], vec![], 0,
-                 Box::new(move |g, a, _| g.swiglu_backward(&SwigluBackward { dx: a[0], dout: a[1], x: a[2], r: Rows { n: n, c: c } }))),
+                 Box::new(move |g, a, _| g.swiglu_backward(&SwigluBackward { dx: a[0], dout: a[1], x: a[2], r: Rows { n, c } }))),
                 ("residual_forward", vec![n * c, n * c, n * c], vec![], vec![0], vec![], 0,
                  Box::new(|g, a, _| g.residual_forward(&Residual { out: a[0], a: a[1], b: a[2] }))),
                 ("gelu_forward", vec![n * c, n * c], vec![], vec![0], vec![], 0,
@@ -1035,20 +1023,20 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
                 ("encoder_forward", vec![n * c, 5 * c, at * c], vec![], vec![0], vec![], 0,
                  Box::new(move |g, a, _| {
                      let tokens = targets(g, n, 5);
-                     g.encoder_forward(&EncoderForward { out: a[0], ids: tokens, wte: a[1], wpe: Some(a[2]), s: Seq { b: ab, t: at }, c: c });
+                     g.encoder_forward(&EncoderForward { out: a[0], ids: tokens, wte: a[1], wpe: Some(a[2]), s: Seq { b: ab, t: at }, c });
                      g.free(tokens);
                  })),
                 // Cross-entropy over V = c of Vp = c + 3 logits (the targets uploaded in the op).
                 ("crossentropy_forward", vec![n * (c + 3)], vec![n, n], vec![], vec![0, 1], 0,
                  Box::new(move |g, a, s| {
                      let tg = targets(g, n, c);
-                     g.crossentropy_forward(&CrossentropyForward { losses: s[0], lse: s[1], logits: a[0], targets: tg, n: n, v: c, vp: c + 3 });
+                     g.crossentropy_forward(&CrossentropyForward { losses: s[0], lse: s[1], logits: a[0], targets: tg, n, v: c, vp: c + 3 });
                      g.free(tg);
                  })),
                 ("crossentropy_backward", vec![n * (c + 3)], vec![n], vec![0], vec![], 0,
                  Box::new(move |g, a, s| {
                      let tg = targets(g, n, c);
-                     g.crossentropy_backward(&CrossentropyBackward { logits: a[0], lse: s[0], targets: tg, dloss: 0.3, n: n, v: c, vp: c + 3 });
+                     g.crossentropy_backward(&CrossentropyBackward { logits: a[0], lse: s[0], targets: tg, dloss: 0.3, n, v: c, vp: c + 3 });
                      g.free(tg);
                  })),
                 // The global norm of bf16 gradients; AdamW from them, of f32 master weights and
@@ -1069,7 +1057,7 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
                 // The last positions of one sequence of up to 12 against a cache of the first.
                 ("attention_forward_cached", vec![tn * c, tn * c, tn * 2 * c, cap * c / 2, cap * c / 2], vec![],
                  vec![0, 3, 4], vec![], 0,
-                 Box::new(move |g, a, _| g.attention_forward_cached(&AttentionCached { out: a[0], ws: a[1], qkv: a[2], k: a[3], v: a[4], pos: cap - tn, tn: tn, cap: cap, h: heads(c, 2, 1) }))),
+                 Box::new(move |g, a, _| g.attention_forward_cached(&AttentionCached { out: a[0], ws: a[1], qkv: a[2], k: a[3], v: a[4], pos: cap - tn, tn, cap, h: heads(c, 2, 1) }))),
             ];
             for (name, lens, stat_lens, written, written_stats, grad_copies, op) in &cases {
                 if hs == 0 && (name.starts_with("head") || name.starts_with("rope")) {
@@ -1146,7 +1134,7 @@ fn gpu_bf16_kernels_read_and_write_bf16_themselves() {
                     let t = g.alloc(lens[i], DType::BF16).unwrap();
                     // bf16 parameters are rounded stochastically, keyed by the place given.
                     let noise = name.contains("bf16 parameters").then_some(Noise { seed: adamw.seed, first: 1000 });
-                    g.convert(&Convert { dst: t, src: fs[i], noise: noise, consuming: false });
+                    g.convert(&Convert { dst: t, src: fs[i], noise, consuming: false });
                     let (got, want) = (bits(&mut g, hs_[i]), bits(&mut g, t));
                     g.free(t);
                     if tiny {
@@ -1211,13 +1199,7 @@ fn gpu_gemm_kernels_give_the_same_bits() {
                 let w_ = format!("matmul n={n} c={c} oc={oc}, {what}");
                 t.run(
                     |g, [out, inp, w, bias]| {
-                        g.matmul_forward(&MatmulForward {
-                            out: out,
-                            x: inp,
-                            w: w,
-                            bias: Some(bias),
-                            m: Mat { n: n, c: c, oc: oc },
-                        })
+                        g.matmul_forward(&MatmulForward { out, x: inp, w, bias: Some(bias), m: Mat { n, c, oc } })
                     },
                     [out, inp, w, bias],
                 );
@@ -1231,8 +1213,8 @@ fn gpu_gemm_kernels_give_the_same_bits() {
                                 db: Some(db),
                                 dout: out,
                                 x: inp,
-                                w: w,
-                                m: Mat { n: n, c: c, oc: oc },
+                                w,
+                                m: Mat { n, c, oc },
                                 acc: accumulate,
                             })
                         },
@@ -1263,11 +1245,11 @@ fn gpu_gemm_kernels_give_the_same_bits() {
                 t.run(
                     |g, [out, stats, ws, qkv]| {
                         g.attention_forward(&AttentionForward {
-                            out: out,
-                            stats: stats,
-                            ws: ws,
-                            qkv: qkv,
-                            s: Seq { b: b, t: tt },
+                            out,
+                            stats,
+                            ws,
+                            qkv,
+                            s: Seq { b, t: tt },
                             h: heads(c, nh, nkv),
                         })
                     },
@@ -1278,12 +1260,12 @@ fn gpu_gemm_kernels_give_the_same_bits() {
                 t.run(
                     |g, [dqkv, ws3, dout, qkv, stats]| {
                         g.attention_backward(&AttentionBackward {
-                            dqkv: dqkv,
+                            dqkv,
                             ws: ws3,
-                            dout: dout,
-                            qkv: qkv,
-                            stats: stats,
-                            s: Seq { b: b, t: tt },
+                            dout,
+                            qkv,
+                            stats,
+                            s: Seq { b, t: tt },
                             h: heads(c, nh, nkv),
                         })
                     },
@@ -1295,24 +1277,13 @@ fn gpu_gemm_kernels_give_the_same_bits() {
             let [out, h, inp, a, b, dinp, da, db, dh] =
                 t.parts([70 * 60, 70 * 8, 70 * 33, 8 * 33, 50 * 8, 70 * 33, 8 * 33, 50 * 8, 70 * 8]);
             t.run(
-                |g, [out, h, inp, a, b]| g.lora_forward(&LoraForward { out: out, h: h, x: inp, a: a, b: b, s: s }),
+                |g, [out, h, inp, a, b]| g.lora_forward(&LoraForward { out, h, x: inp, a, b, s }),
                 [out, h, inp, a, b],
             );
             t.same(out, &format!("lora, {what}"));
             t.run(
                 |g, [dinp, da, db, h, dh, out, inp, a, b]| {
-                    g.lora_backward(&LoraBackward {
-                        dx: Some(dinp),
-                        da: da,
-                        db: db,
-                        h: h,
-                        dh: dh,
-                        dout: out,
-                        x: inp,
-                        a: a,
-                        b: b,
-                        s: s,
-                    })
+                    g.lora_backward(&LoraBackward { dx: Some(dinp), da, db, h, dh, dout: out, x: inp, a, b, s })
                 },
                 [dinp, da, db, h, dh, out, inp, a, b],
             );

@@ -11,8 +11,8 @@
 //! on the same tiles, and a child widening bf16 on the widest instruction set (where the default
 //! is a tile engine) ties those to the AVX2 child's.
 
-use llmrs::backend::cpu::bf16::{Dest, Operand};
 use llmrs::backend::cpu::simd::Isa;
+use llmrs::backend::cpu::wide::{Dest, Operand};
 use llmrs::backend::Device;
 use llmrs::core::config::{ModelConfig, Precision};
 use llmrs::core::params::Weights;
@@ -53,7 +53,7 @@ fn digests() -> Vec<String> {
         let mut c = vec![0f32; m * n];
         llmrs::backend::cpu::matmul::matmul_forward((&mut c).into(), (&a).into(), (&w).into(), Some(&bias), m, k, n);
         let (ki, ni) = (k as isize, n as isize);
-        llmrs::backend::cpu::matmul::gemm_strided(m, n, k, &mut c, (ni, 1), true, &a, (ki, 1), &w, (ni, 1));
+        llmrs::backend::cpu::gemm::gemm_strided(m, n, k, &mut c, (ni, 1), true, &a, (ki, 1), &w, (ni, 1));
         out.push(format!("gemm {m}x{n}x{k} {:016x}", digest(&c)));
     }
     // One position (the decode step's dot products), across the thread team's chunks.

@@ -35,14 +35,14 @@ fn parse(list: Vec<(String, String)>, caps: Capabilities) -> Modules {
 /// Every module as a device without the subgroup GEMM builds it, validated with the
 /// capabilities llmrs asks of every device: immediates, nothing else.
 fn modules() -> Modules {
-    parse(llmrs::backend::gpu::kernels::wgsl_modules(false), Capabilities::IMMEDIATES)
+    parse(llmrs::backend::gpu::wgsl::wgsl_modules(false), Capabilities::IMMEDIATES)
 }
 
 /// The modules that differ with the subgroup GEMM (the GEMM's), validated with the
 /// capabilities a device that runs it is opened with: immediates and subgroups.
 fn subgroup_modules() -> Modules {
-    let plain = llmrs::backend::gpu::kernels::wgsl_modules(false);
-    let with = llmrs::backend::gpu::kernels::wgsl_modules(true).into_iter().filter(|m| !plain.contains(m)).collect();
+    let plain = llmrs::backend::gpu::wgsl::wgsl_modules(false);
+    let with = llmrs::backend::gpu::wgsl::wgsl_modules(true).into_iter().filter(|m| !plain.contains(m)).collect();
     parse(with, Capabilities::IMMEDIATES | Capabilities::SUBGROUP)
 }
 
@@ -127,7 +127,7 @@ fn a_broken_kernel_is_caught_here() {
     // binding, say.
     let src = format!(
         "{}\n@group(0) @binding(0) var<storage, read> x: array<f32>;\n@compute @workgroup_size(1) fn f() {{ x[0] = 1.0; }}",
-        llmrs::backend::gpu::kernels::COMMON
+        llmrs::backend::gpu::kernel::COMMON
     );
     let refused = match naga::front::wgsl::parse_str(&src) {
         Err(_) => true,

@@ -198,7 +198,7 @@ impl Adapters {
             let (a, b) = (&self.data[self.a_range(i)], &self.data[self.b_range(i)]);
             let mut delta = vec![0f32; t.rows * t.cols]; // (out, in)
             let (r_, c_) = (self.r as isize, t.cols as isize);
-            crate::backend::cpu::matmul::gemm_strided(
+            crate::backend::cpu::gemm::gemm_strided(
                 t.rows,
                 t.cols,
                 self.r,

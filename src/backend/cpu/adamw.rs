@@ -1,10 +1,10 @@
 //! AdamW (decoupled weight decay) and the global gradient norm.
 
 use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
-use super::bf16::Dest;
-use super::bf16::{self, Operand};
 use super::sgemm::Elem;
 use super::team::{self, Disjoint};
+use super::wide::Dest;
+use super::wide::{self, Operand};
 use crate::backend::ops::{AdamwOps, AdamwUpdate, Call, GlobalNormSquared};
 use crate::backend::{AdamWParams, Backend, Buf, DType};
 
@@ -27,7 +27,7 @@ pub struct AdamW {
 
 /// The bf16 working copy that AdamW writes beside f32 parameters in the same pass (llm.c's
 /// bf16 build): element i is the updated parameter rounded stochastically with the noise of
-/// (seed, first + i), as [`bf16::narrow_stochastic`] rounds it.
+/// (seed, first + i), as [`wide::narrow_stochastic`] rounds it.
 pub struct WorkCopy<'a> {
     pub dst: &'a mut [u16],
     pub seed: u32,
@@ -65,7 +65,7 @@ pub fn adamw_update(
             // SAFETY: as above.
             let w = unsafe { w.part(r.clone()) };
             // While the chunk is in cache.
-            bf16::narrow_stochastic(w, p, seed, first + r.start as u64);
+            wide::narrow_stochastic(w, p, seed, first + r.start as u64);
         }
     });
 }

@@ -17,10 +17,10 @@
 //! inputs, rounded: the same numbers as before the op read bf16 itself, without f32 copies.
 
 use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
-use super::bf16::{Dest, Operand};
 use super::math::{add_lanes, combine_lanes, max_lanes};
 use super::sgemm::Elem;
 use super::team::{self, Disjoint};
+use super::wide::{Dest, Operand};
 use crate::backend::ops::{AttentionBackward, AttentionCached, AttentionForward, AttentionOps, Call, Seq};
 use crate::backend::DType;
 
@@ -316,7 +316,7 @@ fn attention_forward_blocked<T: Elem>(
     nkv: usize,
     block: usize,
 ) {
-    use crate::backend::cpu::matmul::gemm_strided_serial as gemm;
+    use crate::backend::cpu::gemm::gemm_strided_serial as gemm;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let qd = c + 2 * nkv * hs;
@@ -397,7 +397,7 @@ fn attention_backward_blocked<T: Elem>(
     nkv: usize,
     block: usize,
 ) {
-    use crate::backend::cpu::matmul::gemm_strided_serial as gemm;
+    use crate::backend::cpu::gemm::gemm_strided_serial as gemm;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let qd = c + 2 * nkv * hs;
@@ -518,7 +518,7 @@ pub fn attention_forward_cached<T: Elem>(
     nh: usize,
     nkv: usize,
 ) {
-    use crate::backend::cpu::matmul::gemm_strided_serial;
+    use crate::backend::cpu::gemm::gemm_strided_serial;
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let (kvd, rep) = (nkv * hs, nh / nkv);

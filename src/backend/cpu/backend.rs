@@ -16,8 +16,8 @@
 //! checks. Gradient and loss buffers are op outputs, so a NaN that reaches a loss or a gradient
 //! from unwritten memory is caught at the op that put it there.
 
-use super::bf16;
-use super::bf16::{Dest, Operand};
+use super::wide;
+use super::wide::{Dest, Operand};
 use crate::backend::{Backend, Buf, DType};
 use crate::core::profile::{Kind, WallTimer};
 use anyhow::{bail, Context, Result};
@@ -229,12 +229,12 @@ impl CpuBackend {
         for (k, o) in outs.iter().enumerate() {
             let b = o.buf();
             if widened(b, out_native[k]) && (matches!(o, Rw(_)) || (matches!(o, W(_)) && self.nan_check)) {
-                bf16::widen(&mut wide[k][..b.len], self.bf16_slice(b));
+                wide::widen(&mut wide[k][..b.len], self.bf16_slice(b));
             }
         }
         for (i, &b) in ins.iter().enumerate() {
             if widened(b, in_native[i]) {
-                bf16::widen(&mut wide[O + i][..b.len], self.bf16_slice(b));
+                wide::widen(&mut wide[O + i][..b.len], self.bf16_slice(b));
             }
         }
         /// Where a buffer's elements are, and as what.
@@ -281,9 +281,9 @@ impl CpuBackend {
             if widened(b, out_native[k]) && !matches!(o, Scratch(_)) {
                 let (src, dst) = (&wide[k][..b.len], self.bf16_slice(b));
                 match rounding {
-                    Rounding::Nearest => bf16::narrow(dst, src),
+                    Rounding::Nearest => wide::narrow(dst, src),
                     Rounding::Stochastic(seed, first) => {
-                        bf16::narrow_stochastic(dst, src, seed, first.unwrap_or(b.off as u64))
+                        wide::narrow_stochastic(dst, src, seed, first.unwrap_or(b.off as u64))
                     }
                 }
             }
@@ -426,7 +426,7 @@ impl Backend for CpuBackend {
     fn download(&mut self, src: Buf, dst: &mut [f32]) -> Result<()> {
         crate::backend::same_len("download", src, dst.len());
         if src.dtype == DType::BF16 {
-            bf16::widen(dst, self.bf16_slice(src));
+            wide::widen(dst, self.bf16_slice(src));
             return Ok(());
         }
         let p = self.ptr_f32(src);

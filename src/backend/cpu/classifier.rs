@@ -4,9 +4,9 @@
 //! padded rows of `wte` are never trained.
 
 use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
-use super::bf16::{self, Dest, Operand};
 use super::math::{add_lanes, combine_lanes, exp, max_lanes};
 use super::team::{self, Disjoint};
+use super::wide::{self, Dest, Operand};
 use crate::backend::ops::Out::{Rw, W};
 use crate::backend::ops::{AccumulateMean, Call, ClassifierOps, CrossentropyBackward, CrossentropyForward};
 use std::cell::RefCell;
@@ -26,7 +26,7 @@ fn with_row<R>(row: Operand, v: usize, f: impl FnOnce(&[f32]) -> R) -> R {
             if r.len() < v {
                 r.resize(v, 0.0);
             }
-            bf16::widen(&mut r[..v], &x[..v]);
+            wide::widen(&mut r[..v], &x[..v]);
             f(&r[..v])
         }),
     }
@@ -125,9 +125,9 @@ pub fn crossentropy_softmax_backward_inplace(
                 if r.len() < v {
                     r.resize(v, 0.0);
                 }
-                bf16::widen(&mut r[..v], live);
+                wide::widen(&mut r[..v], live);
                 row_backward(i, &mut r[..v]);
-                bf16::narrow(live, &r[..v]);
+                wide::narrow(live, &r[..v]);
             });
             pad.fill(0);
         }),

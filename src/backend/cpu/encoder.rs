@@ -2,9 +2,9 @@
 //! are rotary, inside attention).
 
 use super::backend::{f32_dest, CpuBackend, Rounding};
-use super::bf16::Operand;
 use super::sgemm::Elem;
 use super::team;
+use super::wide::Operand;
 use crate::backend::ops::Out::{Rw, W};
 use crate::backend::ops::{opt, Call, EncoderBackward, EncoderForward, EncoderOps, NONE};
 use crate::backend::Backend;
@@ -85,31 +85,31 @@ pub fn encoder_backward_bf16(
     t: usize,
     c: usize,
 ) {
-    use super::bf16;
+    use super::wide;
     let mut order: Vec<usize> = (0..b * t).collect();
     order.sort_by_key(|&bt| inp[bt]); // stable: each token's positions stay in order
     let mut row = vec![0f32; c];
     for group in order.chunk_by(|&x, &y| inp[x] == inp[y]) {
         let tok = inp[group[0]] as usize;
         let w = &mut dwte[tok * c..(tok + 1) * c];
-        bf16::widen(&mut row, w);
+        wide::widen(&mut row, w);
         for &bt in group {
             for (r, g) in row.iter_mut().zip(&dout[bt * c..(bt + 1) * c]) {
                 *r += g;
             }
         }
-        bf16::narrow(w, &row);
+        wide::narrow(w, &row);
     }
     let Some(dwpe) = dwpe else { return };
     team::chunks_mut(&mut dwpe[..t * c], c, |pos, dp| {
         let mut row = vec![0f32; c];
-        bf16::widen(&mut row, dp);
+        wide::widen(&mut row, dp);
         for bi in 0..b {
             for (w, g) in row.iter_mut().zip(&dout[(bi * t + pos) * c..(bi * t + pos + 1) * c]) {
                 *w += g;
             }
         }
-        bf16::narrow(dp, &row);
+        wide::narrow(dp, &row);
     });
 }
 

@@ -1,8 +1,8 @@
 //! GELU, tanh approximation (`nn.GELU(approximate='tanh')`, as GPT-2 and llm.c).
 
 use super::backend::{CpuBackend, Rounding};
-use super::bf16::{Dest, Operand};
 use super::team;
+use super::wide::{Dest, Operand};
 use crate::backend::ops::{Call, GeluBackward, GeluForward, GeluOps};
 use crate::backend::DType;
 

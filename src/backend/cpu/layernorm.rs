@@ -1,11 +1,11 @@
 //! LayerNorm over the channel dimension (eps 1e-5, as PyTorch and llm.c).
 
 use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
-use super::bf16;
-use super::bf16::{Dest, Operand};
 use super::math::{add_lanes, add_lanes_of, combine_lanes};
 use super::sgemm::Elem;
 use super::team::{self, Disjoint};
+use super::wide;
+use super::wide::{Dest, Operand};
 use crate::backend::ops::{Call, LayerNormBackward, LayerNormForward, LayerNormOps, Rows};
 use crate::backend::DType;
 
@@ -131,8 +131,8 @@ pub fn layernorm_forward_bf16(
     c: usize,
 ) {
     let (mut w, mut b) = (vec![0f32; c], vec![0f32; c]);
-    bf16::widen(&mut w, &weight[..c]);
-    bf16::widen(&mut b, &bias[..c]);
+    wide::widen(&mut w, &weight[..c]);
+    wide::widen(&mut b, &bias[..c]);
     let (mean, rstd) = (Disjoint::new(&mut mean[..n]), Disjoint::new(&mut rstd[..n]));
     team::chunks_mut(&mut out[..n * c], ROWS * c, |i, out| {
         let rows = i * ROWS..(i * ROWS + ROWS).min(n);
@@ -141,9 +141,9 @@ pub fn layernorm_forward_bf16(
         let (mut x, mut o) = (vec![0f32; c], vec![0f32; c]);
         for (k, ((out, m), r)) in out.chunks_exact_mut(c).zip(mean.iter_mut()).zip(rstd.iter_mut()).enumerate() {
             let row = rows.start + k;
-            bf16::widen(&mut x, &inp[row * c..(row + 1) * c]);
+            wide::widen(&mut x, &inp[row * c..(row + 1) * c]);
             forward_rows(&mut o, std::slice::from_mut(m), std::slice::from_mut(r), &x, &w, &b, c);
-            bf16::narrow(out, &o);
+            wide::narrow(out, &o);
         }
     });
 }
@@ -165,8 +165,8 @@ pub fn layernorm_backward_bf16(
     c: usize,
 ) {
     let mut w = vec![0f32; c];
-    bf16::widen(&mut w, &weight[..c]);
-    bf16::add_rows_widened(dinp, dout, inp, (n, c, ROWS), |row, di, d, x| {
+    wide::widen(&mut w, &weight[..c]);
+    wide::add_rows_widened(dinp, dout, inp, (n, c, ROWS), |row, di, d, x| {
         backward_rows(di, d, x, &w, &mean[row..row + 1], &rstd[row..row + 1], c)
     });
     dparam_cols(dweight, dbias, dout, inp, mean, rstd, n, c);

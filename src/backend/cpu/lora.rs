@@ -7,8 +7,8 @@
 //! gradients, h, dh) is f32, as PEFT keeps it under autocast.
 
 use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
-use super::bf16::{Dest, Operand};
-use super::matmul::{gemm_strided_any, with_window};
+use super::gemm::{gemm_strided_any, with_window};
+use super::wide::{Dest, Operand};
 use crate::backend::ops::LoraShape;
 use crate::backend::ops::{Call, LoraBackward, LoraForward, LoraOps};
 

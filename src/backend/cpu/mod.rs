@@ -9,6 +9,7 @@ pub mod bgemm;
 pub mod classifier;
 pub mod encoder;
 pub mod gelu;
+pub mod gemm;
 pub mod layernorm;
 pub mod lora;
 pub mod math;
@@ -21,6 +22,7 @@ pub mod sgemm;
 pub mod simd;
 pub mod swiglu;
 pub mod team;
+pub mod wide;
 
 #[cfg(test)]
 pub mod testutil;

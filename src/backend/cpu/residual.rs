@@ -3,8 +3,8 @@
 //! `residual_backward`.
 
 use super::backend::{CpuBackend, Rounding};
-use super::bf16::{Dest, Operand};
 use super::team;
+use super::wide::{Dest, Operand};
 use crate::backend::ops::{Call, Residual, ResidualOps};
 use crate::backend::DType;
 

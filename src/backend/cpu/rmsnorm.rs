@@ -2,11 +2,11 @@
 //! out = inp * rstd * weight with rstd = 1 / sqrt(mean(inp^2) + eps).
 
 use super::backend::{f32_dest, f32_operand, CpuBackend, Rounding};
-use super::bf16;
-use super::bf16::{Dest, Operand};
 use super::math::{add_lanes_of, combine_lanes};
 use super::sgemm::Elem;
 use super::team::{self, Disjoint};
+use super::wide;
+use super::wide::{Dest, Operand};
 use crate::backend::ops::{Call, HeadNormBackward, HeadNormForward, RmsNormBackward, RmsNormForward, RmsNormOps, Rows};
 use crate::backend::DType;
 
@@ -93,7 +93,7 @@ pub fn rmsnorm_forward_bf16(
     eps: f32,
 ) {
     let mut w = vec![0f32; c];
-    bf16::widen(&mut w, &weight[..c]);
+    wide::widen(&mut w, &weight[..c]);
     let rstd = Disjoint::new(&mut rstd[..n]);
     team::chunks_mut(&mut out[..n * c], ROWS * c, |i, out| {
         let rows = i * ROWS..(i * ROWS + ROWS).min(n);
@@ -102,9 +102,9 @@ pub fn rmsnorm_forward_bf16(
         let (mut x, mut o) = (vec![0f32; c], vec![0f32; c]);
         for (k, (out, r)) in out.chunks_exact_mut(c).zip(rstd.iter_mut()).enumerate() {
             let row = rows.start + k;
-            bf16::widen(&mut x, &inp[row * c..(row + 1) * c]);
+            wide::widen(&mut x, &inp[row * c..(row + 1) * c]);
             forward_rows(&mut o, std::slice::from_mut(r), &x, &w, c, eps);
-            bf16::narrow(out, &o);
+            wide::narrow(out, &o);
         }
     });
 }
@@ -123,8 +123,8 @@ pub fn rmsnorm_backward_bf16(
     c: usize,
 ) {
     let mut w = vec![0f32; c];
-    bf16::widen(&mut w, &weight[..c]);
-    bf16::add_rows_widened(dinp, dout, inp, (n, c, ROWS), |row, di, d, x| {
+    wide::widen(&mut w, &weight[..c]);
+    wide::add_rows_widened(dinp, dout, inp, (n, c, ROWS), |row, di, d, x| {
         backward_rows(di, d, x, &w, &rstd[row..row + 1], c)
     });
     dweight_cols(dweight, dout, inp, rstd, n, c);

@@ -4,9 +4,9 @@
 //! come from a table the model computes once ([`crate::models::decoder::rope_table`]).
 
 use super::backend::{f32_operand, CpuBackend, Rounding};
-use super::bf16::Dest;
 use super::sgemm::Elem;
 use super::team;
+use super::wide::Dest;
 use crate::backend::ops::{Call, Rope, RopeOps};
 use crate::backend::DType;
 

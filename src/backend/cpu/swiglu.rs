@@ -3,10 +3,10 @@
 //! stores them (`c_fc` then `c_fc2`).
 
 use super::backend::{CpuBackend, Rounding};
-use super::bf16::{Dest, Operand};
 use super::math::exp;
 use super::sgemm::Elem;
 use super::team;
+use super::wide::{Dest, Operand};
 use crate::backend::ops::{Call, Rows, SwigluBackward, SwigluForward, SwigluOps};
 use crate::backend::DType;
 

@@ -10,7 +10,7 @@
 
 use super::bf16::Role::Out;
 use super::bf16::Rounding::Nearest;
-use super::kernels::{Entry, Module, K};
+use super::kernel::{Entry, Module, K};
 use super::matmul::{Batches, Operand, ACCUMULATE, K_LOWER, K_UPPER, SKIP_UPPER};
 use super::{all_bf16, all_f32};
 use super::{u, GpuBackend, Groups};

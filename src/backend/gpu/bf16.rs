@@ -3,7 +3,7 @@
 //!
 //! A bf16 buffer holds two elements in each 32-bit word (WGSL has no 16-bit storage type).
 //! Most ops' kernels have bf16 variants that read and write such buffers as they are
-//! (kernels.rs: BF16). An op that has none for its case (what it sums across dispatches or
+//! (kernel.rs: Entry::variants). An op that has none for its case (what it sums across dispatches or
 //! pieces, mixed dtypes) runs its fp32 kernels on f32 workspace copies: inputs (and outputs it
 //! adds to) widened first, exactly; outputs rounded back after, once per element, to nearest
 //! even (or stochastically where the CPU rounds so). Either way that is the CPU's bf16
@@ -11,7 +11,7 @@
 //! inside every op, bf16 between ops. The copies live in a pool that keeps, by best fit, about
 //! the largest such op's bf16 buffers.
 
-use super::kernels::{Entry, Module, K};
+use super::kernel::{Entry, Module, K};
 use super::{f, u, GpuBackend, Threads};
 use crate::backend::ops::{Call, Out as CallOut};
 use crate::backend::ops::{Convert, ConvertOps};

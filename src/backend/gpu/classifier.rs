@@ -2,7 +2,7 @@
 //! the forward, the logits' gradient in place in the backward.
 
 use super::bf16::Rounding::Nearest;
-use super::kernels::{Entry, In16, Module, Out16, F, K, U32};
+use super::kernel::{Entry, In16, Module, Out16, F, K, U32};
 use super::{all_bf16, all_f32};
 use super::{u, GpuBackend, Groups, Threads};
 use crate::backend::ops::{AccumulateMean, ClassifierOps, CrossentropyBackward, CrossentropyForward};

@@ -2,7 +2,7 @@
 
 use super::all_bf16;
 use super::bf16::Rounding::Nearest;
-use super::kernels::{Entry, In16, Module, Out16, F, K, U32};
+use super::kernel::{Entry, In16, Module, Out16, F, K, U32};
 use super::{cut, u, GpuBackend, Threads};
 use crate::backend::ops::opt;
 use crate::backend::ops::{EncoderBackward, EncoderForward, EncoderOps};

@@ -2,7 +2,7 @@
 
 use super::all_bf16;
 use super::bf16::Rounding::Nearest;
-use super::kernels::{Entry, In16, Module, Out16, F, K};
+use super::kernel::{Entry, In16, Module, Out16, F, K};
 use super::{u, GpuBackend, Threads};
 use crate::backend::ops::{GeluBackward, GeluForward, GeluOps};
 use crate::backend::{Buf, DType};

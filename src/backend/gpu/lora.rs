@@ -6,7 +6,7 @@
 
 use super::bf16::Role::{In, Out};
 use super::bf16::Rounding::Nearest;
-use super::kernels::{Entry, Module, K};
+use super::kernel::{Entry, Module, K};
 use super::matmul::{block, Batches, Operand, ACCUMULATE};
 use super::{all_bf16, all_f32};
 use super::{f, u, GpuBackend, Threads};

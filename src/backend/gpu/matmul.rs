@@ -5,7 +5,7 @@
 use super::all_bf16;
 use super::bf16::Role::{InOut, Out};
 use super::bf16::Rounding::Nearest;
-use super::kernels::{Entry, In16, Module, Out16, F, K};
+use super::kernel::{Entry, In16, Module, Out16, F, K};
 use super::{u, GpuBackend, Threads, Xyz};
 use crate::backend::ops::{opt, Call, NONE};
 use crate::backend::ops::{Mat, MatmulBackward, MatmulForward, MatmulOps};

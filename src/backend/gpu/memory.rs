@@ -10,7 +10,7 @@
 //! limit, with the element offset passed to the kernel. Ops split their work so that each
 //! dispatch's operands fit their windows ([`Memory::fit`]).
 
-use super::kernels::{Entry, In16, Module, Out16, F, K};
+use super::kernel::{Entry, In16, Module, Out16, F, K};
 use crate::backend::{Buf, DType};
 use anyhow::{bail, Result};
 use std::ops::Range;

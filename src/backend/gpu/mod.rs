@@ -1,14 +1,14 @@
 //! The GPU backend: llm.c's layers as WGSL compute kernels run through wgpu, so one binary
 //! trains on Metal (macOS), Vulkan (Linux, Windows: NVIDIA, AMD, Intel) and DX12 (Windows).
 //! The kernels compute in fp32; bf16 buffers (`--precision bf16`) are stored two values to a
-//! 32-bit word, which the kernels' bf16 variants read and write themselves ([`kernels`]: a
+//! 32-bit word, which the kernels' bf16 variants read and write themselves ([`kernel`]: a
 //! prelude types each buffer of a module), and the rest reach as f32 copies ([`bf16`]).
 //! Checked against the CPU backend op by op and step by step, in both precisions
 //! (tests/gpu_ops.rs, tests/gpu.rs).
 //!
 //! One file per layer kind, named as the CPU's (`gpu/layernorm.rs` computes the dispatches of
 //! `gpu/kernels/layernorm.wgsl`); the device, memory and command recording are in
-//! [`context`], [`memory`] and [`record`]. Every op only records work; the host waits only in
+//! [`context`], [`memory`] and [`record`], the pipelines in [`pipelines`]. Every op only records work; the host waits only in
 //! [`Backend::download`] and [`Backend::synchronize`], which is also where a device fault (out
 //! of memory, a lost device) becomes an error.
 
@@ -19,23 +19,26 @@ mod classifier;
 mod context;
 mod encoder;
 mod gelu;
-pub mod kernels;
+pub mod kernel;
 mod layernorm;
 mod lora;
 mod matmul;
 mod memory;
+pub mod pipelines;
 mod record;
 mod residual;
 mod rmsnorm;
 mod rope;
 mod swiglu;
+pub mod wgsl;
 
 use crate::backend::{Backend, Buf, DType};
 use crate::core::profile::Kind;
 use anyhow::Result;
 use context::Context;
-use kernels::{Kernels, K};
+use kernel::K;
 use memory::{Memory, Sizes, Win};
+use pipelines::Kernels;
 use record::Recorder;
 use std::collections::HashMap;
 
@@ -196,7 +199,7 @@ impl GpuBackend {
     /// buffers each binds): how the tests see that a shader that does not build on a driver is
     /// a clear error.
     pub fn build_wgsl(&self, name: &str, src: &str, entries: &[(&str, usize)]) -> Result<()> {
-        let src = format!("{}\n{src}", kernels::COMMON);
+        let src = format!("{}\n{src}", kernel::COMMON);
         self.kernels.build_extra(&self.ctx, name, &src, entries)
     }
 
@@ -439,7 +442,7 @@ impl Backend for GpuBackend {
         self.rec.profile_totals(&self.ctx)
     }
 
-    // An op whose kernels have bf16 variants (kernels.rs: BF16) runs them on its bf16 tensors
+    // An op whose kernels have bf16 variants (kernel.rs: Entry::variants) runs them on its bf16 tensors
     // as they are, where its statistics are f32 and each bf16 output element is one sum of one
     // dispatch, rounded once where it is stored. What is summed across dispatches or pieces
     // (the norms' and biases' parameter gradients, the embedding's gradient, a GEMM over more

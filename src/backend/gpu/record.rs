@@ -5,8 +5,9 @@
 
 use super::context::Context;
 use super::context::{IMMEDIATE_BYTES, MAX_BINDINGS};
-use super::kernels::{Kernels, K};
+use super::kernel::K;
 use super::memory::Win;
+use super::pipelines::Kernels;
 use crate::core::profile::{Kind, KINDS};
 use anyhow::Result;
 use std::collections::HashMap;

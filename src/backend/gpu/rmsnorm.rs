@@ -2,7 +2,7 @@
 
 use super::bf16::Role::InOut;
 use super::bf16::Rounding::Nearest;
-use super::kernels::{Entry, In16, Module, Out16, F, K};
+use super::kernel::{Entry, In16, Module, Out16, F, K};
 use super::{all_bf16, all_f32};
 use super::{f, u, GpuBackend, Groups, Threads};
 use crate::backend::ops::Call;

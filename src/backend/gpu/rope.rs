@@ -1,7 +1,7 @@
 //! The rotary position embedding on the GPU (kernels/rope.wgsl).
 
 use super::bf16::Rounding::Nearest;
-use super::kernels::{Entry, Module, Out16, F, K};
+use super::kernel::{Entry, Module, Out16, F, K};
 use super::{all_bf16, all_f32};
 use super::{f, u, GpuBackend, Threads};
 use crate::backend::ops::{Rope, RopeOps};

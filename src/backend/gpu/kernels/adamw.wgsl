@@ -25,7 +25,7 @@ struct Params {
 }
 var<immediate> p: Params;
 
-// Buffers (declared before this file: src/backend/gpu/kernels.rs): adamw: params, m, v, grads, stats;
+// Buffers (declared before this file: src/backend/gpu/kernel.rs): adamw: params, m, v, grads, stats;
 // sum_squares: partials, x; reduce_partials: out, partials.
 
 

@@ -1,5 +1,5 @@
 // Shared by every kernel module: prepended to each file when its pipelines are built
-// (src/backend/gpu/kernels.rs), so these names are defined once.
+// (src/backend/gpu/kernel.rs), so these names are defined once.
 //
 // Conventions of every kernel: each storage buffer is a window of one device buffer
 // (src/backend/gpu/memory.rs), declared read_write so that any two windows of the same buffer may be

@@ -17,7 +17,7 @@ struct Params {
 }
 var<immediate> p: Params;
 
-// Buffers (declared before this file: src/backend/gpu/kernels.rs): x: out, dwte or dwpe; ids (u32):
+// Buffers (declared before this file: src/backend/gpu/kernel.rs): x: out, dwte or dwpe; ids (u32):
 // inp or buckets; y: wte or dout; z: wpe.
 
 

@@ -34,7 +34,7 @@ struct Params {
 var<immediate> p: Params;
 
 // matmul: C, A, B, bias. bias_backward: dbias partials, dout. Declared before this file, each
-// f32 or bf16 (src/backend/gpu/kernels.rs: TYPED, BF16), and reached through c_ld, c_st, a_ld, b_ld
+// f32 or bf16 (src/backend/gpu/kernel.rs: Module::buffers, Entry::variants), and reached through c_ld, c_st, a_ld, b_ld
 // and bias_ld, which read an element as f32 (exactly: a GEMM of bf16 operands is the f32 GEMM
 // of the widened operands, bit for bit) and store one (a bf16 C rounded once, to nearest even).
 

@@ -1,6 +1,6 @@
 // The GEMM of kernels/matmul.wgsl (same operands, Params, flags and results) for software
 // Vulkan drivers that run compute shaders on a CPU (lavapipe), chosen at start-up for those
-// only (src/backend/gpu/context.rs), appended to matmul.wgsl's module (src/backend/gpu/kernels.rs).
+// only (src/backend/gpu/context.rs), appended to matmul.wgsl's module (src/backend/gpu/kernel.rs).
 //
 // Why: llvmpipe runs the 8 (AVX2) or 16 invocations of a subgroup as the lanes of one vector
 // and turns every load whose address differs per lane into a loop of scalar loads, so the
@@ -20,7 +20,7 @@
 // the last step of k with zeros, which turns a sum that underflowed to -0 into +0; here it
 // stays -0.)
 
-// C's tile per workgroup (src/backend/gpu/kernels.rs: Kernels::gemm_tile).
+// C's tile per workgroup (src/backend/gpu/pipelines.rs: Kernels::gemm_tile).
 const SG_ROWS: u32 = 32u;
 const SG_COLS: u32 = 32u;
 
