@@ -4,7 +4,7 @@
 //! that a [`Backend`] owns. One backend is chosen at start-up ([`Device`], `--device`) and
 //! reached through a `Box<dyn Backend>`; a training step makes a few hundred calls, so the
 //! dynamic dispatch costs nothing measurable. Adding a device means adding its files (e.g.
-//! `src/cuda/backend.rs` and one kernel file per layer kind) and an arm in [`factory::open`]; the model,
+//! `src/backend/cuda/mod.rs` and one kernel file per layer) and an arm in [`factory::open`]; the model,
 //! the training loop and everything above them do not change.
 //!
 //! Every op's contract is written once in [`ops`]: its call (buffers and shapes, with the

@@ -188,11 +188,25 @@ pub fn plot(runs: &[RunLog], out: &Path) -> Result<(PathBuf, PathBuf)> {
         std::fs::create_dir_all(d)?;
     }
     let size = (1500, 900);
-    draw(BitMapBackend::new(&png, size).into_drawing_area(), runs)
+    let mut rgb = vec![0u8; 3 * size.0 as usize * size.1 as usize]; // (H, W, 3)
+    draw(BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area(), runs)
         .with_context(|| format!("cannot draw {}", png.display()))?;
+    write_png(&png, &rgb, size)?;
     draw(SVGBackend::new(&svg, size).into_drawing_area(), runs)
         .with_context(|| format!("cannot draw {}", svg.display()))?;
     Ok((png, svg))
+}
+
+/// An RGB image (H, W, 3) as a PNG file, written whole or not at all.
+fn write_png(path: &Path, rgb: &[u8], (w, h): (u32, u32)) -> Result<()> {
+    crate::core::files::write_atomic_with(path, |f| {
+        let mut enc = png::Encoder::new(f, w, h);
+        enc.set_color(png::ColorType::Rgb);
+        enc.set_depth(png::BitDepth::Eight);
+        let mut png = enc.write_header().map_err(std::io::Error::other)?;
+        png.write_image_data(rgb).map_err(std::io::Error::other)
+    })
+    .with_context(|| format!("cannot write {}", path.display()))
 }
 
 #[cfg(test)]

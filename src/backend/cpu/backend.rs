@@ -93,29 +93,28 @@ impl CpuBackend {
 
     /// Pointer to the first element of an f32 buffer (bounds checked).
     pub(super) fn ptr_f32(&mut self, b: Buf) -> *mut f32 {
-        if b.len == 0 {
-            return std::ptr::NonNull::dangling().as_ptr();
-        }
-        match self.storage(b) {
-            Storage::F32(v) if b.dtype == DType::F32 && b.off + b.len <= v.len() => {
-                // SAFETY: off + len <= v.len(), so the offset stays inside the vector.
-                unsafe { v.as_mut_ptr().add(b.off) }
-            }
-            _ => panic!("buffer {b:?} is not an f32 range of its allocation"),
-        }
+        let is_f32 = b.dtype == DType::F32;
+        self.first(b, "an f32", |s| if let (Storage::F32(v), true) = (s, is_f32) { Some(v) } else { None })
     }
 
     /// Pointer to the first element of a bf16 buffer (bounds checked).
     pub(super) fn ptr_bf16(&mut self, b: Buf) -> *mut u16 {
+        let is_bf16 = b.dtype == DType::BF16;
+        self.first(b, "a bf16", |s| if let (Storage::BF16(v), true) = (s, is_bf16) { Some(v) } else { None })
+    }
+
+    /// Pointer to element `b.off` of the vector `of` finds in b's allocation, the first of
+    /// `b.len` (dangling for an empty `b`, which may be [`crate::backend::ops::NONE`]).
+    fn first<T>(&mut self, b: Buf, what: &str, of: impl FnOnce(&mut Storage) -> Option<&mut Vec<T>>) -> *mut T {
         if b.len == 0 {
             return std::ptr::NonNull::dangling().as_ptr();
         }
-        match self.storage(b) {
-            Storage::BF16(v) if b.dtype == DType::BF16 && b.off + b.len <= v.len() => {
+        match of(self.storage(b)) {
+            Some(v) if b.off + b.len <= v.len() => {
                 // SAFETY: off + len <= v.len(), so the offset stays inside the vector.
                 unsafe { v.as_mut_ptr().add(b.off) }
             }
-            _ => panic!("buffer {b:?} is not a bf16 range of its allocation"),
+            _ => panic!("buffer {b:?} is not {what} range of its allocation"),
         }
     }
 
@@ -305,6 +304,8 @@ impl CpuBackend {
         self.gemm_reads_bf16() && !self.nan_check
     }
 }
+
+impl crate::backend::ops::Kernels for CpuBackend {}
 
 impl Backend for CpuBackend {
     fn describe(&self) -> String {

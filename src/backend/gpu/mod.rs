@@ -337,6 +337,8 @@ fn f(x: f32) -> u32 {
     x.to_bits()
 }
 
+impl crate::backend::ops::Kernels for GpuBackend {}
+
 impl Backend for GpuBackend {
     fn describe(&self) -> String {
         let i = &self.ctx.info;

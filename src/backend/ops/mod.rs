@@ -163,7 +163,8 @@ fn back(orig: Option<Buf>, b: Buf) -> Option<Buf> {
 
 // ---- what a device implements, layer by layer ---------------------------------------------------
 
-/// Every layer's ops: what a device implements besides memory and transfers ([`Backend`]).
+/// Every layer's ops: what a device implements besides memory and transfers ([`Backend`]); a
+/// device states that it has them all with an empty `impl Kernels for ... {}`.
 pub trait Kernels:
     EncoderOps
     + LayerNormOps
@@ -178,23 +179,6 @@ pub trait Kernels:
     + ClassifierOps
     + AdamwOps
     + ConvertOps
-{
-}
-
-impl<T> Kernels for T where
-    T: EncoderOps
-        + LayerNormOps
-        + RmsNormOps
-        + RopeOps
-        + SwigluOps
-        + ResidualOps
-        + MatmulOps
-        + LoraOps
-        + GeluOps
-        + AttentionOps
-        + ClassifierOps
-        + AdamwOps
-        + ConvertOps
 {
 }
 
